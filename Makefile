@@ -1,0 +1,23 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` the test suite.
+# Both create ./.venv on first use. TORCH overrides the torch requirement (the CPU
+# machines of this project keep torch 2.13.0's CPU build on disk).
+VENV  ?= .venv
+TORCH ?= torch==2.13.0
+PY    := $(VENV)/bin/python
+
+.PHONY: demo test lint
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/asyncgrpo demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests bench

@@ -1,0 +1,98 @@
+"""Records exchanged between the embedded server's HTTP layer and its engine.
+
+The HTTP layer (``app.py``) validates a request body, expands ``n`` into ``n``
+single-sequence :class:`Request` objects and hands them to the engine; the
+engine calls back with one :class:`RequestOutput` per request. Nothing here
+imports torch, so the HTTP layer stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+@dataclass
+class SamplingParams:
+    """vLLM SamplingParams subset, with vLLM's meaning.
+
+    ``top_k`` 0 or -1 means off; ``top_p`` 1.0 means off; ``min_p`` 0.0 means off.
+    ``max_tokens`` is always resolved by the HTTP layer (never None here).
+    ``logprobs`` is the number of top log-probs returned per position (None: only
+    the sampled token's). ``seed`` None means the engine's global RNG.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    return_sampling_mask: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """One sequence to generate. Invariant: ``len(prompt_token_ids) < max_model_len``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_name: str | None = None
+
+
+@dataclass
+class WeightVersionSpan:
+    """Output tokens ``[start, end)`` were generated with weights ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
+class RequestOutput:
+    """The finished sequence. All per-token lists share the length of ``token_ids``.
+
+    ``logprobs[i]`` is the processed log-prob of ``token_ids[i]`` (the distribution
+    actually sampled from). ``top_logprobs[i]`` lists ``(token_id, logprob)`` of the
+    ``params.logprobs`` most likely tokens of that same distribution, best first
+    (None when not requested). ``sampling_mask[i]`` is the sorted list of token ids
+    that survived top-k/top-p/min-p at step i (None unless requested).
+    EOS/stop tokens are included in ``token_ids``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    stop_reason: int | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    sampling_mask: list[list[int]] | None = None
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Live engine state behind ``/metrics``."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1, fraction of KV blocks in use
+    num_preemptions_total: int
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0

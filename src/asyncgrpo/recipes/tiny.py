@@ -1,0 +1,89 @@
+"""Tiny random-init models with the real SmolLM2 tokenizer, for tests and CPU smoke runs.
+
+They run the real architecture code of transformers (Llama, Qwen2, Qwen3) in
+milliseconds on two CPU cores; only the weights are random.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from asyncgrpo.recipes.assets import cache_dir, smollm2_tokenizer_dir
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def tiny_config(arch: str = "llama", **overrides: Any):
+    """A small config of the given family sized for the SmolLM2 vocabulary (49,152 tokens)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    from asyncgrpo.recipes.assets import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    base: dict[str, Any] = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        cls = LlamaConfig
+    elif arch == "qwen2":
+        cls = Qwen2Config
+    elif arch == "qwen3":
+        cls = Qwen3Config
+        base["head_dim"] = 16
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHS}")
+    base.update(overrides)
+    return cls(**base)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any):
+    """A random-init fp32 model of the tiny config (deterministic for a given seed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_model_dir(arch: str = "llama", tmp_dir: str | Path | None = None, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny model + the SmolLM2 tokenizer to a directory and return it.
+
+    Without ``tmp_dir`` the directory is cached by (arch, seed, overrides) so test
+    modules share it.
+    """
+    key = hashlib.sha1(json.dumps([arch, seed, overrides], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    out = Path(tmp_dir) if tmp_dir is not None else cache_dir() / "tiny" / f"{arch}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock", timeout=600):
+        if (out / "config.json").is_file():
+            return out
+        staging = Path(tempfile.mkdtemp(dir=out.parent))
+        tiny_model(arch, seed=seed, **overrides).save_pretrained(staging)
+        tok_dir = smollm2_tokenizer_dir()
+        for f in tok_dir.iterdir():
+            shutil.copy(f, staging / f.name)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    return out
