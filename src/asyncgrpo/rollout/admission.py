@@ -1,0 +1,131 @@
+"""When the rollout worker may start another group (G3) and how many rollouts may run (G5, G6).
+
+Two independent limits gate generation:
+
+* **Staleness, in tokens** (G3). The number of samples a step uses varies with
+  completion length, so the worker bounds *tokens*: after each optimizer step the
+  trainer reports the tokens that step used, and the worker keeps at most
+  ``max(max_staleness, 1) ×`` that many tokens queued or in flight. Before the
+  first step every row of a step is assumed full (``token_budget × rows``). Until
+  the first group completes nobody knows how long a rollout is, so groups start
+  one at a time.
+* **Server load** (G5). A live cap on concurrent rollouts follows the server's
+  KV-cache usage, polled from its Prometheus ``/metrics``; without ``/metrics``
+  the cap is ``max_concurrent_rollouts`` (G6), which also bounds it from above.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# G5 constants, from the reference document.
+METRICS_POLL_INTERVAL_S = 5.0  # how often the worker reads the server's /metrics
+KV_USAGE_LOW = 0.60  # below this (and nothing queued on the server) the cap may grow
+KV_USAGE_HIGH = 0.80  # above this the cap shrinks
+CAP_GROWTH = 0.25  # at most +25 % per raise, one raise per `cap` completed rollouts
+CAP_SHRINK = 0.30  # -30 % when the KV cache is over KV_USAGE_HIGH
+
+
+@dataclass
+class StalenessAdmission:
+    """Token accounting behind G3; owned by the worker, fed by the trainer's reports.
+
+    Args:
+        max_staleness: the config's ``max_staleness`` (0 allows one step of look-ahead tokens).
+        initial_tokens_per_step: the first step's assumption, ``token_budget × rows per step``.
+    """
+
+    max_staleness: int
+    initial_tokens_per_step: int
+    tokens_per_step: int | None = None  # last value reported by the trainer
+    queued_tokens: int = 0  # scored samples waiting in the queue (not yet pulled by the trainer)
+    inflight_groups: int = 0
+    completed_groups: int = 0
+    completed_group_tokens: int = 0  # sum over completed groups, for the per-group estimate
+
+    def __post_init__(self) -> None:
+        if self.initial_tokens_per_step <= 0:
+            raise ValueError(f"initial_tokens_per_step must be > 0, got {self.initial_tokens_per_step}")
+
+    @property
+    def limit(self) -> int:
+        """Tokens allowed queued or in flight."""
+        per_step = self.tokens_per_step if self.tokens_per_step is not None else self.initial_tokens_per_step
+        return max(self.max_staleness, 1) * per_step
+
+    @property
+    def tokens_per_group_estimate(self) -> float | None:
+        if self.completed_groups == 0:
+            return None
+        return self.completed_group_tokens / self.completed_groups
+
+    @property
+    def outstanding_tokens(self) -> float:
+        """Queued tokens plus the estimated size of groups still generating."""
+        est = self.tokens_per_group_estimate or 0.0
+        return self.queued_tokens + self.inflight_groups * est
+
+    def can_start_group(self) -> bool:
+        if self.completed_groups == 0:
+            return self.inflight_groups == 0  # unknown rollout length: one group at a time
+        return self.outstanding_tokens < self.limit
+
+    def on_group_started(self) -> None:
+        self.inflight_groups += 1
+
+    def on_group_finished(self, tokens: int, kept_tokens: int) -> None:
+        """A group completed: ``tokens`` it generated in all, ``kept_tokens`` that went to the queue."""
+        assert self.inflight_groups > 0, "on_group_finished without a started group"
+        self.inflight_groups -= 1
+        self.completed_groups += 1
+        self.completed_group_tokens += tokens
+        self.queued_tokens += kept_tokens
+
+    def on_tokens_consumed(self, tokens: int) -> None:
+        """The trainer pulled (trained or dropped) samples holding ``tokens`` tokens."""
+        self.queued_tokens = max(0, self.queued_tokens - tokens)
+
+    def on_step(self, tokens_used: int) -> None:
+        """The trainer finished an optimizer step that used ``tokens_used`` tokens."""
+        if tokens_used > 0:
+            self.tokens_per_step = tokens_used
+
+
+class ConcurrencyCap:
+    """G5: a live cap on concurrent rollouts that follows the server's KV-cache usage.
+
+    Args:
+        max_concurrent_rollouts: the hard bound (G6).
+        kv_cache_tokens: the server's KV capacity in tokens, or None when unknown.
+        max_model_len: the server's maximum sequence length.
+        has_metrics: whether the server answers ``/metrics``; without it the cap is the hard bound.
+    """
+
+    def __init__(
+        self, max_concurrent_rollouts: int, kv_cache_tokens: int | None, max_model_len: int, has_metrics: bool
+    ) -> None:
+        if max_concurrent_rollouts < 1:
+            raise ValueError(f"max_concurrent_rollouts must be >= 1, got {max_concurrent_rollouts}")
+        self.max_concurrent = max_concurrent_rollouts
+        self.adaptive = has_metrics and kv_cache_tokens is not None
+        if self.adaptive:
+            self.cap = max(1, min(max_concurrent_rollouts, kv_cache_tokens // max(max_model_len, 1)))
+        else:
+            self.cap = max_concurrent_rollouts
+        self._completed_since_raise = 0
+
+    def on_rollout_completed(self) -> None:
+        self._completed_since_raise += 1
+
+    def on_metrics(self, kv_cache_usage: float, num_waiting: int) -> int:
+        """Apply one ``/metrics`` reading (usage 0..1, the server's waiting requests); returns the new cap."""
+        if not self.adaptive:
+            return self.cap
+        if kv_cache_usage > KV_USAGE_HIGH:
+            self.cap = max(1, math.floor(self.cap * (1.0 - CAP_SHRINK)))
+            self._completed_since_raise = 0
+        elif kv_cache_usage < KV_USAGE_LOW and num_waiting == 0 and self._completed_since_raise >= self.cap:
+            self.cap = min(self.max_concurrent, max(self.cap + 1, math.floor(self.cap * (1.0 + CAP_GROWTH))))
+            self._completed_since_raise = 0
+        return self.cap
