@@ -1,0 +1,198 @@
+"""The rollout worker process: spawn, shared state, heartbeat and failure propagation (G1, G11, X4).
+
+Trainer rank 0 owns a :class:`RolloutWorker`. It spawns a CPU-only child
+(``CUDA_VISIBLE_DEVICES=""``) that runs an asyncio loop around the user's
+rollout loop object. Everything crosses by pickling, so the loop object and
+all it holds must pickle; the child re-imports the user's script, which is why
+scripts need the ``if __name__ == "__main__":`` guard.
+
+Shared state (all created here, never by the child):
+
+* ``samples``: scored training samples, child → trainer.
+* ``metrics``: ``(name, value)`` events, child → trainer.
+* ``policy_version``, ``tokens_per_step``, ``tokens_consumed``: trainer → child.
+* ``heartbeat``: the child's last sign of life (``time.time()``), checked by the trainer.
+* ``errors``: the child's traceback when its loop raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0  # how often the child stamps the heartbeat
+POLL_INTERVAL_S = 0.2  # how often a blocking trainer wait re-checks the child's health
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker failed; the message carries the child's traceback."""
+
+
+class RolloutLoopLike(Protocol):
+    """What the worker needs from a rollout loop: one coroutine that runs until stopped."""
+
+    async def run(self, channels: WorkerChannels) -> None: ...
+
+
+@dataclass
+class WorkerChannels:
+    """The shared objects a child receives (picklable across a spawn)."""
+
+    samples: Any  # mp.Queue
+    metrics: Any  # mp.Queue
+    errors: Any  # mp.Queue
+    stop: Any  # mp.Event
+    policy_version: Any  # mp.Value("q")
+    tokens_per_step: Any  # mp.Value("q"), 0 before the first step
+    tokens_consumed: Any  # mp.Value("q"), total tokens the trainer pulled from `samples`
+    heartbeat: Any  # mp.Value("d")
+
+    def put_metric(self, name: str, value: float) -> None:
+        self.metrics.put((name, float(value)))
+
+
+async def _beat(channels: WorkerChannels) -> None:
+    while True:
+        channels.heartbeat.value = time.time()
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+async def _run_child(loop_obj: RolloutLoopLike, channels: WorkerChannels) -> None:
+    beat = asyncio.create_task(_beat(channels))
+    try:
+        await loop_obj.run(channels)
+    finally:
+        beat.cancel()
+
+
+def _child_main(loop_obj: RolloutLoopLike, channels: WorkerChannels) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rollout-worker: %(message)s")
+    channels.heartbeat.value = time.time()
+    try:
+        asyncio.run(_run_child(loop_obj, channels))
+    except BaseException:  # noqa: BLE001 - process boundary: everything goes back to the trainer
+        channels.errors.put(traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+class RolloutWorker:
+    """Trainer-side handle of the rollout worker process.
+
+    Args:
+        loop_obj: the rollout loop (must pickle; see ``check_picklable`` in ``rollout.rewards``).
+        heartbeat_timeout: seconds without a heartbeat after which the worker counts as dead
+            (the config's ``rollout_worker_timeout``).
+        queue_size: bound of the sample queue (0 = unbounded; admission already bounds it in tokens).
+    """
+
+    def __init__(self, loop_obj: RolloutLoopLike, heartbeat_timeout: float = 300.0, queue_size: int = 0) -> None:
+        self._ctx = mp.get_context("spawn")
+        ctx = self._ctx
+        self.channels = WorkerChannels(
+            samples=ctx.Queue(queue_size),
+            metrics=ctx.Queue(),
+            errors=ctx.Queue(),
+            stop=ctx.Event(),
+            policy_version=ctx.Value("q", 0),
+            tokens_per_step=ctx.Value("q", 0),
+            tokens_consumed=ctx.Value("q", 0),
+            heartbeat=ctx.Value("d", 0.0),
+        )
+        self.loop_obj = loop_obj
+        self.heartbeat_timeout = heartbeat_timeout
+        self.process: mp.process.BaseProcess | None = None
+
+    def start(self) -> None:
+        self.process = self._ctx.Process(
+            target=_child_main, args=(self.loop_obj, self.channels), name="asyncgrpo-rollout-worker", daemon=True
+        )
+        # The child must never touch a GPU: hide them while it is spawned (it inherits this environment).
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            self.process.start()
+        except RuntimeError as e:
+            if "bootstrapping phase" in str(e) or "freeze_support" in str(e):
+                raise RuntimeError(
+                    "the rollout worker is a spawned process that re-imports your script; put the code that "
+                    "starts training under `if __name__ == \"__main__\":`"
+                ) from e
+            raise
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+    # ---- trainer -> worker
+    def set_policy_version(self, version: int) -> None:
+        self.channels.policy_version.value = version
+
+    def report_step(self, tokens_used: int) -> None:
+        self.channels.tokens_per_step.value = int(tokens_used)
+
+    def report_consumed(self, tokens: int) -> None:
+        with self.channels.tokens_consumed.get_lock():
+            self.channels.tokens_consumed.value += int(tokens)
+
+    # ---- health
+    def check(self) -> None:
+        """Raise :class:`RolloutWorkerError` if the child failed, exited or stopped beating."""
+        try:
+            tb = self.channels.errors.get_nowait()
+        except queue.Empty:
+            tb = None
+        if tb is not None:
+            raise RolloutWorkerError(f"the rollout worker failed:\n{tb}")
+        if self.process is None:
+            raise RolloutWorkerError("the rollout worker was never started")
+        if not self.process.is_alive():
+            raise RolloutWorkerError(f"the rollout worker exited unexpectedly (exit code {self.process.exitcode})")
+        age = time.time() - self.channels.heartbeat.value
+        if age > self.heartbeat_timeout:
+            raise RolloutWorkerError(
+                f"the rollout worker's heartbeat is {age:.0f}s old (rollout_worker_timeout={self.heartbeat_timeout:.0f}s); "
+                "its event loop is blocked or the process hangs"
+            )
+
+    def get_sample(self, timeout: float) -> Any:
+        """Next scored sample; waits at most ``timeout`` seconds, checking the child's health meanwhile.
+
+        Raises:
+            RolloutWorkerError: the child failed or died while we waited.
+            TimeoutError: no sample arrived from the rollout worker's queue within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.channels.samples.get(timeout=min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0.001)))
+            except queue.Empty:
+                pass
+            self.check()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {timeout:.0f}s for a sample from the rollout worker's queue")
+
+    def drain_metrics(self) -> list[tuple[str, float]]:
+        out = []
+        while True:
+            try:
+                out.append(self.channels.metrics.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.channels.stop.set()
+        if self.process is not None and self.process.is_alive():
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout)

@@ -1,0 +1,103 @@
+"""The worker process plumbing: spawn, samples, heartbeat, failures — with real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from asyncgrpo.rollout.worker import RolloutWorker, RolloutWorkerError
+
+
+class CountingLoop:
+    """Emits n samples carrying the policy version it sees and the child's CUDA_VISIBLE_DEVICES."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    async def run(self, channels) -> None:
+        for i in range(self.n):
+            channels.samples.put({"i": i, "version": channels.policy_version.value,
+                                  "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")})
+            channels.put_metric("rollout/test_count", 1)
+            await asyncio.sleep(0.01)
+        while not channels.stop.is_set():
+            await asyncio.sleep(0.05)
+
+
+class FailingLoop:
+    async def run(self, channels) -> None:
+        await asyncio.sleep(0.05)
+        raise ValueError("reward function 'my_reward' returned 3 values for 4 completions")
+
+
+class BlockingLoop:
+    """Blocks its event loop (a sync reward that never returns), so the heartbeat stops."""
+
+    async def run(self, channels) -> None:
+        await asyncio.sleep(0.2)
+        time.sleep(60)
+
+
+def test_samples_flow_and_child_is_cpu_only():
+    w = RolloutWorker(CountingLoop(3), heartbeat_timeout=30)
+    w.set_policy_version(7)
+    w.start()
+    try:
+        got = [w.get_sample(timeout=60) for _ in range(3)]
+        assert [g["i"] for g in got] == [0, 1, 2]
+        assert all(g["version"] == 7 for g in got)
+        assert all(g["cuda"] == "" for g in got)
+        time.sleep(0.2)
+        assert ("rollout/test_count", 1.0) in w.drain_metrics()
+        w.check()
+    finally:
+        w.stop()
+    assert not w.process.is_alive()
+
+
+def test_child_exception_reaches_the_trainer_with_its_traceback():
+    w = RolloutWorker(FailingLoop(), heartbeat_timeout=30)
+    w.start()
+    try:
+        with pytest.raises(RolloutWorkerError, match="my_reward") as info:
+            w.get_sample(timeout=60)
+        assert "Traceback" in str(info.value)
+    finally:
+        w.stop()
+
+
+def test_killed_worker_stops_the_trainer_wait():
+    w = RolloutWorker(CountingLoop(0), heartbeat_timeout=30)
+    w.start()
+    try:
+        time.sleep(1.0)
+        w.process.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RolloutWorkerError, match="exited unexpectedly"):
+            w.get_sample(timeout=60)
+        assert time.monotonic() - t0 < 5
+    finally:
+        w.stop()
+
+
+def test_stale_heartbeat_is_an_error():
+    w = RolloutWorker(BlockingLoop(), heartbeat_timeout=2.0)
+    w.start()
+    try:
+        with pytest.raises(RolloutWorkerError, match="heartbeat"):
+            w.get_sample(timeout=30)
+    finally:
+        w.stop(timeout=2)
+
+
+def test_timeout_names_what_it_waited_for():
+    w = RolloutWorker(CountingLoop(0), heartbeat_timeout=30)
+    w.start()
+    try:
+        with pytest.raises(TimeoutError, match="rollout worker's queue"):
+            w.get_sample(timeout=1.0)
+    finally:
+        w.stop()
