@@ -1,0 +1,404 @@
+"""`AsyncGRPOConfig`: every knob of asynchronous GRPO, as a `transformers.TrainingArguments` dataclass.
+
+Users expect a `TrainingArguments`-style config (CLI parsing with `HfArgumentParser`, `report_to`, checkpoints).
+Cross-field rules are checked once in `__post_init__`, and every problem is reported in one `ValueError` that
+says what to change. Works with transformers 5.17 and 5.24 (field sets differ; optional ones are read with
+`getattr`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+_PARENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
+# transformers >= 5.2x renamed gradient_checkpointing -> activation_checkpointing (old name kept as an alias).
+_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in _PARENT_FIELDS
+
+
+def _bf16_device_available() -> bool:
+    """True when an accelerator that trains in bf16 is visible (CPU-only machines train in fp32 by default)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return bool(torch.cuda.is_bf16_supported())
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and xpu.is_available())
+
+
+@dataclass
+class AsyncGRPOConfig(TrainingArguments):
+    """Configuration of `AsyncGRPOTrainer`.
+
+    Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for
+    the rest. Defaults that differ from `TrainingArguments`: `logging_steps=1`, `gradient_checkpointing=True`,
+    `bf16=True` unless `fp16` is set (or no bf16-capable accelerator is visible: CPU-only runs train in fp32),
+    `learning_rate=1e-6`, `lr_scheduler_type="constant"` (the number of optimizer steps per epoch is not known in
+    advance), `ignore_data_skip=True` (resume skips to the first untrained prompt instead of replaying batches) and
+    `remove_unused_columns=False` (every dataset column reaches the reward functions).
+
+    `num_train_epochs` counts passes over the prompt dataset by distinct prompts trained; `max_steps > 0` stops on
+    optimizer steps instead.
+    """
+
+    # ---- changed TrainingArguments defaults -------------------------------------------------------------------
+    logging_steps: float = field(
+        default=1,
+        metadata={"help": "Log every X optimizer steps (an integer, or a float in [0, 1) as a ratio of total steps)."},
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Recompute activations in the backward pass to save memory. Defaults to True for this trainer.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Train in bf16 mixed precision. Defaults to True unless `fp16` is set or no bf16-capable "
+            "accelerator is visible (CPU-only runs default to fp32)."
+        },
+    )
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial learning rate of the AdamW optimizer."})
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={
+            "help": "Learning-rate schedule. Defaults to constant: the number of optimizer steps per epoch depends on "
+            "how conversations fork and is not known in advance. For a decaying schedule also set `max_steps`."
+        },
+    )
+    ignore_data_skip: bool = field(
+        default=True,
+        metadata={
+            "help": "Must stay True: on resume the rollout worker skips to the first untrained prompt "
+            "(rollout_state.json) instead of replaying batches."
+        },
+    )
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Must stay False: every dataset column is passed to the reward functions."},
+    )
+
+    # ---- model -------------------------------------------------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `from_pretrained` when the model is given as a path or hub id. Its "
+            "`revision` is also used to load the processing class. Its `dtype` takes precedence over `dtype`."
+        },
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype the weights are loaded in: 'auto', 'bfloat16', 'float16' or 'float32'. The train-inference "
+            "mismatch the ratios measure depends on the trainer's precision; serve the model in the same dtype "
+            "(a mismatch is warned about at start). Under FSDP mixed precision master weights stay fp32 whatever "
+            "this is; dtype='bfloat16' with bf16=True is pure bf16 training."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow models and tokenizers that ship custom Python code. Forwarded to `from_pretrained`."},
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the Mixture-of-Experts load-balancing auxiliary loss added to the training loss. None "
+            "uses the model config's value; 0.0 disables it. Fails with a model that is not MoE."
+        },
+    )
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    num_generations: int = field(default=8, metadata={"help": "Number of rollouts sampled per prompt (group size)."})
+    max_completion_length: int = field(
+        default=2048,
+        metadata={"help": "Maximum tokens generated per sampling request, i.e. per turn of a multi-turn rollout."},
+    )
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature; higher values give more random completions."}
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={
+            "help": "Cumulative probability of the top tokens considered, in (0, 1]; 1.0 considers all tokens. Below "
+            "1.0 `top_k` must also be set, and the server must return sampling masks (vLLM >= 0.28 with "
+            "--return-sampling-mask --enable-scale-out, or the embedded server); the trainer renormalises log-probs "
+            "over each token's candidate set like the server does. Older servers keep the full vocabulary."
+        },
+    )
+    top_k: int = field(
+        default=0,
+        metadata={
+            "help": "Number of highest-probability tokens kept for top-k filtering; 0 disables it. Other values need "
+            "the server flags described under `top_p`."
+        },
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={
+            "help": "Minimum token probability, scaled by the probability of the most likely token; in [0, 1], "
+            "typically 0.01-0.2. Above 0.0 `top_k` must also be set (see `top_p`)."
+        },
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "Penalty on tokens already present in the prompt or completion; 1.0 disables it."},
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra keyword arguments for `apply_chat_template` when rendering prompts."},
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Maximum tool-calling turns when training agents. None: no limit; generation stops when the model "
+            "answers without a tool call."
+        },
+    )
+
+    # ---- generation server -------------------------------------------------------------------------------------
+    vllm_server_base_url: str = field(
+        default="http://localhost:8000",
+        metadata={"help": "Base URL of the generation server (vLLM or `asyncgrpo serve`)."},
+    )
+    vllm_server_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "Timeout in seconds for server calls: waiting for the server at start, each generation request and "
+            "each weight-sync call. Waits and weight syncs raise on timeout; generation requests are retried."
+        },
+    )
+
+    # ---- loss --------------------------------------------------------------------------------------------------
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon of the clipped surrogate."})
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper clipping epsilon. Defaults to `epsilon`; the DAPO paper recommends 0.28."},
+    )
+    score_centering: bool = field(
+        default=True,
+        metadata={
+            "help": "Train with score centering instead of the clipped surrogate: subtract from each sampled token's "
+            "importance-weighted score its expectation under the sampler, so a constant advantage does not pull "
+            "the policy toward the sampler. The expectation runs over the `num_sampler_logprobs` most likely tokens "
+            "at each position, whose log-probs the sampler reports."
+        },
+    )
+    vllm_importance_sampling_clip_min: float = field(
+        default=0.5,
+        metadata={
+            "help": "Lower bound C_min of the policy/sampler importance ratio. Tokens whose ratio lies outside "
+            "[C_min, C_max] are excluded from the loss (masked importance sampling)."
+        },
+    )
+    vllm_importance_sampling_clip_max: float = field(
+        default=5.0, metadata={"help": "Upper bound C_max of the importance ratio."}
+    )
+    num_sampler_logprobs: int = field(
+        default=8,
+        metadata={
+            "help": "Top log-probs requested from the sampler for each generated token, for score centering. Larger "
+            "values cover more of the sampler's mass but cost serialisation; the server's --max-logprobs caps it."
+        },
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Maximum tokens forwarded in one row (one process's forward). Rows are filled up to it with "
+            "attention-cost balancing, bounding peak memory whatever the number of samples. Shared prefix tokens "
+            "count once. None: the server's max_model_len, read at start. Longer samples are dropped with a warning."
+        },
+    )
+
+    # ---- asynchronous pipeline ---------------------------------------------------------------------------------
+    max_concurrent_rollouts: int = field(
+        default=512,
+        metadata={
+            "help": "Maximum rollouts running at once. Each holds an environment, may run sync tool calls in a thread "
+            "pool of this size and keeps a server connection: set it to what those resources can take. Below it, the "
+            "server's KV-cache usage and `max_staleness` decide how many run."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "How many weight updates a sample may lag behind the current policy; older samples are dropped. "
+            "Generation is paced by it: a new group starts only while the tokens queued or in flight fit in what the "
+            "trainer consumes in max(max_staleness, 1) steps."
+        },
+    )
+    weight_sync_steps: int = field(
+        default=1, metadata={"help": "Push the policy weights to the server every this many optimizer steps."}
+    )
+    rollout_worker_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds since the rollout worker's last heartbeat after which the trainer stops the run."},
+    )
+
+    # ---- logging -----------------------------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False, metadata={"help": "Log a sample of (prompt, completion) pairs every `logging_steps` steps."}
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Number of completions printed with rich. None: all logged completions."}
+    )
+
+    def __post_init__(self) -> None:
+        self.model_init_kwargs = _parse_json_dict(self.model_init_kwargs, "model_init_kwargs")
+        self.chat_template_kwargs = _parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        self._resolve_changed_defaults()
+        problems = self._collect_problems()
+        if problems:
+            listing = "\n".join(f"  - {p}" for p in problems)
+            raise ValueError(f"AsyncGRPOConfig has {len(problems)} problem(s):\n{listing}")
+        super().__post_init__()
+
+    def _resolve_changed_defaults(self) -> None:
+        """Fill the defaults that depend on other fields or on the machine."""
+        if _HAS_ACTIVATION_CHECKPOINTING:
+            # The document names this knob gradient_checkpointing: accept it without transformers' rename warning.
+            if getattr(self, "activation_checkpointing", None) is None:
+                gc = self.gradient_checkpointing
+                self.activation_checkpointing = True if gc is None else gc
+        elif self.gradient_checkpointing is None:
+            self.gradient_checkpointing = True
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and _bf16_device_available()
+            if not self.bf16 and not self.fp16:
+                logger.info("No bf16-capable accelerator visible: training in fp32 (pass bf16=True to override).")
+
+    def _collect_problems(self) -> list[str]:
+        """Every invalid value or combination, each with its fix."""
+        p: list[str] = []
+        if self.num_generations < 2:
+            p.append(f"num_generations={self.num_generations}: need >= 2, advantages compare rollouts of a group")
+        if self.max_completion_length < 1:
+            p.append(f"max_completion_length={self.max_completion_length}: must be >= 1")
+        if not self.temperature > 0:
+            p.append(
+                f"temperature={self.temperature}: must be > 0 (log-probs are computed from logits / temperature); "
+                "use a small value such as 0.1 for near-greedy sampling"
+            )
+        if not 0 < self.top_p <= 1:
+            p.append(f"top_p={self.top_p}: must be in (0, 1]; 1.0 disables top-p")
+        if self.top_k < 0:
+            p.append(f"top_k={self.top_k}: must be >= 0; 0 disables top-k")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            p.append(f"min_p={self.min_p}: must be in [0, 1] or None")
+        needs_top_k = [name for name, on in (("top_p < 1", self.top_p < 1), ("min_p", bool(self.min_p))) if on]
+        if needs_top_k and self.top_k == 0:
+            p.append(
+                f"{' and '.join(needs_top_k)} needs top_k > 0: the server caps the returned candidate set at top_k, "
+                "and the trainer renormalises over that set (e.g. set top_k=512)"
+            )
+        if self.repetition_penalty <= 0:
+            p.append(f"repetition_penalty={self.repetition_penalty}: must be > 0; 1.0 disables it")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
+            p.append(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 1 or None")
+        if not self.vllm_server_base_url.startswith(("http://", "https://")):
+            p.append(f"vllm_server_base_url={self.vllm_server_base_url!r}: must start with http:// or https://")
+        for name in ("vllm_server_timeout", "rollout_worker_timeout"):
+            if not getattr(self, name) > 0:
+                p.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        p += self._loss_problems()
+        p += self._pipeline_problems()
+        p += self._unsupported_problems()
+        return p
+
+    def _loss_problems(self) -> list[str]:
+        p: list[str] = []
+        if not 0 <= self.epsilon < 1:
+            p.append(f"epsilon={self.epsilon}: must be in [0, 1) so that 1 - epsilon > 0")
+        if self.epsilon_high < 0:
+            p.append(f"epsilon_high={self.epsilon_high}: must be >= 0")
+        cmin, cmax = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if not 0 <= cmin < cmax:
+            p.append(
+                f"vllm_importance_sampling_clip_min={cmin} and vllm_importance_sampling_clip_max={cmax}: need "
+                "0 <= clip_min < clip_max"
+            )
+        elif not cmin <= 1 <= cmax:
+            p.append(
+                f"[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]=[{cmin}, {cmax}] must "
+                "contain 1.0, or even on-policy tokens (ratio 1) are excluded from the loss"
+            )
+        if self.score_centering and self.num_sampler_logprobs < 1:
+            p.append(
+                f"num_sampler_logprobs={self.num_sampler_logprobs}: score_centering needs >= 1 sampler top "
+                "log-probs per token (default 8), or set score_centering=False"
+            )
+        elif self.num_sampler_logprobs < 0:
+            p.append(f"num_sampler_logprobs={self.num_sampler_logprobs}: must be >= 0")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            p.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0 or None")
+        if self.dtype not in _DTYPES:
+            p.append(f"dtype={self.dtype!r}: must be one of {', '.join(_DTYPES)}")
+        return p
+
+    def _pipeline_problems(self) -> list[str]:
+        p: list[str] = []
+        if self.token_budget is not None and self.token_budget < 1:
+            p.append(f"token_budget={self.token_budget}: must be >= 1, or None for the server's max_model_len")
+        if self.max_concurrent_rollouts < 1:
+            p.append(f"max_concurrent_rollouts={self.max_concurrent_rollouts}: must be >= 1")
+        if self.max_staleness < 0:
+            p.append(f"max_staleness={self.max_staleness}: must be >= 0")
+        if self.weight_sync_steps < 1:
+            p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
+        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
+            p.append(f"num_completions_to_print={self.num_completions_to_print}: must be >= 1 or None")
+        if not self.ignore_data_skip:
+            p.append(
+                "ignore_data_skip=False: must be True; resume restarts the rollout worker at the first untrained "
+                "prompt instead of replaying batches"
+            )
+        if self.remove_unused_columns:
+            p.append(
+                "remove_unused_columns=True: must be False; every dataset column is passed to the reward functions"
+            )
+        return p
+
+    def _unsupported_problems(self) -> list[str]:
+        p: list[str] = []
+        if self.fp16 and self.bf16:
+            p.append("fp16=True and bf16=True: choose one")
+        if self.deepspeed:
+            p.append(
+                "deepspeed is not supported: shard with FSDP2 instead (`fsdp`/`fsdp_config`, or accelerate launch)"
+            )
+        if self.use_liger_kernel:
+            p.append("use_liger_kernel=True is not supported: the loss computes log-probs in chunks itself; set False")
+        pc = getattr(self, "parallelism_config", None)
+        for attr, what in (("cp_size", "context"), ("sp_size", "sequence")):
+            size = getattr(pc, attr, 1) if pc is not None else 1
+            if size is not None and size > 1:
+                p.append(
+                    f"parallelism_config.{attr}={size}: {what} parallelism is not supported (rows are packed prefix "
+                    f"trees); use {attr}=1"
+                )
+        return p
+
+
+def _parse_json_dict(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
+    """Accept dicts passed as JSON strings on the command line."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}={value!r} is not valid JSON: {exc}; pass a dict or a JSON object string") from exc
+    if not isinstance(parsed, dict):
+        raise TypeError(f"{name}={value!r} must be a JSON object (a dict)")
+    return parsed
