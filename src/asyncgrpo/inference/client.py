@@ -1,0 +1,497 @@
+"""Async client of the generation-server protocol (VLLM_PROTOCOL.md), on aiohttp.
+
+The same client talks to a real ``vllm serve`` and to our embedded server. Every
+call checks the HTTP status and raises :class:`ServerError` naming the endpoint,
+the status and the server's message; connection errors, timeouts and 503 are
+retried with exponential backoff (``retry_count`` counts the retries for the
+``rollout/vllm_retry_count`` metric).
+
+    async with AsyncServerClient("http://localhost:8000") as client:
+        await client.wait_until_ready(timeout=300)
+        out = await client.generate([1, 2, 3], {"max_tokens": 8, "temperature": 1.0, "seed": 0})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Self
+from urllib.parse import urlparse
+
+import aiohttp
+
+from asyncgrpo.inference.errors import ServerError, ServerTimeoutError
+from asyncgrpo.inference.metrics_text import vllm_metrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0  # one HTTP call (a long generation must fit)
+_NEG_INF_WIRE = -9999.0  # vLLM sends -inf log-probs as this number
+
+
+@dataclass
+class VersionSpan:
+    """Output tokens ``[start, end)`` came from weights ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
+class GenerationResult:
+    """One generated sequence, parsed from either generation endpoint.
+
+    Per-token lists share the length of ``token_ids``. ``logprobs[i]`` is the
+    server's processed log-prob of ``token_ids[i]``. ``top_logprobs[i]`` maps
+    token id -> log-prob for the requested top-N of that position (the sampled
+    token is always present, so N or N+1 entries); None when not returned.
+    ``sampling_mask[i]`` lists the token ids that survived top-k/top-p/min-p
+    (only ``/inference/v1/generate`` with ``--return-sampling-mask``).
+    ``-inf`` log-probs (sent as -9999.0) are returned as ``-inf``.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    stop_reason: int | str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    sampling_mask: list[list[int]] | None = None
+    weight_versions: list[VersionSpan] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    text: str | None = None
+    request_id: str | None = None
+
+
+def _lp(value: float | None) -> float:
+    if value is None:
+        return math.nan
+    return -math.inf if value <= _NEG_INF_WIRE else float(value)
+
+
+def _error_message(body: bytes) -> str:
+    """The server's message from vLLM's ``{"error": {"message"}}`` body, FastAPI's ``detail``, or the text."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:2000] or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("detail", "message"):
+            if key in data:
+                return str(data[key])
+    return text[:2000]
+
+
+def parse_generate_choice(choice: Mapping[str, Any], request_id: str | None = None) -> GenerationResult:
+    """Parse one choice of ``POST /inference/v1/generate``."""
+    token_ids = [int(t) for t in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [_lp(e.get("logprob")) for e in content]
+    top = None
+    if content and any(e.get("top_logprobs") is not None for e in content):
+        top = [{int(t["token_id"]): _lp(t["logprob"]) for t in e.get("top_logprobs") or []} for e in content]
+    spans = [
+        VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []
+    ]
+    mask = choice.get("sampling_mask")
+    return GenerationResult(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=str(choice.get("finish_reason")),
+        stop_reason=choice.get("stop_reason"),
+        top_logprobs=top,
+        sampling_mask=[[int(t) for t in row] for row in mask] if mask is not None else None,
+        weight_versions=spans,
+        request_id=request_id,
+    )
+
+
+def _token_id_key(key: str) -> int:
+    if not key.startswith("token_id:"):
+        raise ServerError(
+            "POST /v1/completions", 200, f"top_logprobs key {key!r} is not 'token_id:<id>' (return_tokens_as_token_ids)"
+        )
+    return int(key.split(":", 1)[1])
+
+
+def parse_completion_choice(choice: Mapping[str, Any], request_id: str | None = None) -> GenerationResult:
+    """Parse one choice of ``POST /v1/completions`` sent with ``return_tokens_as_token_ids``."""
+    lp = choice.get("logprobs") or {}
+    token_ids = choice.get("token_ids")
+    if token_ids is None:  # a server that ignores return_token_ids: recover ids from the token strings
+        token_ids = [_token_id_key(t) for t in lp.get("tokens") or []]
+    top_raw = lp.get("top_logprobs")
+    top = None
+    if top_raw is not None:
+        top = [{_token_id_key(k): _lp(v) for k, v in (d or {}).items()} for d in top_raw]
+    return GenerationResult(
+        token_ids=[int(t) for t in token_ids],
+        logprobs=[_lp(v) for v in lp.get("token_logprobs") or []],
+        finish_reason=str(choice.get("finish_reason")),
+        stop_reason=choice.get("stop_reason"),
+        top_logprobs=top,
+        prompt_token_ids=choice.get("prompt_token_ids"),
+        text=choice.get("text"),
+        request_id=request_id,
+    )
+
+
+class AsyncServerClient:
+    """Client of one generation server (vLLM or embedded), bound to the event loop it is first used in.
+
+    Args:
+        base_url: e.g. ``http://localhost:8000``.
+        timeout: seconds for one HTTP call unless the method takes its own ``timeout``.
+        max_connections: HTTP connection pool size (SPEC G6).
+        retries: extra attempts after a connection error, a timeout or a 503.
+        backoff: first retry delay in seconds; doubles each retry (capped at 30 s).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_connections: int = 512,
+        retries: int = 3,
+        backoff: float = 0.5,
+    ) -> None:
+        parsed = urlparse(base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"base_url {base_url!r} is not an http(s) URL; pass e.g. 'http://localhost:8000'")
+        if retries < 0 or backoff < 0 or timeout <= 0 or max_connections < 1:
+            raise ValueError(
+                f"need retries >= 0, backoff >= 0, timeout > 0, max_connections >= 1; got {retries}, {backoff}, "
+                f"{timeout}, {max_connections}"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self.retries = retries
+        self.backoff = backoff
+        self.retry_count = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def clone(self) -> AsyncServerClient:
+        """A new client with the same settings (for use in another event loop or thread)."""
+        return AsyncServerClient(
+            self.base_url,
+            timeout=self.timeout,
+            max_connections=self.max_connections,
+            retries=self.retries,
+            backoff=self.backoff,
+        )
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is not None and self._loop is not loop:
+            raise RuntimeError(
+                "this AsyncServerClient is bound to another event loop; use client.clone() in each loop/thread"
+            )
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections)
+            self._session = aiohttp.ClientSession(connector=connector)
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        retries: int | None = None,
+        parse: str = "json",
+    ) -> Any:
+        """One HTTP call with status checking and retries; returns parsed JSON, text (``parse="text"``) or None.
+
+        Raises:
+            ServerError: an error status (4xx, 5xx, or 503 after the retries), or no answer after the retries.
+            ServerTimeoutError: the last attempt timed out.
+        """
+        endpoint = f"{method} {path}"
+        attempts = 1 + (self.retries if retries is None else retries)
+        limit = self.timeout if timeout is None else timeout
+        session = self._get_session()
+        last: ServerError | None = None
+        for attempt in range(attempts):
+            if attempt:
+                self.retry_count += 1
+                delay = min(self.backoff * 2 ** (attempt - 1), 30.0)
+                logger.warning("retrying %s in %.1fs after: %s", endpoint, delay, last)
+                await asyncio.sleep(delay)
+            try:
+                async with session.request(
+                    method,
+                    self.base_url + path,
+                    json=json_body,
+                    params=params,
+                    timeout=aiohttp.ClientTimeout(total=limit),
+                ) as resp:
+                    body = await resp.read()
+                    status = resp.status
+            except TimeoutError:
+                last = ServerTimeoutError(endpoint, None, f"no answer within {limit:.0f}s", base_url=self.base_url)
+                continue
+            except aiohttp.ClientError as exc:
+                last = ServerError(endpoint, None, f"{type(exc).__name__}: {exc}", base_url=self.base_url)
+                continue
+            if status >= 400:
+                last = ServerError(endpoint, status, _error_message(body), base_url=self.base_url)
+                if status == 503:
+                    continue
+                raise last
+            if parse == "json":
+                try:
+                    return json.loads(body) if body else None
+                except ValueError as exc:
+                    raise ServerError(endpoint, status, f"answer is not JSON: {body[:200]!r}") from exc
+            if parse == "text":
+                return body.decode("utf-8", errors="replace")
+            return None
+        assert last is not None
+        raise last
+
+    # ------------------------------------------------------------------ basic endpoints
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200 (no retries)."""
+        try:
+            await self.request("GET", "/health", retries=0, timeout=min(self.timeout, 10.0), parse="none")
+        except ServerError:
+            return False
+        return True
+
+    async def wait_until_ready(self, timeout: float, poll_s: float = 0.5) -> None:
+        """Poll ``GET /health`` until it answers 200.
+
+        Raises:
+            ServerTimeoutError: not ready within ``timeout`` seconds (names the URL and the last error).
+        """
+        deadline = time.monotonic() + timeout
+        last = "no attempt"
+        while True:
+            try:
+                await self.request("GET", "/health", retries=0, timeout=min(10.0, timeout), parse="none")
+                return
+            except ServerError as exc:
+                last = str(exc)
+            if time.monotonic() + poll_s > deadline:
+                raise ServerTimeoutError(
+                    "GET /health",
+                    None,
+                    f"server not ready after waiting {timeout:.0f}s; last error: {last}",
+                    base_url=self.base_url,
+                )
+            await asyncio.sleep(poll_s)
+
+    async def version(self) -> str:
+        return str((await self.request("GET", "/version"))["version"])
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The model cards of ``GET /v1/models`` (base model first, then LoRA adapters)."""
+        return list((await self.request("GET", "/v1/models"))["data"])
+
+    async def max_model_len(self) -> int:
+        """``max_model_len`` of the base model card (SPEC G12)."""
+        for card in await self.models():
+            if card.get("max_model_len") is not None:
+                return int(card["max_model_len"])
+        raise ServerError("GET /v1/models", 200, "no model card carries max_model_len", base_url=self.base_url)
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info?config_format=json`` (vLLM dev mode)."""
+        return await self.request("GET", "/server_info", params={"config_format": "json"})
+
+    async def kv_cache_tokens(self) -> int | None:
+        """KV-cache capacity in tokens (``num_gpu_blocks × block_size``), None when the server does not say."""
+        try:
+            info = await self.server_info()
+        except ServerError as exc:
+            logger.info("no KV-cache capacity from %s: %s", self.base_url, exc)
+            return None
+        cache = (info.get("vllm_config") or {}).get("cache_config") or {}
+        blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
+        if isinstance(blocks, int) and isinstance(size, int):
+            return blocks * size
+        return None
+
+    async def world_size(self) -> int:
+        return int((await self.request("GET", "/get_world_size", params={"include_dp": "true"}))["world_size"])
+
+    async def load(self) -> int:
+        """``GET /load``: requests the server is working on."""
+        return int((await self.request("GET", "/load"))["server_load"])
+
+    async def metrics(self, model_name: str | None = None) -> dict[str, float]:
+        """The ``vllm:*`` values of ``GET /metrics`` (engines summed; KV usage averaged)."""
+        return vllm_metrics(await self.request("GET", "/metrics", parse="text"), model_name)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate_n(
+        self,
+        token_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        model: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> list[GenerationResult]:
+        """``POST /inference/v1/generate``; one result per choice (``n`` of them).
+
+        ``sampling_params`` uses vLLM's SamplingParams names; ``logprobs`` defaults to 0
+        (the sampled token's log-prob only).
+        """
+        params = dict(sampling_params)
+        params.setdefault("logprobs", 0)
+        rid = request_id or f"gen-{uuid.uuid4().hex}"
+        body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": params, "request_id": rid}
+        if model is not None:
+            body["model"] = model
+        data = await self.request("POST", "/inference/v1/generate", json_body=body, timeout=timeout)
+        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
+        return [parse_generate_choice(c, data.get("request_id", rid)) for c in choices]
+
+    async def generate(
+        self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any
+    ) -> GenerationResult:
+        """Like :meth:`generate_n` for one sequence (``n`` must be 1)."""
+        if sampling_params.get("n", 1) != 1:
+            raise ValueError(f"generate() returns one sequence but n={sampling_params['n']}; use generate_n()")
+        return (await self.generate_n(token_ids, sampling_params, **kwargs))[0]
+
+    async def complete_n(
+        self,
+        token_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        model: str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> list[GenerationResult]:
+        """``POST /v1/completions`` with a token-id prompt; one result per choice.
+
+        Sends ``return_tokens_as_token_ids`` and ``return_token_ids`` so top-N keys are
+        token ids; ``logprobs`` defaults to 0. Always pass ``max_tokens`` (vLLM's default is 16).
+        """
+        body: dict[str, Any] = {k: v for k, v in sampling_params.items() if k not in ("detokenize",)}
+        body.setdefault("logprobs", 0)
+        body.update(prompt=list(token_ids), return_tokens_as_token_ids=True, return_token_ids=True)
+        if model is not None:
+            body["model"] = model
+        if request_id is not None:
+            body["request_id"] = request_id
+        data = await self.request("POST", "/v1/completions", json_body=body, timeout=timeout)
+        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
+        return [parse_completion_choice(c, data.get("id", request_id)) for c in choices]
+
+    async def complete(
+        self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any
+    ) -> GenerationResult:
+        """Like :meth:`complete_n` for one sequence (``n`` must be 1)."""
+        if sampling_params.get("n", 1) != 1:
+            raise ValueError(f"complete() returns one sequence but n={sampling_params['n']}; use complete_n()")
+        return (await self.complete_n(token_ids, sampling_params, **kwargs))[0]
+
+    async def supports_sampling_mask(self, probe_token_ids: list[int] | None = None) -> bool:
+        """Whether the server answers ``/inference/v1/generate`` with sampling masks (SPEC G9).
+
+        Sends a one-token request with ``top_k`` > 0; False on 403/404 (endpoint off) or a null mask.
+        """
+        body = {
+            "token_ids": probe_token_ids or [0],
+            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": 8, "logprobs": 0},
+        }
+        try:
+            data = await self.request("POST", "/inference/v1/generate", json_body=body, retries=1)
+        except ServerError as exc:
+            if exc.status in (400, 403, 404, 405, 501):
+                logger.info("no sampling masks from %s: %s", self.base_url, exc)
+                return False
+            raise
+        choices = data.get("choices") or []
+        return bool(choices) and choices[0].get("sampling_mask") is not None
+
+    # ------------------------------------------------------------------ pause / resume
+
+    async def pause(self, mode: str = "abort", timeout: float | None = None) -> None:
+        """``POST /pause?mode=...``; returns once the pause is in effect (``wait`` drains first)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode {mode!r} is not one of 'abort', 'wait', 'keep'")
+        await self.request("POST", "/pause", params={"mode": mode}, timeout=timeout)
+
+    async def resume(self, timeout: float | None = None) -> None:
+        await self.request("POST", "/resume", timeout=timeout)
+
+    async def is_paused(self) -> bool:
+        return bool((await self.request("GET", "/is_paused"))["is_paused"])
+
+    # ------------------------------------------------------------------ LoRA
+
+    async def load_lora_adapter(self, name: str, path: str, *, load_inplace: bool = False) -> None:
+        """``POST /v1/load_lora_adapter``; the server needs ``--enable-lora``."""
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": load_inplace}
+        await self.request("POST", "/v1/load_lora_adapter", json_body=body, retries=0, parse="text")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name}, retries=0, parse="text")
+
+    # ------------------------------------------------------------------ weight transfer (dev mode)
+    # Never retried: a repeated call would enter the collective twice.
+
+    async def init_weight_transfer_engine(self, init_info: Mapping[str, Any], timeout: float | None = None) -> None:
+        await self.request(
+            "POST", "/init_weight_transfer_engine", json_body={"init_info": dict(init_info)}, timeout=timeout, retries=0
+        )
+
+    async def start_weight_update(self, timeout: float | None = None) -> None:
+        await self.request("POST", "/start_weight_update", timeout=timeout, retries=0)
+
+    async def update_weights(self, update_info: Mapping[str, Any], timeout: float | None = None) -> None:
+        await self.request(
+            "POST", "/update_weights", json_body={"update_info": dict(update_info)}, timeout=timeout, retries=0
+        )
+
+    async def finish_weight_update(self, weight_version: str | None = None, timeout: float | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else {}
+        await self.request("POST", "/finish_weight_update", json_body=body, timeout=timeout, retries=0)
+
+    async def shutdown_weight_transfer_engine(self, timeout: float | None = None) -> None:
+        await self.request("POST", "/shutdown_weight_transfer_engine", timeout=timeout, retries=0)
+
+    async def weight_info(self) -> dict[str, Any]:
+        return await self.request("GET", "/weight_info")
+
+    async def reset_prefix_cache(self) -> bool:
+        data = await self.request("POST", "/reset_prefix_cache")
+        return bool((data or {}).get("success", True))

@@ -1,0 +1,388 @@
+"""The weight-transfer collective group, shared by the trainer (sender) and the server (receiver).
+
+One group holds trainer rank 0 and every server worker (VLLM_PROTOCOL.md, weight
+transfer). Two backends, neither touching torch.distributed's global default group
+(so a trainer process keeps its own group for FSDP):
+
+* ``nccl``: a raw communicator from ``torch.cuda.nccl.init_rank`` over a 128-byte
+  unique id (minted by rank 0 and sent base64 in ``init_info``, or exchanged through
+  a TCPStore when ``master_address``/``master_port`` are given).
+* ``gloo``: ``ProcessGroupGloo`` over a ``TCPStore`` whose master is rank 0 (CPU runs).
+
+The wire format (which broadcasts, in which order, of which bytes) is defined here
+once: :func:`send_tensors` and :func:`receive_tensors` are mirror images.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from asyncgrpo.inference.errors import WeightTransferError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's default: 1 GiB per packed chunk
+DEFAULT_PACKED_NUM_BUFFERS = 2
+_NCCL_MAX_COUNT = 2**31 - 1  # torch.cuda.nccl takes an int element count
+_STORE_UID_KEY = "asyncgrpo/nccl_unique_id"
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype and shape of one tensor of an update round (the ``update_info`` lists)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch attribute name of a dtype (``torch.bfloat16`` -> ``"bfloat16"``), as ``dtype_names`` carries it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype name {name!r} is not a torch dtype; use names like 'bfloat16', 'float32'")  # noqa: TRY004
+    return dtype
+
+
+def plan_chunks(metas: list[TensorMeta], buffer_size_bytes: int) -> list[list[int]]:
+    """Split tensor indices into packed chunks.
+
+    A chunk closes right after the tensor that takes its byte total over
+    ``buffer_size_bytes`` (so a chunk may exceed it by one tensor); the last chunk
+    takes the rest. Each chunk travels as one uint8 broadcast.
+    """
+    if buffer_size_bytes <= 0:
+        raise ValueError(f"packed_buffer_size_bytes must be > 0, got {buffer_size_bytes}")
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, meta in enumerate(metas):
+        current.append(i)
+        total += meta.nbytes
+        if total > buffer_size_bytes:
+            chunks.append(current)
+            current, total = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def call_with_timeout(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
+    """Run a blocking call (a rendezvous) in a daemon thread and give up after ``timeout_s``.
+
+    On timeout the thread is left behind (a C++ rendezvous cannot be interrupted) and
+    :class:`WeightTransferError` names ``what`` was waited for.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"asyncgrpo-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise WeightTransferError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+    if "error" in box:
+        raise WeightTransferError(f"{what} failed: {box['error']}") from box["error"]
+    return box["value"]
+
+
+class TransferGroup(ABC):
+    """A broadcast group between the trainer (rank 0) and the server workers."""
+
+    backend: str
+    rank: int
+    world_size: int
+    device: torch.device  # where tensors must live for this group's collectives
+    # Polled while waiting on a collective; raises to abandon the wait (e.g. the server rejected the round).
+    abort_check: Callable[[], None] | None = None
+
+    def _poll_abort(self) -> None:
+        if self.abort_check is not None:
+            self.abort_check()
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast ``tensor`` in place from ``src`` (contiguous, on ``self.device``)."""
+
+    @abstractmethod
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over all ranks."""
+
+    def synchronize(self, what: str) -> None:
+        """Wait until every collective issued so far has finished (bounded by the group timeout)."""
+
+    def close(self) -> None:
+        """Drop the communicator."""
+
+
+class GlooGroup(TransferGroup):
+    """``ProcessGroupGloo`` on a TCPStore; CPU tensors; every collective waits with the group timeout."""
+
+    backend = "gloo"
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+        self._store = store  # keep the TCPStore master alive as long as the group
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore("asyncgrpo_weight_transfer", store)
+        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self._timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        # Bytes on the wire: gloo then needs no support for the tensor's dtype (bf16, bool, ...).
+        wire = tensor.reshape(-1).view(torch.uint8)
+        self._wait(self._pg.broadcast([wire], opts))
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self._wait(self._pg.allreduce([tensor]))
+
+    def _wait(self, work: Any) -> None:
+        # gloo runs the collective on its own threads; poll so abort_check can cut the wait short.
+        # The group timeout (given at construction) bounds the work itself.
+        delay = 0.0
+        while not work.is_completed():
+            self._poll_abort()
+            time.sleep(delay)
+            delay = min(0.005, delay + 0.0002)
+        work.wait(self._timeout)
+
+    def close(self) -> None:
+        self._pg = None
+        self._store = None
+
+
+def _nccl_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat view whose element count fits NCCL's int count (wider dtype for huge uint8 chunks).
+
+    Broadcast only copies bytes, so a view as int32/int64 moves exactly the same bytes.
+    """
+    flat = tensor.reshape(-1)
+    if flat.numel() <= _NCCL_MAX_COUNT:
+        return flat
+    raw = flat.view(torch.uint8)
+    for wide in (torch.int32, torch.int64):
+        if raw.numel() % wide.itemsize == 0 and raw.numel() // wide.itemsize <= _NCCL_MAX_COUNT:
+            return raw.view(wide)
+    raise WeightTransferError(
+        f"a broadcast of {raw.numel()} bytes does not fit NCCL's element count; lower packed_buffer_size_bytes"
+    )
+
+
+class NcclGroup(TransferGroup):
+    """A raw NCCL communicator (``torch.cuda.nccl``) on one CUDA device.
+
+    NCCL calls are asynchronous on the current stream; :meth:`synchronize` polls a
+    CUDA event so a dead peer turns into a timeout instead of a hang.
+    """
+
+    backend = "nccl"
+
+    def __init__(self, comm: Any, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+        self._comm = comm
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.timeout_s = timeout_s
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if src != 0:
+            raise ValueError("torch.cuda.nccl broadcasts from rank 0 only; the trainer is rank 0")
+        with torch.cuda.device(self.device):
+            torch.cuda.nccl.broadcast([_nccl_wire(tensor)], root=0, comms=[self._comm])
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        with torch.cuda.device(self.device):
+            torch.cuda.nccl.all_reduce([tensor], comms=[self._comm])
+
+    def synchronize(self, what: str) -> None:
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event()
+            event.record()
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():  # CPU-GPU sync point, polled so it can time out
+            self._poll_abort()
+            if time.monotonic() > deadline:
+                raise WeightTransferError(
+                    f"timed out after {self.timeout_s:.0f}s waiting for {what} (NCCL); a peer is gone or stuck"
+                )
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self._comm = None
+
+
+def make_store(master_address: str, master_port: int, *, rank: int, world_size: int, timeout_s: float) -> Any:
+    """TCPStore for the rendezvous: rank 0 is the master (``master_port`` 0 picks a free port)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        rank == 0,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def join_group(
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device | str,
+    timeout_s: float,
+    store: Any = None,
+    unique_id: bytes | None = None,
+) -> TransferGroup:
+    """Join the weight-transfer group (blocks until every rank joined), then warm it up.
+
+    ``nccl`` needs ``unique_id`` or ``store`` (rank 0 publishes a fresh id there);
+    ``gloo`` needs ``store``. The warm-up is the one-element float32 sum all-reduce
+    that the protocol requires before any other collective.
+
+    Raises:
+        WeightTransferError: the rendezvous failed or timed out.
+    """
+    if backend == "gloo":
+        if store is None:
+            raise ValueError("the gloo weight-transfer backend needs master_address and master_port")
+        group: TransferGroup = call_with_timeout(
+            lambda: GlooGroup(store, rank, world_size, timeout_s), timeout_s + 5, "the gloo weight-transfer rendezvous"
+        )
+    elif backend == "nccl":
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"the nccl weight-transfer backend needs a CUDA device, got {dev}; use gloo on CPU")
+        if unique_id is None:
+            if store is None:
+                raise ValueError("the nccl weight-transfer backend needs nccl_unique_id_b64 or master_address/port")
+            if rank == 0:
+                unique_id = torch.cuda.nccl.unique_id()
+                store.set(_STORE_UID_KEY, unique_id)
+            else:
+                unique_id = call_with_timeout(lambda: store.get(_STORE_UID_KEY), timeout_s, "the NCCL id in the store")
+
+        def init() -> Any:
+            with torch.cuda.device(dev):  # ncclCommInitRank binds to the current device
+                return torch.cuda.nccl.init_rank(world_size, unique_id, rank)
+
+        comm = call_with_timeout(init, timeout_s, f"the NCCL rendezvous of {world_size} ranks")
+        group = NcclGroup(comm, rank, world_size, dev, timeout_s)
+    else:
+        raise ValueError(f"weight-transfer backend {backend!r} is not one of 'nccl', 'gloo'")
+    probe = torch.ones(1, dtype=torch.float32, device=group.device)
+    group.all_reduce_sum(probe)
+    group.synchronize("the warm-up all-reduce")
+    if probe.item() != world_size:
+        raise WeightTransferError(f"warm-up all-reduce gave {probe.item()}, expected the world size {world_size}")
+    logger.info("joined the %s weight-transfer group as rank %d of %d", backend, rank, world_size)
+    return group
+
+
+# ---------------------------------------------------------------------- the wire format of one round
+
+
+def send_tensors(
+    group: TransferGroup,
+    tensors: Iterable[torch.Tensor],
+    metas: list[TensorMeta],
+    *,
+    packed: bool,
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+) -> None:
+    """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks."""
+    it = iter(tensors)
+
+    def next_tensor(meta: TensorMeta) -> torch.Tensor:
+        try:
+            t = next(it)
+        except StopIteration:
+            raise WeightTransferError(f"the tensors ran out before {meta.name!r}") from None
+        if t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
+            raise WeightTransferError(
+                f"tensor {meta.name!r} is {t.dtype} {tuple(t.shape)} but the update announced {meta.dtype} {meta.shape}"
+            )
+        return t.detach().to(group.device).contiguous()
+
+    if not packed:
+        for meta in metas:
+            t = next_tensor(meta)
+            if t.numel():
+                group.broadcast(t, src=0)
+        return
+    for chunk in plan_chunks(metas, buffer_size_bytes):
+        parts = [next_tensor(metas[i]).reshape(-1).view(torch.uint8) for i in chunk]
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if buf.numel():
+            group.broadcast(buf, src=0)
+
+
+def _unpack(buf: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """Views into a received uint8 chunk; a tensor whose offset is misaligned for its dtype is copied."""
+    out = []
+    offset = 0
+    for meta in metas:
+        raw = buf[offset : offset + meta.nbytes]
+        if offset % meta.dtype.itemsize:
+            raw = raw.clone()
+        out.append((meta.name, raw.view(meta.dtype).view(meta.shape)))
+        offset += meta.nbytes
+    return out
+
+
+def receive_tensors(
+    group: TransferGroup,
+    metas: list[TensorMeta],
+    *,
+    packed: bool,
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Receivers: yield the tensors of a round in batches (one per tensor, or one per packed chunk).
+
+    The caller loads each batch before asking for the next, so at most one chunk is held.
+    """
+    if not packed:
+        for meta in metas:
+            t = torch.empty(meta.shape, dtype=meta.dtype, device=group.device)
+            if t.numel():
+                group.broadcast(t, src=0)
+            yield [(meta.name, t)]
+        return
+    for chunk in plan_chunks(metas, buffer_size_bytes):
+        chunk_metas = [metas[i] for i in chunk]
+        buf = torch.empty(sum(m.nbytes for m in chunk_metas), dtype=torch.uint8, device=group.device)
+        if buf.numel():
+            group.broadcast(buf, src=0)
+        yield _unpack(buf, chunk_metas)

@@ -1,0 +1,357 @@
+"""Trainer side of the weight transfer: push the policy's weights to a generation server.
+
+Speaks VLLM_PROTOCOL.md's weight-transfer endpoints (real vLLM or our embedded
+server) with torch primitives only (no vLLM import). One round (SPEC G10):
+
+    POST /pause?mode=keep -> POST /start_weight_update
+    -> (thread) POST /update_weights  while rank 0 broadcasts
+    -> join -> POST /finish_weight_update -> POST /reset_prefix_cache -> POST /resume
+
+    sender = WeightSender()
+    sender.init(AsyncServerClient(url), server_world_size=1, backend="auto", device="cuda:0")
+    timings = sender.update(model.named_parameters(), version="step-1")
+    sender.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import torch
+
+from asyncgrpo.inference.client import AsyncServerClient
+from asyncgrpo.inference.collectives import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    TensorMeta,
+    TransferGroup,
+    dtype_name,
+    join_group,
+    make_store,
+    send_tensors,
+)
+from asyncgrpo.inference.errors import ServerError, WeightTransferError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S = 1800.0  # matches vllm_server_timeout's default
+_T = TypeVar("_T")
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread, so synchronous trainer code can run the async client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="asyncgrpo-weight-sync-http", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float, what: str) -> _T:
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise WeightTransferError(f"timed out after {timeout:.0f}s waiting for {what}") from None
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5.0)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def _local_address_towards(base_url: str) -> str:
+    """The address of this machine on the route to the server (the gloo store master must be reachable)."""
+    parsed = urlparse(base_url)
+    host = parsed.hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, parsed.port or 80))  # UDP connect sends nothing; it only picks the route
+        return s.getsockname()[0]
+
+
+def _raise_if_failed(fut: concurrent.futures.Future, what: str) -> Callable[[], None]:
+    def check() -> None:
+        if fut.done() and fut.exception() is not None:
+            raise WeightTransferError(f"the server failed {what}: {fut.exception()}") from fut.exception()
+
+    return check
+
+
+class WeightSender:
+    """Rank 0 of the weight-transfer group: pushes named tensors to one generation server.
+
+    Args:
+        timeout_s: bound on every wait of a round (rendezvous, HTTP calls, broadcasts).
+        packed_buffer_size_bytes: packed chunk size; sent in ``init_info`` so both sides agree.
+        packed_num_buffers: sent in ``init_info`` (vLLM's double buffering; we send chunks in order).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
+        packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+    ) -> None:
+        if timeout_s <= 0 or packed_buffer_size_bytes <= 0 or packed_num_buffers < 1:
+            raise ValueError(
+                f"need timeout_s > 0, packed_buffer_size_bytes > 0, packed_num_buffers >= 1; got {timeout_s}, "
+                f"{packed_buffer_size_bytes}, {packed_num_buffers}"
+            )
+        self.timeout_s = timeout_s
+        self.packed_buffer_size_bytes = packed_buffer_size_bytes
+        self.packed_num_buffers = packed_num_buffers
+        self.packed = True
+        self.backend: str | None = None
+        self.group: TransferGroup | None = None
+        self._client: AsyncServerClient | None = None
+        self._loop: _LoopThread | None = None
+        self._last_metas: list[TensorMeta] | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _http(self, coro: Coroutine[Any, Any, _T], what: str) -> _T:
+        assert self._loop is not None, "call init() first"
+        return self._loop.run(coro, self.timeout_s, what)
+
+    def _pick_backend(self, backend: str, device: torch.device) -> str:
+        if backend in ("nccl", "gloo"):
+            return backend
+        if backend != "auto":
+            raise ValueError(f"backend {backend!r} is not one of 'auto', 'nccl', 'gloo'")
+        assert self._client is not None
+        try:
+            info = self._http(self._client.server_info(), "GET /server_info")
+            chosen = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
+        except ServerError as exc:
+            logger.info("GET /server_info failed (%s); choosing the backend from the device", exc)
+            chosen = None
+        if chosen in ("nccl", "gloo"):
+            return chosen
+        return "nccl" if device.type == "cuda" else "gloo"
+
+    def init(
+        self,
+        client: AsyncServerClient,
+        server_world_size: int | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        *,
+        packed: bool = True,
+        master_address: str | None = None,
+    ) -> None:
+        """Form the group with the server: mint the rendezvous, post ``/init_weight_transfer_engine`` from a
+        thread while joining, then the warm-up all-reduce.
+
+        Args:
+            client: a client of the server (cloned: the sender runs its own event loop).
+            server_world_size: the server's worker count (``GET /get_world_size`` when None).
+            backend: ``nccl``, ``gloo`` or ``auto`` (the server's choice in ``/server_info``, else by device).
+            device: where rank 0's tensors go for broadcasting (a CUDA device for nccl; default cuda/cpu).
+            packed: default packing of rounds (sent in ``init_info``).
+            master_address: the address the server reaches this machine at (gloo); guessed from the route.
+
+        Raises:
+            WeightTransferError: the server rejected the init, or the rendezvous timed out.
+        """
+        if self.group is not None:
+            raise RuntimeError("WeightSender.init() was already called; close() first")
+        self._client = client.clone()
+        self._loop = _LoopThread()
+        if server_world_size is None:
+            server_world_size = self._http(self._client.world_size(), "GET /get_world_size")
+        dev = (
+            torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.backend = self._pick_backend(backend, dev)
+        world_size = server_world_size + 1
+        self.packed = packed
+        init_info: dict[str, Any] = {
+            "rank_offset": 1,
+            "world_size": world_size,
+            "packed": packed,
+            "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
+            "packed_num_buffers": self.packed_num_buffers,
+        }
+        store = unique_id = None
+        if self.backend == "nccl":
+            unique_id = torch.cuda.nccl.unique_id()
+            init_info["nccl_unique_id_b64"] = base64.b64encode(unique_id).decode("ascii")
+        else:
+            address = master_address or _local_address_towards(self._client.base_url)
+            store = make_store(address, 0, rank=0, world_size=world_size, timeout_s=self.timeout_s)
+            init_info.update(master_address=address, master_port=int(store.port))
+        fut = self._loop.submit(self._client.init_weight_transfer_engine(init_info, timeout=self.timeout_s))
+        self.group = self._join(fut, world_size, dev, store, unique_id)
+        try:
+            fut.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise WeightTransferError("joined the group but POST /init_weight_transfer_engine did not return") from None
+        except ServerError as exc:
+            raise WeightTransferError(
+                f"POST /init_weight_transfer_engine failed after the group formed: {exc}"
+            ) from exc
+        logger.info("weight transfer to %s ready (%s, world size %d)", self._client.base_url, self.backend, world_size)
+
+    def _join(
+        self, fut: concurrent.futures.Future, world_size: int, dev: torch.device, store: Any, unique_id: bytes | None
+    ) -> TransferGroup:
+        """Join in a thread, watching the HTTP call: a server that rejects the init ends the wait at once."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["group"] = join_group(
+                    self.backend, rank=0, world_size=world_size, device=dev, timeout_s=self.timeout_s,
+                    store=store, unique_id=unique_id,
+                )  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - re-raised below in the caller's thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="asyncgrpo-weight-transfer-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout_s + 10
+        while thread.is_alive():
+            thread.join(0.05)
+            if fut.done() and fut.exception() is not None:
+                raise WeightTransferError(
+                    f"the server rejected POST /init_weight_transfer_engine: {fut.exception()}"
+                ) from fut.exception()
+            if time.monotonic() > deadline:
+                raise WeightTransferError(f"timed out after {self.timeout_s:.0f}s joining the weight-transfer group")
+        if "error" in box:
+            server = ""
+            if fut.done() and fut.exception() is not None:
+                server = f"; the server said: {fut.exception()}"
+            raise WeightTransferError(f"joining the weight-transfer group failed: {box['error']}{server}") from box[
+                "error"
+            ]
+        return box["group"]
+
+    # ------------------------------------------------------------------ one round
+
+    def update(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: str,
+        packed: bool | None = None,
+        metadata: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+        barrier: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        """Push one set of weights and label it ``version``.
+
+        Args:
+            named_tensors: ``(hf_name, full tensor)`` in send order; consumed lazily when ``metadata`` is given.
+            version: the weight version the server reports from now on (``/weight_info``, ``weight_versions``).
+            packed: pack tensors into uint8 chunks (default: the ``init`` choice). A value other than the
+                ``init`` choice is sent as ``update_info.packed`` (honoured by the embedded server).
+            metadata: ``(name, dtype, shape)`` per tensor, to avoid materialising ``named_tensors`` up front.
+            barrier: called after the pause (e.g. waiting for the other trainer ranks); timed as ``barrier_s``.
+
+        Returns:
+            ``{"pause_s", "barrier_s", "transfer_s", "total_s"}`` (SPEC G10).
+
+        Raises:
+            WeightTransferError: a broadcast or a server step failed; the group should be considered broken.
+        """
+        if self.group is None or self._client is None or self._loop is None:
+            raise RuntimeError("call WeightSender.init() before update()")
+        client, group = self._client, self.group
+        if metadata is None:
+            items = [(n, t) for n, t in named_tensors]
+            metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items]
+            tensors: Iterable[torch.Tensor] = (t for _, t in items)
+        else:
+            metas = [TensorMeta(n, d, tuple(s)) for n, d, s in metadata]
+            tensors = (t for _, t in named_tensors)
+        use_packed = self.packed if packed is None else packed
+
+        t0 = time.perf_counter()
+        self._http(client.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
+        t1 = time.perf_counter()
+        try:
+            if barrier is not None:
+                barrier()
+            self._http(client.start_weight_update(timeout=self.timeout_s), "POST /start_weight_update")
+        except (ServerError, WeightTransferError):
+            self._resume_quietly()
+            raise
+        t2 = time.perf_counter()
+        reuse = metas == self._last_metas
+        update_info: dict[str, Any] = {
+            "names": [] if reuse else [m.name for m in metas],
+            "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
+            "shapes": [] if reuse else [list(m.shape) for m in metas],
+        }
+        if use_packed != self.packed:
+            update_info["packed"] = use_packed
+        fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
+        group.abort_check = _raise_if_failed(fut, "POST /update_weights")
+        try:
+            send_tensors(group, tensors, metas, packed=use_packed, buffer_size_bytes=self.packed_buffer_size_bytes)
+            group.synchronize("the weight broadcast")
+        except Exception as exc:
+            # Do not wait on the HTTP thread: the server may be stuck inside the collective.
+            self._last_metas = None
+            if isinstance(exc, WeightTransferError):
+                raise
+            raise WeightTransferError(f"broadcasting weights to {client.base_url} failed: {exc}") from exc
+        finally:
+            group.abort_check = None
+        try:
+            fut.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise WeightTransferError("the broadcast finished but POST /update_weights did not return") from None
+        except ServerError as exc:
+            self._last_metas = None
+            raise WeightTransferError(f"POST /update_weights failed: {exc}") from exc
+        self._last_metas = metas
+        self._http(client.finish_weight_update(version, timeout=self.timeout_s), "POST /finish_weight_update")
+        self._http(client.reset_prefix_cache(), "POST /reset_prefix_cache")
+        self._http(client.resume(timeout=self.timeout_s), "POST /resume")
+        t3 = time.perf_counter()
+        return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    def _resume_quietly(self) -> None:
+        assert self._client is not None
+        try:
+            self._http(self._client.resume(timeout=30.0), "POST /resume")
+        except (ServerError, WeightTransferError) as exc:
+            logger.warning("could not resume the server after a failed weight update: %s", exc)
+
+    def close(self, *, shutdown_server_side: bool = True) -> None:
+        """Leave the group (and ask the server to drop its side); the sender can be ``init``-ed again."""
+        if self._client is not None and self._loop is not None:
+            if shutdown_server_side and self.group is not None:
+                try:
+                    self._loop.run(self._client.shutdown_weight_transfer_engine(timeout=30.0), 35.0, "shutdown")
+                except (ServerError, WeightTransferError) as exc:
+                    logger.warning("POST /shutdown_weight_transfer_engine failed: %s", exc)
+            try:
+                self._loop.run(self._client.close(), 10.0, "closing the HTTP session")
+            except WeightTransferError as exc:
+                logger.warning("%s", exc)
+            self._loop.close()
+        if self.group is not None:
+            self.group.close()
+        self.group = self._client = self._loop = None
+        self._last_metas = None
