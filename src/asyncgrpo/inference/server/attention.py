@@ -1,0 +1,133 @@
+"""Attention over the paged KV cache: cache writes, packed prefill, batched decode.
+
+Cache layout per layer: K and V each ``[num_blocks + 1, block_size, num_kv_heads, head_dim]``;
+the extra last block is a sink that padded CUDA-graph rows write into and read
+from, never handed to a sequence. A token's *slot* is ``block * block_size + offset``.
+
+Prefill only attends within the new tokens (a preempted sequence is re-prefilled
+whole), so it needs no cache reads: on CUDA ``torch.nn.attention.varlen.varlen_attn``
+(FlashAttention inside torch) over the packed batch when present, else one causal
+SDPA per sequence. Decode reads the cache: on CUDA the Triton kernel of
+:mod:`decode_kernel`, elsewhere a gather + masked SDPA in torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from asyncgrpo.inference.server.model import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's K/V [T, Hkv, D] into their slots (graph-safe: no host sync)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+# ---------------------------------------------------------------------- prefill
+@functools.cache
+def _varlen_kwargs() -> dict | None:
+    """How this torch's varlen_attn spells 'causal' and GQA, or None when it is absent."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    out: dict = {"fn": varlen_attn, "gqa": "enable_gqa" in params}
+    if "window_size" in params:
+        out["causal"] = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        out["causal"] = {"is_causal": True}
+    else:
+        return None
+    out["scale"] = "scale" in params
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """Causal attention within each packed sequence. q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        spec = _varlen_kwargs()
+        if spec is not None:
+            return _prefill_varlen(q, k, v, batch, scale, spec)
+    return _prefill_sdpa(q, k, v, batch.seq_lens, scale)
+
+
+def _prefill_varlen(q, k, v, batch: ForwardBatch, scale: float, spec: dict) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    kwargs = dict(spec["causal"])
+    if spec["gqa"]:
+        kwargs["enable_gqa"] = True
+    elif group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if spec["scale"]:
+        kwargs["scale"] = scale
+    cu = batch.cu_seqlens
+    return spec["fn"](q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, **kwargs)
+
+
+def _prefill_sdpa(q, k, v, seq_lens: list[int], scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    start = 0
+    for n in seq_lens:
+        qs = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+        ks = k[start : start + n].transpose(0, 1)
+        vs = v[start : start + n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        out[start : start + n] = o.transpose(0, 1)
+        start += n
+    return out
+
+
+# ----------------------------------------------------------------------- decode
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """One query token per sequence against its paged context. q: [B, Hq, D] -> [B, Hq, D]."""
+    if q.is_cuda:
+        from asyncgrpo.inference.server.decode_kernel import paged_decode
+
+        return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+    return paged_decode_torch(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.max_context_len, scale)
+
+
+def paged_decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Gather each sequence's blocks and run masked SDPA (CPU path; also a readable spec of the kernel)."""
+    B, _, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    n_blocks = -(-max_context_len // block_size)
+    table = block_tables[:, :n_blocks].long()  # [B, n_blocks]
+    k = k_cache[table].reshape(B, n_blocks * block_size, Hkv, D)[:, :max_context_len]  # [B, L, Hkv, D]
+    v = v_cache[table].reshape(B, n_blocks * block_size, Hkv, D)[:, :max_context_len]
+    valid = torch.arange(max_context_len, device=q.device)[None, :] < context_lens[:, None].long()  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        k.transpose(1, 2),  # [B, Hkv, L, D]
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o.squeeze(2)

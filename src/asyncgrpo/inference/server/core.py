@@ -1,0 +1,236 @@
+"""The engine thread: a command queue drained between steps, pause states, and the step itself.
+
+Everything here runs on one thread (or inline in the caller before that thread
+starts), so scheduler, cache and sequences need no locks. Other threads only
+post commands ``(kind, arg, future)`` and wait on the future when they must.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from asyncgrpo.inference.server.request import PauseMode
+from asyncgrpo.inference.server.runner import ModelRunner
+from asyncgrpo.inference.server.sampler import Sampler, SampleResult, SamplerRow
+from asyncgrpo.inference.server.scheduler import Batch, Scheduler, Sequence
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the idle engine thread sleeps before re-checking its queue
+
+
+class EngineLoop:
+    """Owns the step loop of :class:`~asyncgrpo.inference.server.engine.Engine`."""
+
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, eos_token_ids: list[int], max_model_len: int
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.device = runner.device
+        self.weight_version = "0"
+        self.pause_mode: PauseMode | None = None
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.on_release: Any = None  # called with a request id when a request finishes
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._inline = threading.Lock()  # serialises command handling while no thread runs
+        self._seqs: dict[str, Sequence] = {}
+        self._drain_waiters: list[Future] = []
+        self._stopping = False
+
+    # ----------------------------------------------------------- other threads
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="asyncgrpo-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.running():
+            self.send(("stop", None))
+            self._thread.join(timeout=timeout)  # type: ignore[union-attr]
+        else:
+            self.send(("stop", None))
+
+    def send(self, cmd: tuple) -> Future:
+        """Post ``(kind, arg)``; handled on the engine thread, or right here if it is not running."""
+        fut: Future = Future()
+        if self.running():
+            self._commands.put((*cmd, fut))
+            self._wake.set()
+        else:
+            with self._inline:
+                self._handle((*cmd, fut))
+        return fut
+
+    def call(self, cmd: tuple, timeout: float | None) -> Any:
+        """:meth:`send` and wait for the answer (re-raising an error raised on the engine thread)."""
+        fut = self.send(cmd)
+        if not fut.done() and not self.running():
+            raise RuntimeError(f"{cmd[0]} cannot complete before the engine thread runs; call start() first")
+        return fut.result(timeout=timeout)
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with torch.no_grad():
+            while not self._stopping:
+                self._wake.clear()
+                self._drain_commands()
+                if self._stopping:
+                    break
+                stepped = self._can_step()
+                if stepped:
+                    self._step()
+                self._resolve_drain_waiters()
+                if not stepped:
+                    self._wake.wait(IDLE_WAIT_S)
+        logger.info("engine thread stopped")
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(cmd)
+
+    def _handle(self, cmd: tuple) -> None:
+        kind, arg, fut = cmd
+        try:
+            if kind == "submit":
+                self._seqs[arg.request_id] = arg
+                self.prompt_tokens += arg.prompt_len
+                self.scheduler.add(arg)
+            elif kind == "abort":
+                seq = self._seqs.get(arg)
+                if seq is not None:
+                    self._finish(seq, "abort")
+            elif kind == "pause":
+                self._pause(arg, fut)
+                return
+            elif kind == "resume":
+                self.pause_mode = None
+                self._resolve_drain_waiters(force=True)
+            elif kind == "call":
+                fut.set_result(arg())
+                return
+            elif kind == "stop":
+                self._stopping = True
+                self._abort_all()
+            fut.set_result(None)
+        except Exception as exc:  # e.g. a failing run_between_steps fn: goes back to its caller
+            logger.debug("engine command %s failed", kind, exc_info=True)
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _abort_all(self) -> None:
+        for seq in list(self._seqs.values()):
+            self._finish(seq, "abort")
+
+    def _pause(self, mode: PauseMode, fut: Future) -> None:
+        self.pause_mode = mode
+        if mode == "abort":
+            self._abort_all()
+        if mode == "wait" and self.scheduler.running:
+            self._drain_waiters.append(fut)  # answered once the running sequences are done
+        else:
+            fut.set_result(None)
+
+    def _resolve_drain_waiters(self, force: bool = False) -> None:
+        if self._drain_waiters and (force or not self.scheduler.running):
+            for fut in self._drain_waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            self._drain_waiters.clear()
+
+    def _can_step(self) -> bool:
+        if self.pause_mode in ("abort", "keep"):
+            return False
+        return self.scheduler.has_work(admit=self.pause_mode is None)
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule(admit=self.pause_mode is None)
+        if batch is None:
+            return
+        try:
+            result = self._forward_and_sample(batch)
+        except Exception as exc:  # fail the affected requests, keep the engine alive
+            logger.exception("engine step failed for %d requests", len(batch.seqs))
+            for seq in batch.seqs:
+                self._finish(seq, "abort", error=f"engine step failed: {type(exc).__name__}: {exc}")
+            return
+        version = self.weight_version
+        for i, seq in enumerate(batch.seqs):
+            token = result.token_ids[i]
+            seq.append(token, result.logprobs[i], version)
+            if seq.top_logprobs is not None:
+                seq.top_logprobs.append(result.top_logprobs[i] or [])
+            if seq.sampling_mask is not None:
+                seq.sampling_mask.append(result.masks[i] or [])
+            self.generation_tokens += 1
+            stop = self._stop_reason(seq, token)
+            if stop is not None:
+                self._finish(seq, *stop)
+
+    def _forward_and_sample(self, batch: Batch) -> SampleResult:
+        lora = any(s.lora is not None for s in batch.seqs)
+        if batch.is_prefill:
+            logits = self.runner.prefill(batch.seqs, lora)
+        else:
+            logits = self.runner.decode(batch.seqs, lora)
+        return self.sampler(logits, [self._sampler_row(s) for s in batch.seqs])
+
+    def _sampler_row(self, seq: Sequence) -> SamplerRow:
+        p = seq.request.params
+        n = seq.num_output
+        banned: list[int] = []
+        if n < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+        ids = seq.token_ids if p.repetition_penalty != 1.0 else []
+        return SamplerRow(params=p, num_output=n, token_ids=ids, banned=banned)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
+        """vLLM's order: nothing stops before min_tokens; then EOS, stop ids, max_tokens, max_model_len."""
+        p = seq.request.params
+        n = seq.num_output
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return ("stop", None)
+            if token in p.stop_token_ids:
+                return ("stop", token)
+        if n >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return ("length", None)
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | None = None, error: str | None = None) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        if self.on_release is not None:
+            self.on_release(seq.request_id)
+        try:
+            seq.on_finish(seq.to_output(reason, stop_reason, error))
+        except Exception:
+            logger.exception("on_finish callback of request %s raised", seq.request_id)

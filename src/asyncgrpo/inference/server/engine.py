@@ -1,0 +1,293 @@
+"""The embedded generation engine: a background thread that steps a continuous batch.
+
+The HTTP layer talks to :class:`Engine` only; all model, cache and sampler work
+happens on the engine thread. Public methods are thread-safe: they put a command
+on a queue that the engine thread drains between two steps, and the blocking ones
+(``pause``, ``run_between_steps``) wait for its answer. Finished requests are
+handed back through their ``on_finish`` callback, called on the engine thread.
+
+Defaults: ``max_model_len`` = min(config.max_position_embeddings, 4096); the
+prefill token budget per step = max(16384, max_model_len); KV capacity as in
+:mod:`kv_cache`. See :mod:`scheduler` for the batching policy and :mod:`sampler`
+for the sampling rules and seeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from asyncgrpo.inference.server.core import EngineLoop
+from asyncgrpo.inference.server.kv_cache import (
+    KVCache,
+    activation_headroom_bytes,
+    kv_bytes_per_token,
+    plan_num_blocks,
+)
+from asyncgrpo.inference.server.lora import LoRAManager
+from asyncgrpo.inference.server.model import DecoderLM, load_hf_model
+from asyncgrpo.inference.server.request import EngineStats, PauseMode, Request, RequestOutput
+from asyncgrpo.inference.server.runner import ModelRunner
+from asyncgrpo.inference.server.sampler import Sampler
+from asyncgrpo.inference.server.scheduler import Scheduler, Sequence
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_PREFILL_TOKENS = 16384  # per-step prefill token budget (raised to max_model_len if smaller)
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache (see the module docstring).
+
+    Args:
+        model: HF checkpoint directory of a Llama/Mistral/Qwen2/Qwen3 causal LM, or an
+            already-built ``PreTrainedModel`` of one (its weights are used in place).
+        dtype: "auto" (checkpoint dtype on CUDA, float32 on CPU), "bfloat16", "float16", "float32".
+        device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
+        max_model_len: longest prompt + output; default min(max_position_embeddings, 4096).
+        max_num_seqs: most sequences running at once.
+        seed: seed of the generator for requests without their own seed.
+        kv_cache_tokens: KV capacity in tokens; default from ``gpu_memory_utilization`` (CUDA).
+        gpu_memory_utilization: fraction of the GPU's memory this process may use in total.
+        block_size: tokens per KV block.
+        enable_lora / max_lora_rank / max_loras: runtime LoRA adapters.
+        enforce_eager: no CUDA graphs for decode.
+        max_num_batched_tokens: prefill token budget per step (extension; default above).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | Any,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        kv_cache_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        block_size: int = 16,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        max_loras: int = 1,
+        enforce_eager: bool = False,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or block_size < 1:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
+        hf = load_hf_model(model, dtype, device)
+        cfg = hf.config
+        self.hf_config = cfg
+        limit = getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+        self.max_model_len = int(max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN))
+        if self.max_model_len > limit:
+            logger.warning("max_model_len %d exceeds max_position_embeddings %d", self.max_model_len, limit)
+        self._model = DecoderLM(hf, self.max_model_len)
+        self.dtype = self._model.dtype
+        self.device = self._model.device
+        self.vocab_size = self._model.vocab_size
+        self.eos_token_ids = _eos_ids(hf)
+        self.block_size = block_size
+
+        budget = max_num_batched_tokens or max(DEFAULT_PREFILL_TOKENS, self.max_model_len)
+        if budget < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len ({self.max_model_len})")
+        m = self._model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.num_blocks = plan_num_blocks(
+            block_size=block_size,
+            bytes_per_token=kv_bytes_per_token(len(m.layers), m.num_kv_heads, m.head_dim, self.dtype),
+            device=self.device,
+            kv_cache_tokens=kv_cache_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            headroom_bytes=activation_headroom_bytes(
+                cfg.hidden_size, cfg.intermediate_size, self.vocab_size, budget, max_num_seqs, elem
+            ),
+        )
+        self.kv_cache_tokens = self.num_blocks * block_size
+        if self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(
+                f"KV cache holds {self.kv_cache_tokens} tokens < max_model_len {self.max_model_len}: one sequence "
+                "could never finish; raise kv_cache_tokens or lower max_model_len"
+            )
+        self._kv = KVCache(
+            len(m.layers), self.num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
+        )
+        self._scheduler = Scheduler(self._kv, max_num_seqs, budget)
+        self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager)
+        sampler = Sampler(self.device, seed)
+        self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)
+        self._runner.capture_graphs()
+        self._params = dict(hf.named_parameters(remove_duplicate=False))  # tied lm_head.weight listed too
+
+        self._core = EngineLoop(self._scheduler, self._runner, sampler, self.eos_token_ids, self.max_model_len)
+        self._core.on_release = self._release_id
+        self._live_ids: set[str] = set()  # submit-side view of requests in flight, for duplicate ids
+        self._ids_lock = threading.Lock()
+        logger.info(
+            "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens in %d blocks",
+            m.arch,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.kv_cache_tokens,
+            self.num_blocks,
+        )
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine thread (daemon). Idempotent."""
+        self._core.start()
+
+    def shutdown(self) -> None:
+        """Abort what is in flight, stop the thread and release the KV cache and graphs."""
+        self._core.stop()
+        self._core.runner = None  # type: ignore[assignment]
+        self._runner = None  # type: ignore[assignment]
+        self._kv.layers = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def weight_version(self) -> str:
+        return self._core.weight_version
+
+    # ----------------------------------------------------------------- requests
+    def submit(self, request: Request, on_finish: Callable[[RequestOutput], None]) -> None:
+        """Queue a request; ``on_finish`` is called once, on the engine thread. ValueError for a bad request."""
+        self._validate(request)
+        lora = self._lora.get(request.lora_name) if request.lora_name is not None else None
+        with self._ids_lock:
+            if request.request_id in self._live_ids:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight; ids must be unique")
+            self._live_ids.add(request.request_id)
+        self._core.send(("submit", Sequence(request=request, on_finish=on_finish, lora=lora)))
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request with finish_reason "abort", keeping its tokens so far. Unknown ids are ignored."""
+        self._core.send(("abort", request_id))
+
+    def _validate(self, request: Request) -> None:
+        ids, p = request.prompt_token_ids, request.params
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len}"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if request.lora_name is not None and request.lora_name not in self._lora.names:
+            raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; loaded: {self._lora.names}")
+        checks = [
+            (p.max_tokens >= 1, f"max_tokens must be >= 1, got {p.max_tokens}"),
+            (p.temperature >= 0.0, f"temperature must be >= 0, got {p.temperature}"),
+            (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
+            (p.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {p.top_k}"),
+            (0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}"),
+            (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
+            (0 <= p.min_tokens <= p.max_tokens, f"min_tokens ({p.min_tokens}) must be in [0, max_tokens]"),
+            (p.logprobs is None or 0 <= p.logprobs <= self.vocab_size, f"logprobs must be >= 0, got {p.logprobs}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    # ------------------------------------------------------------ pause / calls
+    def pause(self, mode: PauseMode, timeout: float | None = None) -> None:
+        """Pause per ``mode`` ("abort", "wait", "keep"; see the HTTP protocol) and return once in effect."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        self._core.call(("pause", mode), timeout)
+
+    def resume(self) -> None:
+        self._core.call(("resume", None), None)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._core.pause_mode is not None
+
+    @property
+    def pause_mode(self) -> PauseMode | None:
+        return self._core.pause_mode
+
+    def run_between_steps(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the engine thread between two steps and return its result (re-raising its error)."""
+        if threading.current_thread() is self._core.thread:
+            return fn()
+        return self._core.call(("call", fn), timeout)
+
+    def _release_id(self, request_id: str) -> None:
+        with self._ids_lock:
+            self._live_ids.discard(request_id)
+
+    # --------------------------------------------------------- weights & LoRA
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters under their HF checkpoint names (unfused; a tied lm_head is not listed)."""
+        yield from self._model.hf_model.named_parameters()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the parameters by HF name, in place. Call via :meth:`run_between_steps`."""
+        unknown, loaded = [], 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                param = self._params.get(name)
+                if param is None:
+                    unknown.append(name)
+                    continue
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}; expected {tuple(param.shape)}")
+                param.copy_(tensor)
+                loaded += 1
+        if unknown:
+            raise ValueError(f"unknown weight names {unknown[:10]} ({len(unknown)} total); {loaded} were loaded")
+
+    def set_weight_version(self, version: str) -> None:
+        """Tokens generated from now on are labelled with ``version``."""
+        self._core.weight_version = str(version)
+
+    def reset_prefix_cache(self) -> bool:
+        """Nothing to reset: the engine keeps no prefix cache across requests."""
+        return True
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._lora.unload(name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        return self._lora.names
+
+    def stats(self) -> EngineStats:
+        s = self._scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=self._kv.usage,
+            num_preemptions_total=s.num_preemptions,
+            prompt_tokens_total=self._core.prompt_tokens,
+            generation_tokens_total=self._core.generation_tokens,
+        )
+
+
+def _eos_ids(hf) -> list[int]:
+    """EOS ids of the config and of the generation config, deduplicated, in order."""
+    found: list[int] = []
+    for src in (hf.config, getattr(hf, "generation_config", None)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        for t in [eos] if isinstance(eos, int) else list(eos or []):
+            if t not in found:
+                found.append(int(t))
+    return found

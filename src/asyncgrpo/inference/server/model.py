@@ -1,0 +1,263 @@
+"""A compact decoder-only forward (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The weights stay in the Hugging Face model they were loaded into, under their
+checkpoint names and unfused (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``),
+so a weight update can be copied in place by name and CUDA graphs that read
+those tensors stay valid. Only the forward is ours: it works on a flat batch of
+tokens ``[T, hidden]`` (several sequences packed together, no padding) and
+reads/writes K/V through :mod:`attention`.
+
+RoPE: the loaded model's own ``model.model.rotary_emb`` module computes cos/sin
+for positions ``0..max_model_len-1`` once, which covers every rope-scaling
+variant the installed transformers knows (dynamic NTK is evaluated at the full
+length once rather than per call).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncgrpo.inference.server import attention
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class ForwardBatch:
+    """Attention metadata for one forward over a packed token batch.
+
+    Prefill: ``cu_seqlens`` [N+1] int32 bounds the N new sequences inside the T
+    tokens; every sequence starts at position 0 (no prefix reuse). Decode: one
+    token per sequence, ``block_tables`` [B, max_blocks] and ``context_lens`` [B]
+    (tokens in cache *including* the one being decoded). ``slot_mapping`` [T]
+    int64 says where each token's K/V goes in the flattened cache.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_context_len: int = 0
+    # LoRA: (adapter, token indices [n] int64) per adapter used in this batch; None = base model only.
+    lora_groups: list[tuple[object, torch.Tensor]] | None = None
+
+
+class _Layer:
+    """Direct references to one decoder layer's HF modules (avoids attribute walks in the hot loop)."""
+
+    def __init__(self, hf_layer: nn.Module) -> None:
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.ln1, self.ln2 = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """HF's RMSNorm arithmetic: normalise in fp32, cast back, then scale."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return norm.weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE (rotate-half layout). x: [T, H, D]; cos/sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def check_architecture(hf_model: nn.Module) -> str:
+    """Name of a supported architecture or a ValueError naming the supported ones."""
+    archs = list(getattr(hf_model.config, "architectures", None) or []) or [type(hf_model).__name__]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(
+        f"architecture {archs} is not supported by the embedded engine; supported: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}. Use a real vLLM server for other models."
+    )
+
+
+class DecoderLM:
+    """Our forward over an HF decoder-only causal LM's weights.
+
+    Args:
+        hf_model: a loaded ``*ForCausalLM`` of a supported family (weights used in place).
+        max_model_len: positions for which RoPE tables are precomputed.
+    """
+
+    def __init__(self, hf_model: nn.Module, max_model_len: int) -> None:
+        self.arch = check_architecture(hf_model)
+        cfg = hf_model.config
+        self.hf_model = hf_model
+        self.config = cfg
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        uses_window = "sliding_attention" in layer_types or (self.arch == "MistralForCausalLM" and window)
+        if uses_window and window is not None and window < max_model_len:
+            raise ValueError(
+                f"sliding-window attention (window {window}) is not implemented; pass max_model_len <= {window}"
+            )
+        base = hf_model.model
+        self.embed = base.embed_tokens
+        self.layers = [_Layer(layer) for layer in base.layers]
+        self.norm = base.norm
+        self.lm_head = hf_model.lm_head
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.act = _activation(cfg.hidden_act)
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.cos, self.sin = self._rope_tables(base.rotary_emb, max_model_len)
+
+    @torch.no_grad()
+    def _rope_tables(self, rotary: nn.Module, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        pos = torch.arange(max_len, device=self.device)[None]
+        cos, sin = rotary(probe, pos)  # [1, L, D] each, already in the model dtype like HF
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states after the final norm. input_ids/positions: [T]; returns [T, hidden]."""
+        h = self.embed.weight[input_ids]  # [T, hidden]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        lora = batch.lora_groups
+        T = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer.ln1)
+            q = self._proj(x, layer.q, i, "q_proj", lora).view(T, self.num_heads, self.head_dim)
+            k = self._proj(x, layer.k, i, "k_proj", lora).view(T, self.num_kv_heads, self.head_dim)
+            v = self._proj(x, layer.v, i, "v_proj", lora).view(T, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q = _rms_norm(q, layer.q_norm)
+                k = _rms_norm(k, layer.k_norm)
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
+            k_cache, v_cache = kv_caches[i]
+            attention.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            if batch.is_prefill:
+                o = attention.prefill_attention(q, k, v, batch, self.scale)
+            else:
+                o = attention.decode_attention(q, k_cache, v_cache, batch, self.scale)
+            h = h + self._proj(o.reshape(T, -1), layer.o, i, "o_proj", lora)
+            x = _rms_norm(h, layer.ln2)
+            gate = self._proj(x, layer.gate, i, "gate_proj", lora)
+            up = self._proj(x, layer.up, i, "up_proj", lora)
+            h = h + self._proj(self.act(gate) * up, layer.down, i, "down_proj", lora)
+        return _rms_norm(h, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] in the model dtype."""
+        return F.linear(hidden, self.lm_head.weight, getattr(self.lm_head, "bias", None))
+
+    @staticmethod
+    def _proj(
+        x: torch.Tensor, lin: nn.Linear, layer: int, name: str, lora: list[tuple[object, torch.Tensor]] | None
+    ) -> torch.Tensor:
+        y = F.linear(x, lin.weight, lin.bias)
+        if lora:
+            for adapter, idx in lora:
+                ab = adapter.weights.get((layer, name))  # type: ignore[attr-defined]
+                if ab is None:
+                    continue
+                a, b, scale = ab  # a: [r, in], b: [out, r]
+                delta = (x.index_select(0, idx) @ a.t()) @ b.t()
+                y.index_add_(0, idx, delta, alpha=scale)
+        return y
+
+
+def _activation(name: str):
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise ValueError(f"hidden_act {name!r} is not known to transformers")
+    return ACT2FN[name]
+
+
+# ---------------------------------------------------------------------- loading
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
+    """``"auto"``: the checkpoint's dtype on CUDA, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        return _DTYPES[ckpt] if isinstance(ckpt, str) else ckpt
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_hf_model(model, dtype: str | torch.dtype, device: str | torch.device) -> nn.Module:
+    """A supported HF causal LM on ``device`` in the resolved dtype, from a directory or an instance.
+
+    Passing an already-built ``PreTrainedModel`` (e.g. a random-init model for benchmarks)
+    avoids a save/load round trip; its weights are then shared, not copied.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    if isinstance(model, nn.Module):
+        hf = model
+        want = resolve_dtype(dtype, hf.config, dev) if dtype != "auto" else hf.dtype
+        if dev.type == "cpu" and dtype == "auto":
+            want = torch.float32
+        hf = hf.to(device=dev, dtype=want)
+    else:
+        config = AutoConfig.from_pretrained(model)
+        want = resolve_dtype(dtype, config, dev)
+        kwargs = {"device_map": str(dev)} if dev.type == "cuda" else {}
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=want, **kwargs)
+        hf = hf.to(dev)
+    check_architecture(hf)
+    hf.eval()
+    hf.requires_grad_(False)
+    return hf

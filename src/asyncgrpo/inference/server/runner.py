@@ -1,0 +1,162 @@
+"""Turns a scheduled batch into model inputs and logits; owns the decode CUDA graphs.
+
+Decode on CUDA replays a graph captured per batch-size bucket (1, 2, 4, 8, 16,
+32, then every 32 up to ``max_num_seqs``). The graph reads static buffers
+(token ids, positions, slot mapping, context lengths, block tables), which are
+filled with one host->device copy per step; rows past the real batch point at
+the KV sink block. LoRA batches and ``enforce_eager`` run the same forward
+eagerly. The sampler always runs outside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asyncgrpo.inference.server.kv_cache import KVCache
+from asyncgrpo.inference.server.model import DecoderLM, ForwardBatch
+from asyncgrpo.inference.server.scheduler import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_num_seqs]
+    sizes += list(range(32, max_num_seqs, 32))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class ModelRunner:
+    """Runs prefill and decode forwards of :class:`DecoderLM` against a :class:`KVCache`."""
+
+    def __init__(self, model: DecoderLM, kv: KVCache, max_num_seqs: int, max_model_len: int, use_graphs: bool) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = -(-max_model_len // kv.block_size)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_logits: dict[int, torch.Tensor] = {}
+        # static decode inputs, one int64 row per sequence: [token, position, slot, context_len, block table...]
+        self._static = torch.zeros(max_num_seqs, 4 + self.max_blocks, dtype=torch.int64, device=self.device)
+        self._staging = torch.zeros(max_num_seqs, 4 + self.max_blocks, dtype=torch.int64)
+        if self.device.type == "cuda":
+            self._staging = self._staging.pin_memory()
+        self._staging_np = self._staging.numpy()
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
+        """Forward all tokens of new sequences; returns logits [N, V] of each one's last position."""
+        bs = self.kv.block_size
+        lens = [len(s.token_ids) for s in seqs]
+        ids, positions, slots = [], [], []
+        for s, n in zip(seqs, lens):
+            ids.extend(s.token_ids)
+            positions.extend(range(n))
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        dev = self.device
+        batch = ForwardBatch(
+            is_prefill=True,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            max_seqlen=max(lens),
+            seq_lens=lens,
+            lora_groups=self._lora_groups(seqs, lens) if lora else None,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        hidden = self.model.forward(input_ids, pos, batch, self.kv.layers)
+        last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64).to(dev, non_blocking=True)
+        for s in seqs:
+            s.num_cached = len(s.token_ids)
+        return self.model.logits(hidden.index_select(0, last))
+
+    # ------------------------------------------------------------------- decode
+    def decode(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
+        """One token per sequence; returns logits [B, V] (a view of a graph buffer on the graph path)."""
+        B = len(seqs)
+        bucket = self._bucket(B) if (self.use_graphs and not lora) else B
+        self._fill_static(seqs, bucket)
+        if bucket in self._graphs:
+            self._graphs[bucket].replay()
+            logits = self._graph_logits[bucket][:B]
+        else:
+            max_ctx = max(len(s.token_ids) for s in seqs)
+            logits = self._decode_forward(bucket, max_ctx, self._lora_groups(seqs, [1] * B) if lora else None)[:B]
+        for s in seqs:
+            s.num_cached = len(s.token_ids)
+        return logits
+
+    def _bucket(self, n: int) -> int:
+        for b in sorted(self._graphs):
+            if b >= n:
+                return b
+        return n
+
+    def _fill_static(self, seqs: list[Sequence], rows: int) -> None:
+        bs, pad = self.kv.block_size, self.kv.pad_block
+        st = self._staging_np  # numpy view of the (pinned) staging tensor: cheap per-row writes
+        st[:rows, 4:] = pad
+        st[:rows, 0:4] = (0, 0, pad * bs, 1)  # padding rows: read and write only the sink block
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            p = n - 1
+            table = s.block_table
+            st[i, 0:4] = (s.token_ids[-1], p, table[p // bs] * bs + p % bs, n)
+            st[i, 4 : 4 + len(table)] = table
+        self._static[:rows].copy_(self._staging[:rows], non_blocking=True)
+
+    def _decode_forward(self, rows: int, max_ctx: int, lora_groups=None) -> torch.Tensor:
+        st = self._static[:rows]
+        batch = ForwardBatch(
+            is_prefill=False,
+            slot_mapping=st[:, 2],
+            block_tables=st[:, 4:],
+            context_lens=st[:, 3],
+            max_context_len=max_ctx,
+            lora_groups=lora_groups,
+        )
+        hidden = self.model.forward(st[:, 0], st[:, 1], batch, self.kv.layers)
+        return self.model.logits(hidden)
+
+    # ------------------------------------------------------------------- graphs
+    @torch.no_grad()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per bucket, largest first so smaller ones reuse its memory pool."""
+        if not self.use_graphs:
+            return
+        buckets = graph_buckets(self.max_num_seqs)
+        st = self._static
+        st[:, 4:] = self.kv.pad_block
+        st[:, 0:4] = torch.tensor([0, 0, self.kv.pad_block * self.kv.block_size, 1], device=self.device)
+        self._decode_forward(buckets[-1], self.kv.block_size)  # warm-up: compiles Triton, sets up cuBLAS
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for b in reversed(buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._decode_forward(b, self.kv.block_size)
+            if pool is None:
+                pool = graph.pool()
+            self._graphs[b] = graph
+            self._graph_logits[b] = out
+        torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", buckets)
+
+    # --------------------------------------------------------------------- LoRA
+    def _lora_groups(self, seqs: list[Sequence], lens: list[int]) -> list[tuple[object, torch.Tensor]] | None:
+        """Token indices per adapter: sequence i owns ``lens[i]`` consecutive tokens of the batch."""
+        by_adapter: dict[int, tuple[object, list[int]]] = {}
+        start = 0
+        for s, n in zip(seqs, lens):
+            if s.lora is not None:
+                by_adapter.setdefault(id(s.lora), (s.lora, []))[1].extend(range(start, start + n))
+            start += n
+        groups = [(a, torch.tensor(idx, dtype=torch.int64, device=self.device)) for a, idx in by_adapter.values()]
+        return groups or None

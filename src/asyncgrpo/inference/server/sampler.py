@@ -1,0 +1,225 @@
+"""Batched sampling with vLLM's ``--logprobs-mode processed_logprobs`` semantics.
+
+Per row, in order: (a) repetition penalty over prompt + output ids (positive
+logits divided by the penalty, negative ones multiplied); (b) ids banned by
+``min_tokens`` set to -inf; (c) temperature (greedy rows use 1.0 and skip d-f);
+(d) min-p: drop tokens with prob < min_p * max prob; (e) top-k: keep logits >=
+the k-th largest; (f) top-p on what is left: sort ascending, drop tokens whose
+ascending cumulative probability is <= 1 - top_p, always keeping the most
+probable; (g) log-softmax over the survivors = the processed log-probs, which is
+exactly the distribution sampled from and reported.
+
+Randomness: the choice is a Gumbel-max / exponential race,
+``argmax(logprob - log E)`` with ``E ~ Exp(1)`` per (row, token). Seeded rows
+draw ``E`` from a counter-based hash of (seed, output position, token id) -
+integer mixing in int64 torch ops - so a seeded request gets the same tokens
+whatever else shares its batch, on any device, without per-request generator
+state. Unseeded rows use the engine's ``torch.Generator`` (seeded from the
+engine's ``seed``).
+
+Memory: the batch is one [B, V] fp32 tensor edited in place; row subsets
+(top-k/top-p sorts, noise, top-N, masks) are processed in chunks of
+:data:`ROW_CHUNK` rows, and top-N / masks only for rows that asked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncgrpo.inference.server.request import SamplingParams
+
+ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries (sort indices, noise, hashes)
+_M32 = 0xFFFFFFFF
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerRow:
+    """What the sampler needs to know about one sequence at this step."""
+
+    params: SamplingParams
+    num_output: int  # tokens generated so far = output position of the token being sampled
+    token_ids: list[int] = field(default_factory=list)  # prompt + output; read only for the repetition penalty
+    banned: list[int] = field(default_factory=list)  # ids masked now (min_tokens not reached yet)
+
+
+@dataclass
+class SampleResult:
+    """Per row: the sampled id, its processed log-prob, top-N and the sampling mask (None unless asked)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    masks: list[list[int] | None]
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply rounds) on int64 tensors holding values < 2**32.
+
+    Products overflow int64 and wrap; only their low 32 bits are kept, which are exact.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def hashed_exponential(seeds: list[int], positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [R, vocab] (fp32) that depends only on (seed, position, token id)."""
+    lo = torch.tensor([s & _M32 for s in seeds], dtype=torch.int64, device=device)
+    hi = torch.tensor([(s >> 32) & _M32 for s in seeds], dtype=torch.int64, device=device)
+    pos = torch.tensor([p & _M32 for p in positions], dtype=torch.int64, device=device)
+    key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
+    key = _mix32(key ^ _mix32((pos + 0x85EBCA6B) & _M32))  # [R]
+    tok = _mix32(torch.arange(vocab, dtype=torch.int64, device=device) + 0x27D4EB2F)  # [V]
+    bits = _mix32(key[:, None] ^ tok[None, :])  # [R, V] in [0, 2**32)
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 exact bits
+    return u.log_().neg_()
+
+
+def _chunks(items: list[int], size: int = ROW_CHUNK):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+class Sampler:
+    """Turns logits [B, V] into one token per row (see the module docstring for the rules).
+
+    Args:
+        device: where the logits live.
+        seed: seed of the generator that unseeded rows draw from.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
+        B, V = logits.shape
+        assert B == len(rows)
+        x = logits.float()
+        if x.data_ptr() == logits.data_ptr():
+            x = x.clone()  # never edit the caller's (or a CUDA graph's) buffer
+        params = [r.params for r in rows]
+        greedy = [p.temperature == 0.0 for p in params]
+        self._penalise(x, rows)
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        if any(t != 1.0 for t in temps):
+            x.div_(self._col(temps))
+        min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        if any(m > 0.0 for m in min_ps):
+            # prob_i < min_p * prob_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf keeps all
+            thresh = x.amax(dim=1, keepdim=True) + self._col([math.log(m) if m > 0 else _NEG_INF for m in min_ps])
+            x.masked_fill_(x < thresh, _NEG_INF)
+        trunc = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and (0 < p.top_k < V or p.top_p < 1.0)]
+        for chunk in _chunks(trunc):
+            self._top_k_top_p(x, chunk, [params[i].top_k for i in chunk], [params[i].top_p for i in chunk])
+        x.sub_(torch.logsumexp(x, dim=1, keepdim=True))  # x is now the processed log-probs
+        choice = self._choose(x, rows, greedy)
+        chosen_lp = x.gather(1, choice[:, None]).squeeze(1)
+        packed = torch.stack([choice.double(), chosen_lp.double()]).cpu()  # one device->host sync
+        token_ids = [int(t) for t in packed[0].tolist()]
+        return SampleResult(
+            token_ids=token_ids,
+            logprobs=packed[1].tolist(),
+            top_logprobs=self._top_n(x, params),
+            masks=self._masks(x, params),
+        )
+
+    # ---------------------------------------------------------------- steps
+    def _col(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
+
+    def _penalise(self, x: torch.Tensor, rows: list[SamplerRow]) -> None:
+        """(a) repetition penalty and (b) min_tokens bans, in place."""
+        V = x.shape[1]
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        for chunk in _chunks(rep):
+            longest = max(len(rows[i].token_ids) for i in chunk)
+            ids = torch.full((len(chunk), longest), V, dtype=torch.int64)  # V = padding column, cut below
+            for j, i in enumerate(chunk):
+                ids[j, : len(rows[i].token_ids)] = torch.tensor(rows[i].token_ids, dtype=torch.int64)
+            seen = torch.zeros(len(chunk), V + 1, dtype=torch.bool, device=self.device)
+            seen.scatter_(1, ids.to(self.device), True)
+            idx = torch.tensor(chunk, device=self.device)
+            sub = x.index_select(0, idx)
+            pen = self._col([rows[i].params.repetition_penalty for i in chunk])
+            sub = torch.where(seen[:, :V], torch.where(sub > 0, sub / pen, sub * pen), sub)
+            x.index_copy_(0, idx, sub)
+        pairs = [(i, t) for i, r in enumerate(rows) for t in r.banned if 0 <= t < V]
+        if pairs:
+            r_idx, t_idx = torch.tensor(pairs, dtype=torch.int64, device=self.device).unbind(1)
+            x[r_idx, t_idx] = _NEG_INF
+
+    def _top_k_top_p(self, x: torch.Tensor, chunk: list[int], ks: list[int], ps: list[float]) -> None:
+        """(e) top-k then (f) top-p on the rows ``chunk``, in place, through one ascending sort."""
+        V = x.shape[1]
+        idx = torch.tensor(chunk, device=self.device)
+        sub = x.index_select(0, idx)
+        srt, order = sub.sort(dim=1)  # ascending
+        k = torch.tensor([k if 0 < k < V else V for k in ks], dtype=torch.int64, device=self.device)
+        kth = srt.gather(1, (V - k)[:, None])  # k-th largest
+        srt.masked_fill_(srt < kth, _NEG_INF)
+        if any(p < 1.0 for p in ps):
+            cum = srt.softmax(dim=1).cumsum_(dim=1)
+            drop = cum <= (1.0 - self._col(ps))
+            drop[:, -1] = False  # the most probable token always survives
+            srt.masked_fill_(drop, _NEG_INF)
+        sub.scatter_(1, order, srt)
+        x.index_copy_(0, idx, sub)
+
+    def _choose(self, x: torch.Tensor, rows: list[SamplerRow], greedy: list[bool]) -> torch.Tensor:
+        """argmax for greedy rows; exponential race for the others. Returns [B] int64."""
+        choice = x.argmax(dim=1)
+        seeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is not None]
+        unseeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is None]
+        if len(unseeded) == len(rows):  # common case: no row subsetting
+            for start in range(0, len(rows), ROW_CHUNK):
+                part = x[start : start + ROW_CHUNK]
+                noise = torch.empty_like(part).exponential_(generator=self.generator)
+                choice[start : start + ROW_CHUNK] = (part - noise.log_()).argmax(dim=1)
+            return choice
+        for chunk in _chunks(unseeded):
+            idx = torch.tensor(chunk, device=self.device)
+            part = x.index_select(0, idx)
+            noise = torch.empty_like(part).exponential_(generator=self.generator)
+            choice.index_copy_(0, idx, (part - noise.log_()).argmax(dim=1))
+        for chunk in _chunks(seeded):
+            idx = torch.tensor(chunk, device=self.device)
+            noise = hashed_exponential(
+                [rows[i].params.seed for i in chunk], [rows[i].num_output for i in chunk], x.shape[1], self.device
+            )
+            choice.index_copy_(0, idx, (x.index_select(0, idx) - noise.log_()).argmax(dim=1))
+        return choice
+
+    def _top_n(self, x: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+        out: list[list[tuple[int, float]] | None] = [None] * len(params)
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        for i in asked:
+            out[i] = []
+        asked = [i for i in asked if params[i].logprobs > 0]
+        for chunk in _chunks(asked):
+            n = min(max(params[i].logprobs for i in chunk), x.shape[1])
+            vals, ids = x.index_select(0, torch.tensor(chunk, device=self.device)).topk(n, dim=1)
+            vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
+            for j, i in enumerate(chunk):
+                k = params[i].logprobs
+                out[i] = list(zip(ids[j][:k], vals[j][:k]))
+        return out
+
+    def _masks(self, x: torch.Tensor, params: list[SamplingParams]) -> list[list[int] | None]:
+        out: list[list[int] | None] = [None] * len(params)
+        asked = [i for i, p in enumerate(params) if p.return_sampling_mask]
+        for chunk in _chunks(asked):
+            alive = torch.isfinite(x.index_select(0, torch.tensor(chunk, device=self.device)))
+            counts = alive.sum(dim=1).cpu().tolist()
+            ids = alive.nonzero()[:, 1].cpu()  # row-major: each row's ids come out sorted
+            for j, part in enumerate(ids.split(counts)):
+                out[chunk[j]] = part.tolist()
+        return out

@@ -1,0 +1,182 @@
+"""Continuous batching: which sequences run in the next step.
+
+Policy (one kind of step at a time):
+- A *prefill* step admits waiting sequences in arrival order while they fit the
+  per-step token budget, ``max_num_seqs`` and the free KV blocks.
+- A *decode* step advances every running sequence by one token.
+- When both are possible the steps alternate (prefill, decode, prefill, ...), so
+  a stream of arrivals can neither starve the running sequences nor wait long.
+- When a decode step finds no free block for a sequence, the newest running
+  sequence is preempted by recompute: its blocks are freed and it goes back to
+  the head of the waiting queue with its generated tokens (and their log-probs)
+  kept; its next prefill recomputes prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncgrpo.inference.server.kv_cache import KVCache
+from asyncgrpo.inference.server.request import Request, RequestOutput, WeightVersionSpan
+
+_arrival = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """Mutable state of one request inside the engine.
+
+    ``token_ids`` = prompt + generated; K/V of the first ``num_cached`` of them are
+    in the blocks of ``block_table``. Per-token output lists share the length of
+    ``token_ids[prompt_len:]``.
+    """
+
+    request: Request
+    on_finish: Callable[[RequestOutput], None]
+    lora: object | None = None
+    token_ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    sampling_mask: list[list[int]] | None = None
+    spans: list[WeightVersionSpan] = field(default_factory=list)
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.request.prompt_token_ids)
+        self.prompt_len = len(self.token_ids)
+        params = self.request.params
+        if params.logprobs is not None:
+            self.top_logprobs = []
+        if params.return_sampling_mask:
+            self.sampling_mask = []
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    def append(self, token: int, logprob: float, version: str) -> None:
+        """Record one generated token and label it with the weight version in force."""
+        index = self.num_output
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        last = self.spans[-1] if self.spans else None
+        if last is not None and last.version == version and last.end == index:
+            last.end += 1
+        else:
+            self.spans.append(WeightVersionSpan(version=version, start=index, end=index + 1))
+
+    def to_output(self, finish_reason: str, stop_reason: int | None = None, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.request.prompt_token_ids),
+            token_ids=self.output_ids,
+            logprobs=list(self.logprobs),
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            stop_reason=stop_reason,
+            top_logprobs=self.top_logprobs,
+            sampling_mask=self.sampling_mask,
+            weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in self.spans],
+            error=error,
+        )
+
+
+@dataclass
+class Batch:
+    """The sequences of one step; prefill sequences have ``num_cached == 0``."""
+
+    is_prefill: bool
+    seqs: list[Sequence]
+
+
+class Scheduler:
+    """Waiting queue, running list and the block bookkeeping that goes with them."""
+
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._last_was_prefill = False
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence from whichever queue holds it and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.block_table)
+        seq.num_cached = 0
+
+    def has_work(self, admit: bool) -> bool:
+        return bool(self.running) or (admit and bool(self.waiting))
+
+    def schedule(self, admit: bool = True) -> Batch | None:
+        """The next step's batch, or None when there is nothing to do."""
+        want_decode = self.running and self._last_was_prefill
+        if admit and self.waiting and not want_decode:
+            seqs = self._admit()
+            if seqs:
+                self._last_was_prefill = True
+                return Batch(is_prefill=True, seqs=seqs)
+        self._last_was_prefill = False
+        if not self.running:
+            return None
+        return Batch(is_prefill=False, seqs=self._reserve_decode())
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        budget = self.max_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = len(seq.token_ids)
+            need = self.kv.blocks_needed(n, 0)
+            if (admitted and n > budget) or need > self.kv.num_free:
+                break
+            self.waiting.popleft()
+            seq.block_table = self.kv.allocate(need)
+            budget -= n
+            admitted.append(seq)
+            self.running.append(seq)
+        return admitted
+
+    def _reserve_decode(self) -> list[Sequence]:
+        """Make room for one more token in every running sequence, preempting the newest if needed."""
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            need = self.kv.blocks_needed(len(seq.token_ids), len(seq.block_table))
+            while need > self.kv.num_free and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+            if need > self.kv.num_free:
+                self._preempt(seq)  # it is the newest itself; the ones before it keep going
+                continue
+            seq.block_table.extend(self.kv.allocate(need))
+            i += 1
+        return list(self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.block_table)
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
