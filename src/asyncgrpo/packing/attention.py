@@ -1,0 +1,295 @@
+"""Tree attention for transformers models, with kernels that ship inside PyTorch.
+
+A packed row reaches the model as ``input_ids [1, T]`` and ``position_ids [1, T]``
+(depth in the trie) with ``attn_implementation = "asyncgrpo_tree"``. The row's
+structure travels as the keyword argument ``tree_plan`` (a :class:`TreeAttentionPlan`):
+transformers passes unknown keyword arguments of ``model(...)`` down to every
+attention call, and gradient checkpointing binds them into the recomputed
+forward, so no global state is needed.
+
+Backends (``TreeAttentionPlan.backend``):
+
+- ``"sdpa"``: explicit [T, T] boolean mask + ``scaled_dot_product_attention``; any
+  device, any dtype; memory O(T^2), meant for CPU and tests.
+- ``"flex"``: FlexAttention (compiled) with a block mask built from the trie at
+  128-token block granularity; CUDA. Fastest in the H200 measurements.
+- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention inside
+  torch) with one variable-length sequence per trie segment whose keys/values are
+  the gathered tokens of the segment's root-to-leaf path; CUDA, bf16/fp16.
+
+A mask function is registered under the same name so transformers does not
+build a dense mask for packed rows; for ordinary (unpacked) calls without a plan
+the model falls back to transformers' SDPA attention with its usual mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo.packing.row import PackedRow
+
+logger = logging.getLogger(__name__)
+
+TREE_ATTENTION = "asyncgrpo_tree"
+BACKENDS = ("auto", "sdpa", "flex", "varlen")
+FLEX_BLOCK = 128  # FlexAttention's sparse block size (tokens per block side)
+
+
+@dataclass
+class TreeAttentionPlan:
+    """What the attention kernels need to know about one packed row, built once per forward.
+
+    Attributes:
+        backend: "sdpa", "flex" or "varlen".
+        num_tokens: T.
+        dense_mask: sdpa: [T, T] bool, True where the query may attend to the key.
+        block_mask: flex: the FlexAttention ``BlockMask``.
+        kv_index: varlen: [sum of path lengths] row index of each gathered key/value.
+        cu_seq_q, cu_seq_k: varlen: [S + 1] int32 offsets of each segment's queries / keys.
+        max_q, max_k: varlen: longest segment / longest path.
+    """
+
+    backend: str
+    num_tokens: int
+    dense_mask: torch.Tensor | None = None
+    block_mask: Any = None
+    kv_index: torch.Tensor | None = None
+    cu_seq_q: torch.Tensor | None = None
+    cu_seq_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+
+
+def build_plan(row: PackedRow, backend: str = "auto", device: torch.device | str | None = None) -> TreeAttentionPlan:
+    """Prepare the attention structure of ``row`` for ``backend`` on ``device``.
+
+    Args:
+        row: the packed row (its tensors may live on any device).
+        backend: "auto" (flex on CUDA, sdpa elsewhere), "sdpa", "flex" or "varlen".
+        device: where the model runs; defaults to the row's device.
+
+    Raises:
+        ValueError: for an unknown backend, or a CUDA-only backend on another device.
+    """
+    device = torch.device(device) if device is not None else row.input_ids.device
+    if backend not in BACKENDS:
+        raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" else "sdpa"
+    if backend in ("flex", "varlen") and device.type != "cuda":
+        raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use backend='sdpa'")
+    total = row.num_tokens
+    end = row.subtree_end.to(device)
+    if backend == "sdpa":
+        return TreeAttentionPlan("sdpa", total, dense_mask=_dense_mask(end))
+    if backend == "flex":
+        return TreeAttentionPlan("flex", total, block_mask=_flex_block_mask(end))
+    return _varlen_plan(row, device)
+
+
+def _dense_mask(end: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool: key k visible to query q iff k <= q < end[k] (causal, restricted to q's path)."""
+    idx = torch.arange(end.numel(), device=end.device)
+    return (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
+
+
+def _flex_block_mask(end: torch.Tensor) -> Any:
+    """FlexAttention block mask of the tree, classified per 128x128 block without a [T, T] tensor.
+
+    The number of visible (q, k) pairs in a block is the sum over its keys k of the length of
+    ``[max(k, q_lo), min(end[k], q_hi))``; a block is full when that equals its area, empty at 0.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    total, dev = end.numel(), end.device
+    nb = max(1, -(-total // FLEX_BLOCK))
+    lo = torch.arange(nb, device=dev) * FLEX_BLOCK
+    hi = torch.clamp(lo + FLEX_BLOCK, max=total)
+    keys = torch.arange(total, device=dev)
+    pairs = (torch.minimum(end[None, :], hi[:, None]) - torch.maximum(keys[None, :], lo[:, None])).clamp_(min=0)
+    pairs = F.pad(pairs.to(torch.int32), (0, nb * FLEX_BLOCK - total))  # [nb_q, nb_k * 128]
+    counts = pairs.view(nb, nb, FLEX_BLOCK).sum(-1)  # [nb_q, nb_k]
+    sizes = hi - lo
+    area = sizes[:, None] * sizes[None, :]
+    full = counts == area
+    partial = (counts > 0) & ~full
+
+    def indices(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = sel.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # selected blocks first
+        return num[None, None], order[None, None]
+
+    kv_num, kv_idx = indices(partial)
+    full_num, full_idx = indices(full)
+    # keys past T (FlexAttention pads to whole blocks) get end 0, so no query sees them
+    end_padded = F.pad(end, (0, nb * FLEX_BLOCK - total))
+
+    def tree_mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (kv <= q) & (q < end_padded[kv])
+
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=tree_mask, seq_lengths=(total, total)
+    )
+
+
+def _varlen_plan(row: PackedRow, device: torch.device) -> TreeAttentionPlan:
+    """One varlen sequence per segment: queries = its tokens, keys = its root-to-leaf path."""
+    starts, ends, parents = (t.cpu().numpy() for t in (row.seg_start, row.seg_end, row.seg_parent))
+    paths: list[np.ndarray] = []
+    for s in range(len(starts)):  # parents precede children in depth-first order
+        own = np.arange(starts[s], ends[s], dtype=np.int64)
+        paths.append(np.concatenate([paths[parents[s]], own]) if parents[s] >= 0 else own)
+    q_len = ends - starts
+    k_len = np.array([len(p) for p in paths], dtype=np.int64)
+    to = {"device": device, "dtype": torch.int32}
+    return TreeAttentionPlan(
+        "varlen",
+        row.num_tokens,
+        kv_index=torch.from_numpy(np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)).to(device),
+        cu_seq_q=torch.tensor(np.concatenate([[0], np.cumsum(q_len)]), **to),
+        cu_seq_k=torch.tensor(np.concatenate([[0], np.cumsum(k_len)]), **to),
+        max_q=int(q_len.max(initial=0)),
+        max_k=int(k_len.max(initial=0)),
+    )
+
+
+# ---------------------------------------------------------------------- kernels
+_compiled_flex: Any = None
+
+
+def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
+    global _compiled_flex
+    if _compiled_flex is None:  # compiled once per process; FlexAttention is only fast compiled
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention)
+    gqa = query.shape[1] != key.shape[1]
+    return _compiled_flex(query, key, value, block_mask=plan.block_mask, scale=scale, enable_gqa=gqa)
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}"
+        )
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    k = key[0].transpose(0, 1).index_select(0, plan.kv_index)  # [sum paths, H_kv, D]
+    v = value[0].transpose(0, 1).index_select(0, plan.kv_index)
+    extra = {"enable_gqa": True} if _varlen_has_gqa_flag() and q.shape[1] != k.shape[1] else {}
+    # window (-1, 0) = causal aligned to the bottom right: a segment's queries are the last keys of its path
+    out = varlen_attn(
+        q, k, v, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, scale=scale, window_size=(-1, 0), **extra
+    )
+    return out.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+
+
+_VARLEN_GQA: bool | None = None
+
+
+def _varlen_has_gqa_flag() -> bool:
+    """torch >= 2.12 asks for ``enable_gqa=True``; 2.11's kernel takes fewer K/V heads as they are."""
+    global _VARLEN_GQA
+    if _VARLEN_GQA is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+    return _VARLEN_GQA
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    tree_plan: TreeAttentionPlan | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q [1, H, T, D], k/v [1, H_kv, T, D] -> ([1, T, H, D], None)."""
+    if tree_plan is None:  # an ordinary batch (generation, evaluation): plain SDPA with transformers' mask
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[0] != 1 or query.shape[2] != tree_plan.num_tokens:
+        raise ValueError(
+            f"tree attention expects one packed row of {tree_plan.num_tokens} tokens, got query {tuple(query.shape)}"
+        )
+    if sliding_window is not None:
+        raise ValueError("tree attention does not support sliding-window layers; disable use_sliding_window")
+    if tree_plan.backend == "sdpa":
+        mask = tree_plan.dense_mask[None, None]
+        gqa = query.shape[1] != key.shape[1]
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        )
+    elif dropout:
+        raise ValueError(f"tree attention backend {tree_plan.backend!r} has no attention dropout; set it to 0")
+    elif tree_plan.backend == "flex":
+        out = _flex(query, key, value, tree_plan, scaling)
+    else:
+        out = _varlen(query, key, value, tree_plan, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _tree_mask_function(**kwargs: Any) -> torch.Tensor | None:
+    """No mask for packed rows (the plan carries the structure); SDPA's mask for padded batches."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(**kwargs)
+
+
+_REGISTERED = False
+
+
+def register_tree_attention() -> str:
+    """Register the attention and mask functions with transformers (idempotent); returns the name."""
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+        AttentionMaskInterface.register(TREE_ATTENTION, _tree_mask_function)
+        _REGISTERED = True
+    return TREE_ATTENTION
+
+
+def use_tree_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` (a transformers ``PreTrainedModel``) to tree attention."""
+    register_tree_attention()
+    model.set_attn_implementation(TREE_ATTENTION)
+
+
+def packed_hidden_states(model: torch.nn.Module, row: PackedRow, plan: TreeAttentionPlan | None = None) -> torch.Tensor:
+    """Final hidden states [T, hidden] of ``row`` (the LM head is left to ``trainer.logprobs``).
+
+    The model must use tree attention (:func:`use_tree_attention`); ``row`` must be on the
+    model's device. Calls the decoder (``model.base_model``) so no [T, vocab] logits are built.
+    """
+    if plan is None:
+        plan = build_plan(row)
+    decoder = model.base_model
+    out = decoder(
+        input_ids=row.input_ids[None],
+        position_ids=row.position_ids[None],
+        attention_mask=None,
+        use_cache=False,
+        tree_plan=plan,
+    )
+    return out.last_hidden_state[0]

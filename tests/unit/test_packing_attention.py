@@ -1,0 +1,175 @@
+"""Tree attention parity (SPEC P1, B3 on CPU): packed forward/backward == each sample forwarded alone by HF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from asyncgrpo.packing.attention import _flex_block_mask, build_plan, packed_hidden_states, use_tree_attention
+from asyncgrpo.packing.row import pack_samples
+from asyncgrpo.packing.synthetic import random_tree_samples
+
+VOCAB = 97
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+def _model(arch: str) -> torch.nn.Module:
+    cfg = {
+        "llama": lambda: LlamaConfig(**COMMON),
+        "qwen2": lambda: Qwen2Config(**COMMON),
+        "qwen3": lambda: Qwen3Config(head_dim=8, **COMMON),
+    }[arch]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _reference(model, samples, weights):
+    """Per-sample unpacked HF forward: trained-token log-probs and grads of sum(weights * logp)."""
+    model.set_attn_implementation("sdpa")
+    model.zero_grad()
+    out, start = [], 0
+    for s in samples:
+        ids = torch.from_numpy(s.token_ids)[None]
+        logp = model(input_ids=ids).logits[0].log_softmax(-1)
+        t = torch.from_numpy(np.flatnonzero(s.loss_mask))
+        lp = logp[t - 1].gather(1, ids[0, t][:, None])[:, 0]
+        (lp * weights[start : start + len(t)]).sum().backward()
+        out.append(lp.detach())
+        start += len(t)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return torch.cat(out), grads
+
+
+def _packed(model, row, weights):
+    use_tree_attention(model)
+    model.zero_grad()
+    hidden = packed_hidden_states(model, row, build_plan(row, "sdpa"))
+    logits = hidden[row.pred_index] @ model.get_output_embeddings().weight.T
+    lp = logits.log_softmax(-1).gather(1, row.target_ids[:, None])[:, 0]
+    (lp * weights).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_matches_unpacked(arch, checkpointing):
+    rng = np.random.default_rng(7)
+    samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=3)
+    row = pack_samples(samples)
+    assert row.num_tokens < row.num_flat_tokens  # sharing happened
+    model = _model(arch)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # checkpointing is active only in training mode (dropout is 0 in these configs)
+        assert all(layer.gradient_checkpointing for layer in model.base_model.layers)
+    weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
+    ref_lp, ref_grads = _reference(model, samples, weights)
+    lp, grads = _packed(model, row, weights)
+    assert (lp - ref_lp).abs().max().item() <= 1e-4
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
+
+
+def test_ordinary_padded_batch_without_plan_uses_sdpa():
+    model = _model("qwen3").eval()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        use_tree_attention(model)
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert (got[0] - ref[0]).abs().max() <= 1e-5 and (got[1, :6] - ref[1, :6]).abs().max() <= 1e-5
+
+
+def _dense_reference(row):
+    """[T, T] visibility from parent chains: query q sees the tokens on its path to the root."""
+    par = row.parent.numpy()
+    total = row.num_tokens
+    dense = np.zeros((total, total), dtype=bool)
+    for q in range(total):
+        k = q
+        while k >= 0:
+            dense[q, k] = True
+            k = par[k]
+    return torch.from_numpy(dense)
+
+
+def _large_row(seed=0):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for g in range(3):
+        prompt = list(rng.integers(0, 50, size=150))
+        for _ in range(4):
+            comp = list(rng.integers(0, 50, size=int(rng.integers(1, 120))))
+            samples.append(pack_sample_of(prompt, comp, g))
+    return pack_samples(samples)
+
+
+def pack_sample_of(prompt, comp, group):
+    from asyncgrpo.packing.sample import PackSample
+
+    return PackSample(prompt + comp, [0] * len(prompt) + [1] * len(comp), [0.0] * (len(prompt) + len(comp)), 1.0, group)
+
+
+def test_flex_block_mask_classifies_blocks_exactly():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    row = _large_row()
+    dense = _dense_reference(row)
+    bm = _flex_block_mask(row.subtree_end)
+    total, blk = row.num_tokens, 128
+    nb = -(-total // blk)
+    full = torch.zeros(nb, nb, dtype=torch.bool)
+    part = torch.zeros(nb, nb, dtype=torch.bool)
+    for qb in range(nb):
+        full[qb, bm.full_kv_indices[0, 0, qb, : bm.full_kv_num_blocks[0, 0, qb]].long()] = True
+        part[qb, bm.kv_indices[0, 0, qb, : bm.kv_num_blocks[0, 0, qb]].long()] = True
+    for qb in range(nb):
+        for kb in range(nb):
+            block = dense[qb * blk : (qb + 1) * blk, kb * blk : (kb + 1) * blk]
+            assert bool(full[qb, kb]) == bool(block.all())
+            assert bool(part[qb, kb]) == bool(block.any() and not block.all())
+    # the kernel (uncompiled, forward only on CPU) agrees with a dense-mask SDPA
+    q, k, v = torch.randn(1, 4, total, 16), torch.randn(1, 2, total, 16), torch.randn(1, 2, total, 16)
+    out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None], enable_gqa=True)
+    assert (out - ref).abs().max() <= 1e-5
+
+
+def test_varlen_plan_equals_tree_mask():
+    """Each segment's gathered keys, under bottom-right causal alignment, are exactly its tokens' paths."""
+    row = _large_row(1)
+    dense = _dense_reference(row)
+    plan = build_plan(row, "sdpa")
+    assert torch.equal(plan.dense_mask, dense)
+    from asyncgrpo.packing.attention import _varlen_plan
+
+    vp = _varlen_plan(row, torch.device("cpu"))
+    implied = torch.zeros_like(dense)
+    cq, ck, kv = vp.cu_seq_q.tolist(), vp.cu_seq_k.tolist(), vp.kv_index
+    for s in range(len(cq) - 1):
+        lq, lk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        for i in range(lq):  # query i sees keys j <= i + (lk - lq)
+            implied[cq[s] + i, kv[ck[s] : ck[s] + i + lk - lq + 1]] = True
+    assert torch.equal(implied, dense)
+    assert vp.max_q == int((row.seg_end - row.seg_start).max())
+
+
+def test_cuda_backends_refuse_cpu():
+    row = _large_row()
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        build_plan(row, "flex", device="cpu")
+    with pytest.raises(ValueError, match="unknown"):
+        build_plan(row, "triton")
