@@ -13,20 +13,25 @@ from asyncgrpo.packing.attention import (
     register_tree_attention,
     use_tree_attention,
 )
+from asyncgrpo.packing.planner import MicroBatch, TokenBudgetBatcher, batch_metrics, plan_step
 from asyncgrpo.packing.row import PackedRow, pack_samples, pack_trie
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.packing.trie import PrefixTrie
 
 __all__ = [
     "TREE_ATTENTION",
+    "MicroBatch",
     "PackSample",
     "PackedRow",
     "PrefixTrie",
+    "TokenBudgetBatcher",
     "TreeAttentionPlan",
+    "batch_metrics",
     "build_plan",
     "pack_samples",
     "pack_trie",
     "packed_hidden_states",
+    "plan_step",
     "register_tree_attention",
     "use_tree_attention",
 ]

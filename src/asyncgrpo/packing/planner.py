@@ -1,0 +1,185 @@
+"""Token-budget planner: which samples share a row, and when a micro-batch closes (SPEC P2-P4).
+
+A micro-batch holds one row per process; ``gradient_accumulation_steps`` micro-batches
+make an optimizer step. Samples arrive in queue order (a group's samples together) and
+are placed one at a time:
+
+1. a sample goes to the row already holding its group, if it fits there;
+2. a sample of a new group goes to the row where it fits and leaves the lowest load;
+3. a sample whose group row is full goes to an empty row, or to a row where it fits
+   without raising the micro-batch's highest load (that row sets the micro-batch's time);
+4. otherwise the micro-batch closes and the sample opens the next one.
+
+"Fits" means the row's forwarded tokens (shared prefixes counted once) stay within
+``token_budget``; the load of a row is its attention cost (sum over tokens of the keys
+each attends to). A sample longer than the budget can never fit and is dropped with a
+warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from asyncgrpo.packing.row import PackedRow, pack_trie
+from asyncgrpo.packing.sample import PackSample
+from asyncgrpo.packing.trie import PrefixTrie
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MicroBatch:
+    """One row (a :class:`PrefixTrie`) per process; row i is forwarded by process i."""
+
+    rows: list[PrefixTrie] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    def pack(self) -> list[PackedRow]:
+        """Lay every row out for the forward (an empty row packs to zero tokens)."""
+        return [pack_trie(r) for r in self.rows]
+
+
+class TokenBudgetBatcher:
+    """Places samples into rows of at most ``token_budget`` forwarded tokens.
+
+    Args:
+        token_budget: forwarded-token limit of a row (shared tokens counted once).
+        num_processes: rows per micro-batch.
+        share_prefixes: False gives plain padding-free packing (every sample its own chain).
+
+    Raises:
+        ValueError: when ``token_budget`` or ``num_processes`` is not positive.
+    """
+
+    def __init__(self, token_budget: int, num_processes: int = 1, share_prefixes: bool = True) -> None:
+        if token_budget <= 0:
+            raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget}")
+        if num_processes <= 0:
+            raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+        self.token_budget = token_budget
+        self.num_processes = num_processes
+        self.share_prefixes = share_prefixes
+        self.dropped_oversize_count = 0  # since the last take_dropped_count()
+        self._open = self._new_micro_batch()
+
+    def _new_micro_batch(self) -> MicroBatch:
+        return MicroBatch([PrefixTrie(self.share_prefixes) for _ in range(self.num_processes)])
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples placed in the open (not yet returned) micro-batch."""
+        return self._open.num_samples
+
+    def take_dropped_count(self) -> int:
+        """Oversize samples dropped since the last call (``batch/dropped_oversize_count``)."""
+        n, self.dropped_oversize_count = self.dropped_oversize_count, 0
+        return n
+
+    def add(self, sample: PackSample) -> MicroBatch | None:
+        """Place ``sample``; returns the micro-batch it closed, if any (the sample opens the next one)."""
+        if len(sample) > self.token_budget:
+            self.dropped_oversize_count += 1
+            logger.warning(
+                "dropping a sample of %d tokens: longer than token_budget=%d (raise token_budget to keep such samples)",
+                len(sample),
+                self.token_budget,
+            )
+            return None
+        row = self._choose_row(self._open.rows, sample)
+        if row is not None:
+            row.insert(sample)
+            return None
+        closed, self._open = self._open, self._new_micro_batch()
+        self._open.rows[0].insert(sample)
+        return closed
+
+    def flush(self) -> MicroBatch | None:
+        """Close and return the open micro-batch, or None when it is empty."""
+        if self._open.num_samples == 0:
+            return None
+        closed, self._open = self._open, self._new_micro_batch()
+        return closed
+
+    def _choose_row(self, rows: list[PrefixTrie], sample: PackSample) -> PrefixTrie | None:
+        costs = [r.cost_of(sample) for r in rows]
+        fits = [r.num_tokens + tokens <= self.token_budget for r, (tokens, _) in zip(rows, costs)]
+        new_load = [r.attention_cost + cost for r, (_, cost) in zip(rows, costs)]
+        holds_group = [sample.group_id in r.group_ids for r in rows]
+        # 1. the row holding the group (the one sharing most, if the group spans several)
+        group_rows = [i for i in range(len(rows)) if holds_group[i] and fits[i]]
+        if group_rows:
+            return rows[min(group_rows, key=lambda i: costs[i][0])]
+        if not any(holds_group):  # 2. a new group: where it fits with the lowest resulting load
+            open_rows = [i for i in range(len(rows)) if fits[i]]
+            return rows[min(open_rows, key=lambda i: new_load[i])] if open_rows else None
+        # 3. the group's row is full: an empty row, or one whose load stays within the current maximum
+        empty = [i for i in range(len(rows)) if len(rows[i]) == 0]
+        if empty:
+            return rows[empty[0]]
+        peak = max(r.attention_cost for r in rows)
+        spare = [i for i in range(len(rows)) if fits[i] and new_load[i] <= peak]
+        return rows[min(spare, key=lambda i: new_load[i])] if spare else None
+
+
+def plan_step(
+    batcher: TokenBudgetBatcher, pull: Callable[[], PackSample | None], gradient_accumulation_steps: int
+) -> list[MicroBatch]:
+    """Pull samples until ``gradient_accumulation_steps`` micro-batches are closed.
+
+    ``pull`` returns the next sample, or None when no more will come (the open micro-batch
+    is then flushed and the step may be short). The sample that closes the last
+    micro-batch stays in the batcher and opens the next step.
+    """
+    out: list[MicroBatch] = []
+    while len(out) < gradient_accumulation_steps:
+        sample = pull()
+        closed = batcher.flush() if sample is None else batcher.add(sample)
+        if closed is not None:
+            out.append(closed)
+        if sample is None:
+            break
+    return out
+
+
+def batch_metrics(
+    micro_batches: Sequence[Sequence[PackedRow]], token_budget: int, dropped_oversize: int = 0
+) -> dict[str, float]:
+    """The reference document's ``batch/*`` metrics of one step (rows of every process).
+
+    Step-wise metrics are sums over the step; row-wise metrics are means over its rows;
+    ``row_imbalance`` is the mean over micro-batches of (most expensive row / mean row);
+    ``pad_frac`` is the padding needed to send each micro-batch's rows as one rectangle.
+    """
+    rows = [r for mb in micro_batches for r in mb]
+    if not rows:
+        return {"batch/dropped_oversize_count": float(dropped_oversize)}
+    fwd = sum(r.num_tokens for r in rows)
+    imbalance, pad, area = [], 0, 0
+    for mb in micro_batches:
+        costs = [r.attention_cost for r in mb]
+        mean = sum(costs) / len(costs)
+        imbalance.append(max(costs) / mean if mean else 1.0)
+        longest = max(r.num_tokens for r in mb)
+        pad += sum(longest - r.num_tokens for r in mb)
+        area += longest * len(mb)
+    return {
+        "batch/forwarded_tokens_per_step": float(fwd),
+        "batch/trained_tokens_per_step": float(sum(r.num_trained for r in rows)),
+        "batch/samples_per_step": float(sum(len(r.samples) for r in rows)),
+        "batch/groups_per_step": float(len({s.group_id for r in rows for s in r.samples})),
+        "batch/microbatches_per_step": float(len(micro_batches)),
+        "batch/masked_token_frac": 1.0 - sum(r.num_trained_positions for r in rows) / max(1, fwd),
+        "batch/samples_per_row": sum(len(r.samples) for r in rows) / len(rows),
+        "batch/row_tokens_mean": fwd / len(rows),
+        "batch/row_tokens_max": float(max(r.num_tokens for r in rows)),
+        "batch/row_fill_frac": fwd / len(rows) / token_budget,
+        "batch/row_imbalance": sum(imbalance) / len(imbalance),
+        "batch/packing_ratio": sum(r.num_flat_tokens for r in rows) / max(1, fwd),
+        "batch/pad_frac": pad / max(1, area),
+        "batch/dropped_oversize_count": float(dropped_oversize),
+    }

@@ -1,0 +1,133 @@
+"""Token-budget planner (SPEC P2-P4) and the batch/* metrics, on hand-sized examples."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from asyncgrpo.packing.planner import TokenBudgetBatcher, batch_metrics, plan_step
+from asyncgrpo.packing.row import pack_samples
+from asyncgrpo.packing.sample import PackSample
+from asyncgrpo.packing.synthetic import grpo_samples
+
+
+def _s(prompt, completion, group):
+    ids = list(prompt) + list(completion)
+    return PackSample(ids, [0] * len(prompt) + [1] * len(completion), [0.0] * len(ids), 1.0, group)
+
+
+def _cost(n):  # attention cost of an unshared chain of n tokens: 1 + 2 + ... + n
+    return n * (n + 1) // 2
+
+
+def test_oversize_sample_is_dropped_with_warning(caplog):
+    b = TokenBudgetBatcher(token_budget=10)
+    with caplog.at_level(logging.WARNING):
+        assert b.add(_s(range(5), range(100, 106), 0)) is None  # 11 tokens > 10
+    assert "longer than token_budget=10" in caplog.text
+    assert b.take_dropped_count() == 1 and b.take_dropped_count() == 0
+    assert b.pending_samples == 0
+
+
+def test_one_process_fills_a_row_per_group_then_closes():
+    # prompt of 10 + four 5-token completions: 9 shared tokens + 4 x (copy of the 10th + 5) = 33 tokens
+    groups = [
+        [_s(range(g * 50, g * 50 + 10), range(1000 + 10 * i, 1005 + 10 * i), g) for i in range(4)] for g in (0, 1)
+    ]
+    b = TokenBudgetBatcher(token_budget=40)
+    closed = [b.add(s) for s in groups[0] + groups[1]]
+    assert closed[:4] == [None] * 4 and closed[5:] == [None] * 3
+    first = closed[4]  # the first sample of group 1 did not fit next to group 0 (33 + 15 > 40)
+    (row,) = first.pack()
+    assert row.num_tokens == 33 and {s.group_id for s in row.samples} == {0}
+    (rest,) = b.flush().pack()
+    assert rest.num_tokens == 33 and {s.group_id for s in rest.samples} == {1}
+
+
+def test_full_group_row_overflows_only_without_raising_peak_load():
+    budget = 25
+    a1 = _s(range(10), range(100, 110), "A")  # 20 tokens, load 210
+    b1 = _s(range(200, 203), range(300, 302), "B")  # 5 tokens, load 15
+    b = TokenBudgetBatcher(token_budget=budget, num_processes=2)
+    assert b.add(a1) is None and b.add(b1) is None  # B: lowest resulting load is the empty row 1
+    rows = b._open.rows
+    assert [len(r) for r in rows] == [1, 1] and rows[0].attention_cost == _cost(20) == 210
+    # A's row is full (20 + copy + 5 = 26 > 25); row 1 takes it: 5 + 15 = 20 tokens, load 15 + 120 <= 210
+    a2 = _s(range(10), range(400, 405), "A")
+    assert b.add(a2) is None
+    assert rows[1].num_tokens == 20 and rows[1].attention_cost == 15 + _cost(15)
+    # another A sample: row 0 full, row 1 would exceed the budget (20 + 15 > 25) -> the micro-batch closes
+    a3 = _s(range(10), range(500, 505), "A")
+    closed = b.add(a3)
+    assert closed is not None and closed.num_samples == 3 and b.pending_samples == 1
+
+
+def test_full_group_row_closes_when_overflow_would_raise_peak():
+    b = TokenBudgetBatcher(token_budget=30, num_processes=2)
+    b.add(_s(range(10), range(100, 110), "A"))  # row 0: 20 tokens, load 210
+    b.add(_s(range(200, 203), range(300, 302), "B"))  # row 1: 5 tokens, load 15
+    # 9 shared + copy + 10 = 31 > 30 in row 0; in row 1 it fits (25) but load 15 + 210 > 210
+    closed = b.add(_s(range(10), range(400, 410), "A"))
+    assert closed is not None and [len(r) for r in closed.rows] == [1, 1]
+
+
+def test_new_groups_go_to_the_least_loaded_row():
+    b = TokenBudgetBatcher(token_budget=1000, num_processes=2)
+    b.add(_s(range(10), range(100, 110), 0))  # row 0, load 210
+    b.add(_s(range(20, 25), range(100, 105), 1))  # row 1 (load 55 < 210 + 55)
+    b.add(_s(range(30, 36), range(100, 102), 2))  # row 1 again: 55 + 36 < 210 + 36
+    assert [sorted(r.group_ids) for r in b._open.rows] == [[0], [1, 2]]
+
+
+def test_plan_step_pulls_until_enough_micro_batches():
+    samples = grpo_samples(num_groups=5, group_size=4, prompt_len=30, completion_len=(5, 20), vocab_size=1000)
+    it = iter(samples)
+    b = TokenBudgetBatcher(token_budget=150)
+    step = plan_step(b, lambda: next(it, None), gradient_accumulation_steps=2)
+    assert len(step) == 2 and b.pending_samples >= 1
+    for mb in step:
+        for row in mb.pack():
+            assert 0 < row.num_tokens <= 150
+    rest = plan_step(b, lambda: next(it, None), gradient_accumulation_steps=10)
+    placed = sum(mb.num_samples for mb in step + rest)
+    assert placed == len(samples)
+
+
+def test_batch_metrics_by_hand():
+    # row 0: the document's example (8 forwarded of 10 flat tokens, 4 trained, load 27); row 1: one 4-token sample
+    r0 = pack_samples([_s([1, 2, 3], [10, 11], "g"), _s([1, 2, 3], [20, 21], "g")])
+    r1 = pack_samples([_s([7, 8], [9, 10], "h")])
+    assert (r0.attention_cost, r1.attention_cost) == (27, 10)
+    m = batch_metrics([[r0, r1]], token_budget=16, dropped_oversize=2)
+    expected = {
+        "batch/forwarded_tokens_per_step": 12.0,
+        "batch/trained_tokens_per_step": 6.0,
+        "batch/samples_per_step": 3.0,
+        "batch/groups_per_step": 2.0,
+        "batch/microbatches_per_step": 1.0,
+        "batch/masked_token_frac": 1 - 6 / 12,
+        "batch/samples_per_row": 1.5,
+        "batch/row_tokens_mean": 6.0,
+        "batch/row_tokens_max": 8.0,
+        "batch/row_fill_frac": 6 / 16,
+        "batch/row_imbalance": 27 / 18.5,
+        "batch/packing_ratio": 14 / 12,
+        "batch/pad_frac": 4 / 16,
+        "batch/dropped_oversize_count": 2.0,
+    }
+    assert m == pytest.approx(expected)
+
+
+def test_flat_planner_forwards_every_token():
+    samples = grpo_samples(num_groups=2, group_size=3, prompt_len=20, completion_len=(4, 8), vocab_size=500)
+    b = TokenBudgetBatcher(token_budget=10_000, share_prefixes=False)
+    for s in samples:
+        b.add(s)
+    rows = b.flush().pack()
+    assert batch_metrics([rows], 10_000)["batch/packing_ratio"] == 1.0
+
+
+def test_invalid_budget_message():
+    with pytest.raises(ValueError, match="token_budget"):
+        TokenBudgetBatcher(token_budget=0)
