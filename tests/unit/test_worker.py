@@ -51,7 +51,7 @@ def test_samples_flow_and_child_is_cpu_only():
         assert all(g["version"] == 7 for g in got)
         assert all(g["cuda"] == "" for g in got)
         time.sleep(0.2)
-        assert ("rollout/test_count", 1.0) in w.drain_metrics()
+        assert ("rollout/test_count", 1.0, 1.0) in w.drain_metrics()
         w.check()
     finally:
         w.stop()

@@ -9,7 +9,7 @@ scripts need the ``if __name__ == "__main__":`` guard.
 Shared state (all created here, never by the child):
 
 * ``samples``: scored training samples, child → trainer.
-* ``metrics``: ``(name, value)`` events, child → trainer.
+* ``metrics``: ``(name, value, weight)`` events, child → trainer.
 * ``policy_version``, ``tokens_per_step``, ``tokens_consumed``: trainer → child.
 * ``heartbeat``: the child's last sign of life (``time.time()``), checked by the trainer.
 * ``errors``: the child's traceback when its loop raises.
@@ -56,8 +56,9 @@ class WorkerChannels:
     tokens_consumed: Any  # mp.Value("q"), total tokens the trainer pulled from `samples`
     heartbeat: Any  # mp.Value("d")
 
-    def put_metric(self, name: str, value: float) -> None:
-        self.metrics.put((name, float(value)))
+    def put_metric(self, name: str, value: float, weight: float = 1.0) -> None:
+        """Queue one ``(name, value, weight)`` metric event for the trainer's logging window."""
+        self.metrics.put((name, float(value), float(weight)))
 
 
 async def _beat(channels: WorkerChannels) -> None:
@@ -181,7 +182,7 @@ class RolloutWorker:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"waited {timeout:.0f}s for a sample from the rollout worker's queue")
 
-    def drain_metrics(self) -> list[tuple[str, float]]:
+    def drain_metrics(self) -> list[tuple[str, float, float]]:
         out = []
         while True:
             try:

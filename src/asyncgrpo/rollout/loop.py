@@ -1,0 +1,377 @@
+"""``AsyncRolloutLoop``: generation, scoring and advantages in the rollout worker (G2–G7, R1–R5, T8).
+
+Runs inside the spawned worker process (``rollout/worker.py``). For each prompt it
+generates ``num_generations`` rollouts, scores the group once all are complete,
+computes advantages, drops zero-std groups and queues the rest as training
+sequences. Groups start only while the token-based staleness admission allows
+(G3) and rollouts run only under the live concurrency cap (G5).
+
+Subclass and override the hooks (``filter_prompt``, ``generate_one``,
+``generate_one_turn``, ``compute_advantages``, ``setup``, ``close``), then set the
+subclass as the trainer subclass's ``loop_cls``. The subclass must be defined at
+module level (the worker re-imports it after the spawn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo.inference.client import AsyncServerClient
+from asyncgrpo.inference.errors import ServerError
+from asyncgrpo.rollout.admission import METRICS_POLL_INTERVAL_S, ConcurrencyCap, StalenessAdmission
+from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
+from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
+from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
+from asyncgrpo.rollout.sampling import SamplingSettings
+from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
+
+
+class AsyncRolloutLoop:
+    """Generates and scores the rollouts of an ``AsyncGRPOTrainer`` run (default: single-turn GRPO).
+
+    Args:
+        config: the run's ``AsyncGRPOConfig`` (hooks may read subclass fields from it).
+        model_name: the name the server serves the policy under (a LoRA adapter name selects an adapter).
+        dataset: rows with a conversational ``prompt`` column; other columns go to the reward functions.
+        reward_funcs: sync or async callables (module-level: they are pickled into this process).
+        processing_class: the tokenizer (its chat template renders prompts).
+        eos_token_ids: ids that end a completion.
+        sampling: resolved server-side settings (token budget, rows per step, masks support).
+        dataset_start_index: the first untrained prompt (resume, T5).
+        num_epochs: passes over the dataset to generate (None: until stopped).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        model_name: str,
+        dataset: Any,
+        reward_funcs: list[Any],
+        processing_class: Any,
+        eos_token_ids: list[int],
+        sampling: SamplingSettings,
+        *,
+        tools: list[Any] | None = None,
+        dataset_start_index: int = 0,
+        num_epochs: int | None = None,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.dataset = dataset
+        self.reward_funcs = list(reward_funcs)
+        self.tokenizer = processing_class
+        self.eos_token_ids = list(eos_token_ids)
+        self.sampling = sampling
+        self.tools = list(tools or [])
+        self.dataset_start_index = dataset_start_index
+        self.num_epochs = num_epochs
+
+    # ------------------------------------------------------------------ hooks
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Whether to generate for this prompt (rejected prompts count as consumed for the epoch)."""
+        return True
+
+    async def setup(self) -> None:
+        """Create resources the other hooks need, on the loop's event loop (default: nothing)."""
+
+    async def close(self) -> None:
+        """Release what ``setup`` created; runs when the loop stops, also on failure (default: nothing)."""
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Any], group_id: int = 0) -> Rollout:
+        """One whole rollout for ``prompt``. Default: a single turn rendered with the chat template."""
+        prompt_ids = self.render_prompt(prompt)
+        turn = await self.generate_one_turn(prompt_ids)
+        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=turn.output_ids, turns=[turn])
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the config's sampling settings."""
+        params = self.sampling.request_params(len(prompt_ids), seed=self._next_seed())
+        t0 = time.perf_counter()
+        try:
+            if self.sampling.use_generate_endpoint:
+                res = await self.client.generate(prompt_ids, params, model=self.model_name)
+            else:
+                res = await self.client.complete(prompt_ids, params, model=self.model_name)
+        except ServerError as e:
+            if e.status == 400:
+                raise ValueError(
+                    f"the generation server rejected a prompt of {len(prompt_ids)} tokens: {e}. Shorten the prompts "
+                    f"or start the server with a larger --max-model-len (now {self.sampling.max_model_len})"
+                ) from e
+            raise
+        self._generated_tokens += len(res.token_ids)
+        self._gen_time += time.perf_counter() - t0
+        self._last_finish[id(asyncio.current_task())] = res.finish_reason
+        return TurnRecord(
+            prompt_ids=list(prompt_ids),
+            output_ids=res.token_ids,
+            output_log_probs=res.logprobs,
+            output_sampling_mask=res.sampling_mask if self.sampling.wants_masks else None,
+            output_sampler_logprobs=res.top_logprobs if self.config.score_centering else None,
+        )
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout: rewards standardised within the group; 0 for unscored rollouts."""
+        return group_advantages(group.rewards)
+
+    # ------------------------------------------------------------------ helpers
+
+    def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
+        kwargs = dict(self.config.chat_template_kwargs or {})
+        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _next_seed(self) -> int:
+        # Unique per request (G7): data-parallel engines never decode identical text for one prompt.
+        self._seed_counter += 1
+        return (self.config.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
+
+    # ------------------------------------------------------------------ the engine of the loop
+
+    async def run(self, channels: Any) -> None:
+        """Entry point called by the worker process; returns when ``channels.stop`` is set or data runs out."""
+        self.channels = channels
+        self._seed_counter = 0
+        self._generated_tokens = 0
+        self._gen_time = 0.0
+        self._enqueued_tokens = 0
+        self._running = 0
+        self._last_finish: dict[int, str] = {}
+        self._slot_freed = asyncio.Condition()
+        self._executor = ThreadPoolExecutor(max_workers=min(self.config.max_concurrent_rollouts, 64))
+        self.client = AsyncServerClient(
+            self.sampling.base_url, max_connections=self.config.max_concurrent_rollouts
+        )
+        self.admission = StalenessAdmission(self.config.max_staleness, self.sampling.initial_tokens_per_step)
+        self.cap = ConcurrencyCap(
+            self.config.max_concurrent_rollouts,
+            self.sampling.kv_cache_tokens,
+            self.sampling.max_model_len,
+            has_metrics=self.sampling.has_metrics,
+        )
+        await self.setup()
+        poller = asyncio.create_task(self._poll_server_metrics())
+        try:
+            await self._produce()
+        finally:
+            poller.cancel()
+            try:
+                await self.close()
+            finally:
+                await self.client.close()
+                self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _sync_admission(self) -> None:
+        consumed = self.channels.tokens_consumed.value
+        self.admission.queued_tokens = max(0, self._enqueued_tokens - consumed)
+        self.admission.on_step(self.channels.tokens_per_step.value)
+
+    async def _wait_for_admission(self) -> None:
+        t0 = time.perf_counter()
+        while True:
+            self._sync_admission()
+            if self.admission.can_start_group() or self.channels.stop.is_set():
+                break
+            await asyncio.sleep(0.01)
+        waited = time.perf_counter() - t0
+        self.channels.put_metric("rollout/backpressure_s", waited)
+
+    async def _produce(self) -> None:
+        n = len(self.dataset)
+        if n == 0:
+            raise ValueError("the training dataset is empty")
+        group_id = 0
+        tasks: set[asyncio.Task] = set()
+        epoch = self.dataset_start_index // n
+        index = self.dataset_start_index % n
+        while not self.channels.stop.is_set() and (self.num_epochs is None or epoch < self.num_epochs):
+            accepted = 0
+            for row_index in range(index, n):
+                if self.channels.stop.is_set():
+                    break
+                row = self.dataset[row_index]
+                flat_index = epoch * n + row_index
+                if not self.filter_prompt(row_index, row, epoch):
+                    self.channels.samples.put(GroupResult.rejected(flat_index, epoch))
+                    continue
+                accepted += 1
+                await self._wait_for_admission()
+                if self.channels.stop.is_set():
+                    break
+                self.admission.on_group_started()
+                task = asyncio.create_task(self._run_group(row_index, flat_index, row, epoch, group_id))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                group_id += 1
+                await self._raise_failed(tasks)
+            if accepted == 0 and index == 0 and not self.channels.stop.is_set():
+                raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}; no batch can reach the trainer")
+            epoch, index = epoch + 1, 0
+        while tasks and not self.channels.stop.is_set():
+            await self._raise_failed(tasks)
+            await asyncio.sleep(0.05)
+        self.channels.samples.put(GroupResult.end_of_data())
+
+    async def _raise_failed(self, tasks: set[asyncio.Task]) -> None:
+        for t in list(tasks):
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                for other in tasks:
+                    other.cancel()
+                raise t.exception()
+
+    async def _acquire_slot(self) -> None:
+        async with self._slot_freed:
+            while self._running >= self.cap.cap:
+                await self._slot_freed.wait()
+            self._running += 1
+        self.channels.put_metric("rollout/concurrency", self._running)
+
+    async def _release_slot(self) -> None:
+        async with self._slot_freed:
+            self._running -= 1
+            self.cap.on_rollout_completed()
+            self._slot_freed.notify_all()
+
+    async def _one_rollout(self, prompt: list[dict[str, Any]], group_id: int) -> tuple[Rollout, str]:
+        await self._acquire_slot()
+        t0 = time.perf_counter()
+        try:
+            rollout = await self.generate_one(prompt, self.tools, group_id)
+        finally:
+            await self._release_slot()
+        self.channels.put_metric("rollout/duration_s", time.perf_counter() - t0)
+        finish = self._last_finish.pop(id(asyncio.current_task()), "stop")
+        return rollout, finish
+
+    async def _run_group(self, row_index: int, flat_index: int, row: dict[str, Any], epoch: int, group_id: int) -> None:
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt)):
+            raise ValueError(
+                f"dataset row {row_index} has prompt={prompt!r}; prompts must be conversational: a list of "
+                '{"role": ..., "content": ...} messages'
+            )
+        version = self.channels.policy_version.value
+        G = self.config.num_generations
+        results = await asyncio.gather(*(self._one_rollout(prompt, group_id) for _ in range(G)))
+        rollouts = [r for r, _ in results]
+        t_score = time.perf_counter()
+        reward_kwargs = {k: [v] * G for k, v in row.items() if k != "prompt"}
+        per_func = await run_reward_functions(
+            self.reward_funcs,
+            prompts=[prompt] * G,
+            completions=[r.completion for r in rollouts],
+            completion_ids=[r.completion_ids for r in rollouts],
+            reward_kwargs=reward_kwargs,
+            executor=self._executor,
+        )
+        stats = ReconcileStats()
+        sequences = [
+            rollout_to_sequences(
+                r, group_id=group_id, row_index=flat_index, model_version=version,
+                num_sampler_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else None,
+                stats=stats,
+            )
+            for r in rollouts
+        ]
+        group = RolloutGroup(
+            prompts=[prompt] * G, reward_kwargs=reward_kwargs, completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version,
+            group_id=group_id, row_index=row_index, env_rewards=[None] * G,
+            rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(),
+        )
+        group.rewards = total_rewards(per_func, None, group.rollout_rewards)
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (G,):
+            raise ValueError(f"compute_advantages returned shape {advantages.shape}; expected ({G},)")
+        dropped = is_zero_std_group(group.rewards)
+        per_source = {reward_function_name(f): per_func[:, j] for j, f in enumerate(self.reward_funcs)}
+        for name, value, weight in group_reward_metrics(group.rewards, per_source, dropped):
+            self.channels.metrics.put((name, float(value), float(weight)))
+        self._put_completion_metrics(rollouts, [f for _, f in results])
+        self.channels.put_metric("rollout/score_s", time.perf_counter() - t_score)
+        kept: list[Any] = []
+        if not dropped:
+            for seqs, adv in zip(sequences, advantages):
+                for s in seqs:
+                    s.advantage = float(adv)
+                    kept.append(s)
+        tokens = sum(len(s.input_ids) for seqs in sequences for s in seqs)
+        kept_tokens = sum(len(s.input_ids) for s in kept)
+        self.admission.on_group_finished(tokens, kept_tokens)
+        self._enqueued_tokens += kept_tokens
+        self.channels.samples.put(
+            GroupResult(
+                row_index=flat_index, epoch=epoch, group_id=group_id, model_version=version, sequences=kept,
+                dropped=dropped, queued_at=time.time(), tokens=kept_tokens,
+                prompt_text=self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                if self.config.log_completions else None,
+                completion_texts=[r.completion[-1]["content"] if r.completion else "" for r in rollouts]
+                if self.config.log_completions else None,
+                rewards=[float(x) for x in group.rewards],
+            )
+        )
+
+    def _put_completion_metrics(self, rollouts: list[Rollout], finishes: list[str]) -> None:
+        lengths = [len(r.completion_ids) for r in rollouts]
+        put = self.channels.put_metric
+        put("completions/mean_length", float(np.mean(lengths)))
+        put("completions/max_length", float(max(lengths)))
+        put("completions/min_length", float(min(lengths)))
+        terminated = [n for n, f in zip(lengths, finishes) if f == "stop"]
+        if terminated:
+            put("completions/mean_terminated_length", float(np.mean(terminated)))
+            put("completions/max_terminated_length", float(max(terminated)))
+            put("completions/min_terminated_length", float(min(terminated)))
+        put("completions/clipped_ratio", sum(f != "stop" for f in finishes) / len(finishes))
+        seen: set[tuple[int, ...]] = set()
+        dups = 0
+        for r in rollouts:
+            key = tuple(r.completion_ids)
+            dups += key in seen
+            seen.add(key)
+        put("completions/duplicate_frac", dups / len(rollouts))
+        put("rollout/turns_mean", float(np.mean([len(r.turns) for r in rollouts])))
+        put("rollout/turns_max", float(max(len(r.turns) for r in rollouts)))
+        put("tools/call_frequency", float(np.mean([r.tool_call_count for r in rollouts])))
+
+    async def _poll_server_metrics(self) -> None:
+        """G5: read the server's /metrics every few seconds and move the concurrency cap."""
+        last_tokens, last_t = 0, time.perf_counter()
+        while True:
+            await asyncio.sleep(METRICS_POLL_INTERVAL_S if self.sampling.has_metrics else 1.0)
+            now = time.perf_counter()
+            put = self.channels.put_metric
+            put("rollout/generated_tokens_per_s", (self._generated_tokens - last_tokens) / max(now - last_t, 1e-9))
+            last_tokens, last_t = self._generated_tokens, now
+            put("rollout/vllm_retry_count", float(self.client.retry_count))
+            self.client.retry_count = 0
+            if self.sampling.has_metrics:
+                try:
+                    m = await self.client.metrics()
+                except (ServerError, OSError, asyncio.TimeoutError) as e:
+                    logger.warning("could not read the server's /metrics: %s", e)
+                    continue
+                usage = m.get("vllm:kv_cache_usage_perc", 0.0)
+                waiting = int(m.get("vllm:num_requests_waiting", 0))
+                self.cap.on_metrics(usage, waiting)
+                put("rollout/vllm_kv_cache_usage_frac", usage)
+                put("rollout/vllm_running_requests", m.get("vllm:num_requests_running", 0.0))
+                put("rollout/vllm_queued_requests", float(waiting))
+            put("rollout/concurrency_cap", float(self.cap.cap))

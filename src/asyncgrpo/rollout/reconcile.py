@@ -1,0 +1,121 @@
+"""Turn a rollout's sampling requests into training sequences (A5).
+
+A turn whose prompt starts with the tokens already held (the previous prompt
+plus what was sampled) extends the same sequence: its new prompt tokens (tool
+results, template glue) become context and its sampled tokens are trained. A
+turn whose prompt does not (the chat template re-rendered history differently)
+closes the held sequence and starts a new one — a *fork*. Every sampled token
+is trained in exactly one sequence; a single-turn rollout yields one sequence,
+``prompt + completion``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncgrpo.types import Rollout, TrainingSequence, TurnRecord
+
+
+@dataclass
+class _Held:
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    candidates: list[list[int]] = field(default_factory=list)
+
+    def add_context(self, ids: list[int]) -> None:
+        n = len(ids)
+        self.ids += ids
+        self.mask += [0] * n
+        self.logprobs += [0.0] * n
+        self.top_ids += [[] for _ in range(n)]
+        self.top_logprobs += [[] for _ in range(n)]
+        self.candidates += [[] for _ in range(n)]
+
+    def add_output(self, turn: TurnRecord, top_n: int | None) -> None:
+        n = len(turn.output_ids)
+        self.ids += turn.output_ids
+        self.mask += list(turn.output_mask) if turn.output_mask is not None else [1] * n
+        self.logprobs += list(turn.output_log_probs) if turn.output_log_probs else [0.0] * n
+        for i in range(n):
+            top = turn.output_sampler_logprobs[i] if turn.output_sampler_logprobs is not None else {}
+            best = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:top_n] if top_n else []
+            self.top_ids.append([t for t, _ in best])
+            self.top_logprobs.append([lp for _, lp in best])
+            cand = turn.output_sampling_mask[i] if turn.output_sampling_mask is not None else None
+            self.candidates.append(list(cand) if cand else [])
+
+
+@dataclass
+class ReconcileStats:
+    """Fork bookkeeping for ``rollout/fork_frac`` and ``rollout/drift_tokens_*``."""
+
+    transitions: int = 0
+    forks: int = 0
+    drift_tokens: list[int] = field(default_factory=list)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def rollout_to_sequences(
+    rollout: Rollout,
+    *,
+    group_id: int,
+    row_index: int,
+    model_version: int,
+    num_sampler_logprobs: int | None,
+    stats: ReconcileStats | None = None,
+) -> list[TrainingSequence]:
+    """Training sequences of one rollout, advantage 0.0 (set after scoring).
+
+    Args:
+        num_sampler_logprobs: keep this many sampler top log-probs per trained token (None/0: none).
+    """
+    stats = stats if stats is not None else ReconcileStats()
+    out: list[TrainingSequence] = []
+    held = _Held()
+
+    def emit() -> None:
+        if any(held.mask):
+            out.append(
+                TrainingSequence(
+                    input_ids=held.ids,
+                    loss_mask=held.mask,
+                    sampler_logprobs=held.logprobs,
+                    advantage=0.0,
+                    model_version=model_version,
+                    group_id=group_id,
+                    row_index=row_index,
+                    sampler_top_ids=held.top_ids if num_sampler_logprobs else None,
+                    sampler_top_logprobs=held.top_logprobs if num_sampler_logprobs else None,
+                    candidate_sets=held.candidates if any(held.candidates) else None,
+                    rollout_id=rollout.rollout_id,
+                )
+            )
+
+    for turn in rollout.turns:
+        if held.ids:
+            stats.transitions += 1
+            if turn.prompt_ids[: len(held.ids)] == held.ids:
+                held.add_context(turn.prompt_ids[len(held.ids) :])
+                held.add_output(turn, num_sampler_logprobs)
+                stats.drift_tokens.append(0)
+                continue
+            stats.forks += 1
+            stats.drift_tokens.append(len(held.ids) - _common_prefix(held.ids, turn.prompt_ids))
+            emit()
+            held = _Held()
+        if not turn.prompt_ids:
+            raise ValueError("a turn has an empty prompt; every sampling request needs at least one prompt token")
+        held.add_context(list(turn.prompt_ids))
+        held.add_output(turn, num_sampler_logprobs)
+    emit()
+    return out

@@ -1,0 +1,61 @@
+"""Sampling settings resolved against the server at start (G7–G9, G12).
+
+The trainer builds one :class:`SamplingSettings` in the parent process after
+asking the server for its limits and capabilities, and hands it to the rollout
+loop, so the worker never has to re-discover them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SamplingSettings:
+    """Plain values the rollout loop needs to build requests (picklable)."""
+
+    base_url: str
+    max_model_len: int
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    num_sampler_logprobs: int = 0  # top-N per position for score centering (0: none)
+    kv_cache_tokens: int | None = None
+    has_metrics: bool = True
+    masks_supported: bool = False  # the server returns sampling masks (checked at start)
+    initial_tokens_per_step: int = 1  # token_budget × rows per step (G3's first-step assumption)
+
+    @property
+    def wants_masks(self) -> bool:
+        """Top-k/top-p/min-p truncate the distribution: the trainer must renormalise over candidate sets (G9)."""
+        return self.top_k > 0 or self.top_p < 1.0 or bool(self.min_p)
+
+    @property
+    def use_generate_endpoint(self) -> bool:
+        """``/inference/v1/generate`` returns masks; otherwise ``/v1/completions`` (always on a real vLLM)."""
+        return self.wants_masks and self.masks_supported
+
+    def request_params(self, prompt_len: int, seed: int) -> dict[str, Any]:
+        """vLLM SamplingParams for one turn of a ``prompt_len``-token prompt."""
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise ValueError(
+                f"a prompt of {prompt_len} tokens leaves no room under the server's max_model_len "
+                f"{self.max_model_len}; shorten the prompts or restart the server with a larger --max-model-len"
+            )
+        params: dict[str, Any] = {
+            "max_tokens": min(self.max_completion_length, room),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": seed,
+            "logprobs": self.num_sampler_logprobs,
+        }
+        if self.min_p:
+            params["min_p"] = self.min_p
+        return params

@@ -1,0 +1,51 @@
+"""A5 reconciliation: turns -> training sequences, checked on hand-made turns."""
+
+from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
+from asyncgrpo.types import Rollout, TurnRecord
+
+
+def _seqs(turns, n_top=None, stats=None):
+    r = Rollout(completion=[], completion_ids=[], turns=turns)
+    return rollout_to_sequences(r, group_id=3, row_index=7, model_version=2, num_sampler_logprobs=n_top, stats=stats)
+
+
+def test_single_turn_is_prompt_plus_completion():
+    t = TurnRecord(prompt_ids=[1, 2, 3], output_ids=[4, 5], output_log_probs=[-0.1, -0.2],
+                   output_sampler_logprobs=[{4: -0.1, 9: -2.0, 8: -3.0}, {7: -0.5, 5: -0.2}])
+    (s,) = _seqs([t], n_top=2)
+    assert s.input_ids == [1, 2, 3, 4, 5]
+    assert s.loss_mask == [0, 0, 0, 1, 1]
+    assert s.sampler_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2]
+    assert s.sampler_top_ids == [[], [], [], [4, 9], [5, 7]]  # best first, cut to 2
+    assert s.sampler_top_logprobs[3] == [-0.1, -2.0]
+    assert (s.group_id, s.row_index, s.model_version) == (3, 7, 2)
+    s.validate()
+
+
+def test_extension_and_fork():
+    t1 = TurnRecord(prompt_ids=[1, 2], output_ids=[3], output_log_probs=[-0.3])
+    t2 = TurnRecord(prompt_ids=[1, 2, 3, 10, 11], output_ids=[4], output_log_probs=[-0.4])  # extends
+    t3 = TurnRecord(prompt_ids=[1, 2, 99, 10, 11, 4, 12], output_ids=[5, 6], output_log_probs=[-0.5, -0.6])  # fork
+    stats = ReconcileStats()
+    a, b = _seqs([t1, t2, t3], stats=stats)
+    assert a.input_ids == [1, 2, 3, 10, 11, 4] and a.loss_mask == [0, 0, 1, 0, 0, 1]
+    assert a.sampler_logprobs == [0.0, 0.0, -0.3, 0.0, 0.0, -0.4]
+    assert b.input_ids == [1, 2, 99, 10, 11, 4, 12, 5, 6] and b.loss_mask == [0] * 7 + [1, 1]
+    # every sampled token trained exactly once
+    assert sum(a.loss_mask) + sum(b.loss_mask) == 4
+    assert stats.transitions == 2 and stats.forks == 1
+    assert stats.drift_tokens == [0, 4]  # held 6 tokens, common prefix 2
+    assert a.sampler_top_ids is None and b.candidate_sets is None
+
+
+def test_output_mask_and_candidate_sets_travel():
+    t = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_log_probs=[-0.1, -0.2], output_mask=[1, 0],
+                   output_sampling_mask=[[2, 5], [3]])
+    (s,) = _seqs([t])
+    assert s.loss_mask == [0, 1, 0]
+    assert s.candidate_sets == [[], [2, 5], [3]]
+
+
+def test_rollout_without_trained_tokens_yields_nothing():
+    t = TurnRecord(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.1], output_mask=[0])
+    assert _seqs([t]) == []
