@@ -1,0 +1,123 @@
+"""Group advantages (R4), the zero-std drop (R5) and the reward metrics of a scored group.
+
+Advantages are standardised within the group, always by the group's std (there is no `scale_rewards`).
+Rollouts no source scored (NaN total) are left out of the mean and std and get advantage 0. Groups whose
+scored rewards are all equal, or with fewer than two scored rollouts, carry no signal and are dropped; the
+drop is decided from the rewards, never from the advantages, so a custom `compute_advantages` cannot
+change it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncgrpo.metrics import MetricEvent
+
+__all__ = ["GroupScore", "group_advantages", "group_reward_metrics", "is_zero_std_group", "score_groups"]
+
+# Bessel-corrected std (ddof=1), as torch.std and GRPO's group normalisation use.
+STD_DDOF = 1
+
+
+def _scored(rewards: np.ndarray) -> np.ndarray:
+    return np.asarray(rewards, dtype=np.float64)[~np.isnan(np.asarray(rewards, dtype=np.float64))]
+
+
+def is_zero_std_group(rewards: np.ndarray) -> bool:
+    """True when the group carries no signal: fewer than two scored rollouts, or all scored rewards equal."""
+    scored = _scored(rewards)
+    return scored.size < 2 or bool(np.all(scored == scored[0]))
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """(r - mean) / std over the scored rollouts of one group; 0 for unscored ones (and for a zero-std group).
+
+    Args:
+        rewards: [G] total rewards, NaN where no source scored the rollout.
+
+    Returns:
+        [G] float64 advantages, in the order of `rewards`.
+    """
+    rewards = np.asarray(rewards, dtype=np.float64)
+    advantages = np.zeros_like(rewards)
+    if is_zero_std_group(rewards):
+        return advantages
+    scored = ~np.isnan(rewards)
+    values = rewards[scored]
+    advantages[scored] = (values - values.mean()) / values.std(ddof=STD_DDOF)
+    return advantages
+
+
+def group_reward_metrics(
+    rewards: np.ndarray,
+    per_source: Mapping[str, np.ndarray],
+    dropped: bool,
+    num_samples: int | None = None,
+) -> list[MetricEvent]:
+    """Metric events of one scored group (weighted so that a window average is a per-completion mean).
+
+    Args:
+        rewards: [G] total rewards, NaN where unscored.
+        per_source: Per reward source name (reward function name, or environment class name), its [G] rewards.
+        dropped: Whether the group is dropped (zero std or fewer than two scored).
+        num_samples: Trained samples the group yields (forks can make it exceed G); weights the `*group_std`
+            metrics, which the document averages over trained samples. Defaults to G.
+
+    Returns:
+        `(name, value, weight)` events: reward, reward_kept or reward_dropped, reward_group_std,
+        frac_reward_zero_std, rewards/{name}/mean and rewards/{name}/group_std.
+    """
+    rewards = np.asarray(rewards, dtype=np.float64)
+    weight_samples = float(len(rewards) if num_samples is None else num_samples)
+    events: list[MetricEvent] = [("frac_reward_zero_std", float(dropped), 1.0)]
+    scored = _scored(rewards)
+    if scored.size:
+        mean = float(scored.mean())
+        events.append(("reward", mean, float(scored.size)))
+        events.append(("reward_dropped" if dropped else "reward_kept", mean, float(scored.size)))
+    if not dropped:
+        events.append(("reward_group_std", float(scored.std(ddof=STD_DDOF)), weight_samples))
+    for name, values in per_source.items():
+        source_scored = _scored(values)
+        if source_scored.size:
+            events.append((f"rewards/{name}/mean", float(source_scored.mean()), float(source_scored.size)))
+        if not dropped and source_scored.size >= 2:
+            events.append((f"rewards/{name}/group_std", float(source_scored.std(ddof=STD_DDOF)), weight_samples))
+    return events
+
+
+@dataclass
+class GroupScore:
+    """Outcome of scoring several groups: which to train, their advantages, and the metric events."""
+
+    kept: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    advantages: list[np.ndarray] = field(default_factory=list)
+    metrics: list[MetricEvent] = field(default_factory=list)
+
+
+def score_groups(
+    rewards: list[np.ndarray],
+    per_source: list[Mapping[str, np.ndarray]] | None = None,
+) -> GroupScore:
+    """Advantages and the keep/drop decision for a list of groups.
+
+    Args:
+        rewards: One [G] total-reward array per group.
+        per_source: Per group, its rewards per source name (for `rewards/{name}/*`).
+
+    Returns:
+        A `GroupScore` with the indices of kept and dropped groups, one advantage array per group (zeros for
+        dropped ones) and the metric events of all groups.
+    """
+    out = GroupScore()
+    for i, group in enumerate(rewards):
+        dropped = is_zero_std_group(group)
+        (out.dropped if dropped else out.kept).append(i)
+        out.advantages.append(group_advantages(group))
+        sources = per_source[i] if per_source is not None else {}
+        out.metrics.extend(group_reward_metrics(group, sources, dropped))
+    return out
