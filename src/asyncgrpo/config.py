@@ -14,20 +14,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
-_PARENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 # transformers >= 5.2x renamed gradient_checkpointing -> activation_checkpointing (old name kept as an alias).
-_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in _PARENT_FIELDS
+_HAS_ACTIVATION_CHECKPOINTING = any(f.name == "activation_checkpointing" for f in dataclasses.fields(TrainingArguments))
 
 
 def _bf16_device_available() -> bool:
     """True when an accelerator that trains in bf16 is visible (CPU-only machines train in fp32 by default)."""
-    import torch
-
     if torch.cuda.is_available():
         return bool(torch.cuda.is_bf16_supported())
     xpu = getattr(torch, "xpu", None)
@@ -50,10 +48,7 @@ class AsyncGRPOConfig(TrainingArguments):
     """
 
     # ---- changed TrainingArguments defaults -------------------------------------------------------------------
-    logging_steps: float = field(
-        default=1,
-        metadata={"help": "Log every X optimizer steps (an integer, or a float in [0, 1) as a ratio of total steps)."},
-    )
+    logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer steps (or a ratio if < 1)."})
     gradient_checkpointing: bool | None = field(
         default=None,
         metadata={
@@ -85,8 +80,7 @@ class AsyncGRPOConfig(TrainingArguments):
         },
     )
     remove_unused_columns: bool = field(
-        default=False,
-        metadata={"help": "Must stay False: every dataset column is passed to the reward functions."},
+        default=False, metadata={"help": "Must stay False: every dataset column is passed to the reward functions."}
     )
 
     # ---- model -------------------------------------------------------------------------------------------------
