@@ -181,7 +181,7 @@ def policy_loss(
 
     metrics = _loss_metrics(
         logp.detach(),
-        sampler_logprobs.float(),
+        _up(sampler_logprobs),
         r,
         adv,
         mask,
