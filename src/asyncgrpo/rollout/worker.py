@@ -182,6 +182,13 @@ class RolloutWorker:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"waited {timeout:.0f}s for a sample from the rollout worker's queue")
 
+    def queue_size(self) -> int:
+        """Group results waiting in the sample queue (approximate, as multiprocessing reports it)."""
+        try:
+            return self.channels.samples.qsize()
+        except NotImplementedError:  # macOS has no sem_getvalue
+            return -1
+
     def drain_metrics(self) -> list[tuple[str, float, float]]:
         out = []
         while True:

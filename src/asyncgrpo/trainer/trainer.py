@@ -1,0 +1,351 @@
+"""``AsyncGRPOTrainer``: a ``transformers.Trainer`` whose data source is the rollout queue (T1).
+
+The Trainer machinery — optimizer and scheduler, gradient accumulation and
+clipping, callbacks, ``report_to``, checkpoints, ``push_to_hub``, accelerate/FSDP —
+is transformers'. What changes:
+
+* ``get_batch_samples`` pulls one optimizer step of packed micro-batches from the
+  rollout worker (``RolloutSource``) instead of reading a DataLoader;
+* ``training_step`` runs the packed forward, the chunked log-probs and the policy
+  loss of ``trainer/loss.py``;
+* a callback pushes the weights to the server every ``weight_sync_steps`` and
+  tells the worker the new version and the tokens the step used.
+
+    trainer = AsyncGRPOTrainer(model="path/or/id", reward_funcs=[accuracy_reward],
+                               args=AsyncGRPOConfig(output_dir="out"), train_dataset=ds)
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.inference.client import AsyncServerClient
+from asyncgrpo.inference.weight_transfer import WeightSender
+from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
+from asyncgrpo.packing import TokenBudgetBatcher, batch_metrics, build_plan, packed_hidden_states, use_tree_attention
+from asyncgrpo.packing.row import pack_samples
+from asyncgrpo.packing.sample import PackSample
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.rewards import check_picklable
+from asyncgrpo.rollout.sampling import SamplingSettings
+from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
+from asyncgrpo.trainer.checkpoint import read_rollout_state, resolve_checkpoint
+from asyncgrpo.trainer.logprobs import selective_logprobs
+from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
+from asyncgrpo.trainer.rollout_source import RolloutSource
+from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, probe_server
+from asyncgrpo.trainer.weight_sync import policy_weights
+
+logger = logging.getLogger(__name__)
+
+
+class _StepSource:
+    """Stands in for the train DataLoader: Trainer only needs its length and ``.dataset``.
+
+    Batches come from ``get_batch_samples``, which ignores this iterator.
+    """
+
+    def __init__(self, dataset: Any, num_batches: int | None) -> None:
+        self.dataset = dataset
+        self._len = num_batches
+
+    def __len__(self) -> int:
+        if self._len is None:
+            raise TypeError("length unknown: max_steps governs the run")
+        return self._len
+
+    def __iter__(self):
+        while True:
+            yield None
+
+
+def _conversational(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+class AsyncGRPOTrainer(Trainer):
+    """Asynchronous GRPO trainer (see the module docstring).
+
+    Args:
+        model: a hub id, a local checkpoint directory or a ``PreTrainedModel``.
+        reward_funcs: module-level callables (sync or ``async def``) returning one float or None per completion.
+        args: an ``AsyncGRPOConfig``.
+        train_dataset: rows with a conversational ``prompt`` column; other columns reach the reward functions.
+        processing_class: the tokenizer (default: loaded from ``model``).
+        callbacks, optimizers: as in ``transformers.Trainer``.
+        peft_config: a PEFT config; the server then receives merged weights.
+        tools, environment_factory: multi-turn agents (not part of this release's single-turn trainer).
+    """
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Any = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        tools: list[Any] | None = None,
+        environment_factory: Any = None,
+    ) -> None:
+        if tools or environment_factory is not None:
+            raise NotImplementedError(
+                "tools and environment_factory (multi-turn agents, SPEC A1-A4) are not supported by this version; "
+                "train single-turn prompts, or override AsyncRolloutLoop.generate_one for a custom multi-turn loop"
+            )
+        args = args if args is not None else AsyncGRPOConfig(output_dir="asyncgrpo-output")
+        if not isinstance(args, AsyncGRPOConfig):
+            raise TypeError(f"args must be an AsyncGRPOConfig, got {type(args).__name__}")
+        model_id = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "policy")
+        if isinstance(model, str):
+            init_kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
+            init_kwargs.update(args.model_init_kwargs or {})
+            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            targets = getattr(peft_config, "target_modules", None) or []
+            if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
+                raise ValueError("LoRA on lm_head is not supported: drop 'lm_head' from peft_config.target_modules")
+            model = get_peft_model(model, peft_config)
+        reward_funcs = [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        for f in reward_funcs:
+            if isinstance(f, str):
+                raise TypeError(f"reward function {f!r} is a string; pass a callable (import it in your script)")
+            check_picklable(f, "reward function")
+        if train_dataset is None:
+            raise ValueError("train_dataset is required: a dataset with a conversational 'prompt' column")
+        self._check_dataset(train_dataset)
+        self.model_id = model_id
+        self.reward_funcs = reward_funcs
+        super().__init__(
+            model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
+            callbacks=callbacks, optimizers=optimizers,
+        )
+        use_tree_attention(self._causal_lm())
+        self.window = MetricsWindow()
+        self.add_callback(AsyncGRPOCallback(self))
+        self.add_callback(MetricsFileCallback(self))
+        self.worker: RolloutWorker | None = None
+        self.source: RolloutSource | None = None
+        self.sender: WeightSender | None = None
+        self.facts: ServerFacts | None = None
+        self._flops_per_token: float | None = None
+        self._peak: float | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    @staticmethod
+    def _check_dataset(dataset: Any) -> None:
+        if not hasattr(dataset, "__len__"):
+            return  # iterable datasets are checked row by row by the worker
+        if len(dataset) == 0:
+            raise ValueError("train_dataset is empty")
+        row = dataset[0]
+        if "prompt" not in row:
+            raise ValueError(f"train_dataset has columns {sorted(row)}; it needs a conversational 'prompt' column")
+        if not _conversational(row["prompt"]):
+            raise ValueError(
+                f"train_dataset row 0 has prompt={row['prompt']!r}; prompts must be conversational: a list of "
+                '{"role": "user", "content": "..."} messages'
+            )
+
+    def _causal_lm(self) -> torch.nn.Module:
+        model = self.model
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _start_rollout(self, start_index: int) -> None:
+        args: AsyncGRPOConfig = self.args
+        want_masks = args.top_k > 0 or args.top_p < 1.0 or bool(args.min_p)
+        if self.is_world_process_zero():
+            self.facts = probe_server(args.vllm_server_base_url, args.vllm_server_timeout, want_masks)
+            check_dtype(self._causal_lm().dtype, self.facts.dtype)
+        facts = self._broadcast_object(self.facts)
+        self.facts = facts
+        self.token_budget = args.token_budget or facts.max_model_len
+        n_proc = self.args.world_size
+        if self.is_world_process_zero():
+            sampling = SamplingSettings(
+                base_url=args.vllm_server_base_url, max_model_len=facts.max_model_len,
+                max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                num_sampler_logprobs=args.num_sampler_logprobs if args.score_centering else 0,
+                kv_cache_tokens=facts.kv_cache_tokens, has_metrics=facts.has_metrics,
+                masks_supported=facts.masks_supported,
+                initial_tokens_per_step=self.token_budget * n_proc * args.gradient_accumulation_steps,
+            )
+            n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+            num_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None
+            eos = self.processing_class.eos_token_id
+            loop = self.loop_cls(
+                args, facts.model_name, self.train_dataset, self.reward_funcs, self.processing_class,
+                [eos] if eos is not None else [], sampling, dataset_start_index=start_index, num_epochs=num_epochs,
+            )
+            check_picklable(loop, f"rollout loop {type(loop).__name__}")
+            self.worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
+            total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
+            self.source = RolloutSource(
+                self.worker, TokenBudgetBatcher(self.token_budget, n_proc), args.gradient_accumulation_steps,
+                args.max_staleness, n or 0, start_index=start_index, total_prompts=total,
+                sample_timeout=args.vllm_server_timeout,
+            )
+            self.sender = WeightSender(timeout_s=args.vllm_server_timeout)
+            self.sender.init(
+                AsyncServerClient(args.vllm_server_base_url), facts.world_size,
+                backend=facts.weight_backend or "auto", device=self.args.device,
+            )
+            self.worker.set_policy_version(self.state.global_step)
+            self.worker.start()
+        cfg = self._causal_lm().config
+        self._flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
+        if torch.cuda.is_available():
+            self._peak = peak_flops(torch.cuda.get_device_name(), "bfloat16" if args.bf16 else "float32")
+
+    def _stop_rollout(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+        if self.sender is not None:
+            self.sender.close()
+        self.worker = self.source = self.sender = None
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        if self.args.world_size <= 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ Trainer hooks
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """Train until ``max_steps`` optimizer steps, or ``num_train_epochs`` passes over the prompts (T3).
+
+        ``resume_from_checkpoint`` (a path, or True for the newest checkpoint in ``output_dir``) restores the
+        model, optimizer and scheduler, and restarts generation at the first untrained prompt (T5).
+        """
+        ckpt = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+        start = read_rollout_state(ckpt, n) if ckpt else 0
+        for f in self.reward_funcs:
+            check_picklable(f, "reward function")
+        self._start_rollout(start)
+        try:
+            return super().train(resume_from_checkpoint=ckpt, **kwargs)
+        finally:
+            self._stop_rollout()
+
+    def get_train_dataloader(self) -> _StepSource:
+        if self.args.max_steps > 0:
+            return _StepSource(self.train_dataset, None)
+        n = len(self.train_dataset)
+        # Each step trains at least one whole prompt group except when a group spills over a step, so
+        # 2 × prompts + a margin bounds the steps; the run stops earlier once the prompts are consumed.
+        bound = 2 * math.ceil(self.args.num_train_epochs * n) + 8
+        per_epoch = math.ceil(bound / max(math.ceil(self.args.num_train_epochs), 1))
+        return _StepSource(self.train_dataset, per_epoch * self.args.gradient_accumulation_steps)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
+        """One step's micro-batches: ``{"rows": [PackedRow per process], "normalizer": float}`` each."""
+        batches: list[dict[str, Any]] | None = None
+        t0 = time.perf_counter()
+        if self.is_world_process_zero():
+            assert self.source is not None
+            if self.source.finished:
+                micro = []
+            else:
+                micro = self.source.next_step(self.state.global_step)
+            self._step_micro = micro
+            packed = [mb.pack() for mb in micro]
+            dropped = self.source.batcher.take_dropped_count()
+            for name, value in batch_metrics(packed, self.token_budget, dropped).items():
+                self.window.add(name, value)
+            ga = self.args.gradient_accumulation_steps
+            batches = []
+            for rows in packed:
+                tokens = sum(r.num_trained for r in rows)
+                norm = loss_normalizer(tokens, ga, self.args.world_size)
+                batches.append({"rows": rows, "normalizer": norm, "trained_tokens": tokens})
+        batches = self._broadcast_object(batches)
+        if not batches:
+            self.control.should_training_stop = True
+        self.window.add("perf/rollout_wait_s", time.perf_counter() - t0)
+        self._step_t0 = time.perf_counter()
+        self._fwd_bwd_s = 0.0
+        self._forwarded = 0
+        return batches, None
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
+        model.train()
+        t0 = time.perf_counter()
+        rank = self.args.process_index
+        row = inputs["rows"][rank] if rank < len(inputs["rows"]) else None
+        if row is None or row.num_tokens == 0:  # every process must forward (FSDP collectives): a 1-token row
+            row = pack_samples([PackSample([0, 0], [0, 0], [0.0, 0.0], 0.0, -1)])
+        row = row.to(self.args.device)
+        with self.compute_loss_context_manager():
+            lm = self._causal_lm()
+            hidden = packed_hidden_states(lm, row, build_plan(row, device=self.args.device))
+            result = self._policy_loss(lm, hidden, row, inputs["normalizer"]) if row.num_trained else None
+            # A row without trained tokens still joins the graph (FSDP needs every rank's backward).
+            loss = (result.loss if result is not None else 0.0) + 0.0 * hidden.sum()
+        self.accelerator.backward(loss)
+        if self._device_is_cuda():
+            torch.cuda.synchronize()  # CPU-GPU sync point: only for honest perf/fwd_bwd_s
+        self._fwd_bwd_s += time.perf_counter() - t0
+        self._forwarded += row.num_tokens
+        if result is not None:
+            for name, value, weight in result.metric_events():
+                if math.isfinite(value):
+                    self.window.add(name, value, weight)
+        return loss.detach()
+
+    def _policy_loss(self, lm: torch.nn.Module, hidden: torch.Tensor, row: Any, normalizer: float):
+        """Chunked log-probs of the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6)."""
+        args: AsyncGRPOConfig = self.args
+        h = hidden[row.pred_index]  # [M, hidden]: the position predicting each trained token
+        use_top = args.score_centering and row.sampler_topn_ids is not None
+        out = selective_logprobs(
+            h, lm.get_output_embeddings().weight, row.target_ids, temperature=args.temperature,
+            extra_ids=row.sampler_topn_ids if use_top else None, candidates=row.candidates, want_entropy=True,
+        )
+        return policy_loss(
+            out.logprobs, row.old_logprobs, row.advantages, torch.ones_like(row.target_ids, dtype=torch.bool),
+            normalizer, clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max, epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+            score_centering=use_top, top_logprobs=out.extra_logprobs,
+            sampler_top_logprobs=row.sampler_topn_logprobs if use_top else None,
+            sample_index=row.entry_sample, entropy=out.entropy,
+        )
+
+    def _device_is_cuda(self) -> bool:
+        return torch.device(self.args.device).type == "cuda"
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        rows = inputs.get("rows", []) if isinstance(inputs, dict) else []
+        tokens = sum(r.num_tokens for r in rows)
+        return int(tokens * (self._flops_per_token or 0))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.is_world_process_zero():
+            if self.worker is not None:
+                self.window.extend(self.worker.drain_metrics())
+            if self.source is not None:
+                self.window.extend(self.source.take_metrics())
+            logs = {**logs, **self.window.flush()}
+        super().log(logs, start_time)
