@@ -30,8 +30,9 @@ class PackSample:
         old_logprobs: the sampler's processed log-prob of each token (read where trained).
         advantage: the sample's advantage, shared by all its trained tokens.
         group_id: the group (prompt) the sample belongs to; the planner keeps a group together.
-        sampler_topn_ids: optional [L][K] ids of the sampler's K most likely tokens per position.
-        sampler_topn_logprobs: optional [L][K] their sampler log-probs.
+        sampler_topn_ids: optional [L][K] ids of the sampler's most likely tokens per position; rows may be
+            ragged (e.g. empty where untrained) and are padded to K with id -1.
+        sampler_topn_logprobs: optional [L][K] their sampler log-probs (padded with -inf).
         candidate_ids: optional [L] candidate sets (top-k/top-p sampling masks); an entry may
             be None or empty for untrained tokens.
         meta: anything the caller wants back with the packed row (not read by the packer).
@@ -66,17 +67,26 @@ class PackSample:
         if (self.sampler_topn_ids is None) != (self.sampler_topn_logprobs is None):
             raise ValueError("give both sampler_topn_ids and sampler_topn_logprobs, or neither")
         if self.sampler_topn_ids is not None:
-            self.sampler_topn_ids = np.asarray(self.sampler_topn_ids, dtype=np.int64)
-            self.sampler_topn_logprobs = np.asarray(self.sampler_topn_logprobs, dtype=np.float32)
-            if self.sampler_topn_ids.shape != self.sampler_topn_logprobs.shape or self.sampler_topn_ids.ndim != 2:
-                raise ValueError(
-                    f"sampler_topn_ids {self.sampler_topn_ids.shape} and sampler_topn_logprobs "
-                    f"{self.sampler_topn_logprobs.shape} must both be [num_tokens, K]"
-                )
-            if self.sampler_topn_ids.shape[0] != n:
-                raise ValueError(f"sampler_topn_ids has {self.sampler_topn_ids.shape[0]} rows for {n} tokens")
+            self.sampler_topn_ids, self.sampler_topn_logprobs = _pad_topn(
+                self.sampler_topn_ids, self.sampler_topn_logprobs, n
+            )
         if self.candidate_ids is not None and len(self.candidate_ids) != n:
             raise ValueError(f"candidate_ids has {len(self.candidate_ids)} entries for {n} tokens")
+
+    @classmethod
+    def from_sequence(cls, seq: Any) -> PackSample:
+        """Convert a ``TrainingSequence`` (read by attribute name; the sequence itself rides along as ``meta``)."""
+        return cls(
+            token_ids=seq.input_ids,
+            loss_mask=seq.loss_mask,
+            old_logprobs=seq.sampler_logprobs,
+            advantage=seq.advantage,
+            group_id=seq.group_id,
+            sampler_topn_ids=getattr(seq, "sampler_top_ids", None),
+            sampler_topn_logprobs=getattr(seq, "sampler_top_logprobs", None),
+            candidate_ids=getattr(seq, "candidate_sets", None),
+            meta=seq,
+        )
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -85,3 +95,23 @@ class PackSample:
     def num_trained(self) -> int:
         """Number of tokens this sample trains."""
         return int(self.loss_mask.sum())
+
+
+def _pad_topn(ids: Any, logprobs: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """[L][K_i] ragged top-N lists -> [L, K] arrays padded with id -1 and log-prob -inf."""
+    if len(ids) != n or len(logprobs) != n:
+        raise ValueError(f"sampler_topn_ids/logprobs have {len(ids)}/{len(logprobs)} rows for {n} tokens")
+    if isinstance(ids, np.ndarray) and ids.ndim == 2:  # already rectangular
+        arr_lp = np.asarray(logprobs, dtype=np.float32)
+        if arr_lp.shape != ids.shape:
+            raise ValueError(f"sampler_topn_ids {ids.shape} and sampler_topn_logprobs {arr_lp.shape} differ")
+        return ids.astype(np.int64), arr_lp
+    k = max((len(r) for r in ids), default=0)
+    out_ids = np.full((n, k), -1, dtype=np.int64)
+    out_lp = np.full((n, k), -np.inf, dtype=np.float32)
+    for t, (ri, rl) in enumerate(zip(ids, logprobs)):
+        if len(ri) != len(rl):
+            raise ValueError(f"sampler top-N row {t} has {len(ri)} ids but {len(rl)} log-probs")
+        out_ids[t, : len(ri)] = ri
+        out_lp[t, : len(rl)] = rl
+    return out_ids, out_lp
