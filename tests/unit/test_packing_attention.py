@@ -1,4 +1,7 @@
-"""Tree attention parity (SPEC P1, B3 on CPU): packed forward/backward == each sample forwarded alone by HF."""
+"""Tree attention parity (SPEC P1, B3 on CPU): packed forward/backward == each sample forwarded alone by HF.
+
+The packed side runs what the trainer runs: tree attention + the chunked log-prob module.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from asyncgrpo.packing.attention import _flex_block_mask, build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.synthetic import random_tree_samples
+from asyncgrpo.trainer.logprobs import selective_logprobs
 
 VOCAB = 97
 COMMON = {
@@ -55,8 +59,8 @@ def _packed(model, row, weights):
     use_tree_attention(model)
     model.zero_grad()
     hidden = packed_hidden_states(model, row, build_plan(row, "sdpa"))
-    logits = hidden[row.pred_index] @ model.get_output_embeddings().weight.T
-    lp = logits.log_softmax(-1).gather(1, row.target_ids[:, None])[:, 0]
+    head = model.get_output_embeddings().weight
+    lp = selective_logprobs(hidden[row.pred_index], head, row.target_ids, chunk_size=16).logprobs
     (lp * weights).sum().backward()
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

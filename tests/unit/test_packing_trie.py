@@ -122,3 +122,27 @@ def test_sample_validation_messages():
         PackSample([1, 2], [0, 1], [0.0], 0.0, 0)
     with pytest.raises(ValueError, match="empty"):
         PackSample([], [], [], 0.0, 0)
+
+
+def test_from_training_sequence_pads_ragged_top_n():
+    from asyncgrpo.types import TrainingSequence
+
+    seq = TrainingSequence(
+        input_ids=[4, 5, 6, 7],
+        loss_mask=[0, 0, 1, 1],
+        sampler_logprobs=[0.0, 0.0, -0.5, -1.5],
+        advantage=1.25,
+        model_version=3,
+        group_id=9,
+        row_index=0,
+        sampler_top_ids=[[], [], [6, 2, 3], [7]],
+        sampler_top_logprobs=[[], [], [-0.5, -1.0, -2.0], [-1.5]],
+        candidate_sets=[[], [], [6, 2], []],
+    )
+    seq.validate()
+    row = pack_samples([PackSample.from_sequence(seq)])
+    assert row.samples[0].meta is seq and row.samples[0].group_id == 9
+    assert row.target_ids.tolist() == [6, 7] and row.advantages.tolist() == [1.25, 1.25]
+    assert row.sampler_topn_ids.tolist() == [[6, 2, 3], [7, -1, -1]]
+    assert row.sampler_topn_logprobs.tolist() == [[-0.5, -1.0, -2.0], [-1.5, float("-inf"), float("-inf")]]
+    assert row.candidates.tolist() == [[0, 6], [0, 2]]  # the empty set of token 7 means the full vocabulary
