@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,6 +43,9 @@ class EngineLoop:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.on_release: Any = None  # called with a request id when a request finishes
+        # diagnostics: steps and wall seconds (incl. the sampler's device sync) per step kind
+        self.step_counts = {"prefill": 0, "decode": 0}
+        self.step_seconds = {"prefill": 0.0, "decode": 0.0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,9 +173,11 @@ class EngineLoop:
         return self.scheduler.has_work(admit=self.pause_mode is None)
 
     def _step(self) -> None:
+        start = time.perf_counter()
         batch = self.scheduler.schedule(admit=self.pause_mode is None)
         if batch is None:
             return
+        kind = "prefill" if batch.is_prefill else "decode"
         try:
             result = self._forward_and_sample(batch)
         except Exception as exc:  # fail the affected requests, keep the engine alive
@@ -191,6 +197,8 @@ class EngineLoop:
             stop = self._stop_reason(seq, token)
             if stop is not None:
                 self._finish(seq, *stop)
+        self.step_counts[kind] += 1
+        self.step_seconds[kind] += time.perf_counter() - start
 
     def _forward_and_sample(self, batch: Batch) -> SampleResult:
         lora = any(s.lora is not None for s in batch.seqs)

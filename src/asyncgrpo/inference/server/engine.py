@@ -270,6 +270,11 @@ class Engine:
     def lora_names(self) -> list[str]:
         return self._lora.names
 
+    def step_timings(self) -> dict[str, dict[str, float]]:
+        """Diagnostics: number of prefill/decode steps so far and their total wall seconds."""
+        c = self._core
+        return {k: {"steps": c.step_counts[k], "seconds": c.step_seconds[k]} for k in c.step_counts}
+
     def stats(self) -> EngineStats:
         s = self._scheduler
         return EngineStats(

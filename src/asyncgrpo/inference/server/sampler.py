@@ -120,15 +120,17 @@ class Sampler:
         trunc = [i for i, (p, g) in enumerate(zip(params, greedy)) if not g and (0 < p.top_k < V or p.top_p < 1.0)]
         for chunk in _chunks(trunc):
             self._top_k_top_p(x, chunk, [params[i].top_k for i in chunk], [params[i].top_p for i in chunk])
-        x.sub_(torch.logsumexp(x, dim=1, keepdim=True))  # x is now the processed log-probs
+        # processed log-probs = x - lse; argmax and the -inf pattern do not need the shift, so the
+        # full [B, V] subtraction is skipped and only rows asking for top-N pay it
+        lse = torch.logsumexp(x, dim=1, keepdim=True)  # [B, 1]
         choice = self._choose(x, rows, greedy)
-        chosen_lp = x.gather(1, choice[:, None]).squeeze(1)
+        chosen_lp = x.gather(1, choice[:, None]).squeeze(1) - lse.squeeze(1)
         packed = torch.stack([choice.double(), chosen_lp.double()]).cpu()  # one device->host sync
         token_ids = [int(t) for t in packed[0].tolist()]
         return SampleResult(
             token_ids=token_ids,
             logprobs=packed[1].tolist(),
-            top_logprobs=self._top_n(x, params),
+            top_logprobs=self._top_n(x, lse, params),
             masks=self._masks(x, params),
         )
 
@@ -175,7 +177,10 @@ class Sampler:
         x.index_copy_(0, idx, sub)
 
     def _choose(self, x: torch.Tensor, rows: list[SamplerRow], greedy: list[bool]) -> torch.Tensor:
-        """argmax for greedy rows; exponential race for the others. Returns [B] int64."""
+        """argmax for greedy rows; exponential race for the others. Returns [B] int64.
+
+        ``x`` holds unnormalised processed logits: argmax(x - log E) = argmax(logprob - log E).
+        """
         choice = x.argmax(dim=1)
         seeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is not None]
         unseeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is None]
@@ -198,7 +203,9 @@ class Sampler:
             choice.index_copy_(0, idx, (x.index_select(0, idx) - noise.log_()).argmax(dim=1))
         return choice
 
-    def _top_n(self, x: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+    def _top_n(
+        self, x: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams]
+    ) -> list[list[tuple[int, float]] | None]:
         out: list[list[tuple[int, float]] | None] = [None] * len(params)
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         for i in asked:
@@ -206,7 +213,9 @@ class Sampler:
         asked = [i for i in asked if params[i].logprobs > 0]
         for chunk in _chunks(asked):
             n = min(max(params[i].logprobs for i in chunk), x.shape[1])
-            vals, ids = x.index_select(0, torch.tensor(chunk, device=self.device)).topk(n, dim=1)
+            idx = torch.tensor(chunk, device=self.device)
+            vals, ids = x.index_select(0, idx).topk(n, dim=1)
+            vals = vals - lse.index_select(0, idx)
             vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
             for j, i in enumerate(chunk):
                 k = params[i].logprobs

@@ -1,0 +1,257 @@
+"""B5: generated tokens/s of the embedded engine against HF ``generate``, same process, same model.
+
+A random-init Qwen3-0.6B-shaped model (bf16, built directly on the GPU) answers
+256 concurrent requests: 128 random prompt tokens, exactly 256 output tokens
+(ignore_eos + min_tokens), temperature 1.0. The engine gets all requests at once
+through its public API (submit all, wait for all); the baseline is one HF
+``model.generate`` call at batch 256 with the same shapes and sampling.
+
+Run (GPU):  python bench/generation.py --out bench/results/generation_h200.json
+Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/generation.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from asyncgrpo.inference.server.engine import Engine
+from asyncgrpo.inference.server.request import Request, RequestOutput, SamplingParams
+
+QWEN3_06B = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+}
+SMOKE = {**QWEN3_06B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
+
+
+def build_model(shape: dict, device: torch.device, dtype: torch.dtype):
+    """Random-init Qwen3 model created on ``device`` directly (no CPU init + copy)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**shape, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[int, float]:
+    """Submit every prompt at once, wait for all; returns (generated tokens, seconds)."""
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=1.0)
+    outs: list[RequestOutput] = []
+    lock, done = threading.Lock(), threading.Event()
+
+    def on_finish(out: RequestOutput) -> None:
+        with lock:
+            outs.append(out)
+            if len(outs) == len(prompts):
+                done.set()
+
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"{tag}-{i}", p, params), on_finish)
+    if not done.wait(timeout=600):
+        raise RuntimeError(f"engine run {tag}: only {len(outs)}/{len(prompts)} requests finished in 600 s")
+    seconds = time.perf_counter() - start
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"engine run {tag} failed: {errors[0]}")
+    return sum(len(o.token_ids) for o in outs), seconds
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.device) -> tuple[int, float]:
+    ids = torch.tensor(prompts, device=device)
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=1,
+        )
+    _sync(device)
+    seconds = time.perf_counter() - start
+    return int(out.shape[0] * (out.shape[1] - ids.shape[1])), seconds
+
+
+def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None) -> dict:
+    """A short run of an eager engine (no CUDA graphs) under torch.profiler: where device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(
+        model, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=max_len,
+        max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * max_len, enforce_eager=True,
+    )  # fmt: skip
+    engine.start()
+    run_engine(engine, prompts, 8, "eager-warmup")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        tokens, seconds = run_engine(engine, prompts, 32, "eager-profiled")
+    timings = engine.step_timings()
+    engine.shutdown()
+    del engine
+    _free(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=key, row_limit=30)
+    except (KeyError, AttributeError, RuntimeError):
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+    if out is not None:
+        path = out.with_name(out.stem + "_eager_profile.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(table)
+    print(table)
+    return {"tokens": tokens, "seconds_under_profiler": seconds, "step_timings": timings}
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU; checks the script, not speed")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--engine-repeats", type=int, default=3)
+    ap.add_argument("--hf-repeats", type=int, default=2)
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled eager run")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    if args.smoke:
+        device, dtype, shape, defaults = torch.device("cpu"), torch.float32, SMOKE, (8, 16, 16)
+    else:
+        if not torch.cuda.is_available():
+            print("B5 needs a CUDA GPU (use --smoke to check the script on CPU); no numbers were measured.")
+            return 2
+        device, dtype, shape, defaults = torch.device("cuda", 0), torch.bfloat16, QWEN3_06B, (256, 128, 256)
+    n_req = args.num_requests or defaults[0]
+    p_len = args.prompt_len or defaults[1]
+    o_len = args.output_len or defaults[2]
+
+    t0 = time.perf_counter()
+    model = build_model(shape, device, dtype)
+    model_init_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, shape["vocab_size"], (n_req, p_len), generator=gen).tolist()
+
+    # ---------------------------------------------------------------- engine
+    t0 = time.perf_counter()
+    engine = Engine(
+        model, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=p_len + o_len,
+        max_num_seqs=n_req, kv_cache_tokens=n_req * (p_len + o_len),
+    )  # fmt: skip
+    engine_init_s = time.perf_counter() - t0
+    engine.start()
+    run_engine(engine, prompts, min(o_len, 16), "warmup")
+    before = engine.step_timings()
+    engine_runs = [run_engine(engine, prompts, o_len, f"run{r}") for r in range(args.engine_repeats)]
+    after = engine.step_timings()
+    steps = {
+        k: {"steps": after[k]["steps"] - before[k]["steps"], "seconds": after[k]["seconds"] - before[k]["seconds"]}
+        for k in after
+    }
+    stats = engine.stats()
+    kv_tokens = engine.kv_cache_tokens
+    engine.shutdown()
+    del engine
+    _free(device)
+    profile = None
+    if args.profile:
+        profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)
+
+    # -------------------------------------------------------------- baseline
+    run_hf(model, prompts, 4, device)  # warm-up
+    hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
+
+    # ---------------------------------------------------------------- report
+    eng_tps = statistics.median(t / s for t, s in engine_runs)
+    hf_tps = statistics.median(t / s for t, s in hf_runs)
+    result = {
+        "benchmark": "B5 embedded engine generation throughput",
+        "smoke": args.smoke,
+        "inputs": {
+            "num_requests": n_req,
+            "prompt_len": p_len,
+            "output_len": o_len,
+            "temperature": 1.0,
+            "dtype": str(dtype),
+            "model_shape": shape,
+        },
+        "machine": {
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "engine": {
+            "runs": [{"tokens": t, "seconds": s, "tokens_per_s": t / s} for t, s in engine_runs],
+            "median_tokens_per_s": eng_tps,
+            "init_seconds": engine_init_s,
+            "kv_cache_tokens": kv_tokens,
+            "num_preemptions_total": stats.num_preemptions_total,
+            "step_timings_timed_runs": steps,
+        },
+        "eager_profile": profile,
+        "hf_generate": {
+            "runs": [{"tokens": t, "seconds": s, "tokens_per_s": t / s} for t, s in hf_runs],
+            "median_tokens_per_s": hf_tps,
+        },
+        "model_init_seconds": model_init_s,
+        "ratio_engine_over_hf": eng_tps / hf_tps,
+    }
+    print(f"\nB5 generation, {n_req} requests x ({p_len} prompt + {o_len} output), {result['machine']['gpu'] or 'CPU'}")
+    print(f"{'':16}{'tokens':>10}{'seconds':>10}{'tok/s':>12}")
+    for name, runs, tps in (("engine", engine_runs, eng_tps), ("HF generate", hf_runs, hf_tps)):
+        t, s = runs[len(runs) // 2]
+        print(f"{name:16}{t:>10}{s:>10.2f}{tps:>12.0f}")
+    dec = steps["decode"]
+    if dec["steps"]:
+        print(f"engine decode steps: {dec['steps']}, {1000 * dec['seconds'] / dec['steps']:.2f} ms each (timed runs)")
+    print(
+        f"ratio engine / HF generate: {eng_tps / hf_tps:.1f}x"
+        + ("  (smoke run: not a measurement)" if args.smoke else "")
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
