@@ -129,7 +129,7 @@ def test_engine_greedy_with_graphs_matches_hf_across_buckets_and_preemption():
         assert outs[f"g{i}"].token_ids == _hf_greedy(hf, p, 40), f"request {i}"
 
 
-def test_engine_bf16_sampling_is_seed_reproducible_and_lora_runs_eager(tmp_path):
+def test_engine_seeded_sampling_is_reproducible_and_lora_runs_eager(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     base = tiny_model("qwen3", seed=0, **SHAPE)

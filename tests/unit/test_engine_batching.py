@@ -95,6 +95,7 @@ def test_concurrent_requests_and_a_late_joiner_match_hf_greedy(engine, hf):
         assert out.prompt_token_ids == prompt
         assert [(s.version, s.start, s.end) for s in out.weight_versions] == [("0", 0, 12)]
     assert all(n == 1 for n in col.calls.values())
+    assert engine.is_alive
     stats = engine.stats()
     assert stats.generation_tokens_total == 12 * 5 and stats.num_running == 0 and stats.kv_cache_usage == 0.0
 

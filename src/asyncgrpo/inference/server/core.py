@@ -104,7 +104,11 @@ class EngineLoop:
                     break
                 stepped = self._can_step()
                 if stepped:
-                    self._step()
+                    try:
+                        self._step()
+                    except Exception:  # a scheduler bug must not kill the thread silently
+                        logger.exception("engine step crashed; aborting the requests in flight")
+                        self._abort_all(error="engine step crashed (see the server log)")
                 self._resolve_drain_waiters()
                 if not stepped:
                     self._wake.wait(IDLE_WAIT_S)
@@ -147,9 +151,9 @@ class EngineLoop:
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, error: str | None = None) -> None:
         for seq in list(self._seqs.values()):
-            self._finish(seq, "abort")
+            self._finish(seq, "abort", error=error)
 
     def _pause(self, mode: PauseMode, fut: Future) -> None:
         self.pause_mode = mode

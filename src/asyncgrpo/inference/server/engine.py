@@ -158,6 +158,11 @@ class Engine:
             torch.cuda.empty_cache()
 
     @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (False before :meth:`start` and after :meth:`shutdown`)."""
+        return self._core.running()
+
+    @property
     def weight_version(self) -> str:
         return self._core.weight_version
 

@@ -19,11 +19,13 @@ engine's ``seed``).
 
 Memory: the batch is one [B, V] fp32 tensor edited in place; row subsets
 (top-k/top-p sorts, noise, top-N, masks) are processed in chunks of
-:data:`ROW_CHUNK` rows, and top-N / masks only for rows that asked.
+:data:`ROW_CHUNK` rows (unseeded noise in chunks of :data:`NOISE_ELEMENTS`), and top-N /
+masks only for rows that asked.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -31,7 +33,8 @@ import torch
 
 from asyncgrpo.inference.server.request import SamplingParams
 
-ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries (sort indices, noise, hashes)
+ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries of sorts, hashes, top-N and masks
+NOISE_ELEMENTS = 1 << 26  # unseeded noise is drawn for up to this many (row, token) pairs per kernel (256 MB fp32)
 _M32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
 
@@ -68,6 +71,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=4)
+def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    return _mix32(torch.arange(vocab, dtype=torch.int64, device=device) + 0x27D4EB2F)
+
+
 def hashed_exponential(seeds: list[int], positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Exp(1) noise [R, vocab] (fp32) that depends only on (seed, position, token id)."""
     lo = torch.tensor([s & _M32 for s in seeds], dtype=torch.int64, device=device)
@@ -75,7 +83,7 @@ def hashed_exponential(seeds: list[int], positions: list[int], vocab: int, devic
     pos = torch.tensor([p & _M32 for p in positions], dtype=torch.int64, device=device)
     key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
     key = _mix32(key ^ _mix32((pos + 0x85EBCA6B) & _M32))  # [R]
-    tok = _mix32(torch.arange(vocab, dtype=torch.int64, device=device) + 0x27D4EB2F)  # [V]
+    tok = _token_hash(vocab, device)  # [V]
     bits = _mix32(key[:, None] ^ tok[None, :])  # [R, V] in [0, 2**32)
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 exact bits
     return u.log_().neg_()
@@ -185,10 +193,11 @@ class Sampler:
         seeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is not None]
         unseeded = [i for i, r in enumerate(rows) if not greedy[i] and r.params.seed is None]
         if len(unseeded) == len(rows):  # common case: no row subsetting
-            for start in range(0, len(rows), ROW_CHUNK):
-                part = x[start : start + ROW_CHUNK]
+            step = max(1, NOISE_ELEMENTS // x.shape[1])  # few launches: the whole batch at once when it fits
+            for start in range(0, len(rows), step):
+                part = x[start : start + step]
                 noise = torch.empty_like(part).exponential_(generator=self.generator)
-                choice[start : start + ROW_CHUNK] = (part - noise.log_()).argmax(dim=1)
+                choice[start : start + step] = (part - noise.log_()).argmax(dim=1)
             return choice
         for chunk in _chunks(unseeded):
             idx = torch.tensor(chunk, device=self.device)

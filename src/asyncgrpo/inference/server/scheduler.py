@@ -25,7 +25,7 @@ from asyncgrpo.inference.server.request import Request, RequestOutput, WeightVer
 _arrival = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: queues remove/find sequences by object, not by value
 class Sequence:
     """Mutable state of one request inside the engine.
 
