@@ -77,3 +77,24 @@ def test_rejects_unsupported_architecture():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         check_architecture(gpt2)
+
+
+def test_padded_decode_rows_do_not_disturb_real_rows():
+    """CUDA-graph buckets pad the batch with rows that use the sink block; real rows must not notice."""
+    hf = tiny_model("qwen3", seed=2)
+    _model, kv, runner = _setup(hf)
+    seqs = [_seq([5, 6, 7, 8, 9], range(4)), _seq([1, 2, 3], range(4, 8))]
+    runner.prefill(seqs)
+    for s in seqs:
+        s.token_ids.append(11)
+    runner._fill_static(seqs, rows=8)  # 6 padding rows, as for a graph bucket of 8
+    padded = runner._decode_forward(8, max_ctx=6)[:2].clone()
+    sink_before = kv.layers[0][0][kv.pad_block].clone()
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ref = hf(torch.tensor([s.token_ids])).logits[0, -1]
+            torch.testing.assert_close(padded[i], ref, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(sink_before, torch.zeros_like(sink_before))  # the padding rows wrote into the sink only
+    used = {b for s in seqs for b in s.block_table} | {kv.pad_block}
+    untouched = [b for b in range(kv.num_blocks) if b not in used]
+    assert all(not kv.layers[0][0][b].any() for b in untouched)

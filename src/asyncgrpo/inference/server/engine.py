@@ -170,7 +170,12 @@ class Engine:
     def submit(self, request: Request, on_finish: Callable[[RequestOutput], None]) -> None:
         """Queue a request; ``on_finish`` is called once, on the engine thread. ValueError for a bad request."""
         self._validate(request)
-        lora = self._lora.get(request.lora_name) if request.lora_name is not None else None
+        lora = None
+        if request.lora_name is not None:
+            try:
+                lora = self._lora.get(request.lora_name)
+            except KeyError:
+                raise ValueError(f"LoRA adapter {request.lora_name!r} was unloaded") from None
         with self._ids_lock:
             if request.request_id in self._live_ids:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight; ids must be unique")
