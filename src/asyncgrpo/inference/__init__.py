@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncgrpo.inference.client import AsyncServerClient, GenerationResult, VersionSpan
+from asyncgrpo.inference.client import AsyncServerClient
 from asyncgrpo.inference.errors import ServerError, ServerTimeoutError, WeightTransferError
+from asyncgrpo.inference.results import GenerationResult, VersionSpan
 
 __all__ = [
     "AsyncServerClient",

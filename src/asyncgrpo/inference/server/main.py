@@ -1,0 +1,167 @@
+"""``asyncgrpo serve MODEL``: start the embedded generation server.
+
+    asyncgrpo serve path/to/model --port 8000 [--device cuda:0] [--enable-lora] [--return-sampling-mask]
+    python -m asyncgrpo.inference.server.main path/to/model ...   # the same, without the CLI wrapper
+
+Flags follow ``vllm serve`` where both have them; vLLM-only deployment flags the
+documented launch command uses (``--api-server-count``, ``--logprobs-mode``) are
+accepted so the same command line works against either server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import signal
+import sys
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"--device must be auto, cpu, cuda or cuda:N; got {text!r}")
+    return text
+
+
+def _weight_transfer_config(text: str) -> dict[str, Any]:
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--weight-transfer-config is not JSON: {exc}") from exc
+    if not isinstance(cfg, dict) or set(cfg) - {"backend", "timeout_s"}:
+        raise argparse.ArgumentTypeError('--weight-transfer-config takes {"backend": "nccl"|"gloo"|"auto"}')
+    if cfg.get("backend", "auto") not in ("nccl", "gloo", "auto"):
+        raise argparse.ArgumentTypeError(f"weight-transfer backend must be nccl, gloo or auto; got {cfg['backend']!r}")
+    return cfg
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` flags (vLLM's names and defaults where vLLM has them)."""
+    a = parser.add_argument
+    a("model", help="HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3 causal LM) with its tokenizer")
+    a("--host", default="127.0.0.1", help="address to listen on")
+    a("--port", type=int, default=8000, help="port to listen on")
+    a("--served-model-name", default=None, help="model name in the API (default: MODEL)")
+    a("--max-model-len", type=int, default=None, help="longest prompt + output (default: min(config, 4096))")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+      help="weights/activations dtype; auto = checkpoint dtype on CUDA, float32 on CPU")  # fmt: skip
+    a("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
+    a("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    a("--seed", type=int, default=0, help="seed for requests without their own")
+    a("--enable-lora", action="store_true", help="allow runtime LoRA adapters (/v1/load_lora_adapter)")
+    a("--max-lora-rank", type=int, default=16, choices=LORA_RANKS, help="largest adapter rank")
+    a("--max-loras", type=int, default=1, help="adapters per batch")
+    a("--weight-transfer-config", type=_weight_transfer_config, default={"backend": "auto"},
+      help='JSON {"backend": "nccl"|"gloo"|"auto"}; auto = nccl on CUDA, gloo on CPU')  # fmt: skip
+    a("--enable-scale-out", action="store_true",
+      help="accepted for vLLM compatibility: /inference/v1/generate is always on here")  # fmt: skip
+    a("--return-sampling-mask", action="store_true",
+      help="return each token's candidate set (requests with temperature > 0 and top_k > 0)")  # fmt: skip
+    a("--kv-cache-tokens", type=int, default=None, help="KV-cache capacity in tokens (default: from memory)")
+    a("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory this server may use")
+    a("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    a("--max-logprobs", type=int, default=20, help="largest logprobs (top-N) a request may ask for")
+    a("--logprobs-mode", default="processed_logprobs", choices=["processed_logprobs"],
+      help="only processed_logprobs (log-probs after penalties, temperature and top-k/top-p/min-p)")  # fmt: skip
+    a("--api-server-count", type=int, default=1, help="accepted for vLLM compatibility; one API process here")
+
+
+def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
+    from asyncgrpo.inference.server.app import ServerConfig
+
+    wt = args.weight_transfer_config
+    backend = wt.get("backend", "auto")
+    if backend == "auto":
+        backend = "nccl" if engine.device.type == "cuda" else "gloo"
+    if backend == "nccl" and engine.device.type != "cuda":
+        raise ValueError("the nccl weight-transfer backend needs the engine on CUDA; use gloo on CPU")
+    return ServerConfig(
+        model=str(args.model),
+        served_model_name=args.served_model_name or str(args.model),
+        max_logprobs=args.max_logprobs,
+        return_sampling_mask=args.return_sampling_mask,
+        enable_scale_out=True,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
+        weight_transfer_backend=backend,
+        weight_transfer_timeout_s=float(wt.get("timeout_s", 1800.0)),
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+async def _serve(app: Any, host: str, port: int) -> None:
+    from aiohttp import web
+
+    try:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    except TypeError:  # aiohttp < 3.9 always cancels handlers of closed connections
+        runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    logger.info("serving the vLLM 0.33 protocol on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down the server")
+        await runner.cleanup()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, start the engine and serve until SIGINT/SIGTERM. Returns the exit code."""
+    from asyncgrpo.inference.server.app import create_app
+    from asyncgrpo.inference.server.engine import Engine
+
+    if args.api_server_count != 1:
+        logger.warning("--api-server-count %d ignored: the embedded server runs one API process", args.api_server_count)
+    try:
+        engine = Engine(
+            args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+            enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+            enforce_eager=args.enforce_eager,
+        )  # fmt: skip
+        config = _serve_config(args, engine)
+    except (OSError, ValueError) as exc:
+        logger.error("cannot start the server for %s: %s", args.model, exc)
+        return 2
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", args.model, exc)
+    engine.start()
+    try:
+        asyncio.run(_serve(create_app(engine, tokenizer, config), args.host, args.port))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="asyncgrpo serve", description="the embedded generation server")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Server side of the weight transfer (VLLM_PROTOCOL.md) and its HTTP routes.
+
+``/init_weight_transfer_engine`` joins the group (blocking, on a worker thread);
+``/update_weights`` receives every tensor of a round inside
+``engine.run_between_steps`` and loads each batch as it arrives, so the engine
+never steps on half-loaded weights and at most one packed chunk is held. The
+wire format lives in :mod:`asyncgrpo.inference.collectives`, shared with the
+trainer's sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from asyncgrpo.inference.collectives import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    TensorMeta,
+    TransferGroup,
+    dtype_from_name,
+    join_group,
+    make_store,
+    receive_tensors,
+)
+from asyncgrpo.inference.server.http_protocol import ApiError
+
+logger = logging.getLogger(__name__)
+
+_INIT_KEYS = {"master_address", "master_port", "nccl_unique_id_b64", "rank_offset", "world_size", "packed",
+              "packed_buffer_size_bytes", "packed_num_buffers"}  # fmt: skip
+_UPDATE_KEYS = {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+
+
+def _require(ok: bool, message: str, param: str | None = None) -> None:
+    if not ok:
+        raise ApiError(400, message, param=param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class WeightReceiver:
+    """The engine's end of the weight-transfer group (one rank: this server has one worker).
+
+    Args:
+        engine: the :class:`~asyncgrpo.inference.server.engine.Engine`.
+        backend: ``nccl`` or ``gloo`` (the server's ``--weight-transfer-config``).
+        timeout_s: bound on the rendezvous and on one round's collectives.
+    """
+
+    def __init__(self, engine: Any, backend: str, timeout_s: float) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.group: TransferGroup | None = None
+        self.packed = False
+        self.buffer_size = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+        self.num_buffers = DEFAULT_PACKED_NUM_BUFFERS
+        self.active = False
+        self._last_metas: list[TensorMeta] | None = None
+        self._lock = threading.Lock()  # one init/update at a time
+
+    # ------------------------------------------------------------------ protocol steps (blocking)
+
+    def init(self, info: Any) -> None:
+        """Validate ``init_info`` and join the group; blocks until every rank joined."""
+        _require(isinstance(info, dict), "init_info must be an object", "init_info")
+        unknown = sorted(set(info) - _INIT_KEYS)
+        _require(not unknown, f"unknown init_info keys {unknown}; allowed: {sorted(_INIT_KEYS)}", "init_info")
+        world, offset = info.get("world_size"), info.get("rank_offset", 1)
+        _require(_is_int(world) and world >= 2, f"init_info.world_size must be an integer >= 2, got {world!r}")
+        _require(_is_int(offset) and 1 <= offset < world, f"init_info.rank_offset must be in [1, world_size), got {offset!r}")  # fmt: skip
+        packed = info.get("packed", False)
+        size = info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+        nbuf = info.get("packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)
+        _require(isinstance(packed, bool), f"init_info.packed must be a boolean, got {packed!r}")
+        _require(_is_int(size) and size > 0, f"init_info.packed_buffer_size_bytes must be > 0, got {size!r}")
+        _require(_is_int(nbuf) and nbuf >= 1, f"init_info.packed_num_buffers must be >= 1, got {nbuf!r}")
+        unique_id = store = None
+        if "nccl_unique_id_b64" in info:
+            _require(self.backend == "nccl", "nccl_unique_id_b64 needs the nccl backend; this server uses gloo")
+            try:
+                unique_id = base64.b64decode(str(info["nccl_unique_id_b64"]), validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ApiError(400, f"init_info.nccl_unique_id_b64 is not base64: {exc}") from exc
+            _require(len(unique_id) == 128, f"the NCCL unique id must be 128 bytes, got {len(unique_id)}")
+        else:
+            addr, port = info.get("master_address"), info.get("master_port")
+            _require(isinstance(addr, str) and _is_int(port) and 0 < port < 65536,
+                     "init_info needs master_address and master_port (or nccl_unique_id_b64)")  # fmt: skip
+        with self._lock:
+            self._close_group()
+            if unique_id is None:
+                store = make_store(addr, port, rank=offset, world_size=world, timeout_s=self.timeout_s)
+            device = self.engine.device if self.backend == "nccl" else torch.device("cpu")
+            self.group = join_group(
+                self.backend, rank=offset, world_size=world, device=device, timeout_s=self.timeout_s,
+                store=store, unique_id=unique_id,
+            )  # fmt: skip
+            self.packed, self.buffer_size, self.num_buffers = packed, size, nbuf
+            self._last_metas = None
+            self.active = False
+
+    def start(self) -> None:
+        if self.group is None:
+            raise ApiError(400, "no weight-transfer group: call /init_weight_transfer_engine first")
+        if self.active:
+            raise ApiError(409, "a weight update is already active; call /finish_weight_update first")
+        self.active = True
+
+    def _metas(self, info: dict[str, Any]) -> list[TensorMeta]:
+        names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+        _require(all(isinstance(x, list) for x in (names, dtypes, shapes)),
+                 "update_info needs the lists names, dtype_names and shapes")  # fmt: skip
+        _require(len(names) == len(dtypes) == len(shapes),
+                 f"names ({len(names)}), dtype_names ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")  # fmt: skip
+        if not names:
+            _require(self._last_metas is not None, "empty update_info lists reuse the last round, but there was none")
+            return self._last_metas
+        params = {n: tuple(p.shape) for n, p in self.engine.named_parameters()}
+        metas = []
+        for name, dname, shape in zip(names, dtypes, shapes):
+            _require(isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape), f"bad shape {shape!r} for {name!r}")  # fmt: skip
+            try:
+                dtype = dtype_from_name(dname)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="dtype_names") from exc
+            _require(name in params, f"unknown weight name {name!r}: the server's model has no such parameter")
+            _require(tuple(shape) == params[name], f"weight {name!r} has shape {params[name]}, not {tuple(shape)}")
+            metas.append(TensorMeta(name, dtype, tuple(shape)))
+        return metas
+
+    def update(self, info: Any) -> None:
+        """Receive and load one round; blocks until every tensor is in."""
+        _require(isinstance(info, dict), "update_info must be an object", "update_info")
+        unknown = sorted(set(info) - _UPDATE_KEYS)
+        _require(not unknown, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)}", "update_info")
+        if not self.active or self.group is None:
+            raise ApiError(409, "no active weight update: call /start_weight_update first")
+        metas = self._metas(info)
+        packed = info.get("packed", self.packed)
+        size = info.get("packed_buffer_size_bytes", self.buffer_size)
+        _require(isinstance(packed, bool) and _is_int(size) and size > 0, "bad packed / packed_buffer_size_bytes")
+        group, engine = self.group, self.engine
+
+        def receive_and_load() -> None:
+            with torch.no_grad():
+                for batch in receive_tensors(group, metas, packed=packed, buffer_size_bytes=size):
+                    engine.load_weights(batch)
+                group.synchronize("the weight broadcast from the trainer")
+
+        with self._lock:
+            try:
+                engine.run_between_steps(receive_and_load, timeout=self.timeout_s + 30)
+            except Exception:
+                self._last_metas = None
+                raise
+        self._last_metas = metas
+
+    def finish(self, version: Any) -> None:
+        if not self.active:
+            raise ApiError(400, "no active weight update to finish")
+        if version is not None:
+            self.engine.set_weight_version(str(version))
+        self.active = False
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+        self.active = False
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._close_group()
+
+
+# ---------------------------------------------------------------------- routes
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        data = await request.json()
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    if data is None:
+        return {}
+    _require(isinstance(data, dict), "the request body must be a JSON object")
+    return data
+
+
+def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
+    """Register the weight-transfer endpoints; blocking steps run on a dedicated thread pool."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="asyncgrpo-weights")
+
+    async def stop_pool(_app: web.Application) -> None:
+        pool.shutdown(wait=False)
+
+    app.on_cleanup.append(stop_pool)
+
+    async def in_pool(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def init(request: web.Request) -> web.Response:
+        body = await _body(request)
+        await in_pool(receiver.init, body.get("init_info"))
+        return web.json_response({"status": "ok"})
+
+    async def start(request: web.Request) -> web.Response:
+        receiver.start()
+        return web.json_response({"status": "ok"})
+
+    async def update(request: web.Request) -> web.Response:
+        body = await _body(request)
+        await in_pool(receiver.update, body.get("update_info"))
+        return web.json_response({"status": "ok"})
+
+    async def finish(request: web.Request) -> web.Response:
+        body = await _body(request)
+        receiver.finish(body.get("weight_version"))
+        return web.json_response({"status": "ok", "weight_version": receiver.engine.weight_version})
+
+    async def shutdown(request: web.Request) -> web.Response:
+        await in_pool(receiver.shutdown)
+        return web.json_response({"status": "ok"})
+
+    async def weight_info(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": receiver.engine.weight_version})
+
+    async def reset_prefix_cache(request: web.Request) -> web.Response:
+        ok = await in_pool(receiver.engine.reset_prefix_cache)
+        return web.json_response({"success": bool(ok)})
+
+    app.router.add_post("/init_weight_transfer_engine", init)
+    app.router.add_post("/start_weight_update", start)
+    app.router.add_post("/update_weights", update)
+    app.router.add_post("/finish_weight_update", finish)
+    app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
+    app.router.add_get("/weight_info", weight_info)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
