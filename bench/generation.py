@@ -176,6 +176,8 @@ def main() -> int:
         max_num_seqs=n_req, kv_cache_tokens=n_req * (p_len + o_len),
     )  # fmt: skip
     engine_init_s = time.perf_counter() - t0
+    backend = engine.decode_backend
+    print(f"engine decode backend: {backend}")
     engine.start()
     run_engine(engine, prompts, min(o_len, 16), "warmup")
     before = engine.step_timings()
@@ -222,6 +224,7 @@ def main() -> int:
             "runs": [{"tokens": t, "seconds": s, "tokens_per_s": t / s} for t, s in engine_runs],
             "median_tokens_per_s": eng_tps,
             "init_seconds": engine_init_s,
+            "decode_backend": backend,
             "kv_cache_tokens": kv_tokens,
             "num_preemptions_total": stats.num_preemptions_total,
             "step_timings_timed_runs": steps,

@@ -111,7 +111,7 @@ def test_triton_kernel_matches_torch_reference(dtype):
 def test_engine_greedy_with_graphs_matches_hf_across_buckets_and_preemption():
     hf = _model(torch.float32)
     eng = Engine(_model(torch.float32), max_model_len=128, max_num_seqs=16, kv_cache_tokens=640, block_size=16)
-    assert eng.device.type == "cuda" and eng._runner._graphs
+    assert eng.device.type == "cuda" and eng.decode_backend == "triton+cuda-graphs"
     eng.start()
     try:
         gen = torch.Generator().manual_seed(1)

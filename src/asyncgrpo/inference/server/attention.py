@@ -55,14 +55,22 @@ def _varlen_kwargs() -> dict | None:
     return out
 
 
+# fast paths switched off for the whole process once they fail on this machine (logged once)
+ENABLED = {"varlen": True, "triton": True}
+
+
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and ENABLED["varlen"]:
         spec = _varlen_kwargs()
         if spec is not None:
-            return _prefill_varlen(q, k, v, batch, scale, spec)
+            try:
+                return _prefill_varlen(q, k, v, batch, scale, spec)
+            except RuntimeError:
+                logger.exception("varlen_attn failed; using per-sequence SDPA for prefill from now on")
+                ENABLED["varlen"] = False
     return _prefill_sdpa(q, k, v, batch.seq_lens, scale)
 
 
@@ -98,7 +106,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """One query token per sequence against its paged context. q: [B, Hq, D] -> [B, Hq, D]."""
-    if q.is_cuda:
+    if q.is_cuda and ENABLED["triton"]:
         from asyncgrpo.inference.server.decode_kernel import paged_decode
 
         return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
@@ -131,3 +139,32 @@ def paged_decode_torch(
         enable_gqa=True,
     )
     return o.squeeze(2)
+
+
+def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int) -> bool:
+    """Run the Triton kernel once on small random data against :func:`paged_decode_torch`.
+
+    Compiles the kernel for this shape up front; on any failure the engine falls back
+    to the torch path (without CUDA graphs) instead of failing every request.
+    """
+    if not ENABLED["triton"]:
+        return False
+    try:
+        from asyncgrpo.inference.server.decode_kernel import paged_decode
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        k = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
+        v = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
+        q = torch.randn(3, num_kv_heads * group, head_dim, device=device, generator=gen).to(dtype)
+        tables = torch.tensor([[3, 1, 4], [0, 5, 8], [7, 2, 6]], device=device)
+        lens = torch.tensor([1, 20, 48], device=device)
+        got = paged_decode(q, k, v, tables, lens, head_dim**-0.5).float()
+        ref = paged_decode_torch(q.float(), k.float(), v.float(), tables, lens, 48, head_dim**-0.5)
+        err = (got - ref).abs().max().item()
+        if not err < (1e-3 if dtype == torch.float32 else 5e-2):
+            raise RuntimeError(f"Triton decode kernel differs from the torch reference by {err}")
+        return True
+    except Exception:  # compile errors come in many types; any of them means "do not use it"
+        logger.exception("the Triton paged-decode kernel is unusable here; falling back to torch decode without graphs")
+        ENABLED["triton"] = False
+        return False

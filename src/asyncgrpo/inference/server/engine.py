@@ -280,6 +280,11 @@ class Engine:
     def lora_names(self) -> list[str]:
         return self._lora.names
 
+    @property
+    def decode_backend(self) -> str:
+        """Diagnostics: 'triton+cuda-graphs', 'triton-eager' or 'torch-eager' (CPU, or a fallback after an error)."""
+        return self._runner.backend
+
     def step_timings(self) -> dict[str, dict[str, float]]:
         """Diagnostics: number of prefill/decode steps so far and their total wall seconds."""
         c = self._core

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from asyncgrpo.inference.server import attention
 from asyncgrpo.inference.server.kv_cache import KVCache
 from asyncgrpo.inference.server.model import DecoderLM, ForwardBatch
 from asyncgrpo.inference.server.scheduler import Sequence
@@ -45,6 +46,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._staging = self._staging.pin_memory()
         self._staging_np = self._staging.numpy()
+
+    @property
+    def backend(self) -> str:
+        """Which decode path runs: 'triton+cuda-graphs', 'triton-eager' or 'torch-eager'."""
+        if self.device.type != "cuda" or not attention.ENABLED["triton"]:
+            return "torch-eager"
+        return "triton+cuda-graphs" if self._graphs else "triton-eager"
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
@@ -128,10 +136,26 @@ class ModelRunner:
     # ------------------------------------------------------------------- graphs
     @torch.no_grad()
     def capture_graphs(self) -> None:
-        """Capture one decode graph per bucket, largest first so smaller ones reuse its memory pool."""
+        """Check the Triton kernel, then capture one decode graph per bucket (largest first: smaller ones
+        reuse its memory pool). Either failing degrades to eager decoding with a logged error."""
+        if self.device.type != "cuda":
+            return
+        m = self.model
+        group = m.num_heads // m.num_kv_heads
+        if not attention.check_triton_decode(self.device, m.dtype, m.num_kv_heads, group, m.head_dim):
+            self.use_graphs = False  # the torch fallback needs the (host) max context length per step
+            return
         if not self.use_graphs:
             return
-        buckets = graph_buckets(self.max_num_seqs)
+        try:
+            self._capture(graph_buckets(self.max_num_seqs))
+        except Exception:  # keep serving, only slower
+            logger.exception("CUDA graph capture failed; decoding eagerly")
+            self._graphs.clear()
+            self._graph_logits.clear()
+            self.use_graphs = False
+
+    def _capture(self, buckets: list[int]) -> None:
         st = self._static
         st[:, 4:] = self.kv.pad_block
         st[:, 0:4] = torch.tensor([0, 0, self.kv.pad_block * self.kv.block_size, 1], device=self.device)
