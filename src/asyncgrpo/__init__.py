@@ -1,5 +1,33 @@
-"""asyncgrpo: asynchronous GRPO — a generation server streams rollouts while the trainer learns from them."""
+"""asyncgrpo: asynchronous GRPO — a generation server streams rollouts while the trainer learns from them.
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.rewards import accuracy_reward
+
+Heavy modules (torch, transformers) load on first use of a name, so the
+command-line tool and the rollout worker start quickly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_EXPORTS = {
+    "AsyncGRPOConfig": "asyncgrpo.config",
+    "AsyncGRPOTrainer": "asyncgrpo.trainer.trainer",
+    "AsyncRolloutLoop": "asyncgrpo.rollout.loop",
+    "Rollout": "asyncgrpo.types",
+    "RolloutGroup": "asyncgrpo.types",
+    "TrainingSequence": "asyncgrpo.types",
+    "TurnRecord": "asyncgrpo.types",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'asyncgrpo' has no attribute {name!r}")

@@ -225,6 +225,11 @@ class AsyncRolloutLoop:
         while tasks and not self.channels.stop.is_set():
             await self._raise_failed(tasks)
             await asyncio.sleep(0.05)
+        if self.channels.stop.is_set():  # the trainer is done: drop in-flight rollouts quietly
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return
         self.channels.samples.put(GroupResult.end_of_data())
 
     async def _raise_failed(self, tasks: set[asyncio.Task]) -> None:

@@ -1,0 +1,85 @@
+"""Ready tasks: reasoning-gym problem generators as conversational datasets, with their checker as reward.
+
+reasoning-gym (PyPI) ships seeded generators (``chain_sum``, ``basic_arithmetic``,
+``gsm_symbolic``, ...) and a ``score_answer`` checker for each, so a task needs
+no download. The reward function is module-level (it is pickled into the
+rollout worker) and rebuilds the checker from the task name in each row.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "You are a careful math assistant. Think briefly, then give the final answer as a number inside "
+    "<answer></answer>, for example <answer>42</answer>."
+)
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def reasoning_gym_dataset(task: str = "chain_sum", size: int = 256, seed: int = 0, system_prompt: str | None = SYSTEM_PROMPT):
+    """A ``datasets.Dataset`` with columns ``prompt`` (messages), ``answer``, ``task`` and ``entry`` (JSON).
+
+    Args:
+        task: a reasoning-gym dataset name.
+        size: number of problems.
+        seed: generator seed (a different seed gives a held-out set).
+        system_prompt: prepended as a system message (None: the user message alone).
+    """
+    import reasoning_gym
+    from datasets import Dataset
+
+    problems = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    rows: dict[str, list[Any]] = {"prompt": [], "answer": [], "task": [], "entry": []}
+    for entry in problems:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": entry["question"]})
+        rows["prompt"].append(messages)
+        rows["answer"].append(str(entry["answer"]))
+        rows["task"].append(task)
+        rows["entry"].append(json.dumps(entry, default=str))
+    return Dataset.from_dict(rows)
+
+
+@lru_cache(maxsize=32)
+def _scorer(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of the last ``<answer>`` tag, else the last number in the text, else None."""
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        return tags[-1].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _completion_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    assistant = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
+    return assistant[-1] if assistant else ""
+
+
+def reasoning_gym_reward(completions: list[Any], task: list[str], entry: list[str], **kwargs: Any) -> list[float]:
+    """1.0 when reasoning-gym's checker accepts the extracted answer, else its partial score (often 0.0)."""
+    out = []
+    for completion, name, raw in zip(completions, task, entry):
+        answer = extract_answer(_completion_text(completion))
+        if answer is None:
+            out.append(0.0)
+            continue
+        out.append(float(_scorer(name)(answer, json.loads(raw))))
+    return out
+
+
+def format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """0.1 for a completion that gives its answer inside ``<answer></answer>`` (a small shaping bonus)."""
+    return [0.1 if _ANSWER_TAG.search(_completion_text(c)) else 0.0 for c in completions]
