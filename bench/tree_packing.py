@@ -1,0 +1,393 @@
+"""B1/B2: tree packing vs flat packing vs padded HF batches — trained tokens/s over fwd+bwd, packing ratio, MFU.
+
+Run on one GPU (about 4-5 minutes on an H200, < 100 GB):
+    python bench/tree_packing.py --out bench/results/tree_packing_h200.json
+CPU smoke run (tiny model, tiny shapes, no MFU):
+    python bench/tree_packing.py --smoke
+
+The same GRPO-shaped samples (random init models of Qwen3-0.6B/1.7B shape, bf16, random
+tokens) are planned by the token-budget planner into rows of at most ``--budget``
+tokens and run through fwd+bwd of the model plus the chunked log-prob module (with
+the sampler's top-8 and entropy, as the trainer runs it):
+
+- tree: prefix-trie rows, FlexAttention block mask (and the varlen backend for comparison);
+- flat: the same samples without sharing (padding-free packing), FlashAttention varlen;
+- padded: HF batches (right padding, B x max_len <= budget), SDPA with a padding mask.
+
+Trained tokens/s = trained tokens of all samples / fwd+bwd seconds of all their rows (median
+of ``--iters`` synchronised iterations after ``--warmup``). MFU = model FLOPs the method
+needs (6 x matmul params x non-pad tokens + LM head on trained tokens + 12 x layers x heads x
+head_dim x attended (query, key) pairs) / seconds / peak. Gradient checkpointing is off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
+from asyncgrpo.packing.planner import TokenBudgetBatcher
+from asyncgrpo.packing.synthetic import grpo_samples
+from asyncgrpo.trainer.logprobs import selective_logprobs
+
+H200_BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s of an H100/H200 SXM (no sparsity)
+TOP_N = 8
+MODELS = {
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144},
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072},
+}
+QWEN3_COMMON = {
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151_936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40_960,
+}
+# name -> (groups, group size G, prompt tokens, completion range)
+SHAPES = {
+    "G8_P512_C128-1536": (4, 8, 512, (128, 1536)),
+    "G16_P2048_C256-1024": (2, 16, 2048, (256, 1024)),
+}
+SMOKE_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 1000,
+    "tie_word_embeddings": True,
+}
+SMOKE_SHAPES = {"G4_P32_C8-48": (2, 4, 32, (8, 48)), "G8_P64_C16-32": (1, 8, 64, (16, 32))}
+
+
+# ---------------------------------------------------------------------------- inputs
+def make_samples(shape: tuple, vocab: int, seed: int) -> list:
+    groups, size, prompt, comp = shape
+    samples = grpo_samples(groups, size, prompt, comp, vocab_size=vocab, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    for s in samples:  # the sampler's top-N per position, as score centering reads it
+        s.sampler_topn_ids = rng.integers(0, vocab, size=(len(s), TOP_N))
+        s.sampler_topn_logprobs = np.full((len(s), TOP_N), -3.0, dtype=np.float32)
+    return samples
+
+
+def plan_rows(samples: list, budget: int, share: bool) -> list:
+    batcher = TokenBudgetBatcher(budget, share_prefixes=share)
+    mbs = [mb for mb in (batcher.add(s) for s in samples) if mb is not None]
+    last = batcher.flush()
+    return [row for mb in mbs + ([last] if last else []) for row in mb.pack()]
+
+
+def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
+    """Greedy batches in queue order with B x max_len <= budget, right-padded."""
+    batches, cur = [], []
+    for s in samples:
+        if cur and (len(cur) + 1) * max(len(x) for x in cur + [s]) > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    batches.append(cur)
+    out = []
+    for b in batches:
+        width = max(len(s) for s in b)
+        ids = torch.zeros(len(b), width, dtype=torch.long)
+        mask = torch.zeros(len(b), width, dtype=torch.long)
+        rows, pos, tgt, adv, extra = [], [], [], [], []
+        for i, s in enumerate(b):
+            ids[i, : len(s)] = torch.from_numpy(s.token_ids)
+            mask[i, : len(s)] = 1
+            t = np.flatnonzero(s.loss_mask)
+            rows.append(np.full(len(t), i))
+            pos.append(t - 1)
+            tgt.append(s.token_ids[t])
+            adv.append(np.full(len(t), s.advantage, dtype=np.float32))
+            extra.append(s.sampler_topn_ids[t])
+
+        def cat(parts, dtype=torch.long):
+            return torch.from_numpy(np.concatenate(parts)).to(device=device, dtype=dtype)
+
+        out.append(
+            {
+                "ids": ids.to(device),
+                "mask": mask.to(device),
+                "rows": cat(rows),
+                "pos": cat(pos),
+                "targets": cat(tgt),
+                "adv": cat(adv, torch.float32),
+                "extra": cat(extra),
+                "tokens": int(mask.sum()),
+                "width": width,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------- steps
+def loss_of(hidden, head, targets, extra, adv):
+    """Score-centering-shaped loss over the trained tokens (keeps every output of the log-prob module live)."""
+    out = selective_logprobs(hidden, head, targets, extra_ids=extra, want_entropy=True)
+    m = len(targets)
+    return (
+        -(adv * out.logprobs).sum() + (adv[:, None] * out.extra_logprobs.exp()).sum() - 1e-3 * out.entropy.sum()
+    ) / m
+
+
+def packed_step(model, row, plan):
+    hidden = packed_hidden_states(model, row, plan)
+    head = model.get_output_embeddings().weight
+    loss_of(hidden[row.pred_index], head, row.target_ids, row.sampler_topn_ids, row.advantages).backward()
+
+
+def padded_step(model, batch):
+    hidden = model.base_model(input_ids=batch["ids"], attention_mask=batch["mask"], use_cache=False).last_hidden_state
+    head = model.get_output_embeddings().weight
+    loss_of(hidden[batch["rows"], batch["pos"]], head, batch["targets"], batch["extra"], batch["adv"]).backward()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_method(model, run_all, device: str, warmup: int, iters: int) -> tuple[list[float], float | None]:
+    """Seconds per pass over all rows (synchronised), and peak memory in GiB (None off CUDA)."""
+    for _ in range(warmup):
+        model.zero_grad(set_to_none=True)
+        run_all()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        model.zero_grad(set_to_none=True)
+        sync(device)
+        t0 = time.perf_counter()
+        run_all()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return times, peak
+
+
+# ---------------------------------------------------------------------------- FLOPs
+def model_flops(model, tokens: int, trained: int, pairs: int) -> float:
+    """Training FLOPs the work needs: 6 x (decoder matmul params x tokens + LM head x trained) + attention."""
+    cfg = model.config
+    layer_params = sum(m.weight.numel() for m in model.base_model.layers.modules() if isinstance(m, torch.nn.Linear))
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs  # QK^T + PV, fwd + 2x bwd
+    return 6 * layer_params * tokens + 6 * head * trained + attn
+
+
+def measure(model, name: str, run_all, device: str, args, info: dict) -> dict:
+    """Time one method; a failure (compile error, out of memory) is recorded and the run goes on."""
+    try:
+        times, peak = time_method(model, run_all, device, args.warmup, args.iters)
+    except Exception as exc:  # noqa: BLE001 - one broken method must not void the other measurements
+        model.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        print(f"{name} failed: {exc!r}"[:2000], file=sys.stderr)
+        return {**info, "error": traceback.format_exc()[-4000:]}
+    t = statistics.median(times)
+    mfu = info["flops"] / t / args.peak_flops if device == "cuda" else None
+    return {**info, "times_s": times, "time_s": t, "peak_mem_gib": peak, "mfu": mfu}
+
+
+def run_shape(model, samples, budget, device, args, tree_backends, flat_backend) -> dict:
+    trained = sum(s.num_trained for s in samples)
+    flat_pairs = sum(len(s) * (len(s) + 1) // 2 for s in samples)
+    flat_tokens = sum(len(s) for s in samples)
+    res: dict = {"samples": len(samples), "trained_tokens": trained, "flat_tokens": flat_tokens}
+    methods = {}
+    tree_rows = [r.to(device) for r in plan_rows(samples, budget, share=True)]
+    flat_rows = [r.to(device) for r in plan_rows(samples, budget, share=False)]
+    use_tree_attention(model)
+    runs = [(f"tree_{b}", tree_rows, b) for b in tree_backends] + [(f"flat_{flat_backend}", flat_rows, flat_backend)]
+    for name, rows, backend in runs:
+        sync(device)
+        t0 = time.perf_counter()
+        try:
+            plans = [build_plan(r, backend) for r in rows]
+        except Exception:  # noqa: BLE001 - recorded; the other methods still run
+            tokens = sum(r.num_tokens for r in rows)
+            methods[name] = {"rows": len(rows), "forwarded_tokens": tokens, "error": traceback.format_exc()[-4000:]}
+            continue
+        sync(device)
+        tokens, pairs = sum(r.num_tokens for r in rows), sum(r.attention_cost for r in rows)
+        info = {
+            "rows": len(rows),
+            "row_tokens": [r.num_tokens for r in rows],
+            "forwarded_tokens": tokens,
+            "attention_pairs": pairs,
+            "plan_s": time.perf_counter() - t0,
+            "flops": model_flops(model, tokens, trained, pairs),
+        }
+
+        def run_all(rows=rows, plans=plans):
+            for r, p in zip(rows, plans):
+                packed_step(model, r, p)
+
+        methods[name] = measure(model, name, run_all, device, args, info)
+    model.set_attn_implementation("sdpa")
+    batches = padded_batches(samples, budget, device)
+    info = {
+        "rows": len(batches),
+        "row_tokens": [len(b["ids"]) * b["width"] for b in batches],
+        "forwarded_tokens": flat_tokens,
+        "padded_tokens": sum(len(b["ids"]) * b["width"] for b in batches),
+        "attention_pairs": flat_pairs,
+        "plan_s": 0.0,
+        "flops": model_flops(model, flat_tokens, trained, flat_pairs),
+    }
+
+    def run_padded():
+        for b in batches:
+            padded_step(model, b)
+
+    methods["padded_sdpa"] = measure(model, "padded_sdpa", run_padded, device, args, info)
+    for m in methods.values():
+        if "time_s" in m:
+            m["trained_tokens_per_s"] = trained / m["time_s"]
+    res["methods"] = methods
+    flat = methods[f"flat_{flat_backend}"]
+    res["tree_tokens"] = sum(r.num_tokens for r in tree_rows)
+    res["packing_ratio"] = flat_tokens / res["tree_tokens"]
+    ok = {k: m for k, m in methods.items() if "time_s" in m}
+    best_tree = max(
+        (m for k, m in ok.items() if k.startswith("tree_")), key=lambda m: m["trained_tokens_per_s"], default=None
+    )
+    if best_tree is not None and "time_s" in flat:
+        res["speedup_tree_over_flat"] = best_tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
+        res["speedup_over_flat_per_packing_ratio"] = res["speedup_tree_over_flat"] / res["packing_ratio"]
+    if best_tree is not None and "padded_sdpa" in ok:
+        res["speedup_tree_over_padded"] = best_tree["trained_tokens_per_s"] / ok["padded_sdpa"]["trained_tokens_per_s"]
+    return res
+
+
+def build_model(overrides: dict, device: str):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(**{**QWEN3_COMMON, **overrides})
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.train()  # dropout is 0 in Qwen3; gradient checkpointing stays off
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="write the JSON results here")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run (checks the script, no meaningful numbers)")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--budget", type=int, default=16_384, help="token_budget of a row")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
+    ap.add_argument("--tree-backends", nargs="*", default=["flex", "varlen"], choices=["flex", "varlen", "sdpa"])
+    ap.add_argument("--max-seconds", type=float, default=330, help="skip remaining configs past this wall time")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    if args.smoke:
+        device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
+        args.budget, args.warmup, args.iters, args.tree_backends, flat_backend = 512, 0, 1, ["sdpa"], "sdpa"
+    elif not torch.cuda.is_available():
+        print(
+            "tree_packing benchmark needs a CUDA device (use --smoke for a CPU check); no numbers made up",
+            file=sys.stderr,
+        )
+        return 2
+    else:
+        device, flat_backend = "cuda", "varlen"
+        models = {m: MODELS[m] for m in args.models}
+        shapes = {s: SHAPES[s] for s in args.shapes}
+    results: dict = {}
+    skipped: list[str] = []
+    for mname, overrides in models.items():
+        model = None
+        for sname, shape in shapes.items():
+            if time.perf_counter() - start > args.max_seconds:
+                skipped.append(f"{mname}/{sname}")
+                continue
+            if model is None:
+                model = build_model({**QWEN3_COMMON, **overrides} if args.smoke else overrides, device)
+            samples = make_samples(shape, model.config.vocab_size, seed=0)
+            r = run_shape(model, samples, args.budget, device, args, args.tree_backends, flat_backend)
+            results[f"{mname}/{sname}"] = r
+            print_result(f"{mname}/{sname}", r)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    report = {
+        "benchmark": "B1/B2 tree packing",
+        "smoke": args.smoke,
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "python": platform.python_version(),
+        "peak_flops": args.peak_flops,
+        "token_budget": args.budget,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "gradient_checkpointing": False,
+        "dtype": "bfloat16" if device == "cuda" else "float32",
+        "shapes": {
+            k: {"groups": v[0], "group_size": v[1], "prompt": v[2], "completion": v[3]} for k, v in shapes.items()
+        },
+        "results": results,
+        "skipped": skipped,
+        "wall_s": time.perf_counter() - start,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    failed = [f"{k}/{m}" for k, r in results.items() for m, v in r["methods"].items() if "error" in v]
+    if failed:
+        print(f"failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+
+
+def print_result(name: str, r: dict) -> None:
+    print(
+        f"\n== {name}: {r['samples']} samples, {r['trained_tokens']} trained tokens, "
+        f"packing ratio {r['packing_ratio']:.2f}"
+    )
+    print(f"{'method':<14}{'rows':>5}{'fwd tokens':>12}{'time s':>9}{'trained tok/s':>15}{'MFU':>7}{'peak GiB':>10}")
+    for k, m in r["methods"].items():
+        if "error" in m:
+            print(f"{k:<14}{m['rows']:>5}{m['forwarded_tokens']:>12}   FAILED (see JSON)")
+            continue
+        mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "-"
+        print(
+            f"{k:<14}{m['rows']:>5}{m['forwarded_tokens']:>12}{m['time_s']:>9.3f}{m['trained_tokens_per_s']:>15.0f}"
+            f"{mfu:>7}{m['peak_mem_gib'] or 0:>10.1f}"
+        )
+    if "speedup_tree_over_flat" in r:
+        print(
+            f"speedup best tree/flat {r['speedup_tree_over_flat']:.2f} = "
+            f"{r['speedup_over_flat_per_packing_ratio']:.2f} x packing ratio"
+        )
+    if "speedup_tree_over_padded" in r:
+        print(f"speedup best tree/padded {r['speedup_tree_over_padded']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
