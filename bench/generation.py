@@ -129,6 +129,39 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None)
     return {"tokens": tokens, "seconds_under_profiler": seconds, "step_timings": timings}
 
 
+def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
+    """Time the Triton decode kernel alone at the benchmark's shape for a few launch configs (GB/s of K+V read)."""
+    from asyncgrpo.inference.server.decode_kernel import paged_decode
+
+    hkv, d = shape["num_key_value_heads"], shape["head_dim"]
+    group, bs = shape["num_attention_heads"] // hkv, 16
+    blocks = -(-context // bs)
+    k = torch.randn(batch * blocks + 1, bs, hkv, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hkv * group, d, device=device, dtype=dtype)
+    tables = torch.randperm(batch * blocks, device=device).view(batch, blocks)
+    lens = torch.full((batch,), context, device=device)
+    read_bytes = 2 * batch * context * hkv * d * k.element_size()
+    rows = []
+    for block_n in (32, 64, 128):
+        for warps in (2, 4, 8):
+            args = (q, k, v, tables, lens, d**-0.5, block_n, warps)
+            for _ in range(3):
+                paged_decode(*args)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(20):
+                paged_decode(*args)
+            torch.cuda.synchronize(device)
+            us = (time.perf_counter() - start) / 20 * 1e6
+            rows.append({"block_n": block_n, "num_warps": warps, "us": us, "GBps": read_bytes / us / 1e3})
+    best = max(rows, key=lambda r: r["GBps"])
+    print(f"decode kernel alone (B={batch}, ctx={context}): best block_n={best['block_n']} num_warps={best['num_warps']} "
+          f"{best['us']:.0f} us, {best['GBps']:.0f} GB/s; default (64, 4): "
+          f"{next(r for r in rows if r['block_n'] == 64 and r['num_warps'] == 4)['GBps']:.0f} GB/s")  # fmt: skip
+    return rows
+
+
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -196,6 +229,9 @@ def main() -> int:
     if args.profile:
         profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)
 
+    sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
+    _free(device)
+
     # -------------------------------------------------------------- baseline
     run_hf(model, prompts, 4, device)  # warm-up
     hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
@@ -230,6 +266,7 @@ def main() -> int:
             "step_timings_timed_runs": steps,
         },
         "eager_profile": profile,
+        "decode_kernel_sweep": sweep,
         "hf_generate": {
             "runs": [{"tokens": t, "seconds": s, "tokens_per_s": t / s} for t, s in hf_runs],
             "median_tokens_per_s": hf_tps,

@@ -91,6 +91,7 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     block_n: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode attention over the paged cache. q: [B, Hq, D] -> [B, Hq, D] (no host sync; graph-safe)."""
     B, Hq, D = q.shape
@@ -123,6 +124,6 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
