@@ -151,6 +151,7 @@ def test_seed_reproducibility_and_n(setup):
             other = await c.generate(PROMPT, {**sp, "seed": 6})
             many = await c.generate_n(PROMPT, {**sp, "seed": 5, "n": 3})
             via_completions = await c.complete(PROMPT, {**sp, "seed": 5})
+            assert await c.supports_sampling_mask()  # started with --return-sampling-mask
             return a, b, other, many, via_completions
 
     a, b, other, many, comp = asyncio.run(go())

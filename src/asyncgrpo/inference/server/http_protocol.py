@@ -8,6 +8,7 @@ and no torch here, so the rules are readable (and testable) on their own.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -202,9 +203,8 @@ def _expand(rid: str, prompt: list[int], params: SamplingParams, n: int, lora: s
     """``n`` engine requests; seeded choices get seeds seed, seed+1, ... so they differ."""
     out = []
     for i in range(n):
-        p = SamplingParams(**{**params.__dict__, "stop_token_ids": list(params.stop_token_ids)})
-        if p.seed is not None:
-            p.seed = p.seed + i
+        seed = None if params.seed is None else params.seed + i
+        p = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids), seed=seed)
         out.append(Request(f"{rid}#{i}#{next(_internal_ids)}", list(prompt), p, lora))
     return out
 
