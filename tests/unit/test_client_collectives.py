@@ -140,3 +140,18 @@ def test_abort_check_cuts_a_wait_short():
         group.all_reduce_sum(torch.ones(1))  # rank 1 never joins this collective
     done.set()
     t.join(30)
+
+
+def test_nccl_wire_view_keeps_the_bytes_and_fits_the_count(monkeypatch):
+    """Huge chunks go out as int32/int64 views so NCCL's int element count suffices; bytes are unchanged."""
+    from asyncgrpo.inference import collectives
+
+    monkeypatch.setattr(collectives, "_NCCL_MAX_COUNT", 10)
+    buf = torch.arange(24, dtype=torch.uint8)  # 24 bytes: int32 view has 6 elements
+    wire = collectives._nccl_wire(buf)
+    assert wire.dtype == torch.int32 and wire.numel() == 6
+    assert torch.equal(wire.view(torch.uint8), buf) and wire.data_ptr() == buf.data_ptr()
+    assert collectives._nccl_wire(torch.zeros(48, dtype=torch.uint8)).dtype == torch.int64  # 12 int32 > 10
+    with pytest.raises(WeightTransferError, match="packed_buffer_size_bytes"):
+        collectives._nccl_wire(torch.zeros(13, dtype=torch.uint8))  # no width divides 13 bytes
+    assert collectives._nccl_wire(torch.zeros(2, 3, dtype=torch.int16)).dtype == torch.uint8  # no NCCL int16

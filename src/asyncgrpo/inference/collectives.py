@@ -184,12 +184,19 @@ class GlooGroup(TransferGroup):
         self._store = None
 
 
+# dtypes torch.cuda.nccl maps to an NCCL type; others travel as their bytes (uint8).
+_NCCL_NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+                torch.uint8, torch.bool}  # fmt: skip
+
+
 def _nccl_wire(tensor: torch.Tensor) -> torch.Tensor:
     """A flat view whose element count fits NCCL's int count (wider dtype for huge uint8 chunks).
 
     Broadcast only copies bytes, so a view as int32/int64 moves exactly the same bytes.
     """
     flat = tensor.reshape(-1)
+    if flat.dtype not in _NCCL_NATIVE:
+        flat = flat.view(torch.uint8)
     if flat.numel() <= _NCCL_MAX_COUNT:
         return flat
     raw = flat.view(torch.uint8)
