@@ -154,4 +154,4 @@ def test_nccl_wire_view_keeps_the_bytes_and_fits_the_count(monkeypatch):
     assert collectives._nccl_wire(torch.zeros(48, dtype=torch.uint8)).dtype == torch.int64  # 12 int32 > 10
     with pytest.raises(WeightTransferError, match="packed_buffer_size_bytes"):
         collectives._nccl_wire(torch.zeros(13, dtype=torch.uint8))  # no width divides 13 bytes
-    assert collectives._nccl_wire(torch.zeros(2, 3, dtype=torch.int16)).dtype == torch.uint8  # no NCCL int16
+    assert collectives._nccl_wire(torch.zeros(2, dtype=torch.int16)).dtype == torch.uint8  # no NCCL int16
