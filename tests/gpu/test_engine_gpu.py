@@ -18,7 +18,6 @@ from asyncgrpo.inference.server.model import DecoderLM
 from asyncgrpo.inference.server.request import Request, RequestOutput, SamplingParams
 from asyncgrpo.inference.server.runner import ModelRunner
 from asyncgrpo.inference.server.scheduler import Sequence
-from asyncgrpo.recipes import tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -33,8 +32,16 @@ SHAPE = {
 TOL = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
 
 
-def _model(dtype, seed=0, **kw):
-    return tiny_model("qwen3", seed=seed, **{**SHAPE, **kw}).to("cuda", dtype)
+def tiny_model(seed: int = 0):
+    """A random-init fp32 Qwen3 of :data:`SHAPE` on the CPU (deterministic per seed)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(Qwen3Config(**SHAPE), dtype=torch.float32).eval()
+
+
+def _model(dtype, seed=0):
+    return tiny_model(seed).to("cuda", dtype)
 
 
 def _collect(eng: Engine, reqs: list[Request], timeout: float = 120.0) -> dict[str, RequestOutput]:
@@ -132,7 +139,7 @@ def test_engine_greedy_with_graphs_matches_hf_across_buckets_and_preemption():
 def test_engine_seeded_sampling_is_reproducible_and_lora_runs_eager(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    base = tiny_model("qwen3", seed=0, **SHAPE)
+    base = tiny_model(seed=0)
     peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "down_proj"]))
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
