@@ -8,12 +8,13 @@ small so a round spans many chunks, and the second round reuses the metadata).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.errors import ServerError
+from asyncgrpo.inference.errors import ServerError, WeightTransferError
 from asyncgrpo.inference.weight_transfer import WeightSender
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]
@@ -131,3 +132,21 @@ def test_server_rejects_bad_update_info_before_broadcasting(setup):
 
     before, after = asyncio.run(go())
     assert after == before  # finishing without a version keeps the old label
+
+
+def test_sender_fails_fast_when_the_server_rejects_the_round(setup):
+    """A tensor the server does not have: 400 at once, the sender stops broadcasting without waiting out its
+    timeout, and the server is left resumed with its old weights. (Runs last: it re-forms the server's group.)"""
+    server, model, _ = setup
+    before = _greedy(server.base_url)
+    version = _weight_version(server.base_url)
+    sender = WeightSender(timeout_s=60)
+    sender.init(AsyncServerClient(server.base_url), device="cpu")
+    bad = [("not.a.weight", torch.zeros(4)), *model.named_parameters()]
+    start = time.monotonic()
+    with pytest.raises(WeightTransferError, match="unknown weight name"):
+        sender.update(bad, version="never")
+    assert time.monotonic() - start < 20
+    sender.close()
+    after = _greedy(server.base_url)  # not paused any more
+    assert after.token_ids == before.token_ids and _weight_version(server.base_url) == version

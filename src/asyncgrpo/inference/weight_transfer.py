@@ -312,6 +312,7 @@ class WeightSender:
         except Exception as exc:
             # Do not wait on the HTTP thread: the server may be stuck inside the collective.
             self._last_metas = None
+            self._close_rejected_round(fut)
             if isinstance(exc, WeightTransferError):
                 raise
             raise WeightTransferError(f"broadcasting weights to {client.base_url} failed: {exc}") from exc
@@ -323,6 +324,7 @@ class WeightSender:
             raise WeightTransferError("the broadcast finished but POST /update_weights did not return") from None
         except ServerError as exc:
             self._last_metas = None
+            self._close_rejected_round(fut)
             raise WeightTransferError(f"POST /update_weights failed: {exc}") from exc
         self._last_metas = metas
         self._http(client.finish_weight_update(version, timeout=self.timeout_s), "POST /finish_weight_update")
@@ -330,6 +332,22 @@ class WeightSender:
         self._http(client.resume(timeout=self.timeout_s), "POST /resume")
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    def _close_rejected_round(self, fut: concurrent.futures.Future) -> None:
+        """After a 4xx on /update_weights the server never entered the collective: finish and resume it.
+
+        The trainer's side of the group may hold an unmatched broadcast, so the sender still has to be
+        closed and initialised again before the next round.
+        """
+        exc = fut.exception() if fut.done() else None
+        if not (isinstance(exc, ServerError) and exc.status is not None and 400 <= exc.status < 500):
+            return
+        assert self._client is not None
+        try:
+            self._http(self._client.finish_weight_update(None, timeout=30.0), "POST /finish_weight_update")
+        except (ServerError, WeightTransferError) as err:
+            logger.warning("could not close the rejected weight update: %s", err)
+        self._resume_quietly()
 
     def _resume_quietly(self) -> None:
         assert self._client is not None
