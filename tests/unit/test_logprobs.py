@@ -106,23 +106,31 @@ def test_bad_shapes_are_reported():
         selective_logprobs(h, w, targets, temperature=0.0)
 
 
-# Peak memory: each size runs in a fresh interpreter; the growth of its peak RSS across the call is the
-# memory the call needed. A fixed mmap threshold makes glibc return freed large buffers to the OS, so
-# RSS tracks live tensors instead of allocator caching.
+# Peak memory: each size runs in a fresh interpreter and reads the kernel's high-water mark of its resident
+# memory (VmHWM), reset just before the call through /proc/self/clear_refs; the growth is the memory the call
+# needed. (ru_maxrss would not do: Linux carries it over from the parent process.) A fixed mmap threshold
+# makes glibc return freed large buffers to the OS, so RSS tracks live tensors instead of allocator caching.
 _PROBE = """
-import resource, sys, torch
+import sys, torch
 from asyncgrpo.trainer.logprobs import selective_logprobs
+
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
 n, vocab, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
 h = torch.randn(n, 16, requires_grad=True); w = torch.randn(vocab, 16, requires_grad=True)
 t = torch.randint(0, vocab, (n,)); ex = torch.randint(0, vocab, (n, 4))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the high-water mark to the current resident size
+before = hwm()
 if mode == "full":
     lp = (h @ w.T).log_softmax(-1); (lp.gather(1, t[:, None]).sum() + lp.gather(1, ex).sum()).backward()
 else:
     o = selective_logprobs(h, w, t, extra_ids=ex, want_entropy=True, chunk_size=max(1, (1 << 18) // vocab))
     (o.logprobs.sum() + o.extra_logprobs.sum() + o.entropy.sum()).backward()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+print(hwm() - before)
 """
 
 

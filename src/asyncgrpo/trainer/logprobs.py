@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-CHUNK_BYTES = 1 << 28  # default chunk: about 256 MB of fp32 logits
+CHUNK_BYTES = 1 << 29  # default chunk: about 512 MB of fp32 logits (a few such buffers live at once)
 
 
 @dataclass
@@ -61,7 +61,7 @@ def selective_logprobs(
         weight: [V, H] LM head (output embedding) weight; a bias-free head is assumed.
         targets: [N] token ids whose log-probs are wanted.
         temperature: divides the logits (the sampler's temperature, so ratios compare like with like).
-        chunk_size: tokens per chunk; default keeps a chunk's fp32 logits near 256 MB.
+        chunk_size: tokens per chunk; default keeps a chunk's fp32 logits near 512 MB.
         extra_ids: [N, K] more ids per token (the sampler's top-N for score centering); -1 pads.
         candidates: [C, 2] (token index, vocab id) pairs: renormalise token n over its candidate set;
             tokens without a pair keep the full vocabulary. Targets must lie in their set.
@@ -158,8 +158,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     got = ch.zm.gather(1, ids.clamp(min=0)) - s[:, None]
                     extra_lp[lo:hi] = got.masked_fill(ids < 0, float("-inf"))
                 if want_entropy:
-                    p = torch.exp(ch.zm - s[:, None])  # 0 outside the candidate set
-                    ez[lo:hi] = (p * ch.z).sum(-1)
+                    p = (ch.zm - s[:, None]).exp_()  # 0 outside the candidate set
+                    ez[lo:hi] = (p[:, None, :] @ ch.z[:, :, None]).view(-1)  # sum_v p_v z_v without a [c, V] temp
                     ent[lo:hi] = s - ez[lo:hi]
                 if top_n:
                     vals, idx = torch.topk(ch.zm, top_n, dim=-1)
@@ -184,7 +184,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for lo in range(0, n_tok, ctx.chunk):
                 hi = min(lo + ctx.chunk, n_tok)
                 ch = _Chunk(ctx, hidden, w, lo, hi)
-                p = torch.exp(ch.zm - lse[lo:hi, None])  # [c, V], 0 outside candidate sets
+                p = (ch.zm - lse[lo:hi, None]).exp_()  # [c, V], 0 outside candidate sets
                 coef = torch.zeros(hi - lo, dtype=torch.float32, device=p.device)
                 if g_lp is not None:
                     coef += g_lp[lo:hi]
@@ -208,7 +208,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if need_h:
                     d_hidden[lo:hi] = (dz @ w).to(hidden.dtype)
                 if need_w:
-                    d_weight += (dz.T @ ch.h).float()
+                    d_weight += dz.T @ ch.h  # in-place add promotes the bf16 partial without an fp32 copy
         if need_w:
             d_weight = d_weight.to(weight.dtype)
         return (d_hidden, d_weight) + (None,) * 9
