@@ -17,6 +17,7 @@ import logging
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from asyncgrpo.inference.server.app import create_app
     from asyncgrpo.inference.server.engine import Engine
 
+    if ("/" in str(args.model) or str(args.model).startswith(".")) and not Path(args.model).exists():
+        logger.error("model directory %s does not exist (the server loads local HF checkpoints)", args.model)
+        return 2
     if args.api_server_count != 1:
         logger.warning("--api-server-count %d ignored: the embedded server runs one API process", args.api_server_count)
     try:
@@ -138,7 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
         )  # fmt: skip
         config = _serve_config(args, engine)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         logger.error("cannot start the server for %s: %s", args.model, exc)
         return 2
     tokenizer = None
