@@ -136,9 +136,10 @@ def test_backends_agree_on_a_bench_sized_row():
         out.backward(go)
         outs[backend] = (out.float(), q.grad.float(), k.grad.float(), v.grad.float())
     for backend in ("flex", "varlen"):
-        diffs = [(a - b).abs().max().item() for a, b in zip(outs[backend], outs["sdpa"])]
-        _report({"attention_only": backend, "tokens": total, "out_q_k_v_grad_max_abs_diff": diffs})
-        assert max(diffs) <= 0.05
+        # bf16 kernels differ in rounding: compare relative to each tensor's largest reference entry
+        rel = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(outs[backend], outs["sdpa"])]
+        _report({"attention_only": backend, "tokens": total, "out_dq_dk_dv_rel_max_diff": rel})
+        assert max(rel) <= 0.02
 
 
 def test_logprobs_peak_memory_bounded_on_cuda():
