@@ -38,6 +38,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0  # one HTTP call (a long generation must fit)
 
 
+def config_section(data: Any, *keys: str) -> dict[str, Any]:
+    """``data[k1][k2]...`` when every level is a dict, else ``{}`` (servers differ in what they expose)."""
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
 class AsyncServerClient:
     """Client of one generation server (vLLM or embedded), bound to the event loop it is first used in.
 
@@ -229,7 +236,7 @@ class AsyncServerClient:
         except ServerError as exc:
             logger.info("no KV-cache capacity from %s: %s", self.base_url, exc)
             return None
-        cache = (info.get("vllm_config") or {}).get("cache_config") or {}
+        cache = config_section(info, "vllm_config", "cache_config")
         blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
         if isinstance(blocks, int) and isinstance(size, int):
             return blocks * size

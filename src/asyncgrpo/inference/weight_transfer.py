@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from asyncgrpo.inference.client import AsyncServerClient
+from asyncgrpo.inference.client import AsyncServerClient, config_section
 from asyncgrpo.inference.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -138,7 +138,7 @@ class WeightSender:
         assert self._client is not None
         try:
             info = self._http(self._client.server_info(), "GET /server_info")
-            chosen = ((info.get("vllm_config") or {}).get("weight_transfer_config") or {}).get("backend")
+            chosen = config_section(info, "vllm_config", "weight_transfer_config").get("backend")
         except ServerError as exc:
             logger.info("GET /server_info failed (%s); choosing the backend from the device", exc)
             chosen = None
