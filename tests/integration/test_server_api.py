@@ -67,7 +67,8 @@ def test_pause_wait_drains_in_flight_requests(server):
             tasks = [asyncio.create_task(c.generate(PROMPT, {**LONG, "max_tokens": 40, "seed": i})) for i in range(3)]
             await _until(c, lambda m: _running(m) > 0, "requests to run")
             pause = asyncio.create_task(c.pause("wait"))
-            await asyncio.sleep(0.05)
+            while not await c.is_paused():  # the engine flags the pause at once, then drains
+                await asyncio.sleep(0.005)
             with pytest.raises(ServerError) as refused:  # while draining, new requests are refused
                 await c0.generate(PROMPT, {"max_tokens": 2})
             await pause
