@@ -51,7 +51,7 @@ def _reference(model, samples, weights):
         (lp * weights[start : start + len(t)]).sum().backward()
         out.append(lp.detach())
         start += len(t)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return torch.cat(out), grads
 
 
@@ -62,7 +62,7 @@ def _packed(model, row, weights):
     head = model.get_output_embeddings().weight
     lp = selective_logprobs(hidden[row.pred_index], head, row.target_ids, chunk_size=16).logprobs
     (lp * weights).sum().backward()
-    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -81,6 +81,7 @@ def test_packed_matches_unpacked(arch, checkpointing):
     ref_lp, ref_grads = _reference(model, samples, weights)
     lp, grads = _packed(model, row, weights)
     assert (lp - ref_lp).abs().max().item() <= 1e-4
+    assert grads.keys() == ref_grads.keys() and len(grads) == len(list(model.parameters()))
     for name, g in grads.items():
         assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
 
@@ -177,3 +178,21 @@ def test_cuda_backends_refuse_cpu():
         build_plan(row, "flex", device="cpu")
     with pytest.raises(ValueError, match="unknown"):
         build_plan(row, "triton")
+
+
+def test_lora_model_packed_matches_unpacked():
+    from peft import LoraConfig, get_peft_model
+
+    rng = np.random.default_rng(11)
+    samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=2)
+    row = pack_samples(samples)
+    model = get_peft_model(_model("qwen3"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for n, p in model.named_parameters():  # non-zero B so the adapters change the forward
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
+    ref_lp, ref_grads = _reference(model, samples, weights)
+    lp, grads = _packed(model, row, weights)
+    assert (lp - ref_lp).abs().max().item() <= 1e-4
+    lora = [n for n in grads if "lora_" in n]
+    assert lora and all((grads[n] - ref_grads[n]).abs().max().item() <= 1e-4 for n in lora)

@@ -280,11 +280,12 @@ def packed_hidden_states(model: torch.nn.Module, row: PackedRow, plan: TreeAtten
     """Final hidden states [T, hidden] of ``row`` (the LM head is left to ``trainer.logprobs``).
 
     The model must use tree attention (:func:`use_tree_attention`); ``row`` must be on the
-    model's device. Calls the decoder (``model.base_model``) so no [T, vocab] logits are built.
+    model's device. Calls the decoder (``model.get_decoder()``, which also reaches through a PEFT
+    wrapper) so no [T, vocab] logits are built.
     """
     if plan is None:
         plan = build_plan(row)
-    decoder = model.base_model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     out = decoder(
         input_ids=row.input_ids[None],
         position_ids=row.position_ids[None],
