@@ -118,7 +118,7 @@ def _flex_block_mask(end: torch.Tensor) -> Any:
     counts = pairs.view(nb, nb, FLEX_BLOCK).sum(-1)  # [nb_q, nb_k]
     sizes = hi - lo
     area = sizes[:, None] * sizes[None, :]
-    full = counts == area
+    full = (counts == area) & (area > 0)
     partial = (counts > 0) & ~full
 
     def indices(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
