@@ -66,6 +66,7 @@ class TokenBudgetBatcher:
         self.share_prefixes = share_prefixes
         self.dropped_oversize_count = 0  # since the last take_dropped_count()
         self._open = self._new_micro_batch()
+        self._placed: list[PackSample] = []  # samples of the open micro-batch, in placement order
 
     def _new_micro_batch(self) -> MicroBatch:
         return MicroBatch([PrefixTrie(self.share_prefixes) for _ in range(self.num_processes)])
@@ -93,16 +94,28 @@ class TokenBudgetBatcher:
         row = self._choose_row(self._open.rows, sample)
         if row is not None:
             row.insert(sample)
+            self._placed.append(sample)
             return None
         closed, self._open = self._open, self._new_micro_batch()
         self._open.rows[0].insert(sample)
+        self._placed = [sample]
         return closed
+
+    def take_open_samples(self) -> list[PackSample]:
+        """Empty the open micro-batch and return its samples in placement order (to re-check or re-place them)."""
+        samples = [s for row in self._open.rows for s in row.samples]
+        order = {id(s): i for i, s in enumerate(self._placed)}
+        samples.sort(key=lambda s: order.get(id(s), 0))
+        self._open = self._new_micro_batch()
+        self._placed = []
+        return samples
 
     def flush(self) -> MicroBatch | None:
         """Close and return the open micro-batch, or None when it is empty."""
         if self._open.num_samples == 0:
             return None
         closed, self._open = self._open, self._new_micro_batch()
+        self._placed = []
         return closed
 
     def _choose_row(self, rows: list[PrefixTrie], sample: PackSample) -> PrefixTrie | None:

@@ -114,13 +114,14 @@ class RolloutSource:
         if res.end:
             self._ended = True
             return
+        # Pulled = no longer queued: the worker's token allowance (G3) frees now, not after the step, or a
+        # step that needs more tokens than the allowance would wait forever for the worker.
+        self.worker.report_consumed(res.tokens)
         if res.prompt_text is not None:
             self.completions_log.append(res)
-        stale = [s for s in res.sequences if self.policy_version - s.model_version > self.max_staleness]
-        fresh = [s for s in res.sequences if self.policy_version - s.model_version <= self.max_staleness]
-        if stale:
-            self.metrics.append(("sample/dropped_stale_count", float(len(stale)), 1.0))
-            self.worker.report_consumed(sum(len(s.input_ids) for s in stale))
+        fresh = [s for s in res.sequences if not self._is_stale(s.model_version)]
+        if len(fresh) < len(res.sequences):
+            self.metrics.append(("sample/dropped_stale_count", float(len(res.sequences) - len(fresh)), 1.0))
         if not fresh:
             self._mark_consumed(res.row_index)
             return
@@ -128,12 +129,29 @@ class RolloutSource:
         for s in fresh:
             self._buffer.append(to_pack_sample(s, _Meta(res.row_index, s.model_version, res.queued_at, len(s.input_ids))))
 
+    def _is_stale(self, model_version: int) -> bool:
+        return self.policy_version - model_version > self.max_staleness
+
+    def _drop_stale(self, row_index: int, count: int) -> None:
+        self.metrics.append(("sample/dropped_stale_count", float(count), 1.0))
+        left = self._pending.get(row_index, 0) - count
+        if left <= 0:
+            self._pending.pop(row_index, None)
+            self._mark_consumed(row_index)
+        else:
+            self._pending[row_index] = left
+
     def _pull(self) -> PackSample | None:
-        while not self._buffer:
-            if self._ended or (self.total_prompts is not None and self._requested_enough()):
-                return None
-            self._receive(self.sample_timeout)
-        return self._buffer.popleft()
+        while True:
+            while not self._buffer:
+                if self._ended or (self.total_prompts is not None and self._requested_enough()):
+                    return None
+                self._receive(self.sample_timeout)
+            sample = self._buffer.popleft()
+            # Samples wait in the buffer across steps (a group larger than what a step still takes): check here.
+            if not self._is_stale(sample.meta.model_version):
+                return sample
+            self._drop_stale(sample.meta.row_index, 1)
 
     def _requested_enough(self) -> bool:
         # Everything needed to reach total_prompts is consumed or already placed in the planner.
@@ -142,11 +160,18 @@ class RolloutSource:
     def next_step(self, policy_version: int) -> list[MicroBatch]:
         """Micro-batches of the next step (fewer than ``gradient_accumulation_steps`` only at the end of data)."""
         self.policy_version = policy_version
+        # The sample that closed the last step waits in the planner; re-check it (and any others) against the
+        # new version so no sample is trained more than max_staleness updates behind (G4).
+        for sample in reversed(self.batcher.take_open_samples()):
+            if self._is_stale(sample.meta.model_version):
+                self._drop_stale(sample.meta.row_index, 1)
+            else:
+                self._buffer.appendleft(sample)
         self.metrics.append(("rollout/queue_size", float(self.worker.queue_size()), 1.0))
         return plan_step(self.batcher, self._pull, self.ga)
 
     def step_done(self, micro_batches: list[MicroBatch]) -> int:
-        """Account for a finished optimizer step; returns the flat tokens it trained (G3's report)."""
+        """Account for a finished optimizer step; returns the flat tokens it trained (G3's per-step report)."""
         tokens = 0
         now = time.time()
         for mb in micro_batches:
@@ -163,7 +188,6 @@ class RolloutSource:
                         self._mark_consumed(meta.row_index)
                     else:
                         self._pending[meta.row_index] = left
-        self.worker.report_consumed(tokens)
         self.worker.report_step(tokens)
         return tokens
 
