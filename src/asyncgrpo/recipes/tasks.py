@@ -21,7 +21,13 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def reasoning_gym_dataset(task: str = "chain_sum", size: int = 256, seed: int = 0, system_prompt: str | None = SYSTEM_PROMPT):
+def reasoning_gym_dataset(
+    task: str = "chain_sum",
+    size: int = 256,
+    seed: int = 0,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    **task_config: Any,
+):
     """A ``datasets.Dataset`` with columns ``prompt`` (messages), ``answer``, ``task`` and ``entry`` (JSON).
 
     Args:
@@ -29,11 +35,12 @@ def reasoning_gym_dataset(task: str = "chain_sum", size: int = 256, seed: int = 
         size: number of problems.
         seed: generator seed (a different seed gives a held-out set).
         system_prompt: prepended as a system message (None: the user message alone).
+        **task_config: the task's own settings (e.g. ``max_digits=2`` for ``chain_sum``).
     """
     import reasoning_gym
     from datasets import Dataset
 
-    problems = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    problems = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_config)
     rows: dict[str, list[Any]] = {"prompt": [], "answer": [], "task": [], "entry": []}
     for entry in problems:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -83,3 +90,20 @@ def reasoning_gym_reward(completions: list[Any], task: list[str], entry: list[st
 def format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """0.1 for a completion that gives its answer inside ``<answer></answer>`` (a small shaping bonus)."""
     return [0.1 if _ANSWER_TAG.search(_completion_text(c)) else 0.0 for c in completions]
+
+
+def numeric_answer_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float | None]:
+    """1.0 when the extracted answer equals the numeric ``answer`` column, else 0.0 (None: unparsable gold)."""
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer):
+        try:
+            target = float(gold)
+        except (TypeError, ValueError):
+            out.append(None)
+            continue
+        got = extract_answer(_completion_text(completion))
+        try:
+            out.append(1.0 if got is not None and abs(float(got) - target) < 1e-9 else 0.0)
+        except ValueError:
+            out.append(0.0)
+    return out

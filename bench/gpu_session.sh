@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Run GPU stages on the lent GPU machine; everything lands in $OUT (or ./gpu-out).
+#   bash bench/gpu_session.sh tests generation     # one H200 is enough (the weight-sync tests need two)
+#   bash bench/gpu_session.sh model-a              # first half of the demo GGUF (see ../shared/tools/device-model-parts)
+#   bash bench/gpu_session.sh model-b train packing
+# Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ASYNCGRPO_CACHE=$PWD/.assets ASYNCGRPO_DEMO_GGUF=/tmp/model/smollm2.gguf
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD/src
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpus.txt" 2>&1
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests)
+      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout 330 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+        tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|PARITY|round|MiB|Error|error" | tail -40 ;;
+    generation)
+      timeout 260 python3 bench/generation.py --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" | tail -25 ;;
+    packing)
+      timeout 340 python3 bench/tree_packing.py --max-seconds 300 --out "$OUT/tree_packing_h200.json" 2>&1 \
+        | tee "$OUT/tree_packing.log" | tail -30 ;;
+    model-a) mkdir -p /tmp/model && cp .m1/part /tmp/model/a && ls -la /tmp/model ;;
+    model-b) cat /tmp/model/a .m2/part > /tmp/model/smollm2.gguf && ls -la /tmp/model ;;
+    train)
+      timeout 330 python3 bench/two_gpu_run.py --data .assets/chain_sum_512.jsonl --steps 24 \
+        --out "$OUT/two_gpu_run_h200.json" 2>&1 | tee "$OUT/two_gpu_run.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "=== done $(date +%T)"
