@@ -18,12 +18,13 @@ for stage in "$@"; do
   case $stage in
     tests)
       ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout 330 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-        tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|PARITY|round|MiB|Error|error" | tail -40 ;;
+        ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|PARITY|round|MiB|Error|error" | tail -40 ;;
     generation)
       timeout 260 python3 bench/generation.py --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" | tail -25 ;;
     packing)
       timeout 340 python3 bench/tree_packing.py --max-seconds 300 --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/tree_packing.log" | tail -30 ;;
+    diag) timeout 120 python3 bench/diag_decode.py 2>&1 | tee "$OUT/diag.log" | grep -v Warning | tail -12 ;;
     model-a) mkdir -p /tmp/model && cp .m1/part /tmp/model/a && ls -la /tmp/model ;;
     model-b) cat /tmp/model/a .m2/part > /tmp/model/smollm2.gguf && ls -la /tmp/model ;;
     train)

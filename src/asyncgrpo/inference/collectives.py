@@ -4,7 +4,7 @@ One group holds trainer rank 0 and every server worker (VLLM_PROTOCOL.md, weight
 transfer). Two backends, neither touching torch.distributed's global default group
 (so a trainer process keeps its own group for FSDP):
 
-* ``nccl``: a raw communicator from ``torch.cuda.nccl.init_rank`` over a 128-byte
+* ``nccl``: a raw communicator (``nccl_lib``: ncclCommInitRank via ctypes) over a 128-byte
   unique id (minted by rank 0 and sent base64 in ``init_info``, or exchanged through
   a TCPStore when ``master_address``/``master_port`` are given).
 * ``gloo``: ``ProcessGroupGloo`` over a ``TCPStore`` whose master is rank 0 (CPU runs).
@@ -27,13 +27,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncgrpo.inference import nccl_lib
 from asyncgrpo.inference.errors import WeightTransferError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's default: 1 GiB per packed chunk
 DEFAULT_PACKED_NUM_BUFFERS = 2
-_NCCL_MAX_COUNT = 2**31 - 1  # torch.cuda.nccl takes an int element count
+_NCCL_MAX_COUNT = 2**31 - 1  # keep element counts in int range (older NCCL builds)
 _STORE_UID_KEY = "asyncgrpo/nccl_unique_id"
 _T = TypeVar("_T")
 
@@ -184,7 +185,7 @@ class GlooGroup(TransferGroup):
         self._store = None
 
 
-# dtypes torch.cuda.nccl maps to an NCCL type; others travel as their bytes (uint8).
+# dtypes NCCL moves natively; others travel as their bytes (uint8).
 _NCCL_NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
                 torch.uint8, torch.bool}  # fmt: skip
 
@@ -209,7 +210,7 @@ def _nccl_wire(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class NcclGroup(TransferGroup):
-    """A raw NCCL communicator (``torch.cuda.nccl``) on one CUDA device.
+    """A raw NCCL communicator (``nccl_lib``, ctypes over torch's NCCL) on one CUDA device.
 
     NCCL calls are asynchronous on the current stream; :meth:`synchronize` polls a
     CUDA event so a dead peer turns into a timeout instead of a hang.
@@ -223,14 +224,12 @@ class NcclGroup(TransferGroup):
         self.timeout_s = timeout_s
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        if src != 0:
-            raise ValueError("torch.cuda.nccl broadcasts from rank 0 only; the trainer is rank 0")
         with torch.cuda.device(self.device):
-            torch.cuda.nccl.broadcast([_nccl_wire(tensor)], root=0, comms=[self._comm])
+            self._comm.broadcast(_nccl_wire(tensor), root=src)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         with torch.cuda.device(self.device):
-            torch.cuda.nccl.all_reduce([tensor], comms=[self._comm])
+            self._comm.all_reduce_sum(tensor)
 
     def synchronize(self, what: str) -> None:
         with torch.cuda.device(self.device):
@@ -246,6 +245,8 @@ class NcclGroup(TransferGroup):
             time.sleep(0.001)
 
     def close(self) -> None:
+        if self._comm is not None:
+            self._comm.destroy()
         self._comm = None
 
 
@@ -296,14 +297,13 @@ def join_group(
             if store is None:
                 raise ValueError("the nccl weight-transfer backend needs nccl_unique_id_b64 or master_address/port")
             if rank == 0:
-                unique_id = torch.cuda.nccl.unique_id()
+                unique_id = nccl_lib.unique_id()
                 store.set(_STORE_UID_KEY, unique_id)
             else:
                 unique_id = call_with_timeout(lambda: store.get(_STORE_UID_KEY), timeout_s, "the NCCL id in the store")
 
         def init() -> Any:
-            with torch.cuda.device(dev):  # ncclCommInitRank binds to the current device
-                return torch.cuda.nccl.init_rank(world_size, unique_id, rank)
+            return nccl_lib.Communicator(world_size, bytes(unique_id), rank, dev)
 
         comm = call_with_timeout(init, timeout_s, f"the NCCL rendezvous of {world_size} ranks")
         group = NcclGroup(comm, rank, world_size, dev, timeout_s)

@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from asyncgrpo.inference import nccl_lib
 from asyncgrpo.inference.client import AsyncServerClient, config_section
 from asyncgrpo.inference.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -193,7 +194,7 @@ class WeightSender:
         }
         store = unique_id = None
         if self.backend == "nccl":
-            unique_id = torch.cuda.nccl.unique_id()
+            unique_id = nccl_lib.unique_id()
             init_info["nccl_unique_id_b64"] = base64.b64encode(unique_id).decode("ascii")
         else:
             address = master_address or _local_address_towards(self._client.base_url)
@@ -360,10 +361,15 @@ class WeightSender:
         """Leave the group (and ask the server to drop its side); the sender can be ``init``-ed again."""
         if self._client is not None and self._loop is not None:
             if shutdown_server_side and self.group is not None:
+                # Both ranks tear down together: NCCL's communicator destroy may wait for the peer's, so post the
+                # server's shutdown first, leave the group here, then collect the answer.
+                fut = self._loop.submit(self._client.shutdown_weight_transfer_engine(timeout=30.0))
+                self.group.close()
+                self.group = None
                 try:
-                    self._loop.run(self._client.shutdown_weight_transfer_engine(timeout=30.0), 35.0, "shutdown")
-                except (ServerError, WeightTransferError) as exc:
-                    logger.warning("POST /shutdown_weight_transfer_engine failed: %s", exc)
+                    fut.result(timeout=35.0)
+                except (ServerError, WeightTransferError, concurrent.futures.TimeoutError) as exc:
+                    logger.warning("POST /shutdown_weight_transfer_engine failed: %r", exc)
             try:
                 self._loop.run(self._client.close(), 10.0, "closing the HTTP session")
             except WeightTransferError as exc:

@@ -150,6 +150,7 @@ class AsyncRolloutLoop:
         self._generated_tokens = 0
         self._gen_time = 0.0
         self._enqueued_tokens = 0
+        self._failure: BaseException | None = None  # the first exception of a group task
         self._running = 0
         self._last_finish: dict[int, str] = {}
         self._slot_freed = asyncio.Condition()
@@ -181,9 +182,10 @@ class AsyncRolloutLoop:
         self.admission.queued_tokens = max(0, self._enqueued_tokens - consumed)
         self.admission.on_step(self.channels.tokens_per_step.value)
 
-    async def _wait_for_admission(self) -> None:
+    async def _wait_for_admission(self, tasks: set[asyncio.Task]) -> None:
         t0 = time.perf_counter()
         while True:
+            await self._raise_failed(tasks)  # a failed group must stop the run even while generation waits
             self._sync_admission()
             if self.admission.can_start_group() or self.channels.stop.is_set():
                 break
@@ -210,13 +212,13 @@ class AsyncRolloutLoop:
                     self.channels.samples.put(GroupResult.rejected(flat_index, epoch))
                     continue
                 accepted += 1
-                await self._wait_for_admission()
+                await self._wait_for_admission(tasks)
                 if self.channels.stop.is_set():
                     break
                 self.admission.on_group_started()
                 task = asyncio.create_task(self._run_group(row_index, flat_index, row, epoch, group_id))
                 tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                task.add_done_callback(lambda t: self._on_group_done(t, tasks))
                 group_id += 1
                 await self._raise_failed(tasks)
             if accepted == 0 and index == 0 and not self.channels.stop.is_set():
@@ -225,6 +227,7 @@ class AsyncRolloutLoop:
         while tasks and not self.channels.stop.is_set():
             await self._raise_failed(tasks)
             await asyncio.sleep(0.05)
+        await self._raise_failed(tasks)
         if self.channels.stop.is_set():  # the trainer is done: drop in-flight rollouts quietly
             for t in tasks:
                 t.cancel()
@@ -233,11 +236,15 @@ class AsyncRolloutLoop:
         self.channels.samples.put(GroupResult.end_of_data())
 
     async def _raise_failed(self, tasks: set[asyncio.Task]) -> None:
-        for t in list(tasks):
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                for other in tasks:
-                    other.cancel()
-                raise t.exception()
+        if self._failure is not None:
+            for other in tasks:
+                other.cancel()
+            raise self._failure
+
+    def _on_group_done(self, task: asyncio.Task, tasks: set[asyncio.Task]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
 
     async def _acquire_slot(self) -> None:
         async with self._slot_freed:

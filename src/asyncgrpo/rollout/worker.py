@@ -133,6 +133,10 @@ class RolloutWorker:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        # The trainer only reads these queues. Dropping its copy of their write ends means a child killed in the
+        # middle of a message gives EOF here instead of a read that blocks forever on the missing bytes.
+        for q in (self.channels.samples, self.channels.metrics, self.channels.errors):
+            q._writer.close()  # noqa: SLF001 - multiprocessing.Queue keeps both pipe ends in every process
 
     # ---- trainer -> worker
     def set_policy_version(self, version: int) -> None:
@@ -150,7 +154,7 @@ class RolloutWorker:
         """Raise :class:`RolloutWorkerError` if the child failed, exited or stopped beating."""
         try:
             tb = self.channels.errors.get_nowait()
-        except queue.Empty:
+        except (queue.Empty, EOFError, OSError):
             tb = None
         if tb is not None:
             raise RolloutWorkerError(f"the rollout worker failed:\n{tb}")
@@ -178,6 +182,11 @@ class RolloutWorker:
                 return self.channels.samples.get(timeout=min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0.001)))
             except queue.Empty:
                 pass
+            except (EOFError, OSError) as e:  # the child died while writing: report why
+                if self.process is not None:
+                    self.process.join(timeout=5.0)  # let it be reaped so check() sees the exit code
+                self.check()
+                raise RolloutWorkerError(f"the rollout worker's sample queue broke: {e!r}") from e
             self.check()
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"waited {timeout:.0f}s for a sample from the rollout worker's queue")
@@ -194,7 +203,7 @@ class RolloutWorker:
         while True:
             try:
                 out.append(self.channels.metrics.get_nowait())
-            except queue.Empty:
+            except (queue.Empty, EOFError, OSError):
                 return out
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -46,6 +46,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._staging = self._staging.pin_memory()
         self._staging_np = self._staging.numpy()
+        # The H2D copy of the staging rows is asynchronous: the host must not rewrite them until it has run.
+        self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
 
     @property
     def backend(self) -> str:
@@ -91,7 +93,7 @@ class ModelRunner:
         B = len(seqs)
         bucket = self._bucket(B) if (self.use_graphs and not lora) else B
         self._fill_static(seqs, bucket)
-        if bucket in self._graphs:
+        if not lora and bucket in self._graphs:  # graphs hold no adapter: LoRA batches run eagerly
             self._graphs[bucket].replay()
             logits = self._graph_logits[bucket][:B]
         else:
@@ -109,6 +111,8 @@ class ModelRunner:
 
     def _fill_static(self, seqs: list[Sequence], rows: int) -> None:
         bs, pad = self.kv.block_size, self.kv.pad_block
+        if self._staging_done is not None:
+            self._staging_done.synchronize()  # CPU-GPU sync point: the previous step's copy has been read
         st = self._staging_np  # numpy view of the (pinned) staging tensor: cheap per-row writes
         st[:rows, 4:] = pad
         st[:rows, 0:4] = (0, 0, pad * bs, 1)  # padding rows: read and write only the sink block
@@ -119,6 +123,8 @@ class ModelRunner:
             st[i, 0:4] = (s.token_ids[-1], p, table[p // bs] * bs + p % bs, n)
             st[i, 4 : 4 + len(table)] = table
         self._static[:rows].copy_(self._staging[:rows], non_blocking=True)
+        if self._staging_done is not None:
+            self._staging_done.record()
 
     def _decode_forward(self, rows: int, max_ctx: int, lora_groups=None) -> torch.Tensor:
         st = self._static[:rows]
