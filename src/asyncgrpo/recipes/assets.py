@@ -73,6 +73,12 @@ def _convert(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), quantization_config=GgufConfig(dequantize=True), dtype="float32", **kwargs
     )
+    # Special tokens come from the GGUF header through the model config; some transformers versions map the
+    # tokenizer's EOS differently (seen: <|im_start|> on 5.17), so pin them to the config's ids.
+    for role in ("bos", "eos", "pad"):
+        token_id = getattr(model.config, f"{role}_token_id", None)
+        if isinstance(token_id, int):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     # The dequantised model must save as a plain checkpoint, not a GGUF-quantised one.
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncgrpo.inference.server import attention
+from asyncgrpo.inference.server import attention, fused
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +68,7 @@ class _Layer:
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """HF's RMSNorm arithmetic: normalise in fp32, cast back, then scale."""
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return norm.weight * xf.to(x.dtype)
+    return fused.rms_norm(x, norm.weight, eps)  # one Triton kernel on CUDA, the same torch ops elsewhere
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
