@@ -1,6 +1,6 @@
 """GPU diagnostic: engine decode logits vs HF per step, with the Triton kernel and with the torch path.
 
-    python bench/diag_decode.py   # prints one line per (config, path, step) with the max |diff|
+python bench/diag_decode.py   # prints one line per (config, path, step) with the max |diff|
 """
 
 from __future__ import annotations
@@ -18,10 +18,24 @@ from asyncgrpo.inference.server.runner import ModelRunner
 from asyncgrpo.inference.server.scheduler import Sequence
 
 CONFIGS = {
-    "qwen3_d128": Qwen3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                              intermediate_size=512, num_hidden_layers=2, vocab_size=4096),
-    "llama_d16": LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    "qwen3_d128": Qwen3Config(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        vocab_size=4096,
+    ),
+    "llama_d16": LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
 }
 
 
@@ -54,14 +68,21 @@ def run(name, cfg, triton_on, graphs, sync):
         with torch.no_grad():
             ref = hf(torch.tensor([s.token_ids], device="cuda")).logits[0].float()
         worst.append([round((got[i] - ref[lengths[i] - 1 + k]).abs().max().item(), 5) for k, got in enumerate(steps)])
-    print(f"{name:12s} triton={triton_on!s:5s} graphs={graphs!s:5s} sync={sync!s:5s} backend={runner.backend:20s}",
-          worst, flush=True)
+    print(
+        f"{name:12s} triton={triton_on!s:5s} graphs={graphs!s:5s} sync={sync!s:5s} backend={runner.backend:20s}",
+        worst,
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
     for name, cfg in CONFIGS.items():
-        for triton_on, graphs, sync in [(False, False, True), (True, False, True), (True, True, True),
-                                        (True, True, False)]:
+        for triton_on, graphs, sync in [
+            (False, False, True),
+            (True, False, True),
+            (True, True, True),
+            (True, True, False),
+        ]:
             try:
                 run(name, cfg, triton_on, graphs, sync)
             except Exception as e:  # noqa: BLE001 - a diagnostic reports every failure and goes on

@@ -24,8 +24,7 @@ def make_data(path: str, size: int, seed: int) -> None:
 
     ds = reasoning_gym_dataset("chain_sum", size=size, seed=seed, min_terms=2, max_terms=2, max_digits=2)
     with open(path, "w") as fh:
-        for row in ds:
-            fh.write(json.dumps({"prompt": row["prompt"], "answer": row["answer"]}) + "\n")
+        fh.writelines(json.dumps({"prompt": row["prompt"], "answer": row["answer"]}) + "\n" for row in ds)
 
 
 def main() -> int:
@@ -63,12 +62,23 @@ def main() -> int:
         env={"CUDA_VISIBLE_DEVICES": a.server_gpu}, log_path=server_log, timeout=600,
     ) as server:  # fmt: skip
         args = AsyncGRPOConfig(
-            output_dir=str(out_dir), max_steps=a.steps, num_generations=8, max_completion_length=256,
-            token_budget=8192, learning_rate=2e-6, vllm_server_base_url=server.base_url, report_to=[],
-            save_strategy="no", gradient_checkpointing=False, max_staleness=4, logging_steps=1, seed=0,
+            output_dir=str(out_dir),
+            max_steps=a.steps,
+            num_generations=8,
+            max_completion_length=256,
+            token_budget=8192,
+            learning_rate=2e-6,
+            vllm_server_base_url=server.base_url,
+            report_to=[],
+            save_strategy="no",
+            gradient_checkpointing=False,
+            max_staleness=4,
+            logging_steps=1,
+            seed=0,
         )
-        trainer = AsyncGRPOTrainer(str(model), reward_funcs=[numeric_answer_reward, format_reward], args=args,
-                                   train_dataset=rows)
+        trainer = AsyncGRPOTrainer(
+            str(model), reward_funcs=[numeric_answer_reward, format_reward], args=args, train_dataset=rows
+        )
         trainer.train()
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "perf/step_s" in m]
@@ -89,8 +99,10 @@ def main() -> int:
         "reward_first5": statistics.mean(series("reward")[:5]),
         "reward_last5": statistics.mean(series("reward")[-5:]),
         "reward_by_step": series("reward"),
-        "config": {k: getattr(args, k) for k in ("num_generations", "max_completion_length", "token_budget",
-                                                  "learning_rate", "max_staleness")},
+        "config": {
+            k: getattr(args, k)
+            for k in ("num_generations", "max_completion_length", "token_budget", "learning_rate", "max_staleness")
+        },
     }
     Path(a.out).write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "reward_by_step"}, indent=2))

@@ -24,7 +24,16 @@ _EXPORTS = {
     "TurnRecord": "asyncgrpo.types",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
+    "AsyncRolloutLoop",
+    "Rollout",
+    "RolloutGroup",
+    "TrainingSequence",
+    "TurnRecord",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
-"""The ``asyncgrpo`` command: ``serve`` (embedded generation server) and ``demo``.
+"""The ``asyncgrpo`` command: ``serve``, ``train`` and ``demo``.
 
-    asyncgrpo serve MODEL [--port 8000] ...   # vLLM-protocol server on CPU or GPU
-    asyncgrpo demo                            # the README's main job
+asyncgrpo serve MODEL [--port 8000] ...   # vLLM-protocol server on CPU or GPU
+asyncgrpo train --config run.yaml         # a training run described by a YAML file
+asyncgrpo demo                            # the README's main job
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the embedded generation server (vLLM 0.33 HTTP protocol)")
     add_serve_arguments(serve)
 
+    from asyncgrpo.launch import add_train_arguments
+
+    train = sub.add_parser("train", help="run async GRPO from a YAML config (see asyncgrpo.launch)")
+    add_train_arguments(train)
+
     from asyncgrpo.demo import add_demo_arguments
 
     demo = sub.add_parser("demo", help="the short demo run on SmolLM2-135M-Instruct with the embedded server")
@@ -34,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from asyncgrpo.inference.server.main import run_serve
 
         return run_serve(args)
+    if args.command == "train":
+        from asyncgrpo.launch import run_train
+
+        return run_train(args)
     if args.command == "demo":
         from asyncgrpo.demo import run_demo
 

@@ -1,70 +1,84 @@
-"""The README's main job: the embedded server on SmolLM2-135M-Instruct.
+"""The README's main job: a short async GRPO run of SmolLM2-135M-Instruct on a reasoning-gym task.
 
-Until the trainer lands this is a generation smoke check: it fetches the offline
-demo model, starts ``asyncgrpo serve`` on it as a child process, asks a few math
-questions through the async client, and prints the answers with their sampler
-log-probs and the server's live metrics.
+    asyncgrpo demo [--max-steps 12] [--device auto]
+
+It fetches the offline demo model, starts the embedded generation server as a
+child process, spawns the rollout worker and trains with ``AsyncGRPOTrainer``,
+printing the reward of every step. ``examples/demo.yaml`` is the same run as a
+config file for ``asyncgrpo train --config``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import copy
 import logging
 import time
+from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from transformers.trainer_callback import ProgressCallback
 
 logger = logging.getLogger(__name__)
 
-QUESTIONS = ("What is 12 + 30?", "What is 7 * 8?", "Is 91 a prime number?", "What is 100 - 37?")
+DEMO_CONFIG: dict[str, Any] = {
+    "model": "demo",
+    "dataset": {
+        "recipe": "reasoning_gym", "task": "chain_sum", "size": 256, "seed": 0,
+        "min_terms": 2, "max_terms": 2, "max_digits": 1,
+    },
+    "reward_funcs": [
+        "asyncgrpo.recipes.tasks:numeric_answer_reward",
+        "asyncgrpo.recipes.tasks:format_reward",
+    ],
+    "server": {
+        "embedded": True, "device": "auto",
+        "args": ["--max-model-len", "512", "--kv-cache-tokens", "32768", "--max-num-seqs", "64"],
+    },
+    "args": {
+        "output_dir": "outputs/demo", "max_steps": 12, "num_generations": 4, "max_completion_length": 48,
+        "token_budget": 512, "learning_rate": 5e-6, "max_staleness": 2, "gradient_checkpointing": False,
+        "save_strategy": "no", "report_to": [], "logging_steps": 1, "seed": 0,
+    },
+}  # fmt: skip
+
+_SHOWN = (("reward", "reward"), ("reward_kept", "kept"), ("frac_reward_zero_std", "zero-std"),
+          ("completions/mean_length", "len"), ("perf/step_s", "step s"), ("perf/rollout_wait_s", "wait s"),
+          ("perf/weight_sync_s", "sync s"))  # fmt: skip
+
+
+class CompactProgress(ProgressCallback):
+    """The progress bar (with ETA), plus one short line per logged step instead of the whole metrics dict."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
+            return
+        parts = [f"{label} {logs[key]:.3g}" for key, label in _SHOWN if key in logs]
+        line = f"step {state.global_step:>3}/{state.max_steps}  " + "  ".join(parts)
+        if self.training_bar is not None:
+            self.training_bar.write(line)
+        else:
+            print(line, flush=True)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per answer")
+    parser.add_argument("--max-steps", type=int, default=DEMO_CONFIG["args"]["max_steps"], help="optimizer steps")
     parser.add_argument("--device", default="auto", help="device of the embedded server (auto|cpu|cuda)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server to start")
+    parser.add_argument("--output-dir", default=DEMO_CONFIG["args"]["output_dir"], help="checkpoints and metrics")
 
 
-async def _ask(base_url: str, prompts: list[list[int]], max_tokens: int):
-    from asyncgrpo.inference.client import AsyncServerClient
+def run_demo(ns: argparse.Namespace) -> int:
+    from asyncgrpo.launch import train_from_config
 
-    async with AsyncServerClient(base_url) as client:
-        params = {"max_tokens": max_tokens, "temperature": 0.7, "top_k": 50, "logprobs": 4}
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(client.generate(p, {**params, "seed": i}) for i, p in enumerate(prompts))
-        )
-        elapsed = time.perf_counter() - t0
-        return results, elapsed, await client.metrics()
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
-    from asyncgrpo.inference.server.launcher import launch_server
-    from asyncgrpo.recipes import demo_model_dir
-
+    cfg = copy.deepcopy(DEMO_CONFIG)
+    cfg["args"].update(max_steps=ns.max_steps, output_dir=ns.output_dir)
+    cfg["server"]["device"] = ns.device
     console = Console()
-    model_dir = demo_model_dir()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in QUESTIONS
-    ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
-    with launch_server(model_dir, extra_args=["--device", args.device], timeout=args.timeout) as server:
-        results, elapsed, metrics = asyncio.run(_ask(server.base_url, prompts, args.max_tokens))
-    table = Table(title=f"SmolLM2-135M-Instruct on the embedded server ({elapsed:.1f}s)")
-    for col in ("question", "answer", "tokens", "mean logprob", "finish"):
-        table.add_column(col)
-    n_tokens = 0
-    for q, r in zip(QUESTIONS, results):
-        n_tokens += len(r.token_ids)
-        mean_lp = sum(r.logprobs) / max(len(r.logprobs), 1)
-        text = tok.decode(r.token_ids, skip_special_tokens=True).strip().replace("\n", " ")
-        table.add_row(q, text, str(len(r.token_ids)), f"{mean_lp:.3f}", r.finish_reason)
-    console.print(table)
-    console.print(f"generated {n_tokens} tokens at {n_tokens / elapsed:.1f} tok/s; server metrics: {metrics}")
+    console.print(
+        f"[bold]asyncgrpo demo[/bold]: SmolLM2-135M-Instruct learns 1-digit sums (reasoning-gym chain_sum), "
+        f"{ns.max_steps} async GRPO steps on the embedded server. Metrics: {ns.output_dir}/metrics.jsonl"
+    )
+    t0 = time.time()
+    out = train_from_config(cfg, callbacks=[CompactProgress()], replace_progress=True)
+    console.print(f"done: {out.global_step} steps in {time.time() - t0:.0f}s, train loss {out.training_loss:.4f}")
     return 0

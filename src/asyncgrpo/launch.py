@@ -49,7 +49,7 @@ def import_object(spec: str) -> Any:
 def load_run_config(path: str | Path) -> dict[str, Any]:
     cfg = yaml.safe_load(Path(path).read_text())
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: the file must hold a mapping with keys {sorted(_TOP_KEYS)}")
+        raise ValueError(f"{path}: the file must hold a mapping with keys {sorted(_TOP_KEYS)}")  # noqa: TRY004
     unknown = set(cfg) - _TOP_KEYS
     if unknown:
         raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
@@ -86,11 +86,21 @@ def resolve_model(name: str) -> str:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the run's YAML file (see `asyncgrpo.launch`)")
-    parser.add_argument("--resume", nargs="?", const=True, default=None, help="resume from a checkpoint (or the newest)")
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=None, help="resume from a checkpoint (or the newest)"
+    )
 
 
-def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None) -> Any:
-    """Run one training job from a parsed config; returns the ``TrainOutput``."""
+def train_from_config(
+    cfg: dict[str, Any],
+    resume: str | bool | None = None,
+    callbacks: list[Any] | None = None,
+    replace_progress: bool = False,
+) -> Any:
+    """Run one training job from a parsed config; returns the ``TrainOutput``.
+
+    ``replace_progress`` swaps transformers' progress callback for the first of ``callbacks`` (a subclass).
+    """
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.inference.server.launcher import launch_server
 
@@ -111,6 +121,12 @@ def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None) -> 
             args_dict["vllm_server_base_url"] = server.base_url
         args = AsyncGRPOConfig(**args_dict)
         trainer = AsyncGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset)
+        if replace_progress:
+            from transformers.trainer_callback import ProgressCallback
+
+            trainer.remove_callback(ProgressCallback)
+        for cb in callbacks or []:
+            trainer.add_callback(cb)
         return trainer.train(resume_from_checkpoint=resume)
 
 

@@ -65,10 +65,19 @@ def dataset():
 
 
 def _config(tmp_path: Path, server, **overrides) -> AsyncGRPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"), max_steps=3, num_generations=4, max_completion_length=12,
-        token_budget=384, vllm_server_base_url=server.base_url, report_to=[], save_strategy="no",
-        learning_rate=1e-3, gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60,
+    base = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        num_generations=4,
+        max_completion_length=12,
+        token_budget=384,
+        vllm_server_base_url=server.base_url,
+        report_to=[],
+        save_strategy="no",
+        learning_rate=1e-3,
+        gradient_checkpointing=False,
+        vllm_server_timeout=120,
+        rollout_worker_timeout=60,
         seed=0,
     )
     base.update(overrides)
@@ -87,8 +96,16 @@ def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, datas
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows[:3]] == [1, 2, 3]
     keys = set().union(*rows[:3])
-    for name in ("reward", "frac_reward_zero_std", "perf/weight_sync_s", "batch/packing_ratio", "entropy",
-                 "sample/staleness_mean", "sampling/importance_sampling_ratio/mean", "rewards/parity_reward/mean"):
+    for name in (
+        "reward",
+        "frac_reward_zero_std",
+        "perf/weight_sync_s",
+        "batch/packing_ratio",
+        "entropy",
+        "sample/staleness_mean",
+        "sampling/importance_sampling_ratio/mean",
+        "rewards/parity_reward/mean",
+    ):
         assert name in keys, name
     undocumented = {k for k in keys if not is_documented_metric(k) and k not in TRAINER_OWN_KEYS}
     assert not undocumented, undocumented
@@ -161,7 +178,7 @@ def test_resume_restarts_at_the_first_untrained_prompt(tmp_path, server, tiny_ll
     out = trainer.train(resume_from_checkpoint=True)
     assert out.global_step == 3
     asked = [int(x) for x in log.read_text().split()]
-    assert asked[: 3] == [first, first + 1, first + 2]
+    assert asked[:3] == [first, first + 1, first + 2]
 
 
 def test_epochs_count_distinct_prompts(tmp_path, server, tiny_llama_dir):

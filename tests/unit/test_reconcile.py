@@ -10,8 +10,12 @@ def _seqs(turns, n_top=None, stats=None):
 
 
 def test_single_turn_is_prompt_plus_completion():
-    t = TurnRecord(prompt_ids=[1, 2, 3], output_ids=[4, 5], output_log_probs=[-0.1, -0.2],
-                   output_sampler_logprobs=[{4: -0.1, 9: -2.0, 8: -3.0}, {7: -0.5, 5: -0.2}])
+    t = TurnRecord(
+        prompt_ids=[1, 2, 3],
+        output_ids=[4, 5],
+        output_log_probs=[-0.1, -0.2],
+        output_sampler_logprobs=[{4: -0.1, 9: -2.0, 8: -3.0}, {7: -0.5, 5: -0.2}],
+    )
     (s,) = _seqs([t], n_top=2)
     assert s.input_ids == [1, 2, 3, 4, 5]
     assert s.loss_mask == [0, 0, 0, 1, 1]
@@ -39,8 +43,13 @@ def test_extension_and_fork():
 
 
 def test_output_mask_and_candidate_sets_travel():
-    t = TurnRecord(prompt_ids=[1], output_ids=[2, 3], output_log_probs=[-0.1, -0.2], output_mask=[1, 0],
-                   output_sampling_mask=[[2, 5], [3]])
+    t = TurnRecord(
+        prompt_ids=[1],
+        output_ids=[2, 3],
+        output_log_probs=[-0.1, -0.2],
+        output_mask=[1, 0],
+        output_sampling_mask=[[2, 5], [3]],
+    )
     (s,) = _seqs([t])
     assert s.loss_mask == [0, 1, 0]
     assert s.candidate_sets == [[], [2, 5], [3]]

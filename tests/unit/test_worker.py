@@ -19,8 +19,9 @@ class CountingLoop:
 
     async def run(self, channels) -> None:
         for i in range(self.n):
-            channels.samples.put({"i": i, "version": channels.policy_version.value,
-                                  "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")})
+            channels.samples.put(
+                {"i": i, "version": channels.policy_version.value, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            )
             channels.put_metric("rollout/test_count", 1)
             await asyncio.sleep(0.01)
         while not channels.stop.is_set():
@@ -38,7 +39,7 @@ class BlockingLoop:
 
     async def run(self, channels) -> None:
         await asyncio.sleep(0.2)
-        time.sleep(60)
+        time.sleep(60)  # noqa: ASYNC251 - blocking the event loop is the point of this test
 
 
 def test_samples_flow_and_child_is_cpu_only():

@@ -27,7 +27,7 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     from asyncgrpo.recipes.assets import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
-    base: dict[str, Any] = dict(
+    base: dict[str, Any] = dict(  # noqa: C408 - reads like the config's keyword arguments
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,

@@ -94,7 +94,9 @@ class AsyncRolloutLoop:
         prompt_ids = self.render_prompt(prompt)
         turn = await self.generate_one_turn(prompt_ids)
         text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=turn.output_ids, turns=[turn])
+        return Rollout(
+            completion=[{"role": "assistant", "content": text}], completion_ids=turn.output_ids, turns=[turn]
+        )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings."""
@@ -155,9 +157,7 @@ class AsyncRolloutLoop:
         self._last_finish: dict[int, str] = {}
         self._slot_freed = asyncio.Condition()
         self._executor = ThreadPoolExecutor(max_workers=min(self.config.max_concurrent_rollouts, 64))
-        self.client = AsyncServerClient(
-            self.sampling.base_url, max_connections=self.config.max_concurrent_rollouts
-        )
+        self.client = AsyncServerClient(self.sampling.base_url, max_connections=self.config.max_concurrent_rollouts)
         self.admission = StalenessAdmission(self.config.max_staleness, self.sampling.initial_tokens_per_step)
         self.cap = ConcurrencyCap(
             self.config.max_concurrent_rollouts,
@@ -222,7 +222,9 @@ class AsyncRolloutLoop:
                 group_id += 1
                 await self._raise_failed(tasks)
             if accepted == 0 and index == 0 and not self.channels.stop.is_set():
-                raise ValueError(f"filter_prompt rejected every prompt of epoch {epoch}; no batch can reach the trainer")
+                raise ValueError(
+                    f"filter_prompt rejected every prompt of epoch {epoch}; no batch can reach the trainer"
+                )
             epoch, index = epoch + 1, 0
         while tasks and not self.channels.stop.is_set():
             await self._raise_failed(tasks)
@@ -294,19 +296,29 @@ class AsyncRolloutLoop:
         stats = ReconcileStats()
         sequences = [
             rollout_to_sequences(
-                r, group_id=group_id, row_index=flat_index, model_version=version,
+                r,
+                group_id=group_id,
+                row_index=flat_index,
+                model_version=version,
                 num_sampler_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else None,
                 stats=stats,
             )
             for r in rollouts
         ]
         group = RolloutGroup(
-            prompts=[prompt] * G, reward_kwargs=reward_kwargs, completions=[r.completion for r in rollouts],
-            completions_ids=[r.completion_ids for r in rollouts], completions_sequences=sequences,
+            prompts=[prompt] * G,
+            reward_kwargs=reward_kwargs,
+            completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts],
+            completions_sequences=sequences,
             tool_call_counts=[r.tool_call_count for r in rollouts],
-            tool_failure_counts=[r.tool_failure_count for r in rollouts], model_version=version,
-            group_id=group_id, row_index=row_index, env_rewards=[None] * G,
-            rollout_rewards=[r.reward for r in rollouts], queued_at=time.monotonic(),
+            tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=version,
+            group_id=group_id,
+            row_index=row_index,
+            env_rewards=[None] * G,
+            rollout_rewards=[r.reward for r in rollouts],
+            queued_at=time.monotonic(),
         )
         group.rewards = total_rewards(per_func, None, group.rollout_rewards)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
@@ -330,12 +342,20 @@ class AsyncRolloutLoop:
         self._enqueued_tokens += kept_tokens
         self.channels.samples.put(
             GroupResult(
-                row_index=flat_index, epoch=epoch, group_id=group_id, model_version=version, sequences=kept,
-                dropped=dropped, queued_at=time.time(), tokens=kept_tokens,
+                row_index=flat_index,
+                epoch=epoch,
+                group_id=group_id,
+                model_version=version,
+                sequences=kept,
+                dropped=dropped,
+                queued_at=time.time(),
+                tokens=kept_tokens,
                 prompt_text=self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-                if self.config.log_completions else None,
+                if self.config.log_completions
+                else None,
                 completion_texts=[r.completion[-1]["content"] if r.completion else "" for r in rollouts]
-                if self.config.log_completions else None,
+                if self.config.log_completions
+                else None,
                 rewards=[float(x) for x in group.rewards],
             )
         )
@@ -377,7 +397,7 @@ class AsyncRolloutLoop:
             if self.sampling.has_metrics:
                 try:
                     m = await self.client.metrics()
-                except (ServerError, OSError, asyncio.TimeoutError) as e:
+                except (TimeoutError, ServerError, OSError) as e:
                     logger.warning("could not read the server's /metrics: %s", e)
                     continue
                 usage = m.get("vllm:kv_cache_usage_perc", 0.0)

@@ -125,7 +125,7 @@ class RolloutWorker:
             if "bootstrapping phase" in str(e) or "freeze_support" in str(e):
                 raise RuntimeError(
                     "the rollout worker is a spawned process that re-imports your script; put the code that "
-                    "starts training under `if __name__ == \"__main__\":`"
+                    'starts training under `if __name__ == "__main__":`'
                 ) from e
             raise
         finally:
@@ -136,7 +136,7 @@ class RolloutWorker:
         # The trainer only reads these queues. Dropping its copy of their write ends means a child killed in the
         # middle of a message gives EOF here instead of a read that blocks forever on the missing bytes.
         for q in (self.channels.samples, self.channels.metrics, self.channels.errors):
-            q._writer.close()  # noqa: SLF001 - multiprocessing.Queue keeps both pipe ends in every process
+            q._writer.close()
 
     # ---- trainer -> worker
     def set_policy_version(self, version: int) -> None:

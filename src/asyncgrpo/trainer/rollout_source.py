@@ -127,7 +127,9 @@ class RolloutSource:
             return
         self._pending[res.row_index] = len(fresh)
         for s in fresh:
-            self._buffer.append(to_pack_sample(s, _Meta(res.row_index, s.model_version, res.queued_at, len(s.input_ids))))
+            self._buffer.append(
+                to_pack_sample(s, _Meta(res.row_index, s.model_version, res.queued_at, len(s.input_ids)))
+            )
 
     def _is_stale(self, model_version: int) -> bool:
         return self.policy_version - model_version > self.max_staleness

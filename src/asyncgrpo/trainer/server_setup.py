@@ -48,7 +48,7 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
         try:
             await client.metrics()
             has_metrics = True
-        except (ServerError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, ServerError, OSError):
             has_metrics = False
         kv = await client.kv_cache_tokens()
         masks = await client.supports_sampling_mask() if want_masks else False
@@ -92,5 +92,7 @@ def check_dtype(trainer_dtype: torch.dtype, server_dtype: str | None) -> None:
         logger.warning(
             "the trainer computes in %s but the server generates in %s: the train-inference mismatch grows; "
             "serve with --dtype %s (or set AsyncGRPOConfig.dtype to match)",
-            name, server_dtype, name,
+            name,
+            server_dtype,
+            name,
         )

@@ -43,7 +43,6 @@ from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, probe_server
-from asyncgrpo.trainer.weight_sync import policy_weights
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,9 @@ class AsyncGRPOTrainer(Trainer):
             if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
                 raise ValueError("LoRA on lm_head is not supported: drop 'lm_head' from peft_config.target_modules")
             model = get_peft_model(model, peft_config)
-        reward_funcs = [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        reward_funcs = (
+            [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        )
         for f in reward_funcs:
             if isinstance(f, str):
                 raise TypeError(f"reward function {f!r} is a string; pass a callable (import it in your script)")
@@ -134,8 +135,12 @@ class AsyncGRPOTrainer(Trainer):
         self.model_id = model_id
         self.reward_funcs = reward_funcs
         super().__init__(
-            model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
-            callbacks=callbacks, optimizers=optimizers,
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
         self.window = MetricsWindow()
@@ -181,11 +186,17 @@ class AsyncGRPOTrainer(Trainer):
         n_proc = self.args.world_size
         if self.is_world_process_zero():
             sampling = SamplingSettings(
-                base_url=args.vllm_server_base_url, max_model_len=facts.max_model_len,
-                max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                base_url=args.vllm_server_base_url,
+                max_model_len=facts.max_model_len,
+                max_completion_length=args.max_completion_length,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty,
                 num_sampler_logprobs=args.num_sampler_logprobs if args.score_centering else 0,
-                kv_cache_tokens=facts.kv_cache_tokens, has_metrics=facts.has_metrics,
+                kv_cache_tokens=facts.kv_cache_tokens,
+                has_metrics=facts.has_metrics,
                 masks_supported=facts.masks_supported,
                 initial_tokens_per_step=self.token_budget * n_proc * args.gradient_accumulation_steps,
             )
@@ -193,21 +204,35 @@ class AsyncGRPOTrainer(Trainer):
             num_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None
             eos = self.processing_class.eos_token_id
             loop = self.loop_cls(
-                args, facts.model_name, self.train_dataset, self.reward_funcs, self.processing_class,
-                [eos] if eos is not None else [], sampling, dataset_start_index=start_index, num_epochs=num_epochs,
+                args,
+                facts.model_name,
+                self.train_dataset,
+                self.reward_funcs,
+                self.processing_class,
+                [eos] if eos is not None else [],
+                sampling,
+                dataset_start_index=start_index,
+                num_epochs=num_epochs,
             )
             check_picklable(loop, f"rollout loop {type(loop).__name__}")
             self.worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
             total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
             self.source = RolloutSource(
-                self.worker, TokenBudgetBatcher(self.token_budget, n_proc), args.gradient_accumulation_steps,
-                args.max_staleness, n or 0, start_index=start_index, total_prompts=total,
+                self.worker,
+                TokenBudgetBatcher(self.token_budget, n_proc),
+                args.gradient_accumulation_steps,
+                args.max_staleness,
+                n or 0,
+                start_index=start_index,
+                total_prompts=total,
                 sample_timeout=args.vllm_server_timeout,
             )
             self.sender = WeightSender(timeout_s=args.vllm_server_timeout)
             self.sender.init(
-                AsyncServerClient(args.vllm_server_base_url), facts.world_size,
-                backend=facts.weight_backend or "auto", device=self.args.device,
+                AsyncServerClient(args.vllm_server_base_url),
+                facts.world_size,
+                backend=facts.weight_backend or "auto",
+                device=self.args.device,
             )
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
@@ -320,17 +345,29 @@ class AsyncGRPOTrainer(Trainer):
         h = hidden[row.pred_index]  # [M, hidden]: the position predicting each trained token
         use_top = args.score_centering and row.sampler_topn_ids is not None
         out = selective_logprobs(
-            h, lm.get_output_embeddings().weight, row.target_ids, temperature=args.temperature,
-            extra_ids=row.sampler_topn_ids if use_top else None, candidates=row.candidates, want_entropy=True,
+            h,
+            lm.get_output_embeddings().weight,
+            row.target_ids,
+            temperature=args.temperature,
+            extra_ids=row.sampler_topn_ids if use_top else None,
+            candidates=row.candidates,
+            want_entropy=True,
         )
         return policy_loss(
-            out.logprobs, row.old_logprobs, row.advantages, torch.ones_like(row.target_ids, dtype=torch.bool),
-            normalizer, clip_min=args.vllm_importance_sampling_clip_min,
-            clip_max=args.vllm_importance_sampling_clip_max, epsilon_low=args.epsilon,
+            out.logprobs,
+            row.old_logprobs,
+            row.advantages,
+            torch.ones_like(row.target_ids, dtype=torch.bool),
+            normalizer,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+            epsilon_low=args.epsilon,
             epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-            score_centering=use_top, top_logprobs=out.extra_logprobs,
+            score_centering=use_top,
+            top_logprobs=out.extra_logprobs,
             sampler_top_logprobs=row.sampler_topn_logprobs if use_top else None,
-            sample_index=row.entry_sample, entropy=out.entropy,
+            sample_index=row.entry_sample,
+            entropy=out.entropy,
         )
 
     def _device_is_cuda(self) -> bool:

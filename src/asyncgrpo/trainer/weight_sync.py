@@ -49,7 +49,7 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             layer = merged_layers[owner]
             if adapter in layer.lora_A and not getattr(layer, "merged", False):
                 tensor = tensor + _full(layer.get_delta_weight(adapter).detach()).to(tensor.dtype)
-        clean = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+        clean = name.removeprefix(_PEFT_PREFIX)
         clean = clean.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
         yield clean, tensor
 

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=timeout)
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -81,15 +82,15 @@ def launch_server(
     log = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncgrpo-serve-{port}.log"
     cmd = [sys.executable, "-m", "asyncgrpo", "serve", str(model), "--host", host, "--port", str(port), *extra_args]
     logger.info("starting the generation server: %s (log: %s)", " ".join(cmd), log)
-    fh = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    fh.close()
+    with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = ServerProcess(proc, f"http://{host}:{port}", log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the generation server exited with code {proc.returncode} during start-up:\n"
-                               f"{server.log_tail()}")
+            raise RuntimeError(
+                f"the generation server exited with code {proc.returncode} during start-up:\n{server.log_tail()}"
+            )
         try:
             with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -98,5 +99,6 @@ def launch_server(
             pass
         time.sleep(0.25)
     server.stop()
-    raise TimeoutError(f"waited {timeout:.0f}s for the generation server at {server.base_url}/health; "
-                       f"log tail:\n{server.log_tail()}")
+    raise TimeoutError(
+        f"waited {timeout:.0f}s for the generation server at {server.base_url}/health; log tail:\n{server.log_tail()}"
+    )

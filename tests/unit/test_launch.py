@@ -1,0 +1,44 @@
+"""The YAML run launcher: parsing, imports, errors, and the demo config kept equal to examples/demo.yaml."""
+
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.demo import DEMO_CONFIG
+from asyncgrpo.launch import import_object, load_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_yaml_is_the_demo():
+    assert load_run_config(ROOT / "examples" / "demo.yaml") == DEMO_CONFIG
+
+
+def test_import_object_both_spellings():
+    from asyncgrpo.recipes.tasks import numeric_answer_reward
+
+    assert import_object("asyncgrpo.recipes.tasks:numeric_answer_reward") is numeric_answer_reward
+    assert import_object("asyncgrpo.recipes.tasks.numeric_answer_reward") is numeric_answer_reward
+    with pytest.raises(ValueError, match="cannot import"):
+        import_object("asyncgrpo.recipes.tasks:nope")
+
+
+def test_bad_config_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: demo\nargs: {}\ndataset: {recipe: reasoning_gym}\nrewards: []\n")
+    with pytest.raises(ValueError, match="unknown top-level keys.*rewards"):
+        load_run_config(bad)
+    bad.write_text("model: demo\nargs: {}\n")
+    with pytest.raises(ValueError, match="missing 'dataset'"):
+        load_run_config(bad)
+
+
+def test_numeric_answer_reward():
+    from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+
+    done = [[{"role": "assistant", "content": "3 + 4 = <answer>7</answer>"}],
+            [{"role": "assistant", "content": "it is 8"}],
+            [{"role": "assistant", "content": "no idea"}]]  # fmt: skip
+    assert numeric_answer_reward(done, answer=["7", "7", "7"]) == [1.0, 0.0, 0.0]
+    assert numeric_answer_reward(done[:1], answer=["n/a"]) == [None]
+    assert format_reward(done) == [0.1, 0.0, 0.0]
