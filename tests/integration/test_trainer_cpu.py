@@ -110,6 +110,10 @@ def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, datas
     undocumented = {k for k in keys if not is_documented_metric(k) and k not in TRAINER_OWN_KEYS}
     assert not undocumented, undocumented
     assert rows[0]["batch/packing_ratio"] > 1.5  # a group's prompt is forwarded once for its 4 completions
+    # Step 1 trains samples of the weights the server started with, in fp32 on both sides: the trainer's
+    # packed log-probs must reproduce the sampler's (an end-to-end check of packing, temperature and the loss).
+    assert rows[0]["sample/staleness_max"] == 0
+    assert rows[0]["sampling/sampling_logp_difference/max"] < 1e-3
 
     # The server now serves the trained weights: its log-probs of its own samples equal the trainer's.
     async def sample():
@@ -188,3 +192,16 @@ def test_epochs_count_distinct_prompts(tmp_path, server, tiny_llama_dir):
     trainer.train()
     assert trainer.state.epoch == pytest.approx(1.0)
     assert not math.isnan(_metrics(tmp_path)[-1].get("epoch", math.nan))
+
+
+def test_top_k_renormalises_over_the_sampling_masks(tmp_path, serve, tiny_llama_dir, dataset):
+    """G9: with top_k the server returns candidate sets and the trainer renormalises over them, so on-policy
+    log-probs agree; without the renormalisation they would differ by log(mass of the top-k set) (> 1 nat here).
+    """
+    masked = serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384", "--return-sampling-mask")
+    args = _config(tmp_path, masked, max_steps=1, top_k=20, temperature=0.9, log_completions=True,
+                   num_completions_to_print=2)  # fmt: skip
+    AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()
+    first = _metrics(tmp_path)[0]
+    assert first["sample/staleness_max"] == 0
+    assert first["sampling/sampling_logp_difference/max"] < 1e-3

@@ -137,3 +137,14 @@ def test_greedy_is_argmax_and_reports_untruncated_logprobs():
     assert out.token_ids == logits.argmax(dim=1).tolist()
     expected = torch.log_softmax(logits.double(), dim=1).max(dim=1).values
     assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_race_never_picks_a_masked_token_even_for_zero_noise():
+    """E = 0 makes -inf - log(0) = NaN, which argmax would pick: the race must keep masked tokens out."""
+    from asyncgrpo.inference.server.sampler import _race
+
+    logits = torch.tensor([[0.0, float("-inf"), 1.0], [float("-inf"), 2.0, float("-inf")]])
+    noise = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    assert _race(logits, noise).tolist() == [2, 1]
+    # zero noise on a live token makes it win, as an infinitely early exponential clock should
+    assert _race(torch.tensor([[0.0, 5.0]]), torch.tensor([[0.0, 1.0]])).tolist() == [0]

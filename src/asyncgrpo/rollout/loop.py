@@ -335,6 +335,11 @@ class AsyncRolloutLoop:
             for seqs, adv in zip(sequences, advantages):
                 for s in seqs:
                     s.advantage = float(adv)
+                    try:
+                        s.validate()  # e.g. a sampled token outside its own candidate set would train as NaN
+                    except ValueError as e:
+                        logger.warning("dropping a training sample of group %d: %s", group_id, e)
+                        continue
                     kept.append(s)
         tokens = sum(len(s.input_ids) for seqs in sequences for s in seqs)
         kept_tokens = sum(len(s.input_ids) for s in kept)

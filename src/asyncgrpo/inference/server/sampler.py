@@ -94,6 +94,14 @@ def _chunks(items: list[int], size: int = ROW_CHUNK):
         yield items[i : i + size]
 
 
+def _race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(logit - log E) per row, where E ~ Exp(1). A draw of exactly E = 0 (U rounding to 1 in fp32, about
+    once per 2**24 draws) would give -inf - (-inf) = NaN on a masked token, and argmax picks NaN: masked tokens
+    are therefore pinned to -inf and the noise kept above zero."""
+    scores = logits - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()
+    return scores.masked_fill_(logits == _NEG_INF, _NEG_INF).argmax(dim=1)
+
+
 class Sampler:
     """Turns logits [B, V] into one token per row (see the module docstring for the rules).
 
@@ -197,19 +205,19 @@ class Sampler:
             for start in range(0, len(rows), step):
                 part = x[start : start + step]
                 noise = torch.empty_like(part).exponential_(generator=self.generator)
-                choice[start : start + step] = (part - noise.log_()).argmax(dim=1)
+                choice[start : start + step] = _race(part, noise)
             return choice
         for chunk in _chunks(unseeded):
             idx = torch.tensor(chunk, device=self.device)
             part = x.index_select(0, idx)
             noise = torch.empty_like(part).exponential_(generator=self.generator)
-            choice.index_copy_(0, idx, (part - noise.log_()).argmax(dim=1))
+            choice.index_copy_(0, idx, _race(part, noise))
         for chunk in _chunks(seeded):
             idx = torch.tensor(chunk, device=self.device)
             noise = hashed_exponential(
                 [rows[i].params.seed for i in chunk], [rows[i].num_output for i in chunk], x.shape[1], self.device
             )
-            choice.index_copy_(0, idx, (x.index_select(0, idx) - noise.log_()).argmax(dim=1))
+            choice.index_copy_(0, idx, _race(x.index_select(0, idx), noise))
         return choice
 
     def _top_n(
