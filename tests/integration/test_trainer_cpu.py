@@ -205,3 +205,28 @@ def test_top_k_renormalises_over_the_sampling_masks(tmp_path, serve, tiny_llama_
     first = _metrics(tmp_path)[0]
     assert first["sample/staleness_max"] == 0
     assert first["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_peft_model_syncs_merged_weights(tmp_path, server, tiny_llama_dir, dataset):
+    """A LoRA policy: the server receives W + scale * B A under the base names and then samples like the adapter."""
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    args = _config(tmp_path, server, max_steps=2, learning_rate=5e-2)
+    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset,
+                               peft_config=peft_config)  # fmt: skip
+    trainer.train()
+
+    async def sample():
+        async with AsyncServerClient(server.base_url) as client:
+            return await client.generate([1, 2, 3, 4, 5], {"max_tokens": 6, "temperature": 1.0, "seed": 5})
+
+    res = asyncio.run(sample())
+    assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)  # B moved off 0
+    merged = trainer.model.merge_and_unload().float().eval()
+    merged.set_attn_implementation("sdpa")
+    ids = torch.tensor([[1, 2, 3, 4, 5, *res.token_ids]])
+    with torch.no_grad():
+        logp = torch.log_softmax(merged(ids).logits[0, 4:-1].double(), -1)
+    expected = logp.gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(res.logprobs, dtype=torch.float64), expected, atol=1e-4)

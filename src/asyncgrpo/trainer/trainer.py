@@ -113,6 +113,12 @@ class AsyncGRPOTrainer(Trainer):
             init_kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
             init_kwargs.update(args.model_init_kwargs or {})
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        moe = any(getattr(model.config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        if moe:
+            raise ValueError(
+                f"{type(model).__name__} is a mixture-of-experts model; this version's packed trainer does not add "
+                "the router load-balancing loss (router_aux_loss_coef, SPEC L6) yet: train a dense model"
+            )
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if peft_config is not None:
