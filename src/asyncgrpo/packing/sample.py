@@ -74,8 +74,8 @@ class PackSample:
             raise ValueError(f"candidate_ids has {len(self.candidate_ids)} entries for {n} tokens")
 
     @classmethod
-    def from_sequence(cls, seq: Any) -> PackSample:
-        """Convert a ``TrainingSequence`` (read by attribute name; the sequence itself rides along as ``meta``)."""
+    def from_sequence(cls, seq: Any, meta: Any = None) -> PackSample:
+        """Convert a ``TrainingSequence`` (read by attribute name); ``meta`` defaults to the sequence itself."""
         return cls(
             token_ids=seq.input_ids,
             loss_mask=seq.loss_mask,
@@ -85,7 +85,7 @@ class PackSample:
             sampler_topn_ids=getattr(seq, "sampler_top_ids", None),
             sampler_topn_logprobs=getattr(seq, "sampler_top_logprobs", None),
             candidate_ids=getattr(seq, "candidate_sets", None),
-            meta=seq,
+            meta=seq if meta is None else meta,
         )
 
     def __len__(self) -> int:

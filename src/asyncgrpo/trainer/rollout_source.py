@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from asyncgrpo.packing import MicroBatch, PackSample, TokenBudgetBatcher, plan_step
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.worker import RolloutWorker
-from asyncgrpo.types import TrainingSequence
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +29,6 @@ class _Meta:
     model_version: int
     queued_at: float
     num_tokens: int
-
-
-def to_pack_sample(seq: TrainingSequence, meta: _Meta) -> PackSample:
-    """A ``TrainingSequence`` as the packer's input record."""
-    cands = seq.candidate_sets
-    return PackSample(
-        token_ids=seq.input_ids,
-        loss_mask=seq.loss_mask,
-        old_logprobs=seq.sampler_logprobs,
-        advantage=seq.advantage,
-        group_id=seq.group_id,
-        sampler_topn_ids=seq.sampler_top_ids,
-        sampler_topn_logprobs=seq.sampler_top_logprobs,
-        candidate_ids=[c if c else None for c in cands] if cands is not None else None,
-        meta=meta,
-    )
 
 
 class RolloutSource:
@@ -127,9 +110,8 @@ class RolloutSource:
             return
         self._pending[res.row_index] = len(fresh)
         for s in fresh:
-            self._buffer.append(
-                to_pack_sample(s, _Meta(res.row_index, s.model_version, res.queued_at, len(s.input_ids)))
-            )
+            meta = _Meta(res.row_index, s.model_version, res.queued_at, len(s.input_ids))
+            self._buffer.append(PackSample.from_sequence(s, meta))
 
     def _is_stale(self, model_version: int) -> bool:
         return self.policy_version - model_version > self.max_staleness
