@@ -24,7 +24,6 @@ for stage in "$@"; do
     packing)
       timeout 340 python3 bench/tree_packing.py --max-seconds 300 --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/tree_packing.log" | tail -30 ;;
-    diag) timeout 120 python3 bench/diag_decode.py 2>&1 | tee "$OUT/diag.log" | grep -v Warning | tail -12 ;;
     model-a) mkdir -p /tmp/model && cp .m1/part /tmp/model/a && ls -la /tmp/model ;;
     model-b) cat /tmp/model/a .m2/part > /tmp/model/smollm2.gguf && ls -la /tmp/model ;;
     train)

@@ -37,7 +37,7 @@ class AsyncGRPOCallback(TrainerCallback):
     # ---- weight sync
     def sync_weights(self) -> None:
         tr = self.trainer
-        model = tr._causal_lm() if not hasattr(tr.model, "peft_config") else tr.model
+        model = tr.model  # policy_weights merges a PEFT adapter itself
         step = tr.state.global_step
         if not tr.is_world_process_zero():
             for _ in policy_weights(model):  # sharded parameters gather collectively, in the same order

@@ -69,12 +69,13 @@ class RolloutSource:
         self._pending: dict[int, int] = {}  # flat row index -> sequences not yet trained
         self._buffer: deque[PackSample] = deque()
         self._ended = False
+        self.wait_s = 0.0  # seconds the current step waited on the worker's queue (perf/rollout_wait_s)
         self.completions_log: deque[GroupResult] = deque(maxlen=64)
         self.metrics: list[tuple[str, float, float]] = []
 
     @property
     def prompts_consumed(self) -> int:
-        return self.first_untrained + sum(1 for i in self._consumed if i >= self.first_untrained)
+        return self.first_untrained + len(self._consumed)  # _consumed holds only indices past the first gap
 
     @property
     def finished(self) -> bool:
@@ -84,6 +85,8 @@ class RolloutSource:
         return self._ended and not self._buffer and self.batcher.pending_samples == 0
 
     def _mark_consumed(self, row_index: int) -> None:
+        if row_index < self.first_untrained:
+            return  # already counted
         self._consumed.add(row_index)
         while self.first_untrained in self._consumed:
             self._consumed.discard(self.first_untrained)
@@ -93,7 +96,7 @@ class RolloutSource:
         """Pull one group result from the worker into the buffer (G4 stale drop happens here)."""
         t0 = time.perf_counter()
         res: GroupResult = self.worker.get_sample(timeout)
-        self.metrics.append(("perf/rollout_wait_s", time.perf_counter() - t0, 1.0))
+        self.wait_s += time.perf_counter() - t0
         if res.end:
             self._ended = True
             return
@@ -144,6 +147,7 @@ class RolloutSource:
     def next_step(self, policy_version: int) -> list[MicroBatch]:
         """Micro-batches of the next step (fewer than ``gradient_accumulation_steps`` only at the end of data)."""
         self.policy_version = policy_version
+        self.wait_s = 0.0
         # The sample that closed the last step waits in the planner; re-check it (and any others) against the
         # new version so no sample is trained more than max_staleness updates behind (G4).
         for sample in reversed(self.batcher.take_open_samples()):

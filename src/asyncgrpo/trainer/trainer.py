@@ -272,8 +272,6 @@ class AsyncGRPOTrainer(Trainer):
         ckpt = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
         start = read_rollout_state(ckpt, n) if ckpt else 0
-        for f in self.reward_funcs:
-            check_picklable(f, "reward function")
         self._start_rollout(start)
         try:
             return super().train(resume_from_checkpoint=ckpt, **kwargs)
@@ -293,7 +291,6 @@ class AsyncGRPOTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
         """One step's micro-batches: ``{"rows": [PackedRow per process], "normalizer": float}`` each."""
         batches: list[dict[str, Any]] | None = None
-        t0 = time.perf_counter()
         if self.is_world_process_zero():
             assert self.source is not None
             if self.source.finished:
@@ -301,6 +298,7 @@ class AsyncGRPOTrainer(Trainer):
             else:
                 micro = self.source.next_step(self.state.global_step)
             self._step_micro = micro
+            self.window.add("perf/rollout_wait_s", self.source.wait_s)
             packed = [mb.pack() for mb in micro]
             dropped = self.source.batcher.take_dropped_count()
             for name, value in batch_metrics(packed, self.token_budget, dropped).items():
@@ -310,11 +308,10 @@ class AsyncGRPOTrainer(Trainer):
             for rows in packed:
                 tokens = sum(r.num_trained for r in rows)
                 norm = loss_normalizer(tokens, ga, self.args.world_size)
-                batches.append({"rows": rows, "normalizer": norm, "trained_tokens": tokens})
+                batches.append({"rows": rows, "normalizer": norm})
         batches = self._broadcast_object(batches)
         if not batches:
             self.control.should_training_stop = True
-        self.window.add("perf/rollout_wait_s", time.perf_counter() - t0)
         self._step_t0 = time.perf_counter()
         self._fwd_bwd_s = 0.0
         self._forwarded = 0
