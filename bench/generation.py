@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from asyncgrpo.inference.server.engine import Engine
-from asyncgrpo.inference.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine import Engine
+from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
 
 QWEN3_06B = {
     "hidden_size": 1024,
@@ -131,7 +131,7 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None)
 
 def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
     """Time the Triton decode kernel alone at the benchmark's shape for a few launch configs (GB/s of K+V read)."""
-    from asyncgrpo.inference.server.decode_kernel import paged_decode
+    from asyncgrpo.server.decode_kernel import paged_decode
 
     hkv, d = shape["num_key_value_heads"], shape["head_dim"]
     group, bs = shape["num_attention_heads"] // hkv, 16

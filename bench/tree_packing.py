@@ -36,8 +36,10 @@ import torch
 
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.planner import TokenBudgetBatcher
-from asyncgrpo.packing.synthetic import grpo_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/helpers
+from tests.helpers.synthetic import grpo_samples
 
 H200_BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s of an H100/H200 SXM (no sparsity)
 TOP_N = 8

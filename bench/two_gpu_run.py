@@ -44,9 +44,9 @@ def main() -> int:
     import torch
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.inference.server.launcher import launch_server
     from asyncgrpo.recipes import demo_model_dir
     from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+    from asyncgrpo.server.launcher import launch_server
 
     if not torch.cuda.is_available():
         print("needs CUDA (two GPUs): nothing measured", file=sys.stderr)

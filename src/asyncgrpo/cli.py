@@ -16,7 +16,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from asyncgrpo.inference.server.main import add_serve_arguments
+    from asyncgrpo.server.main import add_serve_arguments
 
     serve = sub.add_parser("serve", help="run the embedded generation server (vLLM 0.33 HTTP protocol)")
     add_serve_arguments(serve)
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _build_parser().parse_args(argv)
     if args.command == "serve":
-        from asyncgrpo.inference.server.main import run_serve
+        from asyncgrpo.server.main import run_serve
 
         return run_serve(args)
     if args.command == "train":

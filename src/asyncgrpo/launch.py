@@ -102,7 +102,7 @@ def train_from_config(
     ``replace_progress`` swaps transformers' progress callback for the first of ``callbacks`` (a subclass).
     """
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.inference.server.launcher import launch_server
+    from asyncgrpo.server.launcher import launch_server
 
     model = resolve_model(str(cfg["model"]))
     dataset = build_dataset(cfg["dataset"])

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.server.launcher import launch_server
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.server.launcher import launch_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 

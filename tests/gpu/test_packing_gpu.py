@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, tree_attention_forward, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
-from asyncgrpo.packing.synthetic import grpo_samples, random_tree_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
+from tests.helpers.synthetic import grpo_samples, random_tree_samples
 
 pytestmark = pytest.mark.gpu
 VOCAB = 1024

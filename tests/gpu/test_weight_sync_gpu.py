@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.server.launcher import launch_server
-from asyncgrpo.inference.weight_transfer import WeightSender
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.server.launcher import launch_server
+from asyncgrpo.weights.sender import WeightSender
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.inference.server.launcher import ServerProcess, launch_server
+from asyncgrpo.server.launcher import ServerProcess, launch_server
 
 SERVER_START_TIMEOUT_S = 240.0  # 2 shared CPU cores: imports + model load can be slow under load
 

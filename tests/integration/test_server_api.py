@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.errors import ServerError
+from asyncgrpo.client.errors import ServerError
+from asyncgrpo.client.http_client import AsyncServerClient
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]
 LONG = {"temperature": 1.0, "ignore_eos": True}

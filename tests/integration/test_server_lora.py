@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.errors import ServerError
+from asyncgrpo.client.errors import ServerError
+from asyncgrpo.client.http_client import AsyncServerClient
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]
 TOL = 1e-4

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.errors import ServerError, WeightTransferError
-from asyncgrpo.inference.weight_transfer import WeightSender
+from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.weights.sender import WeightSender
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]
 TOL = 1e-4

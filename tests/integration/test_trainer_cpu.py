@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
-from asyncgrpo.inference.client import AsyncServerClient
+from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.metrics import is_documented_metric
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 from asyncgrpo.rollout.worker import RolloutWorkerError

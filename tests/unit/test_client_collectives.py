@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.inference.collectives import (
+from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.weights.collectives import (
     TensorMeta,
     dtype_from_name,
     dtype_name,
@@ -17,7 +18,6 @@ from asyncgrpo.inference.collectives import (
     receive_tensors,
     send_tensors,
 )
-from asyncgrpo.inference.errors import WeightTransferError
 
 
 def _metas(sizes_bytes):
@@ -144,7 +144,7 @@ def test_abort_check_cuts_a_wait_short():
 
 def test_nccl_wire_view_keeps_the_bytes_and_fits_the_count(monkeypatch):
     """Huge chunks go out as int32/int64 views so NCCL's int element count suffices; bytes are unchanged."""
-    from asyncgrpo.inference import collectives
+    from asyncgrpo.weights import collectives
 
     monkeypatch.setattr(collectives, "_NCCL_MAX_COUNT", 10)
     buf = torch.arange(24, dtype=torch.uint8)  # 24 bytes: int32 view has 6 elements

@@ -9,9 +9,9 @@ import math
 import pytest
 from aiohttp import web
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.errors import ServerError, ServerTimeoutError
-from asyncgrpo.inference.results import parse_completion_choice, parse_generate_choice
+from asyncgrpo.client.errors import ServerError, ServerTimeoutError
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.results import parse_completion_choice, parse_generate_choice
 
 
 async def _serve(routes):

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from asyncgrpo.inference.server.engine import Engine
-from asyncgrpo.inference.server.request import Request, RequestOutput, SamplingParams
 from asyncgrpo.recipes import tiny_model, tiny_model_dir
+from asyncgrpo.server.engine import Engine
+from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
 
 TIMEOUT = 120.0
 

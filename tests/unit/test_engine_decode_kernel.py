@@ -35,7 +35,7 @@ def reference_decode(q, k_cache, v_cache, tables, lens):
 
 CHILD = """
 import sys, torch
-from asyncgrpo.inference.server.decode_kernel import paged_decode
+from asyncgrpo.server.decode_kernel import paged_decode
 d = torch.load(sys.argv[1] + "/in.pt")
 st = d["static"]
 out = paged_decode(d["q"], d["k"], d["v"], st[:, 4:], st[:, 3], d["scale"], block_n=32)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_engine_batching import Collector, greedy, hf_greedy
 
-from asyncgrpo.inference.server.engine import Engine
-from asyncgrpo.inference.server.request import Request
 from asyncgrpo.recipes import tiny_model
+from asyncgrpo.server.engine import Engine
+from asyncgrpo.server.request import Request
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = [10, 20, 30, 40, 50, 60]

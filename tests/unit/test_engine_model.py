@@ -13,12 +13,12 @@ import random
 import pytest
 import torch
 
-from asyncgrpo.inference.server.kv_cache import KVCache
-from asyncgrpo.inference.server.model import DecoderLM, check_architecture
-from asyncgrpo.inference.server.request import Request, SamplingParams
-from asyncgrpo.inference.server.runner import ModelRunner
-from asyncgrpo.inference.server.scheduler import Sequence
 from asyncgrpo.recipes import tiny_model
+from asyncgrpo.server.kv_cache import KVCache
+from asyncgrpo.server.model import DecoderLM, check_architecture
+from asyncgrpo.server.request import Request, SamplingParams
+from asyncgrpo.server.runner import ModelRunner
+from asyncgrpo.server.scheduler import Sequence
 
 BLOCK = 4
 MAX_LEN = 64

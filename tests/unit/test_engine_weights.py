@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_engine_batching import Collector, greedy, hf_greedy
 
-from asyncgrpo.inference.server.engine import Engine
-from asyncgrpo.inference.server.request import Request, SamplingParams
 from asyncgrpo.recipes import tiny_model
+from asyncgrpo.server.engine import Engine
+from asyncgrpo.server.request import Request, SamplingParams
 
 PROMPT = [3, 14, 15, 92, 65]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from asyncgrpo.inference.metrics_text import parse_prometheus_text, vllm_metrics
+from asyncgrpo.client.metrics_text import parse_prometheus_text, vllm_metrics
 
 EXPOSITION = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

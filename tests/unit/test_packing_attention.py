@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from asyncgrpo.packing.attention import _flex_block_mask, build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
-from asyncgrpo.packing.synthetic import random_tree_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
+from tests.helpers.synthetic import random_tree_samples
 
 VOCAB = 97
 COMMON = {

@@ -9,7 +9,7 @@ import pytest
 from asyncgrpo.packing.planner import TokenBudgetBatcher, batch_metrics, plan_step
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
-from asyncgrpo.packing.synthetic import grpo_samples
+from tests.helpers.synthetic import grpo_samples
 
 
 def _s(prompt, completion, group):

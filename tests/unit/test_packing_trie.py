@@ -7,8 +7,8 @@ import pytest
 
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
-from asyncgrpo.packing.synthetic import random_tree_samples
 from asyncgrpo.packing.trie import PrefixTrie
+from tests.helpers.synthetic import random_tree_samples
 
 
 def _sample(ids, mask, group=0, adv=0.0):

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.errors import ServerError
+from asyncgrpo.client.errors import ServerError
+from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.admission import METRICS_POLL_INTERVAL_S, ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
 from asyncgrpo.rollout.messages import GroupResult

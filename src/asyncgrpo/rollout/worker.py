@@ -113,6 +113,8 @@ class RolloutWorker:
         self.process: mp.process.BaseProcess | None = None
 
     def start(self) -> None:
+        # The child stamps the heartbeat once it runs; until then its age counts from the spawn, not from 1970.
+        self.channels.heartbeat.value = time.time()
         self.process = self._ctx.Process(
             target=_child_main, args=(self.loop_obj, self.channels), name="asyncgrpo-rollout-worker", daemon=True
         )

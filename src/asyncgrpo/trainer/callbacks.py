@@ -22,7 +22,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from asyncgrpo.metrics import mfu
 from asyncgrpo.trainer.checkpoint import write_rollout_state
-from asyncgrpo.trainer.weight_sync import policy_weights
+from asyncgrpo.weights.policy import policy_weights
 
 if TYPE_CHECKING:
     from asyncgrpo.trainer.trainer import AsyncGRPOTrainer

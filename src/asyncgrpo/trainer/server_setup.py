@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.errors import ServerError
+from asyncgrpo.client.errors import ServerError
+from asyncgrpo.client.http_client import AsyncServerClient
 
 logger = logging.getLogger(__name__)
 

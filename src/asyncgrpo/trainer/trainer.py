@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
 
+from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.inference.client import AsyncServerClient
-from asyncgrpo.inference.weight_transfer import WeightSender
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
 from asyncgrpo.packing import TokenBudgetBatcher, batch_metrics, build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
@@ -43,6 +42,7 @@ from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, probe_server
+from asyncgrpo.weights.sender import WeightSender
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,10 @@ from urllib.parse import urlparse
 
 import torch
 
-from asyncgrpo.inference import nccl_lib
-from asyncgrpo.inference.client import AsyncServerClient, config_section
-from asyncgrpo.inference.collectives import (
+from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.client.http_client import AsyncServerClient, config_section
+from asyncgrpo.weights import nccl_lib
+from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     TensorMeta,
@@ -40,7 +41,6 @@ from asyncgrpo.inference.collectives import (
     make_store,
     send_tensors,
 )
-from asyncgrpo.inference.errors import ServerError, WeightTransferError
 
 logger = logging.getLogger(__name__)
 

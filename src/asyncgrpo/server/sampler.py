@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncgrpo.inference.server.request import SamplingParams
+from asyncgrpo.server.request import SamplingParams
 
 ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries of sorts, hashes, top-N and masks
 NOISE_ELEMENTS = 1 << 26  # unseeded noise is drawn for up to this many (row, token) pairs per kernel (256 MB fp32)

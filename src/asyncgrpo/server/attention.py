@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from asyncgrpo.inference.server.model import ForwardBatch
+    from asyncgrpo.server.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence against its paged context. q: [B, Hq, D] -> [B, Hq, D]."""
     if q.is_cuda and ENABLED["triton"]:
-        from asyncgrpo.inference.server.decode_kernel import paged_decode
+        from asyncgrpo.server.decode_kernel import paged_decode
 
         return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
     return paged_decode_torch(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.max_context_len, scale)
@@ -150,7 +150,7 @@ def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: 
     if not ENABLED["triton"]:
         return False
     try:
-        from asyncgrpo.inference.server.decode_kernel import paged_decode
+        from asyncgrpo.server.decode_kernel import paged_decode
 
         gen = torch.Generator(device=device).manual_seed(0)
         k = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)

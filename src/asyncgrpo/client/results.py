@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncgrpo.inference.errors import ServerError
+from asyncgrpo.client.errors import ServerError
 
 _NEG_INF_WIRE = -9999.0  # vLLM sends -inf log-probs as this number
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.inference.server.request import PauseMode
-from asyncgrpo.inference.server.runner import ModelRunner
-from asyncgrpo.inference.server.sampler import Sampler, SampleResult, SamplerRow
-from asyncgrpo.inference.server.scheduler import Batch, Scheduler, Sequence
+from asyncgrpo.server.request import PauseMode
+from asyncgrpo.server.runner import ModelRunner
+from asyncgrpo.server.sampler import Sampler, SampleResult, SamplerRow
+from asyncgrpo.server.scheduler import Batch, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ IDLE_WAIT_S = 0.05  # how long the idle engine thread sleeps before re-checking 
 
 
 class EngineLoop:
-    """Owns the step loop of :class:`~asyncgrpo.inference.server.engine.Engine`."""
+    """Owns the step loop of :class:`~asyncgrpo.server.engine.Engine`."""
 
     def __init__(
         self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, eos_token_ids: list[int], max_model_len: int

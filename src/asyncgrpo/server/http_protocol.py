@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.inference.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

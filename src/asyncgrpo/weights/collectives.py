@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncgrpo.inference import nccl_lib
-from asyncgrpo.inference.errors import WeightTransferError
+from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.weights import nccl_lib
 
 logger = logging.getLogger(__name__)
 

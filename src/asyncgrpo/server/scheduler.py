@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncgrpo.inference.server.kv_cache import KVCache
-from asyncgrpo.inference.server.request import Request, RequestOutput, WeightVersionSpan
+from asyncgrpo.server.kv_cache import KVCache
+from asyncgrpo.server.request import Request, RequestOutput, WeightVersionSpan
 
 _arrival = itertools.count()
 

@@ -4,7 +4,7 @@
 ``/update_weights`` receives every tensor of a round inside
 ``engine.run_between_steps`` and loads each batch as it arrives, so the engine
 never steps on half-loaded weights and at most one packed chunk is held. The
-wire format lives in :mod:`asyncgrpo.inference.collectives`, shared with the
+wire format lives in :mod:`asyncgrpo.weights.collectives`, shared with the
 trainer's sender.
 """
 
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from asyncgrpo.inference.collectives import (
+from asyncgrpo.server.http_protocol import ApiError
+from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     TensorMeta,
@@ -31,7 +32,6 @@ from asyncgrpo.inference.collectives import (
     make_store,
     receive_tensors,
 )
-from asyncgrpo.inference.server.http_protocol import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class WeightReceiver:
     """The engine's end of the weight-transfer group (one rank: this server has one worker).
 
     Args:
-        engine: the :class:`~asyncgrpo.inference.server.engine.Engine`.
+        engine: the :class:`~asyncgrpo.server.engine.Engine`.
         backend: ``nccl`` or ``gloo`` (the server's ``--weight-transfer-config``).
         timeout_s: bound on the rendezvous and on one round's collectives.
     """

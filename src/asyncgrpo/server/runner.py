@@ -14,10 +14,11 @@ import logging
 
 import torch
 
-from asyncgrpo.inference.server import attention
-from asyncgrpo.inference.server.kv_cache import KVCache
-from asyncgrpo.inference.server.model import DecoderLM, ForwardBatch
-from asyncgrpo.inference.server.scheduler import Sequence
+from asyncgrpo.server import attention
+from asyncgrpo.server.forward_batch import ForwardBatch
+from asyncgrpo.server.kv_cache import KVCache
+from asyncgrpo.server.model import DecoderLM
+from asyncgrpo.server.scheduler import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncgrpo.inference.server import prometheus
-from asyncgrpo.inference.server.http_protocol import (
+from asyncgrpo.server import prometheus
+from asyncgrpo.server.http_protocol import (
     ApiError,
     ParsedRequest,
     ServerLimits,
@@ -29,8 +29,8 @@ from asyncgrpo.inference.server.http_protocol import (
     parse_completion,
     parse_generate,
 )
-from asyncgrpo.inference.server.request import RequestOutput
-from asyncgrpo.inference.server.weight_receiver import WeightReceiver, add_weight_routes
+from asyncgrpo.server.request import RequestOutput
+from asyncgrpo.server.weight_receiver import WeightReceiver, add_weight_routes
 
 logger = logging.getLogger(__name__)
 

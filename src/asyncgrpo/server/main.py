@@ -1,7 +1,7 @@
 """``asyncgrpo serve MODEL``: start the embedded generation server.
 
     asyncgrpo serve path/to/model --port 8000 [--device cuda:0] [--enable-lora] [--return-sampling-mask]
-    python -m asyncgrpo.inference.server.main path/to/model ...   # the same, without the CLI wrapper
+    python -m asyncgrpo.server.main path/to/model ...   # the same, without the CLI wrapper
 
 Flags follow ``vllm serve`` where both have them; vLLM-only deployment flags the
 documented launch command uses (``--api-server-count``, ``--logprobs-mode``) are
@@ -76,7 +76,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
-    from asyncgrpo.inference.server.app import ServerConfig
+    from asyncgrpo.server.app import ServerConfig
 
     wt = args.weight_transfer_config
     backend = wt.get("backend", "auto")
@@ -125,8 +125,8 @@ async def _serve(app: Any, host: str, port: int) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve until SIGINT/SIGTERM. Returns the exit code."""
-    from asyncgrpo.inference.server.app import create_app
-    from asyncgrpo.inference.server.engine import Engine
+    from asyncgrpo.server.app import create_app
+    from asyncgrpo.server.engine import Engine
 
     if ("/" in str(args.model) or str(args.model).startswith(".")) and not Path(args.model).exists():
         logger.error("model directory %s does not exist (the server loads local HF checkpoints)", args.model)

@@ -22,19 +22,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncgrpo.inference.server.core import EngineLoop
-from asyncgrpo.inference.server.kv_cache import (
+from asyncgrpo.server.core import EngineLoop
+from asyncgrpo.server.kv_cache import (
     KVCache,
     activation_headroom_bytes,
     kv_bytes_per_token,
     plan_num_blocks,
 )
-from asyncgrpo.inference.server.lora import LoRAManager
-from asyncgrpo.inference.server.model import DecoderLM, load_hf_model
-from asyncgrpo.inference.server.request import EngineStats, PauseMode, Request, RequestOutput
-from asyncgrpo.inference.server.runner import ModelRunner
-from asyncgrpo.inference.server.sampler import Sampler
-from asyncgrpo.inference.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.lora import LoRAManager
+from asyncgrpo.server.model import DecoderLM, load_hf_model
+from asyncgrpo.server.request import EngineStats, PauseMode, Request, RequestOutput
+from asyncgrpo.server.runner import ModelRunner
+from asyncgrpo.server.sampler import Sampler
+from asyncgrpo.server.scheduler import Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,9 +24,9 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from asyncgrpo.inference.errors import ServerError, ServerTimeoutError
-from asyncgrpo.inference.metrics_text import vllm_metrics
-from asyncgrpo.inference.results import (
+from asyncgrpo.client.errors import ServerError, ServerTimeoutError
+from asyncgrpo.client.metrics_text import vllm_metrics
+from asyncgrpo.client.results import (
     GenerationResult,
     error_message,
     parse_completion_choice,

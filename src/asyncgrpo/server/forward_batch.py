@@ -1,0 +1,30 @@
+"""The attention metadata of one engine forward: shared by the model, the attention paths and the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Attention metadata for one forward over a packed token batch.
+
+    Prefill: ``cu_seqlens`` [N+1] int32 bounds the N new sequences inside the T
+    tokens; every sequence starts at position 0 (no prefix reuse). Decode: one
+    token per sequence, ``block_tables`` [B, max_blocks] and ``context_lens`` [B]
+    (tokens in cache *including* the one being decoded). ``slot_mapping`` [T]
+    int64 says where each token's K/V goes in the flattened cache.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_context_len: int = 0
+    # LoRA: (adapter, token indices [n] int64) per adapter used in this batch; None = base model only.
+    lora_groups: list[tuple[object, torch.Tensor]] | None = None
