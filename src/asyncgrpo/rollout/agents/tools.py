@@ -63,7 +63,7 @@ def check_tool(func: Any) -> dict[str, Any]:
     target = underlying_function(func)
     name = getattr(target, "__name__", None)
     qualname = getattr(target, "__qualname__", "") or ""
-    if name is None or not inspect.isfunction(target):
+    if name is None or isinstance(func, functools.partial) or not inspect.isfunction(target):
         raise TypeError(
             f"tool {func!r} has no function name to register it under: tools are registered by `__name__`, so pass "
             "a function defined with `def` at the top level of a module (not a callable object or a partial)"
