@@ -218,7 +218,7 @@ def test_tool_loop_runs_calls_in_order_reports_errors_and_trains_only_generated_
         _call("multiply", a=3) + "<tool_call>{oops}</tool_call>",
         "The answer is 12.",
     ]
-    (rollout, stats), policy = _loop(tok, texts, [m.multiply, m.async_add])
+    (rollout, stats), _ = _loop(tok, texts, [m.multiply, m.async_add])
     roles = [(msg["role"], msg["content"]) for msg in rollout.completion]
     assert roles[1:4] == [("tool", "12"), ("tool", "3"), ("tool", roles[3][1])]
     assert "no tool named 'divide'" in roles[3][1] and "multiply, async_add" in roles[3][1]
@@ -240,7 +240,7 @@ def test_tool_loop_runs_calls_in_order_reports_errors_and_trains_only_generated_
 def test_tool_loop_stops_at_max_iterations_without_running_the_last_calls():
     tok = smollm2_tokenizer()
     prepare_tool_template(tok)
-    (rollout, stats), policy = _loop(tok, [_call("multiply", a=1, b=1)] * 3, [m.multiply], max_iterations=2)
+    (rollout, stats), _ = _loop(tok, [_call("multiply", a=1, b=1)] * 3, [m.multiply], max_iterations=2)
     assert len(rollout.turns) == 3 and rollout.tool_call_count == 2 and stats.exhausted
     assert rollout.completion[-1]["role"] == "assistant"  # the third turn's call was not run
 
