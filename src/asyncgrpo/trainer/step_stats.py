@@ -1,7 +1,7 @@
 """``StepStats``: one optimizer step's timings and counts, the seam between the trainer and its callback.
 
-The trainer owns one record: it starts it when it fetches a step's batches, adds each
-micro-batch's forward+backward and adds the weight-sync time; the callback reads it after
+The trainer owns one record: it starts it when it fetches a step's batches and adds each
+micro-batch's forward+backward; the callback reads it after
 the optimizer step to fill the step's ``perf/*`` metrics (M3). Nothing else crosses.
 """
 
@@ -28,7 +28,6 @@ class StepStats:
     started_at: float = field(default_factory=time.perf_counter)
     fwd_bwd_s: float = 0.0
     forwarded_tokens: int = 0  # this process's forwarded tokens (shared prefixes once)
-    weight_sync_s: float = 0.0
     micro_batches: list[Any] = field(default_factory=list)  # rank 0: the step's micro-batches, for step_done
 
     def begin(self) -> None:
@@ -36,7 +35,6 @@ class StepStats:
         self.started_at = time.perf_counter()
         self.fwd_bwd_s = 0.0
         self.forwarded_tokens = 0
-        self.weight_sync_s = 0.0
         self.micro_batches = []
 
     def add_forward_backward(self, seconds: float, tokens: int) -> None:

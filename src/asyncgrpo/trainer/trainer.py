@@ -248,10 +248,8 @@ class AsyncGRPOTrainer(Trainer):
     def sync_weights(self) -> None:
         """Push the current policy to the server and hand its version to the rollout worker.
 
-        Every process must call it (sharded parameters are gathered collectively); rank 0 sends. The time it
-        takes counts into the current step's ``StepStats``.
+        Every process must call it (sharded parameters are gathered collectively); rank 0 sends.
         """
-        t0 = time.perf_counter()
         if not self.is_world_process_zero():
             for _ in policy_weights(self.model):  # the same gathers, in the same order, as rank 0's
                 pass
@@ -266,7 +264,6 @@ class AsyncGRPOTrainer(Trainer):
             w.add("perf/weight_sync_pause_s", timings["pause_s"])
             w.add("perf/weight_sync_barrier_s", timings["barrier_s"])
             w.add("perf/weight_sync_transfer_s", timings["transfer_s"])
-        self.step_stats.weight_sync_s += time.perf_counter() - t0
 
     def _broadcast_object(self, obj: Any) -> Any:
         if self.args.world_size <= 1:
