@@ -33,35 +33,16 @@ from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.admission import METRICS_POLL_INTERVAL_S, ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
+from asyncgrpo.rollout.completion_metrics import completion_metric_events
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
-from asyncgrpo.rollout.settings import RolloutSettings
+from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 logger = logging.getLogger(__name__)
 
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
-
-
-class ConfigView:
-    """Read-only attribute access to the fields an ``AsyncGRPOConfig`` subclass adds (``settings.extra``)."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        object.__setattr__(self, "_values", values)
-
-    def __getattr__(self, name: str) -> Any:
-        values = object.__getattribute__(self, "_values")
-        if name in values:
-            return values[name]
-        raise AttributeError(
-            f"the rollout loop's config has no field {name!r}: it holds only the fields your AsyncGRPOConfig "
-            f"subclass adds ({sorted(values)}); read the run's own settings from self.settings "
-            "(e.g. self.settings.num_generations, self.settings.sampling.temperature)"
-        )
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("the rollout loop's config is read-only")
 
 
 class AsyncRolloutLoop:
@@ -352,7 +333,8 @@ class AsyncRolloutLoop:
         per_source = {reward_function_name(f): per_func[:, j] for j, f in enumerate(self.reward_funcs)}
         for name, value, weight in group_reward_metrics(group.rewards, per_source, dropped):
             self.channels.metrics.put((name, float(value), float(weight)))
-        self._put_completion_metrics(rollouts, [f for _, f in results])
+        for event in completion_metric_events(rollouts, [f for _, f in results]):
+            self.channels.metrics.put(event)
         for event in stats.metric_events(sum(len(seqs) for seqs in sequences), G):
             self.channels.metrics.put(event)
         self.channels.put_metric("rollout/score_s", time.perf_counter() - t_score)
@@ -390,29 +372,6 @@ class AsyncRolloutLoop:
                 rewards=[float(x) for x in group.rewards],
             )
         )
-
-    def _put_completion_metrics(self, rollouts: list[Rollout], finishes: list[str]) -> None:
-        lengths = [len(r.completion_ids) for r in rollouts]
-        put = self.channels.put_metric
-        put("completions/mean_length", float(np.mean(lengths)))
-        put("completions/max_length", float(max(lengths)))
-        put("completions/min_length", float(min(lengths)))
-        terminated = [n for n, f in zip(lengths, finishes) if f == "stop"]
-        if terminated:
-            put("completions/mean_terminated_length", float(np.mean(terminated)))
-            put("completions/max_terminated_length", float(max(terminated)))
-            put("completions/min_terminated_length", float(min(terminated)))
-        put("completions/clipped_ratio", sum(f != "stop" for f in finishes) / len(finishes))
-        seen: set[tuple[int, ...]] = set()
-        dups = 0
-        for r in rollouts:
-            key = tuple(r.completion_ids)
-            dups += key in seen
-            seen.add(key)
-        put("completions/duplicate_frac", dups / len(rollouts))
-        put("rollout/turns_mean", float(np.mean([len(r.turns) for r in rollouts])))
-        put("rollout/turns_max", float(max(len(r.turns) for r in rollouts)))
-        put("tools/call_frequency", float(np.mean([r.tool_call_count for r in rollouts])))
 
     async def _poll_server_metrics(self) -> None:
         """G5: read the server's /metrics every few seconds and move the concurrency cap."""

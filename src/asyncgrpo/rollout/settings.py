@@ -76,3 +76,23 @@ class RolloutSettings:
     def num_sampler_logprobs(self) -> int | None:
         """Sampler top-N log-probs kept per trained token; None when score centering is off."""
         return self.sampling.num_sampler_logprobs
+
+
+class ConfigView:
+    """Read-only attribute access to the fields an ``AsyncGRPOConfig`` subclass adds (``settings.extra``)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        raise AttributeError(
+            f"the rollout loop's config has no field {name!r}: it holds only the fields your AsyncGRPOConfig "
+            f"subclass adds ({sorted(values)}); read the run's own settings from self.settings "
+            "(e.g. self.settings.num_generations, self.settings.sampling.temperature)"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("the rollout loop's config is read-only")
