@@ -10,6 +10,13 @@ Subclass and override the hooks (``filter_prompt``, ``generate_one``,
 ``generate_one_turn``, ``compute_advantages``, ``setup``, ``close``), then set the
 subclass as the trainer subclass's ``loop_cls``. The subclass must be defined at
 module level (the worker re-imports it after the spawn).
+
+The loop reads the run only through ``self.settings``, a frozen ``RolloutSettings``
+the trainer built once (``rollout/settings.py``). Knobs of your own reach the hooks two
+ways: fields your ``AsyncGRPOConfig`` subclass adds are copied into
+``settings.extra`` and read as ``self.config.<field>``; anything else, override
+``AsyncGRPOTrainer.rollout_settings`` and return
+``dataclasses.replace(settings, extra={**settings.extra, ...})``.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics,
 from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode
 from asyncgrpo.rollout.agents.stats import ToolLoopStats, tool_metric_events
 from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop
+from asyncgrpo.rollout.completion_metrics import completion_metric_events
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
-from asyncgrpo.rollout.sampling import SamplingSettings
+from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -44,45 +52,41 @@ class AsyncRolloutLoop:
     """Generates and scores the rollouts of an ``AsyncGRPOTrainer`` run (default: single-turn GRPO).
 
     Args:
-        config: the run's ``AsyncGRPOConfig`` (hooks may read subclass fields from it).
-        model_name: the name the server serves the policy under (a LoRA adapter name selects an adapter).
+        settings: the run as plain values, built once by the trainer (``AsyncGRPOTrainer.rollout_settings``).
         dataset: rows with a conversational ``prompt`` column; other columns go to the reward functions.
         reward_funcs: sync or async callables (module-level: they are pickled into this process).
         processing_class: the tokenizer (its chat template renders prompts).
-        eos_token_ids: ids that end a completion.
-        sampling: resolved server-side settings (token budget, rows per step, masks support).
-        tools: the trainer's tools (module-level functions).
-        environment_factory: name -> environment factory (``{"": factory}`` for a single one), or None.
-        dataset_start_index: the first untrained prompt (resume, T5).
-        num_epochs: passes over the dataset to generate (None: until stopped).
+        tools: the trainer's tools (module-level functions), handed to ``generate_one``.
+        environment_factory: name -> environment factory (``{"": factory}`` for a single one), or None; each
+            rollout gets an instance's public methods as extra tools (A4).
     """
 
     def __init__(
         self,
-        config: Any,
-        model_name: str,
+        settings: RolloutSettings,
         dataset: Any,
         reward_funcs: list[Any],
         processing_class: Any,
-        eos_token_ids: list[int],
-        sampling: SamplingSettings,
         *,
         tools: list[Any] | None = None,
         environment_factory: dict[str, Any] | None = None,
-        dataset_start_index: int = 0,
-        num_epochs: int | None = None,
     ) -> None:
-        self.config = config
-        self.model_name = model_name
+        if not isinstance(settings, RolloutSettings):
+            raise TypeError(
+                f"settings must be a RolloutSettings, got {type(settings).__name__}; the trainer builds it with "
+                "AsyncGRPOTrainer.rollout_settings"
+            )
+        self.settings = settings
         self.dataset = dataset
         self.reward_funcs = list(reward_funcs)
         self.tokenizer = processing_class
-        self.eos_token_ids = list(eos_token_ids)
-        self.sampling = sampling
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
-        self.dataset_start_index = dataset_start_index
-        self.num_epochs = num_epochs
+
+    @property
+    def config(self) -> ConfigView:
+        """The fields an ``AsyncGRPOConfig`` subclass adds (``settings.extra``), as attributes."""
+        return ConfigView(self.settings.extra)
 
     # ------------------------------------------------------------------ hooks
 
@@ -106,7 +110,9 @@ class AsyncRolloutLoop:
                 generate_turn=self.generate_one_turn,
                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                 executor=self._executor,
-                settings=ToolLoopSettings(self.config.max_tool_calling_iterations, self.sampling.max_model_len),
+                settings=ToolLoopSettings(
+                    self.settings.max_tool_calling_iterations, self.settings.sampling.max_model_len
+                ),
             )
             self._tool_stats[rollout.rollout_id] = stats
             return rollout
@@ -118,19 +124,20 @@ class AsyncRolloutLoop:
         )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the config's sampling settings."""
-        params = self.sampling.request_params(len(prompt_ids), seed=self._next_seed())
+        """One sampling request with the run's sampling settings."""
+        sampling = self.settings.sampling
+        params = sampling.request_params(len(prompt_ids), seed=self._next_seed())
         t0 = time.perf_counter()
         try:
-            if self.sampling.use_generate_endpoint:
-                res = await self.client.generate(prompt_ids, params, model=self.model_name)
+            if sampling.use_generate_endpoint:
+                res = await self.client.generate(prompt_ids, params, model=self.settings.model_name)
             else:
-                res = await self.client.complete(prompt_ids, params, model=self.model_name)
+                res = await self.client.complete(prompt_ids, params, model=self.settings.model_name)
         except ServerError as e:
             if e.status == 400:
                 raise ValueError(
                     f"the generation server rejected a prompt of {len(prompt_ids)} tokens: {e}. Shorten the prompts "
-                    f"or start the server with a larger --max-model-len (now {self.sampling.max_model_len})"
+                    f"or start the server with a larger --max-model-len (now {sampling.max_model_len})"
                 ) from e
             raise
         self._generated_tokens += len(res.token_ids)
@@ -140,8 +147,8 @@ class AsyncRolloutLoop:
             prompt_ids=list(prompt_ids),
             output_ids=res.token_ids,
             output_log_probs=res.logprobs,
-            output_sampling_mask=res.sampling_mask if self.sampling.wants_masks else None,
-            output_sampler_logprobs=res.top_logprobs if self.config.score_centering else None,
+            output_sampling_mask=res.sampling_mask if sampling.wants_masks else None,
+            output_sampler_logprobs=res.top_logprobs if sampling.num_sampler_logprobs is not None else None,
         )
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
@@ -157,7 +164,7 @@ class AsyncRolloutLoop:
         self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]] | None
     ) -> list[int]:
         """Token ids of the whole conversation with the generation prompt (the tools' schemas shown if any)."""
-        kwargs = dict(self.config.chat_template_kwargs or {})
+        kwargs = dict(self.settings.chat_template_kwargs)
         if tool_schemas:
             kwargs["tools"] = tool_schemas
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
@@ -168,33 +175,35 @@ class AsyncRolloutLoop:
     def _next_seed(self) -> int:
         # Unique per request (G7): data-parallel engines never decode identical text for one prompt.
         self._seed_counter += 1
-        return (self.config.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
+        return (self.settings.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
 
     # ------------------------------------------------------------------ the engine of the loop
 
     async def run(self, channels: Any) -> None:
         """Entry point called by the worker process; returns when ``channels.stop`` is set or data runs out."""
         self.channels = channels
+        st = self.settings
         self._seed_counter = 0
         self._generated_tokens = 0
         self._gen_time = 0.0
-        self._enqueued_tokens = 0
         self._failure: BaseException | None = None  # the first exception of a group task
         self._running = 0
         self._last_finish: dict[int, str] = {}
         self._slot_freed = asyncio.Condition()
         # Sync tools, reset/get_reward and sync reward functions share this pool: one thread per concurrent
-        # rollout (the document's promise), created lazily so a large cap costs nothing until used.
-        self._executor = ThreadPoolExecutor(max_workers=self.config.max_concurrent_rollouts)
+        # rollout (the document's promise); threads start lazily, so a large cap costs nothing until used.
+        self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
         self._tool_stats: dict[str, ToolLoopStats] = {}
         self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)
-        self.client = AsyncServerClient(self.sampling.base_url, max_connections=self.config.max_concurrent_rollouts)
-        self.admission = StalenessAdmission(self.config.max_staleness, self.sampling.initial_tokens_per_step)
+        self.client = AsyncServerClient(
+            st.sampling.base_url, timeout=st.request_timeout_s, max_connections=st.max_concurrent_rollouts
+        )
+        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
         self.cap = ConcurrencyCap(
-            self.config.max_concurrent_rollouts,
-            self.sampling.kv_cache_tokens,
-            self.sampling.max_model_len,
-            has_metrics=self.sampling.has_metrics,
+            st.max_concurrent_rollouts,
+            st.sampling.kv_cache_tokens,
+            st.sampling.max_model_len,
+            has_metrics=st.sampling.has_metrics,
         )
         await self.setup()
         poller = asyncio.create_task(self._poll_server_metrics())
@@ -209,9 +218,7 @@ class AsyncRolloutLoop:
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _sync_admission(self) -> None:
-        consumed = self.channels.tokens_consumed.value
-        self.admission.queued_tokens = max(0, self._enqueued_tokens - consumed)
-        self.admission.on_step(self.channels.tokens_per_step.value)
+        self.admission.on_trainer_report(self.channels.tokens_consumed.value, self.channels.tokens_per_step.value)
 
     async def _wait_for_admission(self, tasks: set[asyncio.Task]) -> None:
         t0 = time.perf_counter()
@@ -230,9 +237,9 @@ class AsyncRolloutLoop:
             raise ValueError("the training dataset is empty")
         group_id = 0
         tasks: set[asyncio.Task] = set()
-        epoch = self.dataset_start_index // n
-        index = self.dataset_start_index % n
-        while not self.channels.stop.is_set() and (self.num_epochs is None or epoch < self.num_epochs):
+        start, num_epochs = self.settings.dataset_start_index, self.settings.num_epochs
+        epoch, index = start // n, start % n
+        while not self.channels.stop.is_set() and (num_epochs is None or epoch < num_epochs):
             accepted = 0
             for row_index in range(index, n):
                 if self.channels.stop.is_set():
@@ -321,7 +328,7 @@ class AsyncRolloutLoop:
                 '{"role": ..., "content": ...} messages'
             )
         version = self.channels.policy_version.value
-        G = self.config.num_generations
+        G = self.settings.num_generations
         results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id) for _ in range(G)))
         rollouts = [r for r, _, _ in results]
         prompts = [e.prompt for _, _, e in results]
@@ -343,7 +350,7 @@ class AsyncRolloutLoop:
                 group_id=group_id,
                 row_index=flat_index,
                 model_version=version,
-                num_sampler_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else None,
+                num_sampler_logprobs=self.settings.num_sampler_logprobs,
                 stats=stats,
             )
             for r in rollouts
@@ -363,8 +370,7 @@ class AsyncRolloutLoop:
             rollout_rewards=[r.reward for r in rollouts],
             queued_at=time.monotonic(),
         )
-        env_values = [None if e is None else e[1] for e in env_rewards]
-        group.rewards = total_rewards(per_func, env_values, group.rollout_rewards)
+        group.rewards = total_rewards(per_func, [e and e[1] for e in env_rewards], group.rollout_rewards)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (G,):
             raise ValueError(f"compute_advantages returned shape {advantages.shape}; expected ({G},)")
@@ -373,10 +379,15 @@ class AsyncRolloutLoop:
         for cls in {e[0] for e in env_rewards if e is not None}:  # rewards/<EnvClass>/mean
             per_source[cls.__name__] = np.array([e[1] if e and e[0] is cls else np.nan for e in env_rewards])
         num_samples = sum(len(seqs) for seqs in sequences)
-        for name, value, weight in group_reward_metrics(group.rewards, per_source, dropped, num_samples):
+        events = group_reward_metrics(group.rewards, per_source, dropped, num_samples)
+        events += completion_metric_events(rollouts, [f for _, f, _ in results])
+        events += stats.metric_events(num_samples, G)
+        if self.agents.has_tools:  # tools/* only when the run has tools (M1)
+            loop_stats = [self._tool_stats.pop(r.rollout_id, None) for r in rollouts]
+            fails = [r.tool_failure_count for r in rollouts]
+            events += tool_metric_events([r.tool_call_count for r in rollouts], fails, loop_stats)
+        for name, value, weight in events:
             self.channels.metrics.put((name, float(value), float(weight)))
-        self._put_completion_metrics(rollouts, [f for _, f, _ in results])
-        self._put_multi_turn_metrics(rollouts, stats, num_samples)
         self.channels.put_metric("rollout/score_s", time.perf_counter() - t_score)
         kept: list[Any] = []
         if not dropped:
@@ -392,7 +403,7 @@ class AsyncRolloutLoop:
         tokens = sum(len(s.input_ids) for seqs in sequences for s in seqs)
         kept_tokens = sum(len(s.input_ids) for s in kept)
         self.admission.on_group_finished(tokens, kept_tokens)
-        self._enqueued_tokens += kept_tokens
+        log_texts = self.settings.log_completions
         self.channels.samples.put(
             GroupResult(
                 row_index=flat_index,
@@ -404,64 +415,27 @@ class AsyncRolloutLoop:
                 queued_at=time.time(),
                 tokens=kept_tokens,
                 prompt_text=self.tokenizer.apply_chat_template(prompts[0], tokenize=False, add_generation_prompt=True)
-                if self.config.log_completions
+                if log_texts
                 else None,
                 completion_texts=[r.completion[-1]["content"] if r.completion else "" for r in rollouts]
-                if self.config.log_completions
+                if log_texts
                 else None,
                 rewards=[float(x) for x in group.rewards],
             )
         )
 
-    def _put_completion_metrics(self, rollouts: list[Rollout], finishes: list[str]) -> None:
-        lengths = [len(r.completion_ids) for r in rollouts]
-        put = self.channels.put_metric
-        put("completions/mean_length", float(np.mean(lengths)))
-        put("completions/max_length", float(max(lengths)))
-        put("completions/min_length", float(min(lengths)))
-        terminated = [n for n, f in zip(lengths, finishes) if f == "stop"]
-        if terminated:
-            put("completions/mean_terminated_length", float(np.mean(terminated)))
-            put("completions/max_terminated_length", float(max(terminated)))
-            put("completions/min_terminated_length", float(min(terminated)))
-        put("completions/clipped_ratio", sum(f != "stop" for f in finishes) / len(finishes))
-        seen: set[tuple[int, ...]] = set()
-        dups = 0
-        for r in rollouts:
-            key = tuple(r.completion_ids)
-            dups += key in seen
-            seen.add(key)
-        put("completions/duplicate_frac", dups / len(rollouts))
-
-    def _put_multi_turn_metrics(self, rollouts: list[Rollout], stats: ReconcileStats, num_samples: int) -> None:
-        """rollout/turns_*, samples_per_rollout, fork_frac, drift_tokens_* (A5) and, with tools, tools/* (M1)."""
-        g = len(rollouts)
-        put = self.channels.put_metric
-        put("rollout/turns_mean", float(np.mean([len(r.turns) for r in rollouts])), g)
-        put("rollout/turns_max", float(max(len(r.turns) for r in rollouts)))
-        put("rollout/samples_per_rollout", num_samples / g, g)
-        if stats.transitions:
-            put("rollout/fork_frac", stats.forks / stats.transitions, stats.transitions)
-            put("rollout/drift_tokens_mean", float(np.mean(stats.drift_tokens)), stats.transitions)
-            put("rollout/drift_tokens_max", float(max(stats.drift_tokens)))
-        if self.agents.has_tools:
-            loop_stats = [self._tool_stats.pop(r.rollout_id, None) for r in rollouts]
-            counts = [r.tool_call_count for r in rollouts]
-            for name, value, weight in tool_metric_events(counts, [r.tool_failure_count for r in rollouts], loop_stats):
-                self.channels.metrics.put((name, float(value), float(weight)))
-
     async def _poll_server_metrics(self) -> None:
         """G5: read the server's /metrics every few seconds and move the concurrency cap."""
         last_tokens, last_t = 0, time.perf_counter()
         while True:
-            await asyncio.sleep(METRICS_POLL_INTERVAL_S if self.sampling.has_metrics else 1.0)
+            await asyncio.sleep(METRICS_POLL_INTERVAL_S if self.settings.sampling.has_metrics else 1.0)
             now = time.perf_counter()
             put = self.channels.put_metric
             put("rollout/generated_tokens_per_s", (self._generated_tokens - last_tokens) / max(now - last_t, 1e-9))
             last_tokens, last_t = self._generated_tokens, now
             put("rollout/vllm_retry_count", float(self.client.retry_count))
             self.client.retry_count = 0
-            if self.sampling.has_metrics:
+            if self.settings.sampling.has_metrics:
                 try:
                     m = await self.client.metrics()
                 except (TimeoutError, ServerError, OSError) as e:
