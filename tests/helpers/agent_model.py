@@ -26,7 +26,8 @@ from tests.helpers.agent_examples import doc_env_dict, doc_env_self, doc_tools
 
 logger = logging.getLogger(__name__)
 
-WARMUP_STEPS = 150
+WARMUP_STEPS = 120
+SAMPLING_TEMPERATURE = 0.5  # sharpens the warmed-up model; a two-way choice stays two-way
 REASONING_DROPPING_TEMPLATE = (  # ChatML that drops <think> blocks from all but the last assistant message
     "{%- for m in messages -%}{%- if m.role == 'assistant' and not loop.last and '</think>' in m.content -%}"
     "{{ '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip() + '<|im_end|>\\n' }}"
@@ -72,13 +73,11 @@ def transcripts() -> list[Transcript]:
     unknown = "Error: there is no tool named 'divide'; the available tools are: multiply, async_add"
     missing = "Error: TypeError: multiply() missing 1 required positional argument: 'b'"
     out: list[Transcript] = []
-    for final in ("Done.", "Finished."):
+    for final in ("Done.", "Finished."):  # two endings: sampling gives the groups reward variance
         out += [
             Transcript(_conv("Divide 8 by 2.", (call("divide", a=8, b=2), unknown), (final, None)), tools),
             Transcript(_conv("Multiply 6 by nothing.", (call("multiply", a=6), missing), (final, None)), tools),
-            Transcript(_conv("Multiply 3 by 4.", (call("multiply", a=3, b=4), "12"), (final, None)), tools),
             Transcript(_conv("Add 2 and 5.", (call("async_add", a=2, b=5), "7"), (final, None)), tools),
-            Transcript(_conv(SLOW_PROMPT, (call("slow_multiply", a=3, b=4), "12"), (final, None)), [slow_multiply]),
             Transcript(_conv("Reach the goal tile.", (call("move", action="up" if final == "Done." else "left"),
                                                       "goal" if final == "Done." else "wall"), (final, None)),
                        [doc_env_dict.GameEnv.move]),
@@ -88,14 +87,19 @@ def transcripts() -> list[Transcript]:
         Transcript(_conv("Keep multiplying 2 by 2.", (keep, "4"), (keep, "4"), (keep, "4"), (keep, None)), tools)
     )
     inc = [doc_env_self.IncrementEnv.increment]
-    for t in range(1, 7):
-        for step in (t, t + 1):
-            for user in (f"Increment the counter by {t}.", f"Increment the counter to {t}."):
-                out.append(Transcript(_conv(user, (call("increment", step=step), str(step)), ("Done.", None)), inc))
-    for n in (1, 4, 8, 12, 16, 20):
+    for t, user in [(1, "by"), (3, "by"), (5, "by"), (2, "to"), (4, "to"), (6, "to")]:
+        for step in (t, t + 1):  # two calls: the environment's reward varies within a group
+            conv = _conv(
+                f"Increment the counter {user} {t}.", (call("increment", step=step), str(step)), ("Done.", None)
+            )
+            out.append(Transcript(conv, inc))
+    for n in (5, 15):
         prompt = f"Compute the {n}th Fibonacci number."
         out.append(Transcript(_conv(prompt, (call("run_code", code="print(fib())"), "42"), ("Done.", None)),
                               [doc_env_dict.CodingEnv.run_code]))  # fmt: skip
+    out.append(
+        Transcript(_conv(SLOW_PROMPT, (call("slow_multiply", a=3, b=4), "12"), ("Done.", None)), [slow_multiply])
+    )
     fork = _conv(FORK_PROMPT, ("<think>I multiply.</think>" + call("multiply", a=5, b=5), "25"),
                  ("<think>I answer.</think>Done.", None))  # fmt: skip
     out.append(Transcript(fork, [doc_tools.multiply], chat_template=REASONING_DROPPING_TEMPLATE))
@@ -119,7 +123,9 @@ def tool_model_dir() -> Path:
 
         torch.manual_seed(0)
         model = tiny_model("llama", seed=0)
-        losses = supervised_tool_warmup(model, tok, data, steps=WARMUP_STEPS, lr=1e-2, batch_size=8, negatives=256)
+        losses = supervised_tool_warmup(
+            model, tok, data, steps=WARMUP_STEPS, lr=1e-2, batch_size=len(data) * 4, negatives=4096
+        )
         logger.info("tool warm-up: loss %.3f -> %.3f", losses[0], losses[-1])
         staging = Path(tempfile.mkdtemp(dir=out.parent))
         model.save_pretrained(staging)

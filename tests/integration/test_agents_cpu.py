@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "tests" / "helpers" / "agent_examples"
 TRAINER_OWN_KEYS = {"loss", "grad_norm", "learning_rate", "epoch", "step", "time"}
 SCRIPT_TIMEOUT_S = 300
+TEMPERATURE = agent_model.SAMPLING_TEMPERATURE
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,7 @@ def test_doc_env_dict_example_routes_and_shows_only_that_environments_tools(tmp_
 # ---------------------------------------------------------------------------------------------- in-process loops
 def _server_turn(client: AsyncServerClient, max_tokens: int = 40):
     async def turn(prompt_ids: list[int]) -> TurnRecord:
-        params = {"max_tokens": max_tokens, "temperature": 1.0, "logprobs": 0, "seed": len(prompt_ids)}
+        params = {"max_tokens": max_tokens, "temperature": TEMPERATURE, "logprobs": 0, "seed": len(prompt_ids)}
         res = await client.complete(prompt_ids, params)
         return TurnRecord(prompt_ids=list(prompt_ids), output_ids=res.token_ids, output_log_probs=res.logprobs)
 
@@ -215,9 +216,11 @@ def test_forked_rollout_trains_each_token_once_and_packed_logprobs_match_unpacke
         use_tree_attention(model)
         hidden = packed_hidden_states(model, row, build_plan(row))
         packed = selective_logprobs(hidden[row.pred_index], model.get_output_embeddings().weight, row.target_ids)
+        head = model.get_output_embeddings().weight
+        at_sampling_t = selective_logprobs(hidden[row.pred_index], head, row.target_ids, temperature=TEMPERATURE)
     assert torch.allclose(packed.logprobs, torch.cat(reference), atol=1e-4)
     sampler = torch.tensor([lp for s in samples for lp, k in zip(s.old_logprobs, s.loss_mask) if k])
-    assert torch.allclose(packed.logprobs, sampler.to(packed.logprobs.dtype), atol=1e-3)  # the server agrees
+    assert torch.allclose(at_sampling_t.logprobs, sampler.to(torch.float32), atol=1e-3)  # the server agrees
 
 
 def test_slow_sync_tool_does_not_stall_other_rollouts(server, tool_model):

@@ -76,6 +76,7 @@ def supervised_tool_warmup(
     """Train ``model`` in place to continue each transcript's assistant turns; returns the loss per step.
 
     Args:
+        batch_size: transcripts' samples per step, packed into one row (shared prompts forwarded once).
         negatives: compute the softmax over the batch's target tokens plus this many random vocabulary tokens
             instead of the whole vocabulary (a large speed-up for tiny models on CPU); None: the whole vocabulary.
     """
@@ -84,29 +85,24 @@ def supervised_tool_warmup(
     seqs = [s for t in transcripts for s in transcript_sequences(tokenizer, t, template_kwargs)]
     if not seqs:
         raise ValueError("no assistant message in the transcripts: nothing to train")
+    from asyncgrpo.packing import build_plan, packed_hidden_states, use_tree_attention
+    from asyncgrpo.packing.row import pack_samples
+    from asyncgrpo.packing.sample import PackSample
+
     rng = random.Random(seed)
     device = next(model.parameters()).device
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    previous_attn = model.config._attn_implementation
+    use_tree_attention(model)  # one packed row per step: transcripts sharing a prompt forward it once
     losses = []
     model.train()
     for step in range(steps):
-        batch = rng.sample(seqs, min(batch_size, len(seqs)))
-        width = max(len(s.input_ids) for s in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.bool)
-        for r, s in enumerate(batch):
-            n = len(s.input_ids)
-            ids[r, :n] = torch.tensor(s.input_ids)
-            attn[r, :n] = 1
-            mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
-        h = hidden[:, :-1][mask[:, 1:]]  # the positions predicting each trained token
-        targets = ids[:, 1:][mask[:, 1:]]
+        batch = seqs if batch_size >= len(seqs) else rng.sample(seqs, batch_size)
+        row = pack_samples([PackSample.from_sequence(s) for s in batch]).to(device)
+        h = packed_hidden_states(model, row, build_plan(row, device=device))[row.pred_index]
+        targets = row.target_ids
         if negatives is None:
             logits, labels = head(h), targets
         else:
@@ -121,7 +117,8 @@ def supervised_tool_warmup(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
+        if step % 25 == 0 or step == steps - 1:
             logger.info("tool warm-up step %d/%d: loss %.4f", step + 1, steps, losses[-1])
+    model.set_attn_implementation(previous_attn)
     model.eval()
     return losses

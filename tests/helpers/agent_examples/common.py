@@ -24,6 +24,7 @@ def config(**overrides: Any) -> AsyncGRPOConfig:
         max_completion_length=40,
         token_budget=1536,
         learning_rate=1e-6,
+        temperature=0.5,  # tests.helpers.agent_model.SAMPLING_TEMPERATURE (not imported: it would import torch early)
         report_to=[],
         save_strategy="no",
         logging_steps=1,
