@@ -114,3 +114,13 @@ class NoResetEnv:
             x: A value.
         """
         return x
+
+
+def increment(step: int) -> int:
+    """
+    A trainer tool whose name clashes with CounterEnv.increment.
+
+    Args:
+        step: A value.
+    """
+    return step

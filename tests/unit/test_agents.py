@@ -329,3 +329,26 @@ def test_real_qwen3_template_is_detected_and_patched():
         [{"role": "user", "content": "hi"}], tools=[check_tool(m.multiply)], tokenize=False, add_generation_prompt=True
     )
     assert "<tools>" in text and text.startswith("<|im_start|>system\n# Tools")  # Qwen3 has no default system
+
+
+def test_agent_runtime_resets_scores_times_and_returns_the_environment():
+    from asyncgrpo.rollout.agents.episode import AgentRuntime
+
+    events = []
+    runtime = AgentRuntime([m.multiply], {"": m.CounterEnv}, None, lambda name, value: events.append(name))
+
+    async def episode():
+        ep = await runtime.start({"target": 4}, None)
+        assert ep.prompt == [{"role": "user", "content": "Reach 4."}]
+        assert [t.__name__ for t in ep.tools] == ["multiply", "increment", "peek"]
+        ep.tools[1](step=4)
+        return ep, await runtime.finish(ep)
+
+    ep, reward = asyncio.run(episode())
+    assert reward == (m.CounterEnv, 1.0) and ep.env is None  # given back to the pool
+    assert events == ["env/reset_s", "env/reward_s"]
+    assert asyncio.run(episode())[1] == (m.CounterEnv, 1.0)
+    assert runtime.pool.created[""] == 1  # the same instance, reset between episodes
+    clash = AgentRuntime([m.increment], {"": m.CounterEnv}, None, lambda *a: None)
+    with pytest.raises(ValueError, match="same name as tools"):
+        asyncio.run(clash.start({}, None))
