@@ -94,8 +94,6 @@ def test_doc_tools_example_counts_calls_failures_unknown_names_and_exhaustion(tm
     # Conversations: results of real calls parsed from the model's text.
     assert any("no tool named 'divide'" in t for c in by_prompt["Divide 8 by 2."] for t in tool_messages(c))
     assert any(t.startswith("Error: TypeError") for c in by_prompt["Multiply 6 by nothing."] for t in tool_messages(c))
-    if "Multiply 3 by 4." in by_prompt:
-        assert any("12" in tool_messages(c) for c in by_prompt["Multiply 3 by 4."])
     if "Add 2 and 5." in by_prompt:  # the async tool
         assert any("7" in tool_messages(c) for c in by_prompt["Add 2 and 5."])
     exhausted = [c for c in by_prompt["Keep multiplying 2 by 2."] if len(tool_messages(c)) == 2]

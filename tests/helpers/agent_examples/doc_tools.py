@@ -7,7 +7,7 @@ from datasets import Dataset
 from asyncgrpo import AsyncGRPOTrainer
 from tests.helpers.agent_examples.common import MODEL, config, record
 
-PROMPTS = ["Divide 8 by 2.", "Multiply 6 by nothing.", "Keep multiplying 2 by 2.", "Multiply 3 by 4.", "Add 2 and 5."]
+PROMPTS = ["Divide 8 by 2.", "Multiply 6 by nothing.", "Keep multiplying 2 by 2.", "Add 2 and 5."]
 
 
 def multiply(a: int, b: int) -> int:
