@@ -22,7 +22,7 @@ def config(**overrides: Any) -> AsyncGRPOConfig:
         vllm_server_base_url=os.environ.get("AGENT_TEST_SERVER", "http://127.0.0.1:8000"),
         num_generations=4,
         max_completion_length=40,
-        token_budget=1536,
+        token_budget=640,  # a few groups per step: shared prompts are forwarded once
         learning_rate=1e-6,
         temperature=0.5,  # tests.helpers.agent_model.SAMPLING_TEMPERATURE (not imported: it would import torch early)
         report_to=[],
@@ -31,7 +31,7 @@ def config(**overrides: Any) -> AsyncGRPOConfig:
         gradient_checkpointing=False,
         vllm_server_timeout=120,
         rollout_worker_timeout=60,
-        max_concurrent_rollouts=8,
+        max_concurrent_rollouts=4,
         seed=0,
     )
     base.update(overrides)

@@ -49,7 +49,7 @@ def format_reward(completions, **kwargs):  # trainer-owned: scores the completio
 if __name__ == "__main__":
     trainer = AsyncGRPOTrainer(
         model=MODEL,
-        args=config(max_steps=3),
+        args=config(max_steps=2),
         train_dataset=dataset,  # the dataset owns the task; the "target" column reaches reset(target=...)
         reward_funcs=format_reward,
         environment_factory=IncrementEnv,

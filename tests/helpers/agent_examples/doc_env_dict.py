@@ -70,7 +70,7 @@ if __name__ == "__main__":
 
     trainer = RecordingTrainer(
         model=MODEL,
-        args=config(max_steps=3),
+        args=config(max_steps=2),
         train_dataset=dataset,
         reward_funcs=reward_func,
         environment_factory={"coding": CodingEnv, "game": GameEnv},

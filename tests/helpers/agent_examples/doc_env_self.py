@@ -38,7 +38,7 @@ class IncrementEnv:
 if __name__ == "__main__":
     trainer = AsyncGRPOTrainer(
         model=MODEL,
-        args=config(max_steps=3, max_concurrent_rollouts=4),
+        args=config(max_steps=2, max_concurrent_rollouts=4),
         environment_factory=IncrementEnv,
     )
     trainer.train()

@@ -51,7 +51,7 @@ if __name__ == "__main__":
     trainer = AsyncGRPOTrainer(
         model=MODEL,
         reward_funcs=done_reward,
-        args=config(max_steps=4, max_tool_calling_iterations=2),
+        args=config(max_steps=3, max_tool_calling_iterations=2),
         train_dataset=dataset,
         tools=[multiply, async_add],
     )
