@@ -22,7 +22,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from asyncgrpo.metrics import mfu
 from asyncgrpo.trainer.checkpoint import write_rollout_state
-from asyncgrpo.weights.policy import policy_weights
+from asyncgrpo.weights.policy import join_policy_gathers
 
 if TYPE_CHECKING:
     from asyncgrpo.trainer.trainer import AsyncGRPOTrainer
@@ -37,14 +37,13 @@ class AsyncGRPOCallback(TrainerCallback):
     # ---- weight sync
     def sync_weights(self) -> None:
         tr = self.trainer
-        model = tr.model  # policy_weights merges a PEFT adapter itself
+        model = tr.model  # the sender merges a PEFT adapter itself
         step = tr.state.global_step
         if not tr.is_world_process_zero():
-            for _ in policy_weights(model):  # sharded parameters gather collectively, in the same order
-                pass
+            join_policy_gathers(model)  # sharded parameters gather collectively, in the sender's order
             return
         assert tr.sender is not None and tr.worker is not None
-        timings = tr.sender.update(policy_weights(model), version=f"step-{step}")
+        timings = tr.sender.update_model(model, version=f"step-{step}")  # one full tensor at a time
         tr.worker.set_policy_version(step)
         w = tr.window
         w.add("perf/weight_sync_s", timings["pause_s"] + timings["barrier_s"] + timings["transfer_s"])
