@@ -7,6 +7,7 @@ Hugging Face forwards (fp64 log-softmax), never from asyncgrpo code.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]
 TOL = 1e-4
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA on every Linear
 
 
 def hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -78,21 +80,25 @@ def check_greedy(model: torch.nn.Module, result: Any, prompt: Sequence[int] = PR
 
 
 def lora_model(
-    base: torch.nn.Module, *, seed: int, rank: int = 4, targets: Sequence[str] = ("q_proj", "v_proj", "down_proj")
-) -> torch.nn.Module:
-    """``base`` wrapped in a PEFT LoRA adapter whose A and B are both random (so it changes the forward)."""
+    base: torch.nn.Module, *, seed: int, rank: int = 4, alpha: float | None = None, rslora: bool = False,
+    targets: Sequence[str] = ("q_proj", "v_proj", "down_proj"),
+) -> torch.nn.Module:  # fmt: skip
+    """``base`` (modified in place) wrapped in a PEFT LoRA adapter with random A *and* B, so it changes the
+    forward; ``alpha`` defaults to ``2 * rank``."""
     import peft
 
     torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
+    cfg = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank if alpha is None else alpha, target_modules=list(targets), use_rslora=rslora,
+        lora_dropout=0.0, init_lora_weights=False,
+    )  # fmt: skip
     return peft.get_peft_model(base, cfg)
 
 
-def make_lora_adapter(
-    model_dir: str | Path, out_dir: str | Path, *, seed: int, rank: int = 4,
-    targets: Sequence[str] = ("q_proj", "v_proj", "down_proj"),
-) -> torch.nn.Module:  # fmt: skip
-    """Save a random LoRA adapter for the checkpoint in ``model_dir``; return the merged reference model."""
-    model = lora_model(hf_model(model_dir), seed=seed, rank=rank, targets=targets)
-    model.save_pretrained(out_dir)
-    return model.merge_and_unload().eval()
+def make_lora_adapter(base: str | Path | torch.nn.Module, out_dir: str | Path, **lora: Any) -> torch.nn.Module:
+    """Save a random LoRA adapter (:func:`lora_model` arguments) for ``base`` (a checkpoint directory, or a
+    model that is left untouched); return the merged reference model."""
+    model = hf_model(base) if isinstance(base, (str, Path)) else copy.deepcopy(base)
+    peft_model = lora_model(model, **lora)
+    peft_model.save_pretrained(out_dir)
+    return peft_model.merge_and_unload().eval()

@@ -19,9 +19,7 @@ import logging
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.weights.policy import policy_weight_metadata
 from asyncgrpo.weights.sender import WeightSender
-from tests.helpers.reference import hf_model, lora_model
-
-LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from tests.helpers.reference import ALL_LINEAR, hf_model, lora_model
 
 
 def _status_kib(key: str) -> int:
@@ -42,8 +40,8 @@ def main() -> None:
     ns = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    model = lora_model(hf_model(ns.model_dir), seed=ns.seed, rank=8, targets=LINEAR_LAYERS)
-    merged = [m for m in policy_weight_metadata(model) if m.name.rsplit(".", 2)[-2] in LINEAR_LAYERS]
+    model = lora_model(hf_model(ns.model_dir), seed=ns.seed, rank=8, targets=ALL_LINEAR)
+    merged = [m for m in policy_weight_metadata(model) if m.name.rsplit(".", 2)[-2] in ALL_LINEAR]
     sender = WeightSender(timeout_s=120, packed_buffer_size_bytes=ns.buffer)
     sender.init(AsyncServerClient(ns.url), backend="gloo", device="cpu", packed=ns.packed)
     try:

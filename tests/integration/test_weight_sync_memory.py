@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.client.http_client import AsyncServerClient
-from tests.helpers.reference import check_greedy, hf_greedy, hf_model, lora_model, write_tiny_llama
-from tests.helpers.sync_probe import LINEAR_LAYERS
+from tests.helpers.reference import ALL_LINEAR, check_greedy, hf_greedy, hf_model, lora_model, write_tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 50, 300, 14, 260, 341]
@@ -72,6 +71,6 @@ def test_sync_holds_one_merged_tensor_and_the_server_gets_the_merged_model(setup
 
     result, version = _generate(server.base_url)
     assert version == "measured"
-    merged = lora_model(hf_model(model_dir), seed=seed, rank=8, targets=LINEAR_LAYERS).merge_and_unload().eval()
+    merged = lora_model(hf_model(model_dir), seed=seed, rank=8, targets=ALL_LINEAR).merge_and_unload().eval()
     check_greedy(merged, result, prompt=PROMPT)
     assert result.token_ids != hf_greedy(hf_model(model_dir), PROMPT, 6)[0]  # the sync changed the server's model
