@@ -7,7 +7,6 @@ served in fp32 so the check against a CPU fp32 HF forward holds to 1e-4.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 
@@ -18,7 +17,15 @@ from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import launch_server
 from asyncgrpo.weights.policy import policy_weight_metadata
 from asyncgrpo.weights.sender import WeightSender
-from tests.helpers.reference import ALL_LINEAR, PROMPT, check_greedy, hf_model, lora_model, perturb, write_tiny_llama
+from tests.helpers.reference import (
+    ALL_LINEAR,
+    check_greedy,
+    hf_model,
+    lora_model,
+    perturb,
+    server_greedy,
+    write_tiny_llama,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,33 +56,24 @@ def setup(tmp_path_factory):
     server.stop()
 
 
-def _greedy(url):
-    async def go():
-        async with AsyncServerClient(url, retries=0) as c:
-            sp = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}
-            return await c.generate(PROMPT, sp), (await c.weight_info())["weight_version"]
-
-    return asyncio.run(go())
-
-
 def test_nccl_rounds_unpacked_packed_and_bf16(setup):
     server, model, sender, _ = setup
     assert sender.backend == "nccl"
-    before, version = _greedy(server.base_url)
+    before, version = server_greedy(server.base_url)
     check_greedy(model, before)
     assert version == "0"
 
     perturb(model, 1)
     on_gpu = [(n, p.detach().to("cuda:1")) for n, p in model.named_parameters()]
     t = sender.update(on_gpu, version="step-1", packed=False)
-    after, version = _greedy(server.base_url)
+    after, version = server_greedy(server.base_url)
     assert version == "step-1" and after.token_ids != before.token_ids
     check_greedy(model, after)
     print(f"\nunpacked round: {t}")
 
     perturb(model, 2)
     t = sender.update([(n, p.detach().to("cuda:1")) for n, p in model.named_parameters()], version="step-2")
-    result, version = _greedy(server.base_url)
+    result, version = server_greedy(server.base_url)
     assert version == "step-2"
     check_greedy(model, result)
     print(f"packed round (256 KiB chunks): {t}")
@@ -87,7 +85,7 @@ def test_nccl_rounds_unpacked_packed_and_bf16(setup):
     meta = [(n, torch.bfloat16, tuple(p.shape)) for n, p in model.named_parameters()]
     lazy = ((n, p.detach().to("cuda:1", torch.bfloat16)) for n, p in model.named_parameters())
     sender.update(lazy, version="step-3", metadata=meta)
-    result, version = _greedy(server.base_url)
+    result, version = server_greedy(server.base_url)
     assert version == "step-3"
     check_greedy(model, result)
 
@@ -104,7 +102,7 @@ def test_nccl_broadcast_bandwidth(setup):
         sender.update(tensors, version=f"bw-{i}")
     dt = (time.perf_counter() - start) / rounds
     print(f"\n{nbytes / 2**20:.1f} MiB per round, {dt * 1e3:.1f} ms per full round (pause..resume)")
-    assert _greedy(server.base_url)[1] == f"bw-{rounds - 1}"
+    assert server_greedy(server.base_url)[1] == f"bw-{rounds - 1}"
 
 
 def test_nccl_update_model_streams_a_peft_policy(setup):
@@ -123,6 +121,6 @@ def test_nccl_update_model_streams_a_peft_policy(setup):
     bound = 3 * largest + sender.packed_buffer_size_bytes + (1 << 16)
     print(f"\nupdate_model peak extra {extra / 2**20:.2f} MiB (bound {bound / 2**20:.2f} MiB)")
     assert extra <= bound
-    result, version = _greedy(server.base_url)
+    result, version = server_greedy(server.base_url)
     assert version == "peft-1"
     check_greedy(policy.merge_and_unload().cpu().eval(), result)

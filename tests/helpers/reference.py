@@ -7,6 +7,7 @@ Hugging Face forwards (fp64 log-softmax), never from asyncgrpo code.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +78,18 @@ def check_greedy(model: torch.nn.Module, result: Any, prompt: Sequence[int] = PR
         assert abs(result.logprobs[i] - ref[i, t].item()) <= tol
         for tok, v in result.top_logprobs[i].items():
             assert abs(v - ref[i, tok].item()) <= tol
+
+
+def server_greedy(base_url: str, prompt: Sequence[int] = PROMPT, max_tokens: int = 8) -> tuple[Any, str]:
+    """Ask a running server for a greedy continuation with top-3 log-probs; also its weight version now."""
+    from asyncgrpo.client.http_client import AsyncServerClient
+
+    async def go() -> tuple[Any, str]:
+        async with AsyncServerClient(base_url, retries=0) as c:
+            sp = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}
+            return await c.generate(list(prompt), sp), (await c.weight_info())["weight_version"]
+
+    return asyncio.run(go())
 
 
 def lora_model(

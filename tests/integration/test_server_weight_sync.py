@@ -16,7 +16,7 @@ import torch
 from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.weights.sender import WeightSender
-from tests.helpers.reference import PROMPT, check_greedy, hf_model, perturb
+from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
 
 @pytest.fixture(scope="module")
@@ -29,33 +29,17 @@ def setup(serve, tiny_llama_dir):
     sender.close()
 
 
-def _greedy(url, n=8):
-    async def go():
-        async with AsyncServerClient(url, retries=0) as c:
-            return await c.generate(PROMPT, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "logprobs": 3})
-
-    return asyncio.run(go())
-
-
-def _weight_version(url):
-    async def go():
-        async with AsyncServerClient(url) as c:
-            return (await c.weight_info())["weight_version"]
-
-    return asyncio.run(go())
-
-
 def test_unpacked_then_packed_rounds_load_the_new_weights(setup):
     server, model, sender = setup
-    before = _greedy(server.base_url)
+    before, _ = server_greedy(server.base_url)
     check_greedy(model, before)  # server and test start from the same checkpoint
 
     perturb(model, seed=1)
     timings = sender.update(model.named_parameters(), version="step-1", packed=False)
     assert set(timings) == {"pause_s", "barrier_s", "transfer_s", "total_s"}
     assert all(v >= 0 for v in timings.values())
-    assert _weight_version(server.base_url) == "step-1"
-    after = _greedy(server.base_url)
+    after, version = server_greedy(server.base_url)
+    assert version == "step-1"
     assert after.token_ids != before.token_ids  # the perturbation changed the model
     check_greedy(model, after)
     assert [(s.version, s.start, s.end) for s in after.weight_versions] == [("step-1", 0, 8)]
@@ -64,8 +48,9 @@ def test_unpacked_then_packed_rounds_load_the_new_weights(setup):
     barrier_calls = []
     sender.update(model.named_parameters(), version="step-2", barrier=lambda: barrier_calls.append(1))  # packed
     assert barrier_calls == [1]
-    assert _weight_version(server.base_url) == "step-2"
-    check_greedy(model, _greedy(server.base_url))
+    result, version = server_greedy(server.base_url)
+    assert version == "step-2"
+    check_greedy(model, result)
 
     async def still_serving():
         async with AsyncServerClient(server.base_url) as c:
@@ -84,7 +69,7 @@ def test_lazy_tensors_with_metadata_and_bf16_on_the_wire(setup):
     meta = [(n, torch.bfloat16, tuple(p.shape)) for n, p in model.named_parameters()]
     lazy = ((n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
     sender.update(lazy, version="step-3", metadata=meta)
-    check_greedy(model, _greedy(server.base_url))
+    check_greedy(model, server_greedy(server.base_url)[0])
 
 
 def test_server_rejects_bad_update_info_before_broadcasting(setup):
@@ -114,8 +99,7 @@ def test_sender_fails_fast_when_the_server_rejects_the_round(setup):
     """A tensor the server does not have: 400 at once, the sender stops broadcasting without waiting out its
     timeout, and the server is left resumed with its old weights. (Runs last: it re-forms the server's group.)"""
     server, model, _ = setup
-    before = _greedy(server.base_url)
-    version = _weight_version(server.base_url)
+    before, version = server_greedy(server.base_url)
     sender = WeightSender(timeout_s=60)
     sender.init(AsyncServerClient(server.base_url), device="cpu")
     bad = [("not.a.weight", torch.zeros(4)), *model.named_parameters()]
@@ -124,5 +108,5 @@ def test_sender_fails_fast_when_the_server_rejects_the_round(setup):
         sender.update(bad, version="never")
     assert time.monotonic() - start < 20
     sender.close()
-    after = _greedy(server.base_url)  # not paused any more
-    assert after.token_ids == before.token_ids and _weight_version(server.base_url) == version
+    after, after_version = server_greedy(server.base_url)  # not paused any more
+    assert after.token_ids == before.token_ids and after_version == version

@@ -12,7 +12,6 @@ generate exactly like the merged model, computed in this process by PEFT's own `
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -21,8 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.client.http_client import AsyncServerClient
-from tests.helpers.reference import ALL_LINEAR, check_greedy, hf_greedy, hf_model, lora_model, write_tiny_llama
+from tests.helpers.reference import (
+    ALL_LINEAR,
+    check_greedy,
+    hf_greedy,
+    hf_model,
+    lora_model,
+    server_greedy,
+    write_tiny_llama,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 50, 300, 14, 260, 341]
@@ -38,15 +44,6 @@ def setup(serve, tmp_path_factory):
         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
     )  # fmt: skip
     return serve(model_dir, "--max-model-len", "64"), model_dir
-
-
-def _generate(url):
-    async def go():
-        async with AsyncServerClient(url, retries=0) as c:
-            sp = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}
-            return await c.generate(PROMPT, sp), (await c.weight_info())["weight_version"]
-
-    return asyncio.run(go())
 
 
 def _probe(url, model_dir, *, seed, packed):
@@ -69,7 +66,7 @@ def test_sync_holds_one_merged_tensor_and_the_server_gets_the_merged_model(setup
     assert report["merged_count"] == 28 and report["merged_bytes"] >= 3 * bound  # the model dwarfs the bound
     assert report["peak_extra_bytes"] <= bound, report
 
-    result, version = _generate(server.base_url)
+    result, version = server_greedy(server.base_url, PROMPT, max_tokens=6)
     assert version == "measured"
     merged = lora_model(hf_model(model_dir), seed=seed, rank=8, targets=ALL_LINEAR).merge_and_unload().eval()
     check_greedy(merged, result, prompt=PROMPT)
