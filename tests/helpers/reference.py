@@ -94,16 +94,16 @@ def server_greedy(base_url: str, prompt: Sequence[int] = PROMPT, max_tokens: int
 
 def lora_model(
     base: torch.nn.Module, *, seed: int, rank: int = 4, alpha: float | None = None, rslora: bool = False,
-    targets: Sequence[str] = ("q_proj", "v_proj", "down_proj"),
+    targets: Sequence[str] = ("q_proj", "v_proj", "down_proj"), modules_to_save: Sequence[str] | None = None,
 ) -> torch.nn.Module:  # fmt: skip
     """``base`` (modified in place) wrapped in a PEFT LoRA adapter with random A *and* B, so it changes the
-    forward; ``alpha`` defaults to ``2 * rank``."""
+    forward; ``alpha`` defaults to ``2 * rank``; ``modules_to_save`` get a trainable full copy."""
     import peft
 
     torch.manual_seed(seed)
     cfg = peft.LoraConfig(
         r=rank, lora_alpha=2 * rank if alpha is None else alpha, target_modules=list(targets), use_rslora=rslora,
-        lora_dropout=0.0, init_lora_weights=False,
+        lora_dropout=0.0, init_lora_weights=False, modules_to_save=list(modules_to_save) if modules_to_save else None,
     )  # fmt: skip
     return peft.get_peft_model(base, cfg)
 

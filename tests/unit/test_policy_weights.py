@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from asyncgrpo.server.launcher import free_port
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.policy import join_policy_gathers, policy_weight_metadata, policy_weights
+from tests.helpers.reference import lora_model
 
 
 def _tiny_llama(seed: int = 0) -> torch.nn.Module:
@@ -29,12 +30,7 @@ def _tiny_llama(seed: int = 0) -> torch.nn.Module:
 
 def _peft_policy(seed: int) -> torch.nn.Module:
     """LoRA on q/v/down plus a trained copy of the LM head (modules_to_save), all moved off their init."""
-    import peft
-
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                          modules_to_save=["lm_head"], init_lora_weights=False)  # fmt: skip
-    model = peft.get_peft_model(_tiny_llama(seed), cfg)
+    model = lora_model(_tiny_llama(seed), seed=seed, modules_to_save=["lm_head"])
     with torch.no_grad():
         model.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
     return model
