@@ -12,10 +12,9 @@ server) with torch primitives only (no vLLM import). One round (SPEC G10):
     timings = sender.update_model(model, version="step-1")  # or update(named tensors, ...)
     sender.close()
 
-Streaming: with ``metadata`` (``update_model`` computes it from global shapes) the
-tensors are pulled from their iterator one at a time, sent and dropped, so a
-lazy source (FSDP gathers, PEFT merges) costs one full tensor (plus one packed
-chunk), not the model.
+With ``metadata`` (``update_model`` takes it from global shapes) tensors are pulled,
+sent and dropped one at a time: a lazy source (FSDP gathers, PEFT merges) costs one
+full tensor (plus one packed chunk), not the model.
 """
 
 from __future__ import annotations
@@ -354,24 +353,14 @@ class WeightSender:
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
 
-    def update_model(
-        self,
-        model: torch.nn.Module,
-        *,
-        version: str,
-        packed: bool | None = None,
-        barrier: Callable[[], None] | None = None,
-    ) -> dict[str, float]:
-        """Push ``model``'s policy weights (PEFT merged, FSDP2 gathered), one full tensor at a time.
+    def update_model(self, model: torch.nn.Module, *, version: str, **kwargs: Any) -> dict[str, float]:
+        """:meth:`update` with ``model``'s policy weights (``weights/policy.py``: PEFT merged, FSDP2 gathered).
 
-        The metadata comes from global shapes up front, then each tensor is gathered or merged, sent and freed
-        before the next. Under FSDP the other ranks must iterate ``policy_weights(model)`` at the same time
-        (the gathers are collective). Same return value and errors as :meth:`update`.
+        Metadata from global shapes up front, then one full tensor made, sent and freed at a time. Under FSDP
+        the other ranks call ``join_policy_gathers(model)`` meanwhile (the gathers are collective).
         """
-        return self.update(
-            policy_weights(model), version=version, packed=packed, metadata=policy_weight_metadata(model),
-            barrier=barrier,
-        )  # fmt: skip
+        metadata = policy_weight_metadata(model)
+        return self.update(policy_weights(model), version=version, metadata=metadata, **kwargs)
 
     def _close_rejected_round(self, fut: concurrent.futures.Future) -> None:
         """After a 4xx on /update_weights the server never entered the collective: finish and resume it.
