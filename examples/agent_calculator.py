@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default="agent_calculator.json")
     p.add_argument("--two-gpus", action="store_true")
     p.add_argument("--steps", type=int, default=60, help="RL optimizer steps")
-    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--warmup-steps", type=int, default=60)
     p.add_argument("--eval-episodes", type=int, default=200)
     p.add_argument("--max-minutes", type=float, default=7.0, help="stop RL early to stay inside this wall time")
     a = p.parse_args(argv)
