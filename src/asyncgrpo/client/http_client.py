@@ -37,12 +37,63 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0  # one HTTP call (a long generation must fit)
 
+# vLLM's neutral value of every sampling field /v1/completions would otherwise take from the model's
+# generation_config.json (--generation-config auto): the client always sends them, so the processed
+# log-probs come from the distribution the trainer recomputes, whatever that file says.
+NEUTRAL_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # fmt: skip
+
+# Routes a vLLM server serves only with VLLM_SERVER_DEV_MODE=1 (a bare 404 otherwise).
+DEV_MODE_ROUTES = frozenset({
+    "/pause", "/resume", "/is_paused", "/get_world_size", "/server_info", "/reset_prefix_cache", "/weight_info",
+    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+    "/shutdown_weight_transfer_engine", "/abort_requests",
+})  # fmt: skip
+DEV_MODE_HINT = (
+    "the server has no RL routes: start vLLM with VLLM_SERVER_DEV_MODE=1 (the embedded server serves them unless "
+    "VLLM_SERVER_DEV_MODE=0)"
+)
+NOT_CONFIGURED_HINT = (
+    'the server was started without weight transfer: add --weight-transfer-config \'{"backend": "nccl"}\' to '
+    "its command line"
+)
+
+
+def explain(path: str, status: int, message: str) -> str:
+    """The server's error message, plus what to change when vLLM's answer alone does not say it."""
+    if status == 404 and path in DEV_MODE_ROUTES:
+        return f"{message or 'Not Found'}; {DEV_MODE_HINT}"
+    if status == 500 and "Weight transfer not configured" in message:
+        return f"{message}; {NOT_CONFIGURED_HINT}"
+    return message
+
+
+def with_explicit_sampling(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with every omitted (or null) sampling field set to vLLM's neutral value."""
+    out = {k: v for k, v in params.items() if v is not None}
+    for key, value in NEUTRAL_SAMPLING.items():
+        out.setdefault(key, value)
+    return out
+
 
 def config_section(data: Any, *keys: str) -> dict[str, Any]:
     """``data[k1][k2]...`` when every level is a dict, else ``{}`` (servers differ in what they expose)."""
     for key in keys:
         data = data.get(key) if isinstance(data, dict) else None
     return data if isinstance(data, dict) else {}
+
+
+def kv_capacity(info: Mapping[str, Any]) -> int | None:
+    """KV capacity in tokens from a ``/server_info`` answer (see :meth:`AsyncServerClient.kv_cache_tokens`)."""
+    cache = config_section(info, "vllm_config", "cache_config")
+    dp = config_section(info, "vllm_config", "parallel_config").get("data_parallel_size", 1)
+    tokens = cache.get("kv_cache_size_tokens")
+    if isinstance(tokens, int) and tokens > 0:
+        return tokens * (dp if isinstance(dp, int) and dp > 0 else 1)
+    blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
+    if isinstance(blocks, int) and isinstance(size, int):
+        return blocks * size
+    return None
 
 
 class AsyncServerClient:
@@ -163,7 +214,8 @@ class AsyncServerClient:
                 last = ServerError(endpoint, None, f"{type(exc).__name__}: {exc}", base_url=self.base_url)
                 continue
             if status >= 400:
-                last = ServerError(endpoint, status, error_message(body), base_url=self.base_url)
+                message = explain(path, status, error_message(body))
+                last = ServerError(endpoint, status, message, base_url=self.base_url)
                 if status == 503:
                     continue
                 raise last
@@ -229,18 +281,19 @@ class AsyncServerClient:
         """``GET /server_info?config_format=json`` (vLLM dev mode)."""
         return await self.request("GET", "/server_info", params={"config_format": "json"})
 
-    async def kv_cache_tokens(self) -> int | None:
-        """KV-cache capacity in tokens (``num_gpu_blocks × block_size``), None when the server does not say."""
-        try:
-            info = await self.server_info()
-        except ServerError as exc:
-            logger.info("no KV-cache capacity from %s: %s", self.base_url, exc)
-            return None
-        cache = config_section(info, "vllm_config", "cache_config")
-        blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
-        if isinstance(blocks, int) and isinstance(size, int):
-            return blocks * size
-        return None
+    async def kv_cache_tokens(self, info: Mapping[str, Any] | None = None) -> int | None:
+        """KV-cache capacity in tokens of the whole server, None when it does not say.
+
+        vLLM 0.33 reports ``cache_config.kv_cache_size_tokens`` per data-parallel engine (group-aware, right
+        for hybrid models) and ``num_gpu_blocks`` summed over engines; prefer the first × DP size.
+        """
+        if info is None:
+            try:
+                info = await self.server_info()
+            except ServerError as exc:
+                logger.info("no KV-cache capacity from %s: %s", self.base_url, exc)
+                return None
+        return kv_capacity(info)
 
     async def world_size(self) -> int:
         return int((await self.request("GET", "/get_world_size", params={"include_dp": "true"}))["world_size"])
@@ -267,9 +320,9 @@ class AsyncServerClient:
         """``POST /inference/v1/generate``; one result per choice (``n`` of them).
 
         ``sampling_params`` uses vLLM's SamplingParams names; ``logprobs`` defaults to 0
-        (the sampled token's log-prob only).
+        (the sampled token's log-prob only); omitted sampling fields are sent at vLLM's neutral values.
         """
-        params = dict(sampling_params)
+        params = with_explicit_sampling(sampling_params)
         params.setdefault("logprobs", 0)
         rid = request_id or f"gen-{uuid.uuid4().hex}"
         body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": params, "request_id": rid}
@@ -299,11 +352,16 @@ class AsyncServerClient:
         """``POST /v1/completions`` with a token-id prompt; one result per choice.
 
         Sends ``return_tokens_as_token_ids`` and ``return_token_ids`` so top-N keys are
-        token ids; ``logprobs`` defaults to 0. Always pass ``max_tokens`` (vLLM's default is 16).
+        token ids, and ``return_weight_versions`` (vLLM returns the spans only when asked);
+        ``logprobs`` defaults to 0. Every sampling field goes out explicitly (omitted ones at
+        vLLM's neutral values): vLLM fills omitted fields from the model's generation_config.json.
+        Always pass ``max_tokens`` (vLLM's default is 16).
         """
-        body: dict[str, Any] = {k: v for k, v in sampling_params.items() if k not in ("detokenize",)}
+        body = with_explicit_sampling({k: v for k, v in sampling_params.items() if k not in ("detokenize",)})
         body.setdefault("logprobs", 0)
-        body.update(prompt=list(token_ids), return_tokens_as_token_ids=True, return_token_ids=True)
+        body.update(
+            prompt=list(token_ids), return_tokens_as_token_ids=True, return_token_ids=True, return_weight_versions=True
+        )
         if model is not None:
             body["model"] = model
         if request_id is not None:

@@ -263,8 +263,7 @@ class WeightSender:
         Args:
             named_tensors: ``(hf_name, full tensor)`` in send order; consumed lazily when ``metadata`` is given.
             version: the weight version the server reports from now on (``/weight_info``, ``weight_versions``).
-            packed: pack tensors into uint8 chunks (default: the ``init`` choice). A value other than the
-                ``init`` choice is sent as ``update_info.packed`` (honoured by the embedded server).
+            packed: must equal the ``init`` choice when given (packing is fixed at init, as in vLLM).
             metadata: ``(name, dtype, shape)`` per tensor, to avoid materialising ``named_tensors`` up front.
             barrier: called after the pause (e.g. waiting for the other trainer ranks); timed as ``barrier_s``.
 
@@ -303,8 +302,9 @@ class WeightSender:
             "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
             "shapes": [] if reuse else [list(m.shape) for m in metas],
         }
-        if use_packed != self.packed:
-            update_info["packed"] = use_packed
+        if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
+            raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
+                             "group forms: close() and init() again with the packing you want")  # fmt: skip
         fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
         group.abort_check = _raise_if_failed(fut, "POST /update_weights")
         try:
