@@ -284,6 +284,9 @@ class WeightSender:
             metas = [TensorMeta(n, d, tuple(s)) for n, d, s in metadata]
             tensors = (t for _, t in named_tensors)
         use_packed = self.packed if packed is None else packed
+        if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
+            raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
+                             "group forms: close() and init() again with the packing you want")  # fmt: skip
 
         t0 = time.perf_counter()
         self._http(client.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
@@ -302,9 +305,6 @@ class WeightSender:
             "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
             "shapes": [] if reuse else [list(m.shape) for m in metas],
         }
-        if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
-            raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
-                             "group forms: close() and init() again with the packing you want")  # fmt: skip
         fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
         group.abort_check = _raise_if_failed(fut, "POST /update_weights")
         try:
