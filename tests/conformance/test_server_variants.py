@@ -165,3 +165,30 @@ def test_without_weight_transfer_config_the_routes_answer_500_and_the_client_say
     assert """--weight-transfer-config '{"backend": "nccl"}'""" in asyncio.run(go()).message
     with pytest.raises(RuntimeError, match="--weight-transfer-config"):
         probe_server(url, 60, want_masks=False)
+
+
+def test_worker_says_shorten_the_prompts_only_for_a_length_400(mask_server):
+    """The rollout worker reads the server's message: a rejected sampling setting is not reported as a prompt
+    that is too long (before, every 400 was)."""
+    from types import SimpleNamespace
+
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+    def loop_with(settings: SamplingSettings) -> AsyncRolloutLoop:
+        loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # only what generate_one_turn touches before the reply
+        loop.config, loop.sampling, loop.model_name = SimpleNamespace(seed=0, score_centering=False), settings, None
+        loop._seed_counter = 0
+        return loop
+
+    async def turn(settings: SamplingSettings, prompt: list[int]) -> str:
+        loop = loop_with(settings)
+        async with AsyncServerClient(mask_server.base_url, retries=0) as loop.client:
+            with pytest.raises(ValueError) as info:
+                await loop.generate_one_turn(prompt)
+        return str(info.value)
+
+    no_top_k = asyncio.run(turn(SamplingSettings(mask_server.base_url, 128, 4, top_k=0), PROMPT))
+    assert "top_k > 0" in no_top_k and "Shorten" not in no_top_k
+    # A prompt over the server's max_model_len (128) that the settings think fits: a length problem.
+    too_long = asyncio.run(turn(SamplingSettings(mask_server.base_url, 4096, 4, top_k=8), [5] * 200))
+    assert "Shorten the prompts" in too_long
