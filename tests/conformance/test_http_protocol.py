@@ -170,3 +170,35 @@ def test_init_info_is_validated_before_any_rendezvous(target, init_info, needle)
     status, body = raw(target.base_url, "POST", "/init_weight_transfer_engine", json={"init_info": init_info},
                        timeout=aiohttp.ClientTimeout(total=30))  # fmt: skip
     assert status == 400 and needle in body["error"]["message"], body
+
+
+def test_dev_mode_state_routes(target):
+    """/weight_info {"weight_version": str}; /reset_prefix_cache {"success": bool} (dev mode)."""
+    status, info = raw(target.base_url, "GET", "/weight_info")
+    assert status == 200 and isinstance(info["weight_version"], str)
+    status, reset = raw(target.base_url, "POST", "/reset_prefix_cache")
+    assert status == 200 and isinstance(reset["success"], bool)
+
+
+def test_prometheus_metric_names_and_labels(target):
+    status, text = raw(target.base_url, "GET", "/metrics")
+    assert status == 200
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_preemptions_total"):  # fmt: skip
+        line = next((ln for ln in text.splitlines() if ln.startswith(name + "{")), None)
+        assert line is not None, name
+        assert 'model_name="' in line and 'engine="' in line, line
+
+
+def test_generate_without_max_tokens_runs_to_max_model_len(target):
+    """/inference/v1/generate (needs --enable-scale-out, else 403): omitted max_tokens = max_model_len - prompt."""
+    max_len = _info(target.base_url)["vllm_config"]["model_config"]["max_model_len"]
+    prompt = list(range(5, 5 + max_len - 4))
+    status, body = raw(target.base_url, "POST", "/inference/v1/generate",
+                       json={"token_ids": prompt, "sampling_params": {"temperature": 1.0, "top_k": 5,
+                                                                      "ignore_eos": True}})  # fmt: skip
+    if status == 403:
+        pytest.skip("the server was started without --enable-scale-out")
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length"
