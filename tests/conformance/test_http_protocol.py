@@ -162,11 +162,13 @@ def test_pause_keep_queues_new_requests_until_resume(target):
         ({"rank_offset": 1, "world_size": 2, "master_address": "127.0.0.1", "master_port": 1, "bogus": 1}, "bogus"),
         ({"rank_offset": 1, "world_size": 2, "master_address": "127.0.0.1", "master_port": 1,
           "nccl_unique_id_b64": "A" * 172}, "not both"),
+        ({"world_size": 2, "master_address": "127.0.0.1", "master_port": 1}, "rank_offset"),
     ],
-    ids=["unknown-key", "both-rendezvous-modes"],
+    ids=["unknown-key", "both-rendezvous-modes", "missing-rank-offset"],
 )  # fmt: skip
 def test_init_info_is_validated_before_any_rendezvous(target, init_info, needle):
-    """NCCLWeightTransferInitInfo(**init_info): unknown keys and two rendezvous modes are a 400, at once."""
+    """NCCLWeightTransferInitInfo(**init_info): unknown keys, two rendezvous modes and a missing required field
+    (rank_offset has no default) are a 400, at once."""
     status, body = raw(target.base_url, "POST", "/init_weight_transfer_engine", json={"init_info": init_info},
                        timeout=aiohttp.ClientTimeout(total=30))  # fmt: skip
     assert status == 400 and needle in body["error"]["message"], body

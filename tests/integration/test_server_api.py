@@ -246,9 +246,9 @@ def test_weight_transfer_endpoints_validate_before_any_collective(server):
                 await c.init_weight_transfer_engine({"world_size": 2, "bogus": 1})
             assert bad_init.value.status == 400
             with pytest.raises(ServerError, match="master_address"):
-                await c.init_weight_transfer_engine({"world_size": 2})
+                await c.init_weight_transfer_engine({"world_size": 2, "rank_offset": 1})
             with pytest.raises(ServerError, match="nccl"):
-                await c.init_weight_transfer_engine({"world_size": 2, "nccl_unique_id_b64": "AAAA"})
+                await c.init_weight_transfer_engine({"world_size": 2, "rank_offset": 1, "nccl_unique_id_b64": "AAAA"})
             with pytest.raises(ServerError, match="call /start_weight_update first"):
                 await c.update_weights({"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]})
             return await c.weight_info()

@@ -86,7 +86,9 @@ class WeightReceiver:
         _require(isinstance(info, dict), "init_info must be an object", "init_info")
         unknown = sorted(set(info) - _INIT_KEYS)
         _require(not unknown, f"unknown init_info keys {unknown}; allowed: {sorted(_INIT_KEYS)}", "init_info")
-        world, offset = info.get("world_size"), info.get("rank_offset", 1)
+        missing = sorted({"rank_offset", "world_size"} - set(info))  # required fields of vLLM's init info
+        _require(not missing, f"init_info is missing {missing}", "init_info")
+        world, offset = info["world_size"], info["rank_offset"]
         _require(_is_int(world) and world >= 2, f"init_info.world_size must be an integer >= 2, got {world!r}")
         _require(_is_int(offset) and 1 <= offset < world, f"init_info.rank_offset must be in [1, world_size), got {offset!r}")  # fmt: skip
         packed = info.get("packed", False)
