@@ -170,14 +170,14 @@ def test_without_weight_transfer_config_the_routes_answer_500_and_the_client_say
 def test_worker_says_shorten_the_prompts_only_for_a_length_400(mask_server):
     """The rollout worker reads the server's message: a rejected sampling setting is not reported as a prompt
     that is too long (before, every 400 was)."""
-    from types import SimpleNamespace
-
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
+    from asyncgrpo.rollout.settings import RolloutSettings
 
-    def loop_with(settings: SamplingSettings) -> AsyncRolloutLoop:
-        loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # only what generate_one_turn touches before the reply
-        loop.config, loop.sampling, loop.model_name = SimpleNamespace(seed=0, score_centering=False), settings, None
-        loop._seed_counter = 0
+    def loop_with(sampling: SamplingSettings) -> AsyncRolloutLoop:
+        settings = RolloutSettings(model_name=None, sampling=sampling, num_generations=1, max_staleness=1, seed=0,
+                                   max_concurrent_rollouts=1, initial_tokens_per_step=1)  # fmt: skip
+        loop = AsyncRolloutLoop(settings, dataset=[], reward_funcs=[], processing_class=None)
+        loop._seed_counter = 0  # what run() sets before the first request
         return loop
 
     async def turn(settings: SamplingSettings, prompt: list[int]) -> str:
