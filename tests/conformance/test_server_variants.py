@@ -174,7 +174,7 @@ def test_worker_says_shorten_the_prompts_only_for_a_length_400(mask_server):
     from asyncgrpo.rollout.settings import RolloutSettings
 
     def loop_with(sampling: SamplingSettings) -> AsyncRolloutLoop:
-        settings = RolloutSettings(model_name=None, sampling=sampling, num_generations=1, max_staleness=1, seed=0,
+        settings = RolloutSettings(model_name=None, sampling=sampling, num_generations=2, max_staleness=1, seed=0,
                                    max_concurrent_rollouts=1, initial_tokens_per_step=1)  # fmt: skip
         loop = AsyncRolloutLoop(settings, dataset=[], reward_funcs=[], processing_class=None)
         loop._seed_counter = 0  # what run() sets before the first request
