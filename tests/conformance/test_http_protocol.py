@@ -13,7 +13,8 @@ import re
 import aiohttp
 import pytest
 
-from asyncgrpo.client.http_client import AsyncServerClient, kv_capacity
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.server_rules import kv_capacity
 from asyncgrpo.trainer.server_setup import probe_server
 from tests.helpers.raw_http import NEG_INF_WIRE, PROMPT, raw
 

@@ -258,7 +258,7 @@ def test_dev_route_404_and_unconfigured_weight_transfer_say_what_to_change():
 
 
 def test_kv_capacity_prefers_kv_cache_size_tokens_times_dp():
-    from asyncgrpo.client.http_client import kv_capacity
+    from asyncgrpo.client.server_rules import kv_capacity
 
     def info(cache, dp=None):
         cfg = {"cache_config": cache}

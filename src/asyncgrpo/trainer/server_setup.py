@@ -14,13 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from asyncgrpo.client.errors import ServerError
-from asyncgrpo.client.http_client import (
-    DEV_MODE_HINT,
-    NOT_CONFIGURED_HINT,
-    AsyncServerClient,
-    config_section,
-    kv_capacity,
-)
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.server_rules import DEV_MODE_HINT, NOT_CONFIGURED_HINT, config_section, kv_capacity
 
 logger = logging.getLogger(__name__)
 
