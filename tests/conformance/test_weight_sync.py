@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import subprocess
 import sys
 import threading
@@ -94,6 +95,10 @@ def test_sender_against_a_vllm_like_peer(backend, tmp_path):
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("the NCCL pair needs two GPUs (sender on cuda:0, peer on cuda:1)")
     device, peer_device = ("cpu", "cpu") if backend == "gloo" else ("cuda:0", "cuda:1")
+    if backend == "nccl":  # never NVLink multicast on the shared GPU hosts (the peer inherits the environment)
+        for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                           "NVSHMEM_DISABLE_NVLS": "1"}.items():  # fmt: skip
+            os.environ.setdefault(key, value)
     peer = PeerProcess(backend, peer_device, tmp_path)
     try:
         sender = WeightSender(timeout_s=60, packed_buffer_size_bytes=BUFFER)
