@@ -14,7 +14,6 @@ import copy
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -165,34 +164,27 @@ def test_keep_pause_recomputes_kv_with_the_new_weights(target, hf_and_sender):
     model's greedy choice over the whole sequence, which a kept (old-weight) KV would not give."""
     model, sender = hf_and_sender
     old = copy.deepcopy(model)
-    prompt, n = [1, 504, 3032, 314, 260, 3241], 120
-    box: dict = {}
-
-    def generate() -> None:
-        async def go():
-            async with AsyncServerClient(target.base_url) as c:
-                return await c.complete(prompt, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
-
-        box["result"] = asyncio.run(go())
-
-    async def generated() -> float:
-        async with AsyncServerClient(target.base_url) as c:
-            return (await c.metrics())["vllm:generation_tokens_total"]
-
-    base = asyncio.run(generated())
-    thread = threading.Thread(target=generate)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while asyncio.run(generated()) < base + 5:
-        assert time.monotonic() < deadline, "the request did not start generating"
-        time.sleep(0.01)
+    prompt, n = [1, 504, 3032, 314, 260, 3241], 240
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    sender.update(model.named_parameters(), version="kv-1")  # pause keep -> update -> resume
-    thread.join(120)
-    res = box["result"]
+
+    async def go():
+        async with AsyncServerClient(target.base_url) as c:
+            base = (await c.metrics())["vllm:generation_tokens_total"]
+            task = asyncio.create_task(c.complete(prompt, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}))
+            deadline = time.monotonic() + 60
+            while (await c.metrics())["vllm:generation_tokens_total"] < base + 5:
+                assert time.monotonic() < deadline and not task.done(), "the request did not start generating"
+                await asyncio.sleep(0.002)
+            await c.pause("keep")  # freeze it mid-way; the sender's own keep pause then finds it frozen
+            assert not task.done()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, lambda: sender.update(model.named_parameters(), version="kv-1"))
+            return await task  # the sender resumed the server
+
+    res = asyncio.run(go())
     spans = [(s.version, s.start, s.end) for s in res.weight_versions]
     assert len(spans) == 2 and spans[1][0] == "kv-1" and spans[1][2] == n, spans
     k = spans[1][1]
