@@ -115,6 +115,9 @@ def test_nccl_update_model_streams_a_peft_policy(setup):
     policy = lora_model(hf_model(model_dir), seed=4, rank=8, targets=ALL_LINEAR).to("cuda:1")
     metas = policy_weight_metadata(policy)
     largest = max(m.nbytes for m in metas)
+    # cuBLAS takes its workspace (32 MiB on Hopper) from the caching allocator at the first matmul on a stream:
+    # allocate it before the baseline, so the peak measures the sync and not that one-off workspace.
+    torch.ones(8, 8, device="cuda:1") @ torch.ones(8, 8, device="cuda:1")
     torch.cuda.synchronize("cuda:1")
     torch.cuda.reset_peak_memory_stats("cuda:1")
     base = torch.cuda.memory_allocated("cuda:1")
