@@ -47,7 +47,7 @@ from asyncgrpo.trainer.inputs import check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
-from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, probe_server
+from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, check_sampling_limits, probe_server
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.policy import join_policy_gathers
@@ -184,6 +184,10 @@ class AsyncGRPOTrainer(Trainer):
             want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
             self.facts = probe_server(args.vllm_server_base_url, args.vllm_server_timeout, want_masks)
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
+            n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
+            check_sampling_limits(
+                self.facts, temperature=args.temperature, top_k=args.top_k, num_sampler_logprobs=n_logprobs
+            )
         facts = self._broadcast_object(self.facts)
         self.facts = facts
         self.token_budget = args.token_budget or facts.max_model_len
