@@ -121,7 +121,8 @@ async def evaluate(
     async with AsyncServerClient(base_url, max_connections=64) as client:
 
         async def turn(prompt_ids: list[int]) -> TurnRecord:
-            res = await client.complete(prompt_ids, {"max_tokens": 64, "temperature": 0.0, "logprobs": 0})
+            params = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "logprobs": 0}
+            res = await client.complete(prompt_ids, params)
             return TurnRecord(prompt_ids=list(prompt_ids), output_ids=res.token_ids, output_log_probs=res.logprobs)
 
         async def episode(row: dict[str, Any]) -> tuple[float, float, int, int]:

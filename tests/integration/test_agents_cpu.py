@@ -162,7 +162,8 @@ def test_doc_env_dict_example_routes_and_shows_only_that_environments_tools(tmp_
 # ---------------------------------------------------------------------------------------------- in-process loops
 def _server_turn(client: AsyncServerClient, max_tokens: int = 64):
     async def turn(prompt_ids: list[int]) -> TurnRecord:
-        params = {"max_tokens": max_tokens, "temperature": TEMPERATURE, "logprobs": 0, "seed": len(prompt_ids)}
+        params = {"max_tokens": max_tokens, "temperature": TEMPERATURE, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                  "logprobs": 0, "seed": len(prompt_ids)}  # fmt: skip
         res = await client.complete(prompt_ids, params)
         return TurnRecord(prompt_ids=list(prompt_ids), output_ids=res.token_ids, output_log_probs=res.logprobs)
 
