@@ -41,6 +41,7 @@ DEMO_CONFIG: dict[str, Any] = {
     },
 }  # fmt: skip
 
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=DEMO_CONFIG["args"]["max_steps"], help="optimizer steps")
     parser.add_argument("--device", default="auto", help="device of the embedded server (auto|cpu|cuda)")

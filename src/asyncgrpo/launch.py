@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.run_config import RunSpec, UserError, check_args, check_run, import_object, load_yaml
+from asyncgrpo.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, import_object, load_yaml
 
 __all__ = ["build_dataset", "import_object", "load_run_config", "parse_train", "run_train", "train_from_config"]
 
@@ -82,7 +82,7 @@ def resolve_model(name: str) -> str:
 
 
 # ---- the command line --------------------------------------------------------------------------------------------
-def train_parser():
+def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     """HfArgumentParser over AsyncGRPOConfig (every field a --flag with its help) plus the command's own flags."""
     from transformers import HfArgumentParser
 
@@ -90,12 +90,12 @@ def train_parser():
 
     # conflict_handler="resolve": our --debug (tracebacks) replaces TrainingArguments' --debug flag; that field
     # (underflow_overflow, ...) stays settable in the YAML's args.
-    parser = HfArgumentParser(AsyncGRPOConfig, prog="asyncgrpo train", conflict_handler="resolve",
-                              description="Run async GRPO from a YAML file; any AsyncGRPOConfig field below "
-                              "overrides the file's args (e.g. --max_steps 3 --learning_rate 1e-5).")  # fmt: skip
+    description = description or ("Run async GRPO from a YAML file; any AsyncGRPOConfig field below overrides "
+                                  "the file's args (e.g. --max_steps 3 --learning_rate 1e-5).")  # fmt: skip
+    parser = HfArgumentParser(AsyncGRPOConfig, prog=prog, conflict_handler="resolve", description=description)
     debug_default = next(f.default for f in dataclasses.fields(AsyncGRPOConfig) if f.name == "debug")
     parser.set_defaults(debug=debug_default)  # HfArgumentParser expects every field in the namespace
-    own = parser.add_argument_group("asyncgrpo train")
+    own = parser.add_argument_group(prog)
     own.add_argument("--config", required=True, help="the run's YAML file (see examples/demo.yaml)")
     own.add_argument("--resume", nargs="?", const=True, default=None, help="resume from a checkpoint (or the newest)")
     own.add_argument("--debug", dest="show_traceback", action="store_true", help="show the traceback of user errors")
@@ -105,12 +105,12 @@ def train_parser():
     return parser
 
 
-def parse_train(argv: list[str]) -> tuple[RunSpec, argparse.Namespace]:
+def parse_train(argv: list[str], parser: Any = None) -> tuple[RunSpec, argparse.Namespace]:
     """Read --config, check the whole YAML, apply command-line overrides; nothing is loaded or started."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    parser = train_parser()
+    parser = parser or train_parser()
     if known.config is None:
         parser.parse_args(argv)  # --help, or argparse's own "--config is required" (exit 2)
     cfg = load_yaml(known.config)
@@ -119,9 +119,13 @@ def parse_train(argv: list[str]) -> tuple[RunSpec, argparse.Namespace]:
         raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
     parser.set_defaults(**check_args(args_raw))
     try:
-        config, ns = parser.parse_args_into_dataclasses(args=argv)
+        config, ns, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     except ValueError as e:  # AsyncGRPOConfig.__post_init__ lists every problem with its fix
         raise UserError(str(e)) from e
+    if rest:
+        flags = [o for a in parser._actions for o in a.option_strings]
+        hint = did_you_mean(rest[0].split("=")[0], flags) if rest[0].startswith("-") else ""
+        raise UserError(f"unknown command-line argument(s) {' '.join(rest)}{hint}; `{parser.prog} --help` lists them")
     return check_run(cfg, config), ns
 
 
@@ -155,6 +159,14 @@ def wait_for_server(base_url: str, wait_s: float) -> None:
         time.sleep(1.0)
 
 
+def server_flags(server_cfg: dict[str, Any]) -> list[str]:
+    """``asyncgrpo serve`` flags of the YAML's ``server`` section (device, dtype, then its own args)."""
+    extra = ["--device", str(server_cfg.get("device", "auto"))]
+    if "dtype" in server_cfg:
+        extra += ["--dtype", str(server_cfg["dtype"])]
+    return extra + [str(a) for a in server_cfg.get("args", [])]
+
+
 def _write_run_config(spec: RunSpec) -> None:
     """``run_config.json`` next to metrics.jsonl: what ``asyncgrpo report`` compares the metrics against."""
     os.makedirs(spec.args.output_dir, exist_ok=True)
@@ -172,23 +184,19 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
     from asyncgrpo.client.errors import ServerError
     from asyncgrpo.server.launcher import launch_server
 
+    args, server_cfg = spec.args, spec.server
+    if not server_cfg.get("embedded"):
+        wait_for_server(args.vllm_server_base_url, float(server_cfg.get("wait_s", 60)))
     model = resolve_model(spec.model)
     dataset = build_dataset(spec.dataset)
     eval_dataset = build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None
-    args, server_cfg = spec.args, spec.server
     _write_run_config(spec)
     with contextlib.ExitStack() as stack:
         if server_cfg.get("embedded"):
-            extra = ["--device", str(server_cfg.get("device", "auto"))]
-            if "dtype" in server_cfg:
-                extra += ["--dtype", str(server_cfg["dtype"])]
-            extra += [str(a) for a in server_cfg.get("args", [])]
             server = stack.enter_context(
-                launch_server(model, extra_args=extra, timeout=float(server_cfg.get("timeout", 600)))
+                launch_server(model, extra_args=server_flags(server_cfg), timeout=float(server_cfg.get("timeout", 600)))
             )
             args.vllm_server_base_url = server.base_url
-        else:
-            wait_for_server(args.vllm_server_base_url, float(server_cfg.get("wait_s", 60)))
         kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
         try:
             trainer = AsyncGRPOTrainer(model=model, reward_funcs=list(spec.reward_funcs), args=args,
@@ -222,7 +230,7 @@ def run_train(argv: list[str]) -> int:
     progress = None if ns.log_full else CompactProgress(ns.doctor_every, settings)
     t0 = time.time()
     out, _ = train_from_spec(spec, ns.resume, progress)
-    print(run_summary(a.output_dir, out.global_step, t0), flush=True)  # noqa: T201 - the command's output
+    print(run_summary(a.output_dir, out.global_step, t0), flush=True)
     return 0
 
 

@@ -39,7 +39,9 @@ def _check_keys(where: str, found: typing.Iterable[str], allowed: typing.Iterabl
     allowed = list(allowed)
     for key in found:
         if key not in allowed:
-            raise UserError(f"{where}: unknown key '{key}'{did_you_mean(str(key), allowed)}; allowed: {', '.join(allowed)}")
+            raise UserError(
+                f"{where}: unknown key '{key}'{did_you_mean(str(key), allowed)}; allowed: {', '.join(allowed)}"
+            )
 
 
 def _mapping(where: str, value: Any) -> dict[str, Any]:
@@ -142,7 +144,7 @@ def _accepts(tp: Any, value: Any) -> tuple[bool, Any]:
     if tp is str:
         return isinstance(value, str), value
     if origin in (list, tuple) or tp in (list, tuple):
-        return isinstance(value, (list, tuple)) or isinstance(value, str), value
+        return isinstance(value, (list, tuple, str)), value
     if origin is dict or tp is dict:
         return isinstance(value, (dict, str)), value
     return True, value  # enums, Literal and other types: transformers checks them in __post_init__

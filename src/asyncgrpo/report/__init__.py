@@ -1,7 +1,7 @@
 """The run doctor (X2): ``asyncgrpo report RUN_DIR`` draws a run's curves and applies the diagnosis tables.
 
-    asyncgrpo report outputs/demo            # -> outputs/demo/report/report.html + PNGs, verdicts printed
-    asyncgrpo report outputs/demo --last 20  # judge the last 20 steps only
+asyncgrpo report outputs/demo            # -> outputs/demo/report/report.html + PNGs, verdicts printed
+asyncgrpo report outputs/demo --last 20  # judge the last 20 steps only
 """
 
 from __future__ import annotations
@@ -66,5 +66,5 @@ def run_report(ns: argparse.Namespace) -> int:
     lines = [f"asyncgrpo report: {len(run.windows)} windows up to step {run.last_step}"]
     lines += [v.text() for v in verdicts] or ["not enough metrics for any diagnosis table"]
     lines.append(f"wrote {out / 'report.html'} and {len(list(out.glob('*.png')))} plots")
-    print("\n".join(lines), flush=True)  # noqa: T201 - the command's output
+    print("\n".join(lines), flush=True)
     return 0

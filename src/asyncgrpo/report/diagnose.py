@@ -174,8 +174,9 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
     d_move = _change(d_steps, dropped) / span if dropped else 0.0
     figs = {
         "frac_reward_zero_std": f"{_g(zs_now)} (change {zs_move:+.2f})",
-        "reward_dropped": "n/a" if d_pos is None else f"{_g(_mean(dropped[-3:]))} ({_pct(d_pos)} of range, "
-        f"change {d_move * span:+.2g})",
+        "reward_dropped": "n/a"
+        if d_pos is None
+        else f"{_g(_mean(dropped[-3:]))} ({_pct(d_pos)} of range, change {d_move * span:+.2g})",
         "reward": f"{_g(_mean(reward[-3:]))} (change {r_move * span:+.2g})",
         "reward range": f"[{_g(lo)}, {_g(hi)}]",
     }
@@ -190,9 +191,12 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
         clipped = _mean(run.series("completions/clipped_ratio", last)[1])
         if clipped is not None:
             figs["completions/clipped_ratio"] = _g(clipped)
-        first = "completions/clipped_ratio is high: completions are cut before the answer and score 0; raise " \
-            "max_completion_length" if clipped is not None and clipped >= CLIPPED_HIGH else \
-            "check completions/clipped_ratio first (cut completions score 0)"
+        first = (
+            "completions/clipped_ratio is high: completions are cut before the answer and score 0; raise "
+            "max_completion_length"
+            if clipped is not None and clipped >= CLIPPED_HIGH
+            else "check completions/clipped_ratio first (cut completions score 0)"
+        )
         return Verdict("saturation", "stuck at the bottom: the prompts are too hard or the reward function gives "
                        "no credit", f"{first}, then read a few completions to see whether the reward function "
                        "parses them", False, figs)  # fmt: skip

@@ -42,7 +42,7 @@ class CompactProgress(ProgressCallback):
         if self.training_bar is not None:
             self.training_bar.write(text)
         else:
-            print(text, flush=True)  # noqa: T201 - the command's console output
+            print(text, flush=True)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
         if not state.is_world_process_zero or not logs or "train_runtime" in logs:

@@ -22,19 +22,35 @@ PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward: all groups, trained, dropped", "reward", ("reward", "reward_kept", "reward_dropped")),
     Panel("zero_std", "Groups without signal (dropped)", "fraction", ("frac_reward_zero_std",)),
     Panel("staleness", "Sample staleness", "weight updates", ("sample/staleness_mean", "sample/staleness_max")),
-    Panel("wait", "Rollout wait against step time", "seconds", ("perf/step_s", "perf/rollout_wait_s",
-          "rollout/backpressure_s")),  # fmt: skip
+    Panel(
+        "wait",
+        "Rollout wait against step time",
+        "seconds",
+        ("perf/step_s", "perf/rollout_wait_s", "rollout/backpressure_s"),
+    ),
     Panel("throughput", "Generated tokens per second", "tokens/s", ("rollout/generated_tokens_per_s",)),
     Panel("concurrency", "Concurrency against cap", "rollouts", ("rollout/concurrency", "rollout/concurrency_cap")),
     Panel("queue", "Rollout queue", "samples", ("rollout/queue_size", "batch/samples_per_step")),
     Panel("kv_cache", "Server KV-cache use", "fraction", ("rollout/vllm_kv_cache_usage_frac",)),
-    Panel("importance", "Importance ratio and masked fraction", "ratio / fraction", (
-        "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-        "sampling/importance_sampling_ratio/max", "sampling/masked_mean")),  # fmt: skip
+    Panel(
+        "importance",
+        "Importance ratio and masked fraction",
+        "ratio / fraction",
+        (
+            "sampling/importance_sampling_ratio/min",
+            "sampling/importance_sampling_ratio/mean",
+            "sampling/importance_sampling_ratio/max",
+            "sampling/masked_mean",
+        ),
+    ),
     Panel("entropy", "Entropy", "nats", ("entropy",)),
     Panel("length", "Completion length", "tokens", ("completions/mean_length", "completions/max_length")),
-    Panel("duplicates", "Duplicate and clipped completions", "fraction", ("completions/duplicate_frac",
-          "completions/clipped_ratio")),  # fmt: skip
+    Panel(
+        "duplicates",
+        "Duplicate and clipped completions",
+        "fraction",
+        ("completions/duplicate_frac", "completions/clipped_ratio"),
+    ),
 )
 
 

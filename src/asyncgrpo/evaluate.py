@@ -1,0 +1,153 @@
+"""Held-out evaluation (X7): generate on the server for every prompt of a dataset, score with the reward functions.
+
+Used twice: by the trainer at ``eval_steps`` (``eval/*`` metrics, on the weights the server holds, i.e. the last
+sync) and by ``asyncgrpo eval --model DIR --config run.yaml`` for a saved checkpoint:
+
+    asyncgrpo eval --model outputs/demo --config examples/demo.yaml [--temperature 0] [--num_samples 1]
+
+Generation goes through ``/v1/completions`` with token-id prompts, which vLLM and the embedded server both
+serve. ``temperature: 0`` is greedy decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How held-out prompts are sampled. ``temperature == 0``: greedy (one sample is enough)."""
+
+    base_url: str
+    max_tokens: int
+    temperature: float = 0.0
+    num_samples: int = 1
+    concurrency: int = 64
+    timeout: float = 600.0
+    seed: int = 0
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                        **(chat_template_kwargs or {}))  # fmt: skip
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+async def _score_row(client: AsyncServerClient, tokenizer: Any, row: dict[str, Any], index: int,
+                     reward_funcs: list[Any], s: EvalSettings) -> tuple[np.ndarray, np.ndarray, list[int], list[bool]]:  # fmt: skip
+    params = {"max_tokens": s.max_tokens, "temperature": s.temperature, "n": s.num_samples, "seed": s.seed + index}
+    results = await client.complete_n(render(tokenizer, row["prompt"], s.chat_template_kwargs), params,
+                                      timeout=s.timeout)  # fmt: skip
+    texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    extra = {k: [v] * len(results) for k, v in row.items() if k != "prompt"}
+    per_func = await run_reward_functions(
+        reward_funcs, prompts=[row["prompt"]] * len(results), completions=completions,
+        completion_ids=[r.token_ids for r in results], reward_kwargs=extra,
+    )  # fmt: skip
+    lengths = [len(r.token_ids) for r in results]
+    return per_func, total_rewards(per_func), lengths, [r.finish_reason == "length" for r in results]
+
+
+async def evaluate_dataset(tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings,
+                           prefix: str = "eval") -> dict[str, float]:  # fmt: skip
+    """Mean held-out reward and completion figures, as ``{prefix}/reward`` etc.
+
+    Returns:
+        ``{prefix}/reward`` (mean total reward over scored completions), ``{prefix}/rewards/{name}/mean``,
+        ``{prefix}/completions/mean_length``, ``{prefix}/completions/clipped_ratio`` and ``{prefix}/num_prompts``.
+    """
+    gate = asyncio.Semaphore(s.concurrency)
+    async with AsyncServerClient(s.base_url, max_connections=s.concurrency) as client:
+
+        async def one(i: int) -> Any:
+            async with gate:
+                return await _score_row(client, tokenizer, dataset[i], i, reward_funcs, s)
+
+        rows = await asyncio.gather(*(one(i) for i in range(len(dataset))))
+    per_func = np.concatenate([r[0] for r in rows]) if rows else np.empty((0, len(reward_funcs)))
+    totals = np.concatenate([r[1] for r in rows]) if rows else np.empty(0)
+    lengths = [n for r in rows for n in r[2]]
+    clipped = [c for r in rows for c in r[3]]
+
+    def mean(xs: np.ndarray) -> float:
+        xs = xs[~np.isnan(xs)]
+        return float(xs.mean()) if xs.size else math.nan
+
+    out = {f"{prefix}/reward": mean(totals)}
+    for j, func in enumerate(reward_funcs):
+        out[f"{prefix}/rewards/{reward_function_name(func)}/mean"] = mean(per_func[:, j])
+    out[f"{prefix}/completions/mean_length"] = float(np.mean(lengths)) if lengths else math.nan
+    out[f"{prefix}/completions/clipped_ratio"] = float(np.mean(clipped)) if clipped else math.nan
+    out[f"{prefix}/num_prompts"] = float(len(dataset))
+    return out
+
+
+def evaluate_sync(tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings,
+                  prefix: str = "eval") -> dict[str, float]:  # fmt: skip
+    """Blocking ``evaluate_dataset`` (the trainer's main thread runs no event loop)."""
+    return asyncio.run(evaluate_dataset(tokenizer, dataset, reward_funcs, s, prefix))
+
+
+def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings:
+    """The eval sampling settings an ``AsyncGRPOConfig`` asks for."""
+    return EvalSettings(
+        base_url=base_url or args.vllm_server_base_url,
+        max_tokens=args.max_completion_length,
+        temperature=args.eval_temperature,
+        num_samples=args.eval_num_generations,
+        concurrency=min(args.max_concurrent_rollouts, 64),
+        timeout=args.vllm_server_timeout,
+        seed=args.seed,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
+
+
+# ---- asyncgrpo eval -------------------------------------------------------------------------------------------------
+def run_eval(argv: list[str]) -> int:
+    """``asyncgrpo eval --model DIR --config run.yaml``: the YAML's eval_dataset scored on ``DIR``'s weights."""
+    import contextlib
+
+    from transformers import AutoTokenizer
+
+    from asyncgrpo.launch import build_dataset, parse_train, resolve_model, server_flags, train_parser, wait_for_server
+    from asyncgrpo.run_config import UserError
+    from asyncgrpo.server.launcher import launch_server
+
+    parser = train_parser("asyncgrpo eval", "Score a model on the YAML's eval_dataset with its reward functions; "
+                          "AsyncGRPOConfig flags (--eval_temperature, --eval_num_generations, "
+                          "--max_completion_length) override the file.")  # fmt: skip
+    parser.add_argument("--model", required=True, help="the checkpoint to score (default of the YAML's model: none)")
+    spec, ns = parse_train(argv, parser)
+    if spec.eval_dataset is None:
+        raise UserError(f"{ns.config} has no eval_dataset: add one (same keys as dataset, e.g. another seed)")
+    model = resolve_model(ns.model)
+    dataset = build_dataset(spec.eval_dataset)
+    with contextlib.ExitStack() as stack:
+        if spec.server.get("embedded"):
+            server = stack.enter_context(launch_server(model, extra_args=server_flags(spec.server),
+                                                       timeout=float(spec.server.get("timeout", 600))))  # fmt: skip
+            base_url = server.base_url
+        else:
+            base_url = spec.args.vllm_server_base_url
+            wait_for_server(base_url, float(spec.server.get("wait_s", 60)))
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=spec.args.trust_remote_code)
+        s = settings_from_config(spec.args, base_url)
+        scores = evaluate_sync(tokenizer, dataset, list(spec.reward_funcs), s)
+    mode = "greedy" if s.temperature == 0 else f"temperature {s.temperature}, {s.num_samples} per prompt"
+    lines = [f"eval/reward {scores['eval/reward']:.4f} over {len(dataset)} prompts ({mode}) of {ns.model}"]
+    lines += [f"  {k} {v:.4g}" for k, v in scores.items() if k not in ("eval/reward", "eval/num_prompts")]
+    print("\n".join(lines), flush=True)
+    return 0
