@@ -24,6 +24,15 @@ from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 
 logger = logging.getLogger(__name__)
 
+# asyncgrpo's own metric names (X7), beside the reference document's METRICS.
+EVAL_METRICS: dict[str, str] = {
+    "eval/reward": "mean total reward of the eval_dataset completions (greedy unless eval_temperature > 0)",
+    "eval/rewards/{reward_func_name}/mean": "one reward function's mean over the eval_dataset completions",
+    "eval/completions/mean_length": "mean length of the eval_dataset completions",
+    "eval/completions/clipped_ratio": "fraction of eval_dataset completions cut at max_completion_length",
+    "eval/num_prompts": "prompts scored in the evaluation",
+}
+
 
 @dataclass(frozen=True)
 class EvalSettings:

@@ -20,6 +20,7 @@ class Panel:
 
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward: all groups, trained, dropped", "reward", ("reward", "reward_kept", "reward_dropped")),
+    Panel("eval", "Held-out reward (eval_dataset)", "reward", ("eval/reward",)),
     Panel("zero_std", "Groups without signal (dropped)", "fraction", ("frac_reward_zero_std",)),
     Panel("staleness", "Sample staleness", "weight updates", ("sample/staleness_mean", "sample/staleness_max")),
     Panel(

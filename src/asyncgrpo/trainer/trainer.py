@@ -83,6 +83,8 @@ class AsyncGRPOTrainer(Trainer):
         callbacks, optimizers: as in ``transformers.Trainer``.
         peft_config: a PEFT config; the server then receives merged weights.
         tools, environment_factory: multi-turn agents (not part of this release's single-turn trainer).
+        eval_dataset: held-out prompts (same columns as ``train_dataset``), generated on the server and scored by
+            the reward functions at ``eval_steps`` (``eval/*`` metrics, see ``asyncgrpo.evaluate``).
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -99,6 +101,7 @@ class AsyncGRPOTrainer(Trainer):
         peft_config: Any = None,
         tools: list[Any] | None = None,
         environment_factory: Any = None,
+        eval_dataset: Any = None,
     ) -> None:
         if tools or environment_factory is not None:
             raise NotImplementedError(
@@ -138,12 +141,15 @@ class AsyncGRPOTrainer(Trainer):
         if train_dataset is None:
             raise ValueError("train_dataset is required: a dataset with a conversational 'prompt' column")
         self._check_dataset(train_dataset)
+        if eval_dataset is not None:
+            self._check_dataset(eval_dataset)
         self.model_id = model_id
         self.reward_funcs = reward_funcs
         super().__init__(
             model=model,
             args=args,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -277,6 +283,21 @@ class AsyncGRPOTrainer(Trainer):
             return super().train(resume_from_checkpoint=ckpt, **kwargs)
         finally:
             self._stop_rollout()
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
+        """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""
+        from asyncgrpo.evaluate import evaluate_sync, settings_from_config
+
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (pass it to the trainer or to evaluate())")
+        metrics: dict[str, float] = {}
+        if self.is_world_process_zero():
+            settings = settings_from_config(self.args)
+            metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
+            Trainer.log(self, metrics)  # not self.log: that would flush the training window into this line
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
 
     def get_train_dataloader(self) -> _StepSource:
         if self.args.max_steps > 0:
