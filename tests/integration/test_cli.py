@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def asyncgrpo(*argv: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "asyncgrpo", *argv], cwd=ROOT, env=full_env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "asyncgrpo", *argv], cwd=ROOT, env=full_env, capture_output=True, check=False,
                           text=True, timeout=timeout)  # fmt: skip
 
 
