@@ -26,7 +26,7 @@ def test_import_object_both_spellings():
 def test_bad_config_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: demo\nargs: {}\ndataset: {recipe: reasoning_gym}\nrewards: []\n")
-    with pytest.raises(ValueError, match="unknown top-level keys.*rewards"):
+    with pytest.raises(ValueError, match="unknown key 'rewards' \\(did you mean 'reward_funcs'\\?\\)"):
         load_run_config(bad)
     bad.write_text("model: demo\nargs: {}\n")
     with pytest.raises(ValueError, match="missing 'dataset'"):
