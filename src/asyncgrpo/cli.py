@@ -57,7 +57,7 @@ def _dispatch(argv: list[str]) -> tuple[Callable[[], int], bool]:
 
         return lambda: run_train(argv[1:]), debug
     if argv and argv[0] == "eval":
-        from asyncgrpo.evaluate import run_eval
+        from asyncgrpo.eval_command import run_eval
 
         return lambda: run_eval(argv[1:]), debug
     args = _build_parser().parse_args(argv)

@@ -1,12 +1,9 @@
 """Held-out evaluation (X7): generate on the server for every prompt of a dataset, score with the reward functions.
 
 Used twice: by the trainer at ``eval_steps`` (``eval/*`` metrics, on the weights the server holds, i.e. the last
-sync) and by ``asyncgrpo eval --model DIR --config run.yaml`` for a saved checkpoint:
-
-    asyncgrpo eval --model outputs/demo --config examples/demo.yaml [--temperature 0] [--num_samples 1]
-
-Generation goes through ``/v1/completions`` with token-id prompts, which vLLM and the embedded server both
-serve. ``temperature: 0`` is greedy decoding.
+sync) and by ``asyncgrpo eval`` (``eval_command.py``) for a saved checkpoint. Generation goes through
+``/v1/completions`` with token-id prompts, which vLLM and the embedded server both serve; temperature 0 is greedy
+decoding.
 """
 
 from __future__ import annotations
@@ -122,41 +119,3 @@ def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings
         seed=args.seed,
         chat_template_kwargs=args.chat_template_kwargs,
     )
-
-
-# ---- asyncgrpo eval -------------------------------------------------------------------------------------------------
-def run_eval(argv: list[str]) -> int:
-    """``asyncgrpo eval --model DIR --config run.yaml``: the YAML's eval_dataset scored on ``DIR``'s weights."""
-    import contextlib
-
-    from transformers import AutoTokenizer
-
-    from asyncgrpo.launch import build_dataset, parse_train, resolve_model, server_flags, train_parser, wait_for_server
-    from asyncgrpo.run_config import UserError
-    from asyncgrpo.server.launcher import launch_server
-
-    parser = train_parser("asyncgrpo eval", "Score a model on the YAML's eval_dataset with its reward functions; "
-                          "AsyncGRPOConfig flags (--eval_temperature, --eval_num_generations, "
-                          "--max_completion_length) override the file.")  # fmt: skip
-    parser.add_argument("--model", required=True, help="the checkpoint to score (default of the YAML's model: none)")
-    spec, ns = parse_train(argv, parser)
-    if spec.eval_dataset is None:
-        raise UserError(f"{ns.config} has no eval_dataset: add one (same keys as dataset, e.g. another seed)")
-    model = resolve_model(ns.model)
-    dataset = build_dataset(spec.eval_dataset)
-    with contextlib.ExitStack() as stack:
-        if spec.server.get("embedded"):
-            server = stack.enter_context(launch_server(model, extra_args=server_flags(spec.server),
-                                                       timeout=float(spec.server.get("timeout", 600))))  # fmt: skip
-            base_url = server.base_url
-        else:
-            base_url = spec.args.vllm_server_base_url
-            wait_for_server(base_url, float(spec.server.get("wait_s", 60)))
-        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=spec.args.trust_remote_code)
-        s = settings_from_config(spec.args, base_url)
-        scores = evaluate_sync(tokenizer, dataset, list(spec.reward_funcs), s)
-    mode = "greedy" if s.temperature == 0 else f"temperature {s.temperature}, {s.num_samples} per prompt"
-    lines = [f"eval/reward {scores['eval/reward']:.4f} over {len(dataset)} prompts ({mode}) of {ns.model}"]
-    lines += [f"  {k} {v:.4g}" for k, v in scores.items() if k not in ("eval/reward", "eval/num_prompts")]
-    print("\n".join(lines), flush=True)
-    return 0
