@@ -8,6 +8,8 @@ reward functions score, and ``AsyncGRPOConfig`` flags override the file as with 
 
 from __future__ import annotations
 
+from typing import Any
+
 from asyncgrpo.evaluate import evaluate_sync, settings_from_config
 
 
@@ -17,15 +19,17 @@ def run_eval(argv: list[str]) -> int:
 
     from transformers import AutoTokenizer
 
-    from asyncgrpo.launch import build_dataset, parse_train, resolve_model, server_flags, train_parser, wait_for_server
+    from asyncgrpo.launch import build_dataset, parse_train, resolve_model, server_flags, wait_for_server
     from asyncgrpo.run_config import UserError
     from asyncgrpo.server.launcher import launch_server
 
-    parser = train_parser("asyncgrpo eval", "Score a model on the YAML's eval_dataset with its reward functions; "
-                          "AsyncGRPOConfig flags (--eval_temperature, --eval_num_generations, "
-                          "--max_completion_length) override the file.")  # fmt: skip
-    parser.add_argument("--model", required=True, help="the checkpoint to score (default of the YAML's model: none)")
-    spec, ns = parse_train(argv, parser)
+    description = ("Score a model on the YAML's eval_dataset with its reward functions; AsyncGRPOConfig flags "
+                   "(--eval_temperature, --eval_num_generations, --max_completion_length) override the file.")  # fmt: skip
+
+    def add_model(parser: Any) -> None:
+        parser.add_argument("--model", required=True, help="the checkpoint directory (or hub id) to score")
+
+    spec, ns = parse_train(argv, "asyncgrpo eval", description, add_model)
     if spec.eval_dataset is None:
         raise UserError(f"{ns.config} has no eval_dataset: add one (same keys as dataset, e.g. another seed)")
     model = resolve_model(ns.model)

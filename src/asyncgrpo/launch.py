@@ -105,18 +105,29 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     return parser
 
 
-def parse_train(argv: list[str], parser: Any = None) -> tuple[RunSpec, argparse.Namespace]:
-    """Read --config, check the whole YAML, apply command-line overrides; nothing is loaded or started."""
+def parse_train(
+    argv: list[str], prog: str = "asyncgrpo train", description: str | None = None, add_flags: Any = None
+) -> tuple[RunSpec, argparse.Namespace]:
+    """Read --config, check the whole YAML, apply command-line overrides; nothing is loaded or started.
+
+    The sections but ``args`` are checked first, before transformers is imported (seconds), so most mistakes
+    are reported at once. ``add_flags(parser)`` adds a command's own flags (``asyncgrpo eval --model``).
+    """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    parser = parser or train_parser()
-    if known.config is None:
+    sections = None
+    if known.config is not None and not {"-h", "--help"} & set(argv):
+        cfg = load_yaml(known.config)
+        args_raw = cfg["args"] or {}
+        if not isinstance(args_raw, dict):
+            raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
+        sections = check_run(cfg)
+    parser = train_parser(prog, description)
+    if add_flags is not None:
+        add_flags(parser)
+    if sections is None:
         parser.parse_args(argv)  # --help, or argparse's own "--config is required" (exit 2)
-    cfg = load_yaml(known.config)
-    args_raw = cfg["args"] or {}
-    if not isinstance(args_raw, dict):
-        raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
     parser.set_defaults(**check_args(args_raw))
     try:
         config, ns, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
@@ -126,17 +137,18 @@ def parse_train(argv: list[str], parser: Any = None) -> tuple[RunSpec, argparse.
         flags = [o for a in parser._actions for o in a.option_strings]
         hint = did_you_mean(rest[0].split("=")[0], flags) if rest[0].startswith("-") else ""
         raise UserError(f"unknown command-line argument(s) {' '.join(rest)}{hint}; `{parser.prog} --help` lists them")
-    return check_run(cfg, config), ns
+    return dataclasses.replace(sections, args=config), ns
 
 
 def _config_from_dict(cfg: dict[str, Any]) -> RunSpec:
     from asyncgrpo.config import AsyncGRPOConfig
 
+    sections = check_run(cfg)
     try:
         args = AsyncGRPOConfig(**check_args(dict(cfg["args"])))
     except ValueError as e:
         raise UserError(str(e)) from e
-    return check_run(cfg, args)
+    return dataclasses.replace(sections, args=args)
 
 
 def wait_for_server(base_url: str, wait_s: float) -> None:
@@ -219,10 +231,11 @@ def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None, pro
 
 
 def run_train(argv: list[str]) -> int:
+    spec, ns = parse_train(argv)
+
     from asyncgrpo.report.live import CompactProgress
     from asyncgrpo.report.runlog import RunSettings
 
-    spec, ns = parse_train(argv)
     if ns.doctor_every < 0:
         raise UserError(f"--doctor-every {ns.doctor_every}: must be >= 0 (0 turns the verdicts off)")
     a = spec.args

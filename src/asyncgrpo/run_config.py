@@ -183,7 +183,7 @@ class RunSpec:
     reward_specs: tuple[str, ...]
     reward_funcs: tuple[Any, ...]
     server: dict[str, Any]
-    args: Any  # AsyncGRPOConfig
+    args: Any  # AsyncGRPOConfig (None until parsed)
 
 
 def check_server(spec: Any) -> dict[str, Any]:
@@ -197,8 +197,8 @@ def check_server(spec: Any) -> dict[str, Any]:
     return spec
 
 
-def check_run(cfg: dict[str, Any], args: Any) -> RunSpec:
-    """Check every section but ``args`` (already parsed into ``args``, an AsyncGRPOConfig)."""
+def check_run(cfg: dict[str, Any], args: Any = None) -> RunSpec:
+    """Check every section but ``args`` (parsed separately into an AsyncGRPOConfig, then set on the spec)."""
     model = cfg["model"]
     if not isinstance(model, str) or not model:
         raise UserError(f"model must be 'demo', a local directory or a hub id; got {model!r}")

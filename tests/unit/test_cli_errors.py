@@ -143,3 +143,14 @@ def test_yaml_numbers_written_as_text_convert(tmp_path):
     assert "5e-6" in path.read_text()
     spec, _ = parse_train(["--config", str(path)])
     assert spec.args.learning_rate == 5e-6
+
+
+def test_report_without_metrics(tmp_path, capsys):
+    err = run_cli(["report", str(tmp_path)], capsys)
+    assert "metrics.jsonl not found: pass the run's output_dir" in err
+
+
+def test_eval_without_eval_dataset(tmp_path, capsys):
+    path = write(tmp_path, lambda c: None)
+    err = run_cli(["eval", "--model", str(tmp_path), "--config", str(path)], capsys)
+    assert "has no eval_dataset: add one" in err

@@ -42,3 +42,12 @@ def test_numeric_answer_reward():
     assert numeric_answer_reward(done, answer=["7", "7", "7"]) == [1.0, 0.0, 0.0]
     assert numeric_answer_reward(done[:1], answer=["n/a"]) == [None]
     assert format_reward(done) == [0.1, 0.0, 0.0]
+
+
+def test_demo_config_checks_without_loading_anything():
+    """`asyncgrpo demo` goes through the same checks as a YAML file (nothing is fetched or started here)."""
+    from asyncgrpo.launch import _config_from_dict
+
+    spec = _config_from_dict(DEMO_CONFIG)
+    assert spec.args.max_steps == DEMO_CONFIG["args"]["max_steps"] and spec.server["embedded"] is True
+    assert [f.__name__ for f in spec.reward_funcs] == ["numeric_answer_reward", "format_reward"]
