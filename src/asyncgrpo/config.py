@@ -248,13 +248,8 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # ---- evaluation (eval_dataset, eval_strategy and eval_steps are TrainingArguments') ----------------------------
-    eval_temperature: float = field(
-        default=0.0,
-        metadata={"help": "Sampling temperature of held-out evaluation on the server; 0.0 is greedy decoding."},
-    )
-    eval_num_generations: int = field(
-        default=1, metadata={"help": "Completions sampled per held-out prompt (use > 1 with eval_temperature > 0)."}
-    )
+    eval_temperature: float = field(default=0.0, metadata={"help": "Held-out sampling temperature; 0.0 is greedy."})
+    eval_num_generations: int = field(default=1, metadata={"help": "Completions per held-out prompt (eval/* means)."})
 
     def __post_init__(self) -> None:
         self.model_init_kwargs = _parse_json_dict(self.model_init_kwargs, "model_init_kwargs")
@@ -360,10 +355,9 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"max_staleness={self.max_staleness}: must be >= 0")
         if self.weight_sync_steps < 1:
             p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
-        if self.eval_temperature < 0:
-            p.append(f"eval_temperature={self.eval_temperature}: must be >= 0 (0.0 is greedy)")
-        if self.eval_num_generations < 1:
-            p.append(f"eval_num_generations={self.eval_num_generations}: must be >= 1")
+        if self.eval_temperature < 0 or self.eval_num_generations < 1:
+            p.append(f"eval_temperature={self.eval_temperature}, eval_num_generations={self.eval_num_generations}: "
+                     "need temperature >= 0 (0.0 is greedy) and >= 1 generation")  # fmt: skip
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             p.append(f"num_completions_to_print={self.num_completions_to_print}: must be >= 1 or None")
         if not self.ignore_data_skip:

@@ -38,9 +38,8 @@ def config_reference() -> str:
             default = f.default
         else:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
-        lines.append(
-            f"| `{name}` | `{_cell(_type_text(f.type))}` | `{default!r}` | {_cell(f.metadata.get('help', ''))} |"
-        )
+        tp = _type_text(AsyncGRPOConfig.__annotations__[name])  # the source text: HfArgumentParser rewrites f.type
+        lines.append(f"| `{name}` | `{_cell(tp)}` | `{default!r}` | {_cell(f.metadata.get('help', ''))} |")
     return "\n".join(lines)
 
 

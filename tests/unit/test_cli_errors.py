@@ -154,3 +154,8 @@ def test_eval_without_eval_dataset(tmp_path, capsys):
     path = write(tmp_path, lambda c: None)
     err = run_cli(["eval", "--model", str(tmp_path), "--config", str(path)], capsys)
     assert "has no eval_dataset: add one" in err
+
+
+def test_eval_settings_are_checked(tmp_path, capsys):
+    path = write(tmp_path, lambda c: c["args"].update(eval_temperature=-1.0))
+    assert "need temperature >= 0" in run_cli(["train", "--config", str(path)], capsys)

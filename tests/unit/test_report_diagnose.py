@@ -177,3 +177,24 @@ def test_missing_or_empty_metrics(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "train_runtime": 1.0}) + "\n")
     with pytest.raises(ValueError, match="no logging window yet"):
         load_run(tmp_path)
+
+
+# ---- a real run ----------------------------------------------------------------------------------------------------
+REAL_RUN = Path(__file__).resolve().parents[2] / "bench" / "results" / "two_gpu_run_h200"
+
+
+def test_real_two_gpu_run(tmp_path):
+    """The measured H200 run: the queue figure is the median per-window wait share, recomputed here by hand."""
+    from asyncgrpo.report import write_report
+
+    rows = [json.loads(line) for line in (REAL_RUN / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in rows if "train_runtime" not in r and "perf/step_s" in r]
+    shares = sorted(r["perf/rollout_wait_s"] / r["perf/step_s"] for r in windows)
+    mid = len(shares) // 2
+    median = shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+    run = load_run(REAL_RUN, num_generations=8)
+    verdicts = write_report(run, tmp_path)
+    queue = next(v for v in verdicts if v.table == "queue")
+    assert queue.figures["perf/rollout_wait_s"].startswith(f"{100 * median:.0f} % of a step")
+    assert {v.table for v in verdicts} == {"queue", "concurrency", "saturation", "duplicates"}
+    assert (tmp_path / "report.html").is_file() and len(list(tmp_path.glob("*.png"))) >= 10
