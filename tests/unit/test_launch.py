@@ -51,3 +51,21 @@ def test_demo_config_checks_without_loading_anything():
     spec = _config_from_dict(DEMO_CONFIG)
     assert spec.args.max_steps == DEMO_CONFIG["args"]["max_steps"] and spec.server["embedded"] is True
     assert [f.__name__ for f in spec.reward_funcs] == ["numeric_answer_reward", "format_reward"]
+
+
+def test_plain_text_prompts_become_user_messages(tmp_path):
+    """The trainer takes conversational prompts (the document requires them); prompt_column converts text."""
+    import json
+
+    from asyncgrpo.launch import build_dataset
+    from asyncgrpo.run_config import UserError, check_dataset
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("\n".join(json.dumps({"question": q, "answer": a}) for q, a in [("1+1?", "2"), ("2+3?", "5")]))
+    spec = check_dataset("dataset", {"path": str(data), "prompt_column": "question"})
+    ds = build_dataset(spec)
+    assert ds[1]["prompt"] == [{"role": "user", "content": "2+3?"}] and ds[1]["answer"] == "5"
+    with pytest.raises(UserError, match="prompt_column 'q' is not a column"):
+        build_dataset({"path": str(data), "prompt_column": "q"})
+    with pytest.raises(UserError, match="file .*missing.jsonl not found"):
+        check_dataset("dataset", {"path": str(tmp_path / "missing.jsonl")})
