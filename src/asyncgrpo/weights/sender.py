@@ -9,8 +9,12 @@ server) with torch primitives only (no vLLM import). One round (SPEC G10):
 
     sender = WeightSender()
     sender.init(AsyncServerClient(url), server_world_size=1, backend="auto", device="cuda:0")
-    timings = sender.update(model.named_parameters(), version="step-1")
+    timings = sender.update_model(model, version="step-1")  # or update(named tensors, ...)
     sender.close()
+
+With ``metadata`` (``update_model`` takes it from global shapes) tensors are pulled,
+sent and dropped one at a time: a lazy source (FSDP gathers, PEFT merges) costs one
+full tensor (plus one packed chunk), not the model.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -41,6 +45,7 @@ from asyncgrpo.weights.collectives import (
     make_store,
     send_tensors,
 )
+from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,17 @@ def _local_address_towards(base_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, parsed.port or 80))  # UDP connect sends nothing; it only picks the route
         return s.getsockname()[0]
+
+
+def _values(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """The tensors of ``(name, tensor)`` pairs, each released here before the next pair is made."""
+    for item in named_tensors:
+        yield item[1]
+        del item
+
+
+def _as_meta(m: TensorMeta | tuple[str, torch.dtype, Sequence[int]]) -> TensorMeta:
+    return m if isinstance(m, TensorMeta) else TensorMeta(m[0], m[1], tuple(m[2]))
 
 
 def _raise_if_failed(fut: concurrent.futures.Future, what: str) -> Callable[[], None]:
@@ -255,17 +271,19 @@ class WeightSender:
         *,
         version: str,
         packed: bool | None = None,
-        metadata: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+        metadata: Sequence[TensorMeta | tuple[str, torch.dtype, Sequence[int]]] | None = None,
         barrier: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """Push one set of weights and label it ``version``.
 
         Args:
-            named_tensors: ``(hf_name, full tensor)`` in send order; consumed lazily when ``metadata`` is given.
+            named_tensors: ``(hf_name, full tensor)`` in send order. With ``metadata`` they are pulled one at a
+                time while broadcasting (each dropped before the next); without it they are listed first, which
+                is free for existing parameters but holds every tensor made on the fly.
             version: the weight version the server reports from now on (``/weight_info``, ``weight_versions``).
             packed: pack tensors into uint8 chunks (default: the ``init`` choice). A value other than the
                 ``init`` choice is sent as ``update_info.packed`` (honoured by the embedded server).
-            metadata: ``(name, dtype, shape)`` per tensor, to avoid materialising ``named_tensors`` up front.
+            metadata: ``TensorMeta`` or ``(name, dtype, shape)`` per tensor, in the order of ``named_tensors``.
             barrier: called after the pause (e.g. waiting for the other trainer ranks); timed as ``barrier_s``.
 
         Returns:
@@ -278,12 +296,13 @@ class WeightSender:
             raise RuntimeError("call WeightSender.init() before update()")
         client, group = self._client, self.group
         if metadata is None:
-            items = [(n, t) for n, t in named_tensors]
+            items = list(named_tensors)
             metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items]
-            tensors: Iterable[torch.Tensor] = (t for _, t in items)
+            tensors: Iterable[torch.Tensor] = [t for _, t in items]
+            del items
         else:
-            metas = [TensorMeta(n, d, tuple(s)) for n, d, s in metadata]
-            tensors = (t for _, t in named_tensors)
+            metas = [_as_meta(m) for m in metadata]
+            tensors = _values(named_tensors)
         use_packed = self.packed if packed is None else packed
 
         t0 = time.perf_counter()
@@ -333,6 +352,15 @@ class WeightSender:
         self._http(client.resume(timeout=self.timeout_s), "POST /resume")
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    def update_model(self, model: torch.nn.Module, *, version: str, **kwargs: Any) -> dict[str, float]:
+        """:meth:`update` with ``model``'s policy weights (``weights/policy.py``: PEFT merged, FSDP2 gathered).
+
+        Metadata from global shapes up front, then one full tensor made, sent and freed at a time. Under FSDP
+        the other ranks call ``join_policy_gathers(model)`` meanwhile (the gathers are collective).
+        """
+        metadata = policy_weight_metadata(model)
+        return self.update(policy_weights(model), version=version, metadata=metadata, **kwargs)
 
     def _close_rejected_round(self, fut: concurrent.futures.Future) -> None:
         """After a 4xx on /update_weights the server never entered the collective: finish and resume it.
