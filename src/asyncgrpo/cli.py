@@ -21,18 +21,23 @@ from asyncgrpo.run_config import UserError
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="asyncgrpo", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     from asyncgrpo.server.main import add_serve_arguments
 
-    serve = sub.add_parser("serve", help="run the embedded generation server (vLLM 0.33 HTTP protocol)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    serve = sub.add_parser(
+        "serve",
+        help="run the embedded generation server (vLLM 0.33 HTTP protocol)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_serve_arguments(serve)
     # train and eval parse their own arguments (HfArgumentParser over AsyncGRPOConfig): see main().
-    sub.add_parser("train", help="run async GRPO from a YAML config (asyncgrpo train --help lists every field)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "train", help="run async GRPO from a YAML config (asyncgrpo train --help lists every field)", add_help=False
+    )
     sub.add_parser("eval", help="score a model on the YAML's eval_dataset (asyncgrpo eval --help)", add_help=False)
 
     from asyncgrpo.report import add_report_arguments

@@ -356,8 +356,10 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.weight_sync_steps < 1:
             p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
         if self.eval_temperature < 0 or self.eval_num_generations < 1:
-            p.append(f"eval_temperature={self.eval_temperature}, eval_num_generations={self.eval_num_generations}: "
-                     "need temperature >= 0 (0.0 is greedy) and >= 1 generation")  # fmt: skip
+            p.append(
+                f"eval_temperature={self.eval_temperature}, eval_num_generations={self.eval_num_generations}: "
+                "need temperature >= 0 (0.0 is greedy) and >= 1 generation"
+            )
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             p.append(f"num_completions_to_print={self.num_completions_to_print}: must be >= 1 or None")
         if not self.ignore_data_skip:

@@ -4,8 +4,8 @@
 
 It fetches the offline demo model, starts the embedded generation server as a
 child process, spawns the rollout worker and trains with ``AsyncGRPOTrainer``,
-printing the reward of every step, and saves the final model to ``--output-dir``. ``examples/demo.yaml`` is the same run as a
-config file for ``asyncgrpo train --config``.
+printing the reward of every step, and saves the final model to ``--output-dir``.
+``examples/demo.yaml`` is the same run as a config file for ``asyncgrpo train --config``.
 """
 
 from __future__ import annotations

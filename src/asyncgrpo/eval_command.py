@@ -23,8 +23,10 @@ def run_eval(argv: list[str]) -> int:
     from asyncgrpo.run_config import UserError
     from asyncgrpo.server.launcher import launch_server
 
-    description = ("Score a model on the YAML's eval_dataset with its reward functions; AsyncGRPOConfig flags "
-                   "(--eval_temperature, --eval_num_generations, --max_completion_length) override the file.")  # fmt: skip
+    description = (
+        "Score a model on the YAML's eval_dataset with its reward functions; AsyncGRPOConfig flags "
+        "(--eval_temperature, --eval_num_generations, --max_completion_length) override the file."
+    )
 
     def add_model(parser: Any) -> None:
         parser.add_argument("--model", required=True, help="the checkpoint directory (or hub id) to score")
@@ -36,8 +38,11 @@ def run_eval(argv: list[str]) -> int:
     dataset = build_dataset(spec.eval_dataset)
     with contextlib.ExitStack() as stack:
         if spec.server.get("embedded"):
-            server = stack.enter_context(launch_server(model, extra_args=server_flags(spec.server),
-                                                       timeout=float(spec.server.get("timeout", 600))))  # fmt: skip
+            server = stack.enter_context(
+                launch_server(
+                    model, extra_args=server_flags(spec.server), timeout=float(spec.server.get("timeout", 600))
+                )
+            )
             base_url = server.base_url
         else:
             base_url = spec.args.vllm_server_base_url

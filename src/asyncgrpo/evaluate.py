@@ -46,29 +46,36 @@ class EvalSettings:
 
 
 def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None) -> list[int]:
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                        **(chat_template_kwargs or {}))  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-async def _score_row(client: AsyncServerClient, tokenizer: Any, row: dict[str, Any], index: int,
-                     reward_funcs: list[Any], s: EvalSettings) -> tuple[np.ndarray, np.ndarray, list[int], list[bool]]:  # fmt: skip
+async def _score_row(
+    client: AsyncServerClient, tokenizer: Any, row: dict[str, Any], index: int, reward_funcs: list[Any], s: EvalSettings
+) -> tuple[np.ndarray, np.ndarray, list[int], list[bool]]:
     params = {"max_tokens": s.max_tokens, "temperature": s.temperature, "n": s.num_samples, "seed": s.seed + index}
-    results = await client.complete_n(render(tokenizer, row["prompt"], s.chat_template_kwargs), params,
-                                      timeout=s.timeout)  # fmt: skip
+    results = await client.complete_n(
+        render(tokenizer, row["prompt"], s.chat_template_kwargs), params, timeout=s.timeout
+    )
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     extra = {k: [v] * len(results) for k, v in row.items() if k != "prompt"}
     per_func = await run_reward_functions(
-        reward_funcs, prompts=[row["prompt"]] * len(results), completions=completions,
-        completion_ids=[r.token_ids for r in results], reward_kwargs=extra,
-    )  # fmt: skip
+        reward_funcs,
+        prompts=[row["prompt"]] * len(results),
+        completions=completions,
+        completion_ids=[r.token_ids for r in results],
+        reward_kwargs=extra,
+    )
     lengths = [len(r.token_ids) for r in results]
     return per_func, total_rewards(per_func), lengths, [r.finish_reason == "length" for r in results]
 
 
-async def evaluate_dataset(tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings,
-                           prefix: str = "eval") -> dict[str, float]:  # fmt: skip
+async def evaluate_dataset(
+    tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings, prefix: str = "eval"
+) -> dict[str, float]:
     """Mean held-out reward and completion figures, as ``{prefix}/reward`` etc.
 
     Returns:
@@ -101,8 +108,9 @@ async def evaluate_dataset(tokenizer: Any, dataset: Any, reward_funcs: list[Any]
     return out
 
 
-def evaluate_sync(tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings,
-                  prefix: str = "eval") -> dict[str, float]:  # fmt: skip
+def evaluate_sync(
+    tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings, prefix: str = "eval"
+) -> dict[str, float]:
     """Blocking ``evaluate_dataset`` (the trainer's main thread runs no event loop)."""
     return asyncio.run(evaluate_dataset(tokenizer, dataset, reward_funcs, s, prefix))
 

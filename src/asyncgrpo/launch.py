@@ -81,7 +81,7 @@ def resolve_model(name: str) -> str:
     return name
 
 
-# ---- the command line --------------------------------------------------------------------------------------------
+# ---- the command line ------------------------------------------------------------------------------------------------
 def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     """HfArgumentParser over AsyncGRPOConfig (every field a --flag with its help) plus the command's own flags."""
     from transformers import HfArgumentParser
@@ -90,8 +90,10 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
 
     # conflict_handler="resolve": our --debug (tracebacks) replaces TrainingArguments' --debug flag; that field
     # (underflow_overflow, ...) stays settable in the YAML's args.
-    description = description or ("Run async GRPO from a YAML file; any AsyncGRPOConfig field below overrides "
-                                  "the file's args (e.g. --max_steps 3 --learning_rate 1e-5).")  # fmt: skip
+    description = description or (
+        "Run async GRPO from a YAML file; any AsyncGRPOConfig field below overrides "
+        "the file's args (e.g. --max_steps 3 --learning_rate 1e-5)."
+    )
     parser = HfArgumentParser(AsyncGRPOConfig, prog=prog, conflict_handler="resolve", description=description)
     debug_default = next(f.default for f in dataclasses.fields(AsyncGRPOConfig) if f.name == "debug")
     parser.set_defaults(debug=debug_default)  # HfArgumentParser expects every field in the namespace
@@ -100,8 +102,12 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     own.add_argument("--resume", nargs="?", const=True, default=None, help="resume from a checkpoint (or the newest)")
     own.add_argument("--debug", dest="show_traceback", action="store_true", help="show the traceback of user errors")
     own.add_argument("--log-full", action="store_true", help="print transformers' whole metrics dict every window")
-    own.add_argument("--doctor-every", type=int, default=10,
-                     help="print the run doctor's verdicts every N logging windows (0: never; default: 10)")  # fmt: skip
+    own.add_argument(
+        "--doctor-every",
+        type=int,
+        default=10,
+        help="print the run doctor's verdicts every N logging windows (0: never; default: 10)",
+    )
     return parser
 
 
@@ -182,8 +188,12 @@ def server_flags(server_cfg: dict[str, Any]) -> list[str]:
 def _write_run_config(spec: RunSpec) -> None:
     """``run_config.json`` next to metrics.jsonl: what ``asyncgrpo report`` compares the metrics against."""
     os.makedirs(spec.args.output_dir, exist_ok=True)
-    record = {"model": spec.model, "dataset": spec.dataset, "reward_funcs": list(spec.reward_specs),
-              "args": json.loads(spec.args.to_json_string())}  # fmt: skip
+    record = {
+        "model": spec.model,
+        "dataset": spec.dataset,
+        "reward_funcs": list(spec.reward_specs),
+        "args": json.loads(spec.args.to_json_string()),
+    }
     Path(spec.args.output_dir, "run_config.json").write_text(json.dumps(record, indent=1, default=str))
 
 
@@ -211,8 +221,9 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
             args.vllm_server_base_url = server.base_url
         kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
         try:
-            trainer = AsyncGRPOTrainer(model=model, reward_funcs=list(spec.reward_funcs), args=args,
-                                       train_dataset=dataset, **kwargs)  # fmt: skip
+            trainer = AsyncGRPOTrainer(
+                model=model, reward_funcs=list(spec.reward_funcs), args=args, train_dataset=dataset, **kwargs
+            )
         except ServerError as e:
             raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
         if progress is not None:

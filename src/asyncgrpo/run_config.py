@@ -84,15 +84,18 @@ def check_dataset(where: str, spec: Any) -> dict[str, Any]:
         tasks = reasoning_gym_tasks()
         task = str(spec.get("task", "chain_sum"))
         if task not in tasks:
-            raise UserError(f"{where}.task: unknown reasoning-gym task '{task}'{did_you_mean(task, tasks)}; valid "
-                            f"tasks: {', '.join(sorted(tasks))}")  # fmt: skip
+            raise UserError(
+                f"{where}.task: unknown reasoning-gym task '{task}'{did_you_mean(task, tasks)}; valid "
+                f"tasks: {', '.join(sorted(tasks))}"
+            )
         task_keys = [f.name for f in dataclasses.fields(tasks[task]) if f.name not in ("seed", "size")]
         _check_keys(f"{where} (reasoning_gym task {task})", spec, [*RECIPE_KEYS, *task_keys])
         return spec
     if "path" not in spec:
         extra = did_you_mean("recipe", spec) or did_you_mean("path", spec)
-        raise UserError(f"{where} needs 'recipe: reasoning_gym' (with a task) or a 'path' for datasets.load_dataset"
-                        f"{extra}")  # fmt: skip
+        raise UserError(
+            f"{where} needs 'recipe: reasoning_gym' (with a task) or a 'path' for datasets.load_dataset{extra}"
+        )
     _check_keys(where, spec, LOAD_KEYS)
     path = str(spec["path"])
     if Path(path).suffix in (".json", ".jsonl", ".csv", ".parquet") and not Path(path).is_file():
@@ -100,7 +103,7 @@ def check_dataset(where: str, spec: Any) -> dict[str, Any]:
     return spec
 
 
-# ---- rewards -----------------------------------------------------------------------------------------------------------
+# ---- rewards ---------------------------------------------------------------------------------------------------------
 def import_object(spec: str, where: str = "reward_funcs") -> Any:
     """``"pkg.mod:name"`` or ``"pkg.mod.name"`` -> the object, or a UserError saying what is missing."""
     module, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
@@ -116,7 +119,7 @@ def import_object(spec: str, where: str = "reward_funcs") -> Any:
     return getattr(mod, name)
 
 
-# ---- args: AsyncGRPOConfig through HfArgumentParser ----------------------------------------------------------------
+# ---- args: AsyncGRPOConfig through HfArgumentParser ------------------------------------------------------------------
 def _accepts(tp: Any, value: Any) -> tuple[bool, Any]:
     """Whether ``value`` fits the annotation ``tp``; numbers written as text (YAML reads 5e-6 as a string) convert."""
     origin = typing.get_origin(tp)
@@ -163,12 +166,15 @@ def check_args(raw: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in raw.items():
         if key not in fields:
-            raise UserError(f"args: '{key}' is not an AsyncGRPOConfig field{did_you_mean(key, fields)}; "
-                            "`asyncgrpo train --help` lists them all")  # fmt: skip
+            raise UserError(
+                f"args: '{key}' is not an AsyncGRPOConfig field{did_you_mean(key, fields)}; "
+                "`asyncgrpo train --help` lists them all"
+            )
         ok, converted = _accepts(hints[key], value)
         if not ok:
-            raise UserError(f"args.{key}: {value!r} ({type(value).__name__}) does not fit its type "
-                            f"{_type_name(hints[key])}")  # fmt: skip
+            raise UserError(
+                f"args.{key}: {value!r} ({type(value).__name__}) does not fit its type {_type_name(hints[key])}"
+            )
         out[key] = converted
     return out
 
@@ -190,8 +196,10 @@ def check_server(spec: Any) -> dict[str, Any]:
     spec = _mapping("server", spec or {})
     _check_keys("server", spec, SERVER_KEYS)
     if "args" in spec and not isinstance(spec["args"], list):
-        raise UserError(f"server.args must be a list of `asyncgrpo serve` flags, e.g. ['--max-num-seqs', '64'];"
-                        f" got {spec['args']!r}")  # fmt: skip
+        raise UserError(
+            f"server.args must be a list of `asyncgrpo serve` flags, e.g. ['--max-num-seqs', '64'];"
+            f" got {spec['args']!r}"
+        )
     if "embedded" in spec and not isinstance(spec["embedded"], bool):
         raise UserError(f"server.embedded must be true or false, got {spec['embedded']!r}")
     return spec

@@ -25,8 +25,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def asyncgrpo(*argv: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "asyncgrpo", *argv], cwd=ROOT, env=full_env, capture_output=True, check=False,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "asyncgrpo", *argv],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def timed(*argv: str, **kw) -> tuple[subprocess.CompletedProcess, float]:
@@ -83,8 +90,9 @@ def test_serve_busy_port_exits_before_loading(tiny_llama_dir):
 
 
 def test_serve_hub_id_not_cached_offline(tmp_path):
-    out, seconds = timed("serve", "some-org/some-model", timeout=60,
-                         env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})  # fmt: skip
+    out, seconds = timed(
+        "serve", "some-org/some-model", timeout=60, env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
+    )
     assert out.returncode == 2
     assert "model some-org/some-model is not in the Hugging Face cache" in out.stderr and "HF_HUB_OFFLINE" in out.stderr
     assert seconds < 15
@@ -108,9 +116,26 @@ def test_serve_hub_id_from_the_cache(tmp_path, tiny_llama_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncgrpo", "serve", "tiny-org/tiny-llama", "--port", str(port),
-                             "--device", "cpu", "--max-model-len", "64"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo",
+            "serve",
+            "tiny-org/tiny-llama",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "64",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         import urllib.request
 

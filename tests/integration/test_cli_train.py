@@ -35,12 +35,22 @@ def run(tmp_path_factory, tiny_llama_dir):
         "reward_funcs": ["tests.helpers.rewards:even_token_reward"],
         "server": {"embedded": True, "device": "cpu", "args": ["--max-model-len", "256", "--kv-cache-tokens", "16384"]},
         "args": {
-            "output_dir": str(tmp / "out"), "max_steps": 10, "num_generations": 4, "max_completion_length": 12,
-            "token_budget": 384, "learning_rate": 1e-3, "gradient_checkpointing": False, "save_strategy": "no",
-            "report_to": [], "seed": 0, "vllm_server_timeout": 120, "rollout_worker_timeout": 60,
-            "eval_strategy": "steps", "eval_steps": 2,
+            "output_dir": str(tmp / "out"),
+            "max_steps": 10,
+            "num_generations": 4,
+            "max_completion_length": 12,
+            "token_budget": 384,
+            "learning_rate": 1e-3,
+            "gradient_checkpointing": False,
+            "save_strategy": "no",
+            "report_to": [],
+            "seed": 0,
+            "vllm_server_timeout": 120,
+            "rollout_worker_timeout": 60,
+            "eval_strategy": "steps",
+            "eval_steps": 2,
         },
-    }  # fmt: skip
+    }
     path = tmp / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = asyncgrpo("train", "--config", str(path), "--max_steps", "3", "--doctor-every", "2", timeout=900)
@@ -121,9 +131,17 @@ def test_report_on_the_run(run):
 
 
 def _chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={cwd / 'profile'}",
-             "--virtual-time-budget=10000"]  # fmt: skip
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={cwd / 'profile'}",
+        "--virtual-time-budget=10000",
+    ]
     return subprocess.run([CHROMIUM, *flags, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -138,9 +156,11 @@ def test_report_renders_in_a_browser(run, tmp_path):
     page = out / "report" / "report.html"
     # 1. every <img> decoded: a copy of the page records, after load, how many images have pixels.
     probe = tmp_path / "probe.html"
-    script = ("<script>window.addEventListener('load', () => { const imgs = [...document.images]; "
-              "document.body.setAttribute('data-rendered', imgs.filter(i => i.complete && i.naturalWidth > 0)"
-              ".length + '/' + imgs.length); });</script></body>")  # fmt: skip
+    script = (
+        "<script>window.addEventListener('load', () => { const imgs = [...document.images]; "
+        "document.body.setAttribute('data-rendered', imgs.filter(i => i.complete && i.naturalWidth > 0)"
+        ".length + '/' + imgs.length); });</script></body>"
+    )
     probe.write_text(page.read_text().replace("</body>", script))
     dom = _chromium("--dump-dom", probe.as_uri(), cwd=tmp_path)
     rendered = re.search(r'data-rendered="(\d+)/(\d+)"', dom.stdout)

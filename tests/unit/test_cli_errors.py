@@ -127,8 +127,9 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_overrides_are_typed(tmp_path):
     from asyncgrpo.launch import parse_train
 
-    spec, ns = parse_train(["--config", str(write(tmp_path, lambda c: None)), "--max_steps", "3",
-                            "--learning_rate", "1e-5", "--log-full"])  # fmt: skip
+    spec, ns = parse_train(
+        ["--config", str(write(tmp_path, lambda c: None)), "--max_steps", "3", "--learning_rate", "1e-5", "--log-full"]
+    )
     assert spec.args.max_steps == 3 and spec.args.learning_rate == 1e-5 and ns.log_full
     assert spec.args.num_generations == DEMO["args"]["num_generations"]  # the rest comes from the file
     assert spec.args.learning_rate != DEMO["args"]["learning_rate"]

@@ -16,8 +16,17 @@ from asyncgrpo.report.plots import PANELS, draw_panels
 from asyncgrpo.report.runlog import RunLog, RunSettings, load_run
 from asyncgrpo.run_config import UserError
 
-__all__ = ["PANELS", "RunLog", "RunSettings", "Verdict", "add_report_arguments", "diagnose", "load_run",
-           "run_report", "write_report"]  # fmt: skip
+__all__ = [
+    "PANELS",
+    "RunLog",
+    "RunSettings",
+    "Verdict",
+    "add_report_arguments",
+    "diagnose",
+    "load_run",
+    "run_report",
+    "write_report",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +49,26 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="the run's output_dir (holding metrics.jsonl), or a metrics.jsonl")
     parser.add_argument("--out", default=None, help="where report.html and the PNGs go (default: RUN_DIR/report)")
     parser.add_argument("--last", type=int, default=50, help="judge the windows of the last N steps (default: 50)")
-    parser.add_argument("--max-concurrent-rollouts", type=int, default=None,
-                        help="the run's value (default: from RUN_DIR/run_config.json, else 512)")  # fmt: skip
-    parser.add_argument("--max-staleness", type=int, default=None,
-                        help="the run's value (default: from run_config.json, else 4)")  # fmt: skip
-    parser.add_argument("--num-generations", type=int, default=None,
-                        help="the run's value (default: from run_config.json, else 8)")  # fmt: skip
-    parser.add_argument("--reward-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                        help="the reward's range (default: [min(0, lowest), max(1, highest)] seen)")  # fmt: skip
+    parser.add_argument(
+        "--max-concurrent-rollouts",
+        type=int,
+        default=None,
+        help="the run's value (default: from RUN_DIR/run_config.json, else 512)",
+    )
+    parser.add_argument(
+        "--max-staleness", type=int, default=None, help="the run's value (default: from run_config.json, else 4)"
+    )
+    parser.add_argument(
+        "--num-generations", type=int, default=None, help="the run's value (default: from run_config.json, else 8)"
+    )
+    parser.add_argument(
+        "--reward-range",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="the reward's range (default: [min(0, lowest), max(1, highest)] seen)",
+    )
 
 
 def run_report(ns: argparse.Namespace) -> int:

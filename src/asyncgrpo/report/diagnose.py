@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from asyncgrpo.report.runlog import RunLog
 
-# ---- what the table words mean here --------------------------------------------------------------------------
+# ---- what the table words mean here ----------------------------------------------------------------------------------
 WAIT_HIGH = 0.2  # the trainer idles on an empty queue for more than a fifth of a step (median window)
 WAIT_LOW = 0.05  # ... or less than 5 %: "near zero"
 # rollout/backpressure_s is the wait before each group start; compared with the step time it says how much of a
@@ -73,7 +73,7 @@ def _g(x: float) -> str:
     return f"{x:.3g}"
 
 
-# ---- rollout queue ---------------------------------------------------------------------------------------------
+# ---- rollout queue ---------------------------------------------------------------------------------------------------
 def queue_verdict(run: RunLog, last: int) -> Verdict | None:
     wait = _share(run, "perf/rollout_wait_s", last)
     if wait is None:
@@ -92,34 +92,52 @@ def queue_verdict(run: RunLog, last: int) -> Verdict | None:
     blocked = blocked or 0.0
     full = max(run.settings.max_staleness, 1) * QUEUE_FULL_FRAC
     if wait >= WAIT_HIGH and blocked >= BLOCKED_HIGH:
-        return Verdict("queue", f"the trainer waited {_pct(wait)} and generation was blocked too: "
-                       "max_staleness itself is too tight", "raise max_staleness", False, figs)  # fmt: skip
+        return Verdict(
+            "queue",
+            f"the trainer waited {_pct(wait)} and generation was blocked too: max_staleness itself is too tight",
+            "raise max_staleness",
+            False,
+            figs,
+        )
     if wait >= WAIT_HIGH and (queue_steps is None or queue_steps < QUEUE_EMPTY_STEPS):
-        return Verdict("queue", f"the trainer waited {_pct(wait)} of a step (median, last {n} windows), the queue is nearly "
-                       "empty: generation-bound", "see rollout/generated_tokens_per_s, rollout/concurrency and "
-                       "rollout/score_queue_size", False, figs)  # fmt: skip
+        return Verdict(
+            "queue",
+            f"the trainer waited {_pct(wait)} of a step (median, last {n} windows), the queue is nearly "
+            "empty: generation-bound",
+            "see rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size",
+            False,
+            figs,
+        )
     if blocked >= BLOCKED_HIGH and (queue_steps is None or queue_steps >= full):
-        return Verdict("queue", "the queue holds about max_staleness steps of samples and generation waits: "
-                       "trainer-bound", "expected when inference is faster than training; sample/staleness_mean "
-                       "sits near its limit", True, figs)  # fmt: skip
+        return Verdict(
+            "queue",
+            "the queue holds about max_staleness steps of samples and generation waits: trainer-bound",
+            "expected when inference is faster than training; sample/staleness_mean sits near its limit",
+            True,
+            figs,
+        )
     if wait < WAIT_LOW and blocked < BLOCKED_LOW:
         return Verdict("queue", "neither side waits: balanced", "nothing to do", True, figs)
-    return Verdict("queue", "between rows: some waiting on both sides, no clear bottleneck",
-                   "watch the trend of perf/rollout_wait_s and rollout/backpressure_s", True, figs)  # fmt: skip
+    return Verdict(
+        "queue",
+        "between rows: some waiting on both sides, no clear bottleneck",
+        "watch the trend of perf/rollout_wait_s and rollout/backpressure_s",
+        True,
+        figs,
+    )
 
 
 def _share(run: RunLog, name: str, last: int) -> float | None:
     """Median over the windows of ``name / perf/step_s``: one slow step (a checkpoint, a long first sync) does
     not hide what the other steps show."""
-    shares = sorted(r[name] / r["perf/step_s"] for r in run.recent(last)
-                    if name in r and r.get("perf/step_s", 0) > 0)  # fmt: skip
+    shares = sorted(r[name] / r["perf/step_s"] for r in run.recent(last) if name in r and r.get("perf/step_s", 0) > 0)
     if not shares:
         return None
     mid = len(shares) // 2
     return shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
 
 
-# ---- concurrency -------------------------------------------------------------------------------------------------
+# ---- concurrency -----------------------------------------------------------------------------------------------------
 def concurrency_verdict(run: RunLog, last: int) -> Verdict | None:
     conc = _mean(run.series("rollout/concurrency", last)[1])
     if conc is None:
@@ -137,22 +155,37 @@ def concurrency_verdict(run: RunLog, last: int) -> Verdict | None:
         "perf/rollout_wait_s": f"{_pct(wait)} of a step",
     }
     if conc >= AT_CAP * limit and (kv is None or kv < KV_LOW) and wait >= WAIT_HIGH:
-        return Verdict("concurrency", "rollouts reach max_concurrent_rollouts while the KV cache has room and the "
-                       "trainer waits: the user's cap is the limit", "raise max_concurrent_rollouts if the "
-                       "environment and tools allow it", False, figs)  # fmt: skip
+        return Verdict(
+            "concurrency",
+            "rollouts reach max_concurrent_rollouts while the KV cache has room and the "
+            "trainer waits: the user's cap is the limit",
+            "raise max_concurrent_rollouts if the environment and tools allow it",
+            False,
+            figs,
+        )
     if cap is not None and cap < CAP_BELOW * limit and conc >= AT_CAP * cap:
-        return Verdict("concurrency", "rollouts fill the live cap, which sits below max_concurrent_rollouts: "
-                       "the server's load limits generation", "give the server more KV cache (memory, a shorter "
-                       "--max-model-len) or another server", wait < WAIT_HIGH, figs)  # fmt: skip
+        return Verdict(
+            "concurrency",
+            "rollouts fill the live cap, which sits below max_concurrent_rollouts: the server's load limits generation",
+            "give the server more KV cache (memory, a shorter --max-model-len) or another server",
+            wait < WAIT_HIGH,
+            figs,
+        )
     if blocked > 0:
         figs["rollout/backpressure_s"] = f"{_pct(blocked)} of a step per group start"
-        return Verdict("concurrency", "generation waits on max_staleness: the staleness limit holds it",
-                       "expected when inference is faster than training", True, figs)  # fmt: skip
-    return Verdict("concurrency", "no limit binds: fewer rollouts are ready than any cap allows",
-                   "nothing to do", True, figs)  # fmt: skip
+        return Verdict(
+            "concurrency",
+            "generation waits on max_staleness: the staleness limit holds it",
+            "expected when inference is faster than training",
+            True,
+            figs,
+        )
+    return Verdict(
+        "concurrency", "no limit binds: fewer rollouts are ready than any cap allows", "nothing to do", True, figs
+    )
 
 
-# ---- saturation ----------------------------------------------------------------------------------------------------
+# ---- saturation ------------------------------------------------------------------------------------------------------
 def _reward_range(run: RunLog) -> tuple[float, float]:
     if run.settings.reward_range is not None:
         return run.settings.reward_range
@@ -181,12 +214,22 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
         "reward range": f"[{_g(lo)}, {_g(hi)}]",
     }
     if zs_move > CLIMB and d_move < -REWARD_MOVE and r_move < -REWARD_MOVE:
-        return Verdict("saturation", "regression: groups that used to pass now fail together",
-                       "check completions/duplicate_frac and entropy for a collapse", False, figs)  # fmt: skip
+        return Verdict(
+            "saturation",
+            "regression: groups that used to pass now fail together",
+            "check completions/duplicate_frac and entropy for a collapse",
+            False,
+            figs,
+        )
     if zs_move > CLIMB and d_pos is not None and d_pos >= TOP and r_move > REWARD_MOVE:
-        return Verdict("saturation", "saturating at the top: the prompts became too easy for the policy (a "
-                       "successful run usually ends like this)", "stop the run or move to harder prompts",
-                       True, figs)  # fmt: skip
+        return Verdict(
+            "saturation",
+            "saturating at the top: the prompts became too easy for the policy (a "
+            "successful run usually ends like this)",
+            "stop the run or move to harder prompts",
+            True,
+            figs,
+        )
     if zs_now >= ZERO_STD_HIGH and d_pos is not None and d_pos <= BOTTOM and abs(r_move) <= REWARD_MOVE:
         clipped = _mean(run.series("completions/clipped_ratio", last)[1])
         if clipped is not None:
@@ -197,16 +240,30 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
             if clipped is not None and clipped >= CLIPPED_HIGH
             else "check completions/clipped_ratio first (cut completions score 0)"
         )
-        return Verdict("saturation", "stuck at the bottom: the prompts are too hard or the reward function gives "
-                       "no credit", f"{first}, then read a few completions to see whether the reward function "
-                       "parses them", False, figs)  # fmt: skip
+        return Verdict(
+            "saturation",
+            "stuck at the bottom: the prompts are too hard or the reward function gives no credit",
+            f"{first}, then read a few completions to see whether the reward function parses them",
+            False,
+            figs,
+        )
     if zs_now >= ZERO_STD_HIGH and d_pos is not None and BOTTOM < d_pos < TOP:
-        return Verdict("saturation", "mixed: some prompts are too easy and others too hard (or groups sit on one "
-                       "partial score)", "read the rollouts", False, figs)  # fmt: skip
+        return Verdict(
+            "saturation",
+            "mixed: some prompts are too easy and others too hard (or groups sit on one partial score)",
+            "read the rollouts",
+            False,
+            figs,
+        )
     if zs_now < ZERO_STD_LOW:
         return Verdict("saturation", "healthy: most groups produce a gradient", "nothing to do", True, figs)
-    return Verdict("saturation", "between rows: a sizeable share of groups gives no signal, without a clear trend",
-                   "watch frac_reward_zero_std and reward_dropped", True, figs)  # fmt: skip
+    return Verdict(
+        "saturation",
+        "between rows: a sizeable share of groups gives no signal, without a clear trend",
+        "watch frac_reward_zero_std and reward_dropped",
+        True,
+        figs,
+    )
 
 
 # ---- duplicates ------------------------------------------------------------------------------------------------------
@@ -226,17 +283,32 @@ def duplicate_verdict(run: RunLog, last: int) -> Verdict | None:
         "entropy": "n/a" if not ent else f"{_g(_mean(ent[-3:]))} (change {e_move:+.2g})",
     }
     if now >= DUP_JUMP * ceiling:
-        return Verdict("duplicates", "sampling is no longer random: every group returns copies of one rollout",
-                       "check temperature (0?) and that data-parallel servers do not share a sampling seed",
-                       False, figs)  # fmt: skip
+        return Verdict(
+            "duplicates",
+            "sampling is no longer random: every group returns copies of one rollout",
+            "check temperature (0?) and that data-parallel servers do not share a sampling seed",
+            False,
+            figs,
+        )
     if move > DUP_CLIMB and e_move < 0:
-        return Verdict("duplicates", "collapse: the policy converges to one answer per prompt",
-                       "raise temperature or entropy, or stop at the last good checkpoint", False, figs)  # fmt: skip
+        return Verdict(
+            "duplicates",
+            "collapse: the policy converges to one answer per prompt",
+            "raise temperature or entropy, or stop at the last good checkpoint",
+            False,
+            figs,
+        )
     if now <= DUP_HEALTHY:
-        return Verdict("duplicates", "healthy: a group's rollouts are sampled independently", "nothing to do",
-                       True, figs)  # fmt: skip
-    return Verdict("duplicates", "a steady share of duplicates: usual for tasks with short completions",
-                   "nothing to do unless it climbs", True, figs)  # fmt: skip
+        return Verdict(
+            "duplicates", "healthy: a group's rollouts are sampled independently", "nothing to do", True, figs
+        )
+    return Verdict(
+        "duplicates",
+        "a steady share of duplicates: usual for tasks with short completions",
+        "nothing to do unless it climbs",
+        True,
+        figs,
+    )
 
 
 def diagnose(run: RunLog, last: int = 50) -> list[Verdict]:

@@ -14,9 +14,16 @@ from asyncgrpo.report.runlog import RunLog, RunSettings
 
 logger = logging.getLogger(__name__)
 
-SHOWN = (("reward", "reward"), ("reward_kept", "kept"), ("frac_reward_zero_std", "zero-std"),
-         ("completions/mean_length", "len"), ("eval/reward", "eval"), ("perf/step_s", "step s"),
-         ("perf/rollout_wait_s", "wait s"), ("perf/weight_sync_s", "sync s"))  # fmt: skip
+SHOWN = (
+    ("reward", "reward"),
+    ("reward_kept", "kept"),
+    ("frac_reward_zero_std", "zero-std"),
+    ("completions/mean_length", "len"),
+    ("eval/reward", "eval"),
+    ("perf/step_s", "step s"),
+    ("perf/rollout_wait_s", "wait s"),
+    ("perf/weight_sync_s", "sync s"),
+)
 
 
 def compact_line(step: int, max_steps: int, logs: dict[str, float]) -> str:
@@ -48,12 +55,15 @@ class CompactProgress(ProgressCallback):
         if not state.is_world_process_zero or not logs or "train_runtime" in logs:
             return
         if any(k.startswith("eval/") for k in logs) and "reward" not in logs:
-            self._write(f"eval at step {state.global_step}: " + "  ".join(
-                f"{k} {v:.3g}" for k, v in logs.items() if k.startswith("eval/")))  # fmt: skip
+            self._write(
+                f"eval at step {state.global_step}: "
+                + "  ".join(f"{k} {v:.3g}" for k, v in logs.items() if k.startswith("eval/"))
+            )
         else:
             self._write(compact_line(state.global_step, state.max_steps, logs))
-        self.windows.append({"step": float(state.global_step), **{k: v for k, v in logs.items()
-                                                                   if isinstance(v, (int, float))}})  # fmt: skip
+        self.windows.append(
+            {"step": float(state.global_step), **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+        )
         n = len(self.windows)
         if self.doctor_every and n % self.doctor_every == 0:
             for v in diagnose(RunLog(self.windows, self.settings), last=50):
@@ -63,8 +73,11 @@ class CompactProgress(ProgressCallback):
 def summary(windows: list[dict[str, float]], steps: int, wall_s: float, model_dir: str | None) -> str:
     """``reward 0.12 -> 0.55 over 20 steps in 312 s; model saved to out/``: the trend in one line."""
     rewards = [w["reward"] for w in windows if isinstance(w.get("reward"), float | int) and w["reward"] == w["reward"]]
-    trend = f"reward {rewards[0]:.3g} -> {rewards[-1]:.3g} (first -> last logging window)" if rewards else \
-        "no reward logged"  # fmt: skip
+    trend = (
+        f"reward {rewards[0]:.3g} -> {rewards[-1]:.3g} (first -> last logging window)"
+        if rewards
+        else "no reward logged"
+    )
     evals = [w["eval/reward"] for w in windows if "eval/reward" in w]
     if evals:
         trend += f", eval/reward {evals[0]:.3g} -> {evals[-1]:.3g}"
