@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
 
@@ -43,6 +44,7 @@ class EvalSettings:
     timeout: float = 600.0
     seed: int = 0
     chat_template_kwargs: dict[str, Any] | None = None
+    top_k: int = 0  # sampled evaluation keeps the training top_k (a --return-sampling-mask server requires one)
 
 
 def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None) -> list[int]:
@@ -56,6 +58,8 @@ async def _score_row(
     client: AsyncServerClient, tokenizer: Any, row: dict[str, Any], index: int, reward_funcs: list[Any], s: EvalSettings
 ) -> tuple[np.ndarray, np.ndarray, list[int], list[bool]]:
     params = {"max_tokens": s.max_tokens, "temperature": s.temperature, "n": s.num_samples, "seed": s.seed + index}
+    if s.temperature > 0 and s.top_k > 0:
+        params["top_k"] = s.top_k
     results = await client.complete_n(
         render(tokenizer, row["prompt"], s.chat_template_kwargs), params, timeout=s.timeout
     )
@@ -89,7 +93,16 @@ async def evaluate_dataset(
             async with gate:
                 return await _score_row(client, tokenizer, dataset[i], i, reward_funcs, s)
 
-        rows = await asyncio.gather(*(one(i) for i in range(len(dataset))))
+        try:
+            rows = await asyncio.gather(*(one(i) for i in range(len(dataset))))
+        except ServerError as e:
+            if e.status == 400 and s.temperature == 0 and ("temperature" in e.message or "top_k" in e.message):
+                raise ValueError(
+                    f"the server at {s.base_url} refuses greedy requests ({e.message}): vLLM started with "
+                    "--return-sampling-mask needs temperature > 0 and top_k > 0 on every request; set "
+                    "eval_temperature > 0 (sampled evaluation keeps top_k), e.g. eval_temperature=0.6"
+                ) from e
+            raise
     per_func = np.concatenate([r[0] for r in rows]) if rows else np.empty((0, len(reward_funcs)))
     totals = np.concatenate([r[1] for r in rows]) if rows else np.empty(0)
     lengths = [n for r in rows for n in r[2]]
@@ -126,4 +139,5 @@ def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings
         timeout=args.vllm_server_timeout,
         seed=args.seed,
         chat_template_kwargs=args.chat_template_kwargs,
+        top_k=args.top_k,
     )

@@ -74,11 +74,17 @@ def build_dataset(spec: dict[str, Any]):
 
 
 def resolve_model(name: str) -> str:
+    """A local directory for ``name``: the demo model, a directory, or a hub id through the HF cache (as serve)."""
     if name == "demo":
         from asyncgrpo.recipes import demo_model_dir
 
         return str(demo_model_dir())
-    return name
+    from asyncgrpo.server.startup_checks import StartupError, resolve_model_dir
+
+    try:
+        return resolve_model_dir(name)
+    except StartupError as e:
+        raise UserError(f"model: {e}") from e
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------

@@ -174,3 +174,31 @@ def test_report_renders_in_a_browser(run, tmp_path):
     colours = len(np.unique(pixels, axis=0))
     non_white = float((pixels.min(axis=1) < 240).mean())
     assert colours > 200 and non_white > 0.05, (colours, non_white)
+
+
+def test_sampled_eval_keeps_top_k_on_a_masking_server(serve, tiny_llama_dir):
+    """eval_temperature > 0 sends the training top_k (a --return-sampling-mask server needs one); seeded requests
+    make the score reproducible, checked against the same requests sent by hand."""
+    from transformers import AutoTokenizer
+
+    from asyncgrpo.client.http_client import AsyncServerClient
+    from asyncgrpo.evaluate import EvalSettings, evaluate_sync, render
+    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+
+    server = serve(tiny_llama_dir, "--max-model-len", "256", "--return-sampling-mask")
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ds = reasoning_gym_dataset("chain_sum", size=3, seed=2, system_prompt=None)
+    s = EvalSettings(server.base_url, max_tokens=10, temperature=0.8, num_samples=2, seed=7, top_k=20)
+    scores = evaluate_sync(tok, ds, [even_token_reward], s)
+
+    async def by_hand() -> list[list[int]]:
+        async with AsyncServerClient(server.base_url) as client:
+            outs = []
+            for i, row in enumerate(ds):
+                params = {"max_tokens": 10, "temperature": 0.8, "n": 2, "seed": 7 + i, "top_k": 20}
+                outs += [r.token_ids for r in await client.complete_n(render(tok, row["prompt"], None), params)]
+            return outs
+
+    ids = asyncio.run(by_hand())
+    assert scores["eval/reward"] == pytest.approx(sum(even_token_reward(ids)) / len(ids), abs=1e-9)
+    assert scores["eval/num_prompts"] == 3 and scores["eval/completions/mean_length"] == sum(map(len, ids)) / len(ids)

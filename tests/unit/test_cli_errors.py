@@ -160,3 +160,10 @@ def test_eval_without_eval_dataset(tmp_path, capsys):
 def test_eval_settings_are_checked(tmp_path, capsys):
     path = write(tmp_path, lambda c: c["args"].update(eval_temperature=-1.0))
     assert "need temperature >= 0" in run_cli(["train", "--config", str(path)], capsys)
+
+
+def test_hub_model_not_cached_offline(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = write(tmp_path, lambda c: c.update(model="some-org/not-a-cached-model"))
+    err = run_cli(["train", "--config", str(path)], capsys)
+    assert "model some-org/not-a-cached-model is not in the Hugging Face cache" in err and "HF_HUB_OFFLINE" in err
