@@ -19,9 +19,8 @@ def run_eval(argv: list[str]) -> int:
 
     from transformers import AutoTokenizer
 
-    from asyncgrpo.launch import build_dataset, parse_train, resolve_model, server_flags, wait_for_server
+    from asyncgrpo.launch import build_dataset, parse_train, resolve_model, start_embedded, wait_for_server
     from asyncgrpo.run_config import UserError
-    from asyncgrpo.server.launcher import launch_server
 
     description = (
         "Score a model on the YAML's eval_dataset with its reward functions; AsyncGRPOConfig flags "
@@ -38,12 +37,7 @@ def run_eval(argv: list[str]) -> int:
     dataset = build_dataset(spec.eval_dataset)
     with contextlib.ExitStack() as stack:
         if spec.server.get("embedded"):
-            server = stack.enter_context(
-                launch_server(
-                    model, extra_args=server_flags(spec.server), timeout=float(spec.server.get("timeout", 600))
-                )
-            )
-            base_url = server.base_url
+            base_url = start_embedded(stack, model, spec.server)
         else:
             base_url = spec.args.vllm_server_base_url
             wait_for_server(base_url, float(spec.server.get("wait_s", 60)))

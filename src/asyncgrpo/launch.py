@@ -166,8 +166,14 @@ def _config_from_dict(cfg: dict[str, Any]) -> RunSpec:
 def wait_for_server(base_url: str, wait_s: float) -> None:
     """Poll ``/health`` of an external server; a clear error (not a silent 30-minute wait) when none answers."""
     logger.info("waiting up to %.0f s for the generation server at %s", wait_s, base_url)
-    deadline = time.monotonic() + wait_s
+    t0 = time.monotonic()
+    deadline, next_note = t0 + wait_s, t0 + 30
     while True:
+        if time.monotonic() >= next_note:
+            logger.info(
+                "still waiting for the generation server at %s/health (%.0f s)", base_url, time.monotonic() - t0
+            )
+            next_note += 30
         try:
             with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -181,6 +187,23 @@ def wait_for_server(base_url: str, wait_s: float) -> None:
                 "`server: {embedded: true}` in the YAML"
             )
         time.sleep(1.0)
+
+
+def start_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[str, Any]) -> str:
+    """Start ``asyncgrpo serve`` for the run (stopped with ``stack``); returns its base URL.
+
+    A server that exits during start-up (a bad flag in ``server.args``, a model it cannot load) or never answers
+    is reported with its log tail as a user error, not as a launcher traceback.
+    """
+    from asyncgrpo.server.launcher import launch_server
+
+    timeout = float(server_cfg.get("timeout", 600))
+    try:
+        return stack.enter_context(launch_server(model, extra_args=server_flags(server_cfg), timeout=timeout)).base_url
+    except RuntimeError as e:
+        raise UserError(f"the embedded generation server did not start (check the YAML's server section): {e}") from e
+    except TimeoutError as e:
+        raise UserError(f"{e}\n(raise server.timeout if the machine is just slow)") from e
 
 
 def server_flags(server_cfg: dict[str, Any]) -> list[str]:
@@ -210,7 +233,6 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
     """
     from asyncgrpo import AsyncGRPOTrainer
     from asyncgrpo.client.errors import ServerError
-    from asyncgrpo.server.launcher import launch_server
 
     args, server_cfg = spec.args, spec.server
     if not server_cfg.get("embedded"):
@@ -221,10 +243,7 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
     _write_run_config(spec)
     with contextlib.ExitStack() as stack:
         if server_cfg.get("embedded"):
-            server = stack.enter_context(
-                launch_server(model, extra_args=server_flags(server_cfg), timeout=float(server_cfg.get("timeout", 600)))
-            )
-            args.vllm_server_base_url = server.base_url
+            args.vllm_server_base_url = start_embedded(stack, model, server_cfg)
         kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
         try:
             trainer = AsyncGRPOTrainer(

@@ -167,3 +167,17 @@ def test_hub_model_not_cached_offline(tmp_path, capsys, monkeypatch):
     path = write(tmp_path, lambda c: c.update(model="some-org/not-a-cached-model"))
     err = run_cli(["train", "--config", str(path)], capsys)
     assert "model some-org/not-a-cached-model is not in the Hugging Face cache" in err and "HF_HUB_OFFLINE" in err
+
+
+def test_embedded_server_that_cannot_start(tmp_path, capsys):
+    """A typo in server.args: the server process exits at once; its own message reaches the user, exit 2."""
+    from asyncgrpo.recipes import tiny_model_dir
+
+    def edit(c):
+        c["model"] = str(tiny_model_dir("llama"))
+        c["server"] = {"embedded": True, "device": "cpu", "args": ["--no-such-flag"]}
+
+    assert main(["train", "--config", str(write(tmp_path, edit))]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("asyncgrpo train: error: the embedded generation server did not")
+    assert "unrecognized arguments: --no-such-flag" in err  # the server's own message, from its log
