@@ -35,6 +35,7 @@ from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
 from asyncgrpo.packing import TokenBudgetBatcher, batch_metrics, build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
+from asyncgrpo.rollout.agents import prepare_tool_template
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable
 from asyncgrpo.rollout.sampling import truncates_distribution
@@ -42,10 +43,11 @@ from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import read_rollout_state, resolve_checkpoint
+from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
-from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, probe_server
+from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, check_sampling_limits, probe_server
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.policy import join_policy_gathers
@@ -74,10 +76,6 @@ class _StepSource:
             yield None
 
 
-def _conversational(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
-
-
 class AsyncGRPOTrainer(Trainer):
     """Asynchronous GRPO trainer (see the module docstring).
 
@@ -89,9 +87,12 @@ class AsyncGRPOTrainer(Trainer):
         processing_class: the tokenizer (default: loaded from ``model``).
         callbacks, optimizers: as in ``transformers.Trainer``.
         peft_config: a PEFT config; the server then receives merged weights.
-        tools, environment_factory: multi-turn agents (not part of this release's single-turn trainer).
-        eval_dataset: held-out prompts (same columns as ``train_dataset``), generated on the server and scored by
-            the reward functions at ``eval_steps`` (``eval/*`` metrics, see ``asyncgrpo.evaluate``).
+        tools: module-level functions (sync or ``async def``, typed, Google-style docstrings) the model may call.
+        environment_factory: a class/callable making an environment (``reset``, optional ``get_reward``, public
+            methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
+            ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
+        eval_dataset: held-out conversational prompts (reward columns as in ``train_dataset``), generated on the
+            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.evaluate``).
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -110,11 +111,6 @@ class AsyncGRPOTrainer(Trainer):
         environment_factory: Any = None,
         eval_dataset: Any = None,
     ) -> None:
-        if tools or environment_factory is not None:
-            raise NotImplementedError(
-                "tools and environment_factory (multi-turn agents, SPEC A1-A4) are not supported by this version; "
-                "train single-turn prompts, or override AsyncRolloutLoop.generate_one for a custom multi-turn loop"
-            )
         args = args if args is not None else AsyncGRPOConfig(output_dir="asyncgrpo-output")
         if not isinstance(args, AsyncGRPOConfig):
             raise TypeError(f"args must be an AsyncGRPOConfig, got {type(args).__name__}")
@@ -145,11 +141,12 @@ class AsyncGRPOTrainer(Trainer):
             if isinstance(f, str):
                 raise TypeError(f"reward function {f!r} is a string; pass a callable (import it in your script)")
             check_picklable(f, "reward function")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required: a dataset with a conversational 'prompt' column")
-        self._check_dataset(train_dataset)
+        tools, factories, train_dataset = check_train_inputs(tools, environment_factory, train_dataset, args.max_steps)
+        if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
+            prepare_tool_template(processing_class, args.chat_template_kwargs)
+        self.tools, self.environment_factory = tools, factories
         if eval_dataset is not None:
-            self._check_dataset(eval_dataset)
+            check_dataset(eval_dataset)  # evaluation is single-turn: it needs the conversational 'prompt' column
         self.model_id = model_id
         self.reward_funcs = reward_funcs
         super().__init__(
@@ -173,21 +170,6 @@ class AsyncGRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ set-up
 
-    @staticmethod
-    def _check_dataset(dataset: Any) -> None:
-        if not hasattr(dataset, "__len__"):
-            return  # iterable datasets are checked row by row by the worker
-        if len(dataset) == 0:
-            raise ValueError("train_dataset is empty")
-        row = dataset[0]
-        if "prompt" not in row:
-            raise ValueError(f"train_dataset has columns {sorted(row)}; it needs a conversational 'prompt' column")
-        if not _conversational(row["prompt"]):
-            raise ValueError(
-                f"train_dataset row 0 has prompt={row['prompt']!r}; prompts must be conversational: a list of "
-                '{"role": "user", "content": "..."} messages'
-            )
-
     def _causal_lm(self) -> torch.nn.Module:
         model = self.model
         return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -208,6 +190,10 @@ class AsyncGRPOTrainer(Trainer):
             want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
             self.facts = probe_server(args.vllm_server_base_url, args.vllm_server_timeout, want_masks)
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
+            n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
+            check_sampling_limits(
+                self.facts, temperature=args.temperature, top_k=args.top_k, num_sampler_logprobs=n_logprobs
+            )
         facts = self._broadcast_object(self.facts)
         self.facts = facts
         self.token_budget = args.token_budget or facts.max_model_len
@@ -215,7 +201,14 @@ class AsyncGRPOTrainer(Trainer):
         if self.is_world_process_zero():
             n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
             settings = self.rollout_settings(facts, start_index)
-            loop = self.loop_cls(settings, self.train_dataset, self.reward_funcs, self.processing_class)
+            loop = self.loop_cls(
+                settings,
+                self.train_dataset,
+                self.reward_funcs,
+                self.processing_class,
+                tools=self.tools,
+                environment_factory=self.environment_factory,
+            )
             check_picklable(loop, f"rollout loop {type(loop).__name__}")
             self.worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
             total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
