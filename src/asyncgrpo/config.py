@@ -247,6 +247,10 @@ class AsyncGRPOConfig(TrainingArguments):
         default=None, metadata={"help": "Number of completions printed with rich. None: all logged completions."}
     )
 
+    # ---- evaluation (eval_dataset, eval_strategy and eval_steps are TrainingArguments') ----------------------------
+    eval_temperature: float = field(default=0.0, metadata={"help": "Held-out sampling temperature; 0.0 is greedy."})
+    eval_num_generations: int = field(default=1, metadata={"help": "Completions per held-out prompt (eval/* means)."})
+
     def __post_init__(self) -> None:
         self.model_init_kwargs = _parse_json_dict(self.model_init_kwargs, "model_init_kwargs")
         self.chat_template_kwargs = _parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
@@ -351,6 +355,11 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"max_staleness={self.max_staleness}: must be >= 0")
         if self.weight_sync_steps < 1:
             p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
+        if self.eval_temperature < 0 or self.eval_num_generations < 1:
+            p.append(
+                f"eval_temperature={self.eval_temperature}, eval_num_generations={self.eval_num_generations}: "
+                "need temperature >= 0 (0.0 is greedy) and >= 1 generation"
+            )
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             p.append(f"num_completions_to_print={self.num_completions_to_print}: must be >= 1 or None")
         if not self.ignore_data_skip:

@@ -4,8 +4,8 @@
 
 It fetches the offline demo model, starts the embedded generation server as a
 child process, spawns the rollout worker and trains with ``AsyncGRPOTrainer``,
-printing the reward of every step. ``examples/demo.yaml`` is the same run as a
-config file for ``asyncgrpo train --config``.
+printing the reward of every step, and saves the final model to ``--output-dir``.
+``examples/demo.yaml`` is the same run as a config file for ``asyncgrpo train --config``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from rich.console import Console
-from transformers.trainer_callback import ProgressCallback
 
 logger = logging.getLogger(__name__)
 
@@ -42,24 +41,6 @@ DEMO_CONFIG: dict[str, Any] = {
     },
 }  # fmt: skip
 
-_SHOWN = (("reward", "reward"), ("reward_kept", "kept"), ("frac_reward_zero_std", "zero-std"),
-          ("completions/mean_length", "len"), ("perf/step_s", "step s"), ("perf/rollout_wait_s", "wait s"),
-          ("perf/weight_sync_s", "sync s"))  # fmt: skip
-
-
-class CompactProgress(ProgressCallback):
-    """The progress bar (with ETA), plus one short line per logged step instead of the whole metrics dict."""
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
-        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
-            return
-        parts = [f"{label} {logs[key]:.3g}" for key, label in _SHOWN if key in logs]
-        line = f"step {state.global_step:>3}/{state.max_steps}  " + "  ".join(parts)
-        if self.training_bar is not None:
-            self.training_bar.write(line)
-        else:
-            print(line, flush=True)
-
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=DEMO_CONFIG["args"]["max_steps"], help="optimizer steps")
@@ -68,7 +49,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(ns: argparse.Namespace) -> int:
-    from asyncgrpo.launch import train_from_config
+    from asyncgrpo.launch import run_summary, train_from_config
+    from asyncgrpo.report.live import CompactProgress
 
     cfg = copy.deepcopy(DEMO_CONFIG)
     cfg["args"].update(max_steps=ns.max_steps, output_dir=ns.output_dir)
@@ -79,6 +61,6 @@ def run_demo(ns: argparse.Namespace) -> int:
         f"{ns.max_steps} async GRPO steps on the embedded server. Metrics: {ns.output_dir}/metrics.jsonl"
     )
     t0 = time.time()
-    out = train_from_config(cfg, callbacks=[CompactProgress()], replace_progress=True)
-    console.print(f"done: {out.global_step} steps in {time.time() - t0:.0f}s, train loss {out.training_loss:.4f}")
+    out = train_from_config(cfg, progress=CompactProgress())
+    console.print(run_summary(ns.output_dir, out.global_step, t0))
     return 0

@@ -1,135 +1,293 @@
-"""``asyncgrpo train --config FILE.yaml``: a training run described by one YAML file.
+"""``asyncgrpo train --config FILE.yaml [--max_steps 3 ...]``: a training run described by one YAML file.
 
     model: demo                      # "demo" (SmolLM2-135M-Instruct, offline), a local dir or a hub id
-    dataset:                         # a reasoning-gym recipe ...
+    dataset:                         # a reasoning-gym task ...
       recipe: reasoning_gym
       task: chain_sum
       size: 256
     # dataset: {path: my_data.jsonl} # ... or anything `datasets.load_dataset` opens (path, name, split)
+    eval_dataset: {recipe: reasoning_gym, task: chain_sum, size: 64, seed: 1}   # optional held-out set
     reward_funcs:                    # import paths, "module:function" or "module.function"
       - asyncgrpo.recipes.tasks:reasoning_gym_reward
     server:                          # optional: start the embedded server for this run
       embedded: true
       device: cpu
       args: ["--max-num-seqs", "64"] # any other `asyncgrpo serve` flags
-    args:                            # AsyncGRPOConfig fields
+    args:                            # AsyncGRPOConfig fields; the command line overrides them
       output_dir: outputs/demo
       max_steps: 20
 
-Without ``server.embedded`` the run uses ``args.vllm_server_base_url``.
+Without ``server.embedded`` the run uses ``args.vllm_server_base_url``. The whole file is checked before
+anything starts (``asyncgrpo.run_config``); the final model and tokenizer are always saved to ``output_dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
+import dataclasses
+import json
 import logging
+import os
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
+from asyncgrpo.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, import_object, load_yaml
+
+__all__ = ["build_dataset", "import_object", "load_run_config", "parse_train", "run_train", "train_from_config"]
 
 logger = logging.getLogger(__name__)
 
-_TOP_KEYS = {"model", "dataset", "reward_funcs", "server", "args"}
-
-
-def import_object(spec: str) -> Any:
-    """``"pkg.mod:name"`` or ``"pkg.mod.name"`` -> the object."""
-    module, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"cannot import {spec!r}: write it as 'package.module:function'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import {spec!r}: {e}") from e
-
 
 def load_run_config(path: str | Path) -> dict[str, Any]:
-    cfg = yaml.safe_load(Path(path).read_text())
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: the file must hold a mapping with keys {sorted(_TOP_KEYS)}")  # noqa: TRY004
-    unknown = set(cfg) - _TOP_KEYS
-    if unknown:
-        raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
-    for key in ("model", "dataset", "args"):
-        if key not in cfg:
-            raise ValueError(f"{path}: missing '{key}'")
-    return cfg
+    """The YAML as a dict, its top-level keys checked (sections are checked by ``check_run``)."""
+    return load_yaml(path)
 
 
 def build_dataset(spec: dict[str, Any]):
+    """The ``datasets.Dataset`` a checked ``dataset`` section describes; plain-text prompts in ``prompt_column``
+    become one user message each (the trainer takes conversational prompts)."""
     spec = dict(spec)
-    if spec.pop("recipe", None) == "reasoning_gym":
-        from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    try:
+        if spec.pop("recipe", None) == "reasoning_gym":
+            from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 
-        return reasoning_gym_dataset(**spec)
-    from datasets import load_dataset
+            return reasoning_gym_dataset(**spec)
+        from datasets import load_dataset
 
-    path = spec.pop("path", None)
-    if path is None:
-        raise ValueError("dataset needs 'recipe: reasoning_gym' or a 'path' for datasets.load_dataset")
-    split = spec.pop("split", "train")
-    if Path(path).suffix in (".json", ".jsonl"):
-        return load_dataset("json", data_files=path, split=split, **spec)
-    return load_dataset(path, split=split, **spec)
+        path, column = spec.pop("path"), spec.pop("prompt_column", None)
+        split = spec.pop("split", "train")
+        if Path(path).suffix in (".json", ".jsonl"):
+            ds = load_dataset("json", data_files=path, split=split, **spec)
+        else:
+            ds = load_dataset(path, split=split, **spec)
+    except (ValueError, TypeError, OSError) as e:
+        raise UserError(f"dataset {spec}: cannot build it: {e}") from e
+    if column is not None:
+        if column not in ds.column_names:
+            raise UserError(f"dataset.prompt_column '{column}' is not a column; columns: {ds.column_names}")
+        ds = ds.map(lambda row: {"prompt": [{"role": "user", "content": str(row[column])}]})
+    return ds
 
 
 def resolve_model(name: str) -> str:
+    """A local directory for ``name``: the demo model, a directory, or a hub id through the HF cache (as serve)."""
     if name == "demo":
         from asyncgrpo.recipes import demo_model_dir
 
         return str(demo_model_dir())
-    return name
+    from asyncgrpo.server.startup_checks import StartupError, resolve_model_dir
+
+    try:
+        return resolve_model_dir(name)
+    except StartupError as e:
+        raise UserError(f"model: {e}") from e
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="the run's YAML file (see `asyncgrpo.launch`)")
-    parser.add_argument(
-        "--resume", nargs="?", const=True, default=None, help="resume from a checkpoint (or the newest)"
+# ---- the command line ------------------------------------------------------------------------------------------------
+def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
+    """HfArgumentParser over AsyncGRPOConfig (every field a --flag with its help) plus the command's own flags."""
+    from transformers import HfArgumentParser
+
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    # conflict_handler="resolve": our --debug (tracebacks) replaces TrainingArguments' --debug flag; that field
+    # (underflow_overflow, ...) stays settable in the YAML's args.
+    description = description or (
+        "Run async GRPO from a YAML file; any AsyncGRPOConfig field below overrides "
+        "the file's args (e.g. --max_steps 3 --learning_rate 1e-5)."
     )
+    parser = HfArgumentParser(AsyncGRPOConfig, prog=prog, conflict_handler="resolve", description=description)
+    debug_default = next(f.default for f in dataclasses.fields(AsyncGRPOConfig) if f.name == "debug")
+    parser.set_defaults(debug=debug_default)  # HfArgumentParser expects every field in the namespace
+    own = parser.add_argument_group(prog)
+    own.add_argument("--config", required=True, help="the run's YAML file (see examples/demo.yaml)")
+    own.add_argument("--resume", nargs="?", const=True, default=None, help="resume from a checkpoint (or the newest)")
+    own.add_argument("--debug", dest="show_traceback", action="store_true", help="show the traceback of user errors")
+    own.add_argument("--log-full", action="store_true", help="print transformers' whole metrics dict every window")
+    own.add_argument(
+        "--doctor-every",
+        type=int,
+        default=10,
+        help="print the run doctor's verdicts every N logging windows (0: never; default: 10)",
+    )
+    return parser
 
 
-def train_from_config(
-    cfg: dict[str, Any],
-    resume: str | bool | None = None,
-    callbacks: list[Any] | None = None,
-    replace_progress: bool = False,
-) -> Any:
-    """Run one training job from a parsed config; returns the ``TrainOutput``.
+def parse_train(
+    argv: list[str], prog: str = "asyncgrpo train", description: str | None = None, add_flags: Any = None
+) -> tuple[RunSpec, argparse.Namespace]:
+    """Read --config, check the whole YAML, apply command-line overrides; nothing is loaded or started.
 
-    ``replace_progress`` swaps transformers' progress callback for the first of ``callbacks`` (a subclass).
+    The sections but ``args`` are checked first, before transformers is imported (seconds), so most mistakes
+    are reported at once. ``add_flags(parser)`` adds a command's own flags (``asyncgrpo eval --model``).
     """
-    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    sections = None
+    if known.config is not None and not {"-h", "--help"} & set(argv):
+        cfg = load_yaml(known.config)
+        args_raw = cfg["args"] or {}
+        if not isinstance(args_raw, dict):
+            raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
+        sections = check_run(cfg)
+    parser = train_parser(prog, description)
+    if add_flags is not None:
+        add_flags(parser)
+    if sections is None:
+        parser.parse_args(argv)  # --help, or argparse's own "--config is required" (exit 2)
+    parser.set_defaults(**check_args(args_raw))
+    try:
+        config, ns, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except ValueError as e:  # AsyncGRPOConfig.__post_init__ lists every problem with its fix
+        raise UserError(str(e)) from e
+    if rest:
+        flags = [o for a in parser._actions for o in a.option_strings]
+        hint = did_you_mean(rest[0].split("=")[0], flags) if rest[0].startswith("-") else ""
+        raise UserError(f"unknown command-line argument(s) {' '.join(rest)}{hint}; `{parser.prog} --help` lists them")
+    return dataclasses.replace(sections, args=config), ns
+
+
+def _config_from_dict(cfg: dict[str, Any]) -> RunSpec:
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    sections = check_run(cfg)
+    try:
+        args = AsyncGRPOConfig(**check_args(dict(cfg["args"])))
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    return dataclasses.replace(sections, args=args)
+
+
+def wait_for_server(base_url: str, wait_s: float) -> None:
+    """Poll ``/health`` of an external server; a clear error (not a silent 30-minute wait) when none answers."""
+    logger.info("waiting up to %.0f s for the generation server at %s", wait_s, base_url)
+    t0 = time.monotonic()
+    deadline, next_note = t0 + wait_s, t0 + 30
+    while True:
+        if time.monotonic() >= next_note:
+            logger.info(
+                "still waiting for the generation server at %s/health (%.0f s)", base_url, time.monotonic() - t0
+            )
+            next_note += 30
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() >= deadline:
+            raise UserError(
+                f"no generation server answers at {base_url} (waited {wait_s:.0f} s for /health): start one with "
+                "`asyncgrpo serve MODEL` (or vllm serve), point args.vllm_server_base_url at it, or set "
+                "`server: {embedded: true}` in the YAML"
+            )
+        time.sleep(1.0)
+
+
+def start_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[str, Any]) -> str:
+    """Start ``asyncgrpo serve`` for the run (stopped with ``stack``); returns its base URL.
+
+    A server that exits during start-up (a bad flag in ``server.args``, a model it cannot load) or never answers
+    is reported with its log tail as a user error, not as a launcher traceback.
+    """
     from asyncgrpo.server.launcher import launch_server
 
-    model = resolve_model(str(cfg["model"]))
-    dataset = build_dataset(cfg["dataset"])
-    rewards = [import_object(r) for r in cfg.get("reward_funcs", [])]
-    server_cfg = cfg.get("server") or {}
-    args_dict = dict(cfg["args"])
+    timeout = float(server_cfg.get("timeout", 600))
+    try:
+        return stack.enter_context(launch_server(model, extra_args=server_flags(server_cfg), timeout=timeout)).base_url
+    except RuntimeError as e:
+        raise UserError(f"the embedded generation server did not start (check the YAML's server section): {e}") from e
+    except TimeoutError as e:
+        raise UserError(f"{e}\n(raise server.timeout if the machine is just slow)") from e
+
+
+def server_flags(server_cfg: dict[str, Any]) -> list[str]:
+    """``asyncgrpo serve`` flags of the YAML's ``server`` section (device, dtype, then its own args)."""
+    extra = ["--device", str(server_cfg.get("device", "auto"))]
+    if "dtype" in server_cfg:
+        extra += ["--dtype", str(server_cfg["dtype"])]
+    return extra + [str(a) for a in server_cfg.get("args", [])]
+
+
+def _write_run_config(spec: RunSpec) -> None:
+    """``run_config.json`` next to metrics.jsonl: what ``asyncgrpo report`` compares the metrics against."""
+    os.makedirs(spec.args.output_dir, exist_ok=True)
+    record = {
+        "model": spec.model,
+        "dataset": spec.dataset,
+        "reward_funcs": list(spec.reward_specs),
+        "args": json.loads(spec.args.to_json_string()),
+    }
+    Path(spec.args.output_dir, "run_config.json").write_text(json.dumps(record, indent=1, default=str))
+
+
+def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: Any = None) -> tuple[Any, Any]:
+    """Run one checked training job; returns (``TrainOutput``, the trainer). The final model is always saved.
+
+    ``progress`` replaces transformers' progress callback (a ``ProgressCallback`` subclass) when given.
+    """
+    from asyncgrpo import AsyncGRPOTrainer
+    from asyncgrpo.client.errors import ServerError
+
+    args, server_cfg = spec.args, spec.server
+    if not server_cfg.get("embedded"):
+        wait_for_server(args.vllm_server_base_url, float(server_cfg.get("wait_s", 60)))
+    model = resolve_model(spec.model)
+    dataset = build_dataset(spec.dataset)
+    eval_dataset = build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None
+    _write_run_config(spec)
     with contextlib.ExitStack() as stack:
         if server_cfg.get("embedded"):
-            extra = ["--device", str(server_cfg.get("device", "auto"))]
-            if "dtype" in server_cfg:
-                extra += ["--dtype", str(server_cfg["dtype"])]
-            extra += [str(a) for a in server_cfg.get("args", [])]
-            server = stack.enter_context(
-                launch_server(model, extra_args=extra, timeout=float(server_cfg.get("timeout", 600)))
+            args.vllm_server_base_url = start_embedded(stack, model, server_cfg)
+        kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
+        try:
+            trainer = AsyncGRPOTrainer(
+                model=model, reward_funcs=list(spec.reward_funcs), args=args, train_dataset=dataset, **kwargs
             )
-            args_dict["vllm_server_base_url"] = server.base_url
-        args = AsyncGRPOConfig(**args_dict)
-        trainer = AsyncGRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset)
-        if replace_progress:
+        except ServerError as e:
+            raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
+        if progress is not None:
             from transformers.trainer_callback import ProgressCallback
 
             trainer.remove_callback(ProgressCallback)
-        for cb in callbacks or []:
-            trainer.add_callback(cb)
-        return trainer.train(resume_from_checkpoint=resume)
+            trainer.add_callback(progress)
+        out = trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model(args.output_dir)  # whatever save_strategy says: a run always leaves its model
+        return out, trainer
 
 
-def run_train(ns: argparse.Namespace) -> int:
-    train_from_config(load_run_config(ns.config), ns.resume)
+def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None, progress: Any = None) -> Any:
+    """A run from a YAML-shaped dict (``asyncgrpo demo``); returns the ``TrainOutput``."""
+    return train_from_spec(_config_from_dict(cfg), resume, progress)[0]
+
+
+def run_train(argv: list[str]) -> int:
+    spec, ns = parse_train(argv)
+
+    from asyncgrpo.report.live import CompactProgress
+    from asyncgrpo.report.runlog import RunSettings
+
+    if ns.doctor_every < 0:
+        raise UserError(f"--doctor-every {ns.doctor_every}: must be >= 0 (0 turns the verdicts off)")
+    a = spec.args
+    settings = RunSettings(a.max_concurrent_rollouts, a.max_staleness, a.num_generations)
+    progress = None if ns.log_full else CompactProgress(ns.doctor_every, settings)
+    t0 = time.time()
+    out, _ = train_from_spec(spec, ns.resume, progress)
+    print(run_summary(a.output_dir, out.global_step, t0), flush=True)
     return 0
+
+
+def run_summary(output_dir: str, steps: int, t0: float) -> str:
+    """The closing line, from this run's windows in metrics.jsonl (what was logged, whatever was printed)."""
+    from asyncgrpo.report.live import summary
+    from asyncgrpo.report.runlog import METRICS_FILE, read_windows
+
+    path = Path(output_dir, METRICS_FILE)
+    windows = [w for w in read_windows(path) if w.get("time", 0) >= t0] if path.is_file() else []
+    return summary(windows, steps, time.time() - t0, output_dir)

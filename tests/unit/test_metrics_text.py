@@ -67,3 +67,9 @@ def test_vllm_metrics_filters_by_model_name():
 def test_malformed_lines_raise_naming_the_line(bad):
     with pytest.raises(ValueError, match="vllm:x"):
         parse_prometheus_text(bad)
+
+
+def test_error_names_the_bad_line_of_a_longer_exposition():
+    text = 'vllm:a{engine="0"} 1\nvllm:b{engine=0} 2\nvllm:c 3\n'
+    with pytest.raises(ValueError, match=r"line 'vllm:b\{engine=0\} 2'"):
+        parse_prometheus_text(text)

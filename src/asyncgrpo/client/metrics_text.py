@@ -1,14 +1,15 @@
-"""A small parser for the Prometheus text exposition format (``GET /metrics``).
+"""Reading the Prometheus text exposition of ``GET /metrics`` with ``prometheus_client``'s own parser.
 
-Only what the client needs: sample lines ``name{label="value",...} value [timestamp]``,
-comments skipped, label values unescaped (``\\\\``, ``\\"``, ``\\n``), and the
-special values ``+Inf``, ``-Inf`` and ``NaN``.
+``parse_prometheus_text`` flattens the metric families into samples (exact sample names such as
+``..._total``, labels unescaped, ``+Inf``/``NaN`` values, timestamps dropped); ``vllm_metrics`` reduces the
+``vllm:*`` series of several engines to one number per name.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges that are fractions: several engines (data-parallel ranks) are averaged, not summed.
 _AVERAGED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -23,78 +24,31 @@ class Sample:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def _parse_value(text: str) -> float:
-    special = {"+inf": math.inf, "inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-    low = text.lower()
-    if low in special:
-        return special[low]
-    return float(text)
+_PARSE_ERRORS = (ValueError, TypeError, IndexError, KeyError)  # what the parser raises on malformed input
 
 
-def _parse_labels(text: str, pos: int) -> tuple[dict[str, str], int]:
-    """Parse ``{a="x",b="y"}`` starting at ``text[pos] == "{"``; return labels and the index after ``}``."""
-    labels: dict[str, str] = {}
-    i = pos + 1
-    while True:
-        while i < len(text) and text[i] in " ,":
-            i += 1
-        if i >= len(text):
-            raise ValueError(f"unterminated label set in metrics line {text!r}")
-        if text[i] == "}":
-            return labels, i + 1
-        eq = text.find("=", i)
-        if eq == -1:
-            raise ValueError(f"malformed label set in metrics line {text!r}")
-        key = text[i:eq].strip()
-        if eq + 1 >= len(text) or text[eq + 1] != '"':
-            raise ValueError(f"label {key!r} has no quoted value in metrics line {text!r}")
-        i = eq + 2
-        chars: list[str] = []
-        while True:
-            if i >= len(text):
-                raise ValueError(f"unterminated label value in metrics line {text!r}")
-            c = text[i]
-            if c == "\\" and i + 1 < len(text):
-                nxt = text[i + 1]
-                chars.append("\n" if nxt == "n" else nxt)
-                i += 2
-                continue
-            if c == '"':
-                i += 1
-                break
-            chars.append(c)
-            i += 1
-        labels[key] = "".join(chars)
+def _first_bad_line(text: str) -> str:
+    """The parser's error does not always quote the line: find it by parsing sample lines one at a time."""
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                list(text_string_to_metric_families(line + "\n"))
+            except _PARSE_ERRORS:
+                return line
+    return text
 
 
 def parse_prometheus_text(text: str) -> list[Sample]:
-    """Parse every sample line of a Prometheus text exposition.
+    """Every sample of a Prometheus text exposition, in order.
 
     Raises:
-        ValueError: a sample line that does not follow the format (names the line).
+        ValueError: a line that does not follow the format (the message quotes the line).
     """
-    samples: list[Sample] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name = line[:brace]
-            labels, end = _parse_labels(line, brace)
-            rest = line[end:].split()
-        else:
-            name, *rest = line.split()
-            labels = {}
-        if not rest:
-            raise ValueError(f"metrics line without a value: {raw!r}")
-        try:
-            value = _parse_value(rest[0])
-        except ValueError as exc:
-            raise ValueError(f"metrics line with a bad value: {raw!r}") from exc
-        samples.append(Sample(name, value, labels))
-    return samples
+    try:
+        families = list(text_string_to_metric_families(text))
+    except _PARSE_ERRORS as exc:
+        raise ValueError(f"malformed Prometheus metrics line {_first_bad_line(text)!r}: {exc}") from exc
+    return [Sample(s.name, float(s.value), dict(s.labels)) for family in families for s in family.samples]
 
 
 def vllm_metrics(text: str, model_name: str | None = None) -> dict[str, float]:

@@ -24,7 +24,6 @@ import os
 import re
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ def dev_mode_from_env(environ: dict[str, str] | None = None) -> bool:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` flags (vLLM's names and defaults where vLLM has them)."""
     a = parser.add_argument
-    a("model", help="HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3 causal LM) with its tokenizer")
+    a("model", help="HF checkpoint directory or hub id (Llama/Mistral/Qwen2/Qwen3 causal LM) with its tokenizer")
     a("--host", default="127.0.0.1", help="address to listen on")
     a("--port", type=int, default=8000, help="port to listen on")
     a("--served-model-name", default=None, help="model name in the API (default: MODEL)")
@@ -168,15 +167,19 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve until SIGINT/SIGTERM. Returns the exit code."""
     from asyncgrpo.server.app import create_app
     from asyncgrpo.server.engine import Engine
+    from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
-    if ("/" in str(args.model) or str(args.model).startswith(".")) and not Path(args.model).exists():
-        logger.error("model directory %s does not exist (the server loads local HF checkpoints)", args.model)
+    try:  # before loading anything: a busy port or a missing model is a one-line error, not a late traceback
+        check_port(args.host, args.port)
+        model_dir = resolve_model_dir(str(args.model))
+    except StartupError as exc:
+        logger.error("%s", exc)
         return 2
     if args.api_server_count != 1:
         logger.warning("--api-server-count %d ignored: the embedded server runs one API process", args.api_server_count)
     try:
         engine = Engine(
-            args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+            model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
             enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
@@ -190,7 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", args.model, exc)
     engine.start()
@@ -203,7 +206,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="asyncgrpo serve", description="the embedded generation server")
+    parser = argparse.ArgumentParser(prog="asyncgrpo serve", description="the embedded generation server",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     add_serve_arguments(parser)
     return run_serve(parser.parse_args(argv))
 

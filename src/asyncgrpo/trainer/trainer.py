@@ -43,7 +43,7 @@ from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import read_rollout_state, resolve_checkpoint
-from asyncgrpo.trainer.inputs import check_train_inputs
+from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
@@ -91,6 +91,8 @@ class AsyncGRPOTrainer(Trainer):
         environment_factory: a class/callable making an environment (``reset``, optional ``get_reward``, public
             methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
             ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
+        eval_dataset: held-out conversational prompts (reward columns as in ``train_dataset``), generated on the
+            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.evaluate``).
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -107,6 +109,7 @@ class AsyncGRPOTrainer(Trainer):
         peft_config: Any = None,
         tools: list[Any] | None = None,
         environment_factory: Any = None,
+        eval_dataset: Any = None,
     ) -> None:
         args = args if args is not None else AsyncGRPOConfig(output_dir="asyncgrpo-output")
         if not isinstance(args, AsyncGRPOConfig):
@@ -142,12 +145,15 @@ class AsyncGRPOTrainer(Trainer):
         if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
             prepare_tool_template(processing_class, args.chat_template_kwargs)
         self.tools, self.environment_factory = tools, factories
+        if eval_dataset is not None:
+            check_dataset(eval_dataset)  # evaluation is single-turn: it needs the conversational 'prompt' column
         self.model_id = model_id
         self.reward_funcs = reward_funcs
         super().__init__(
             model=model,
             args=args,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -280,6 +286,21 @@ class AsyncGRPOTrainer(Trainer):
             return super().train(resume_from_checkpoint=ckpt, **kwargs)
         finally:
             self._stop_rollout()
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
+        """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""
+        from asyncgrpo.evaluate import evaluate_sync, settings_from_config
+
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (pass it to the trainer or to evaluate())")
+        metrics: dict[str, float] = {}
+        if self.is_world_process_zero():
+            settings = settings_from_config(self.args)
+            metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
+            Trainer.log(self, metrics)  # not self.log: that would flush the training window into this line
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
 
     def get_train_dataloader(self) -> _StepSource:
         if self.args.max_steps > 0:

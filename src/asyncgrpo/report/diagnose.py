@@ -1,0 +1,317 @@
+"""The reference document's diagnosis tables, applied to the last steps of a run (X2).
+
+Four tables: the rollout queue (which side is the bottleneck), concurrency (which limit holds generation
+back), saturation (``frac_reward_zero_std`` / ``reward_dropped`` / ``reward`` read together) and duplicates.
+The document states the rows in words ("high", "nearly empty", "climbing"); the constants below turn each
+word into a figure, and every verdict carries the figures it rests on so a reader can disagree with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncgrpo.report.runlog import RunLog
+
+# ---- what the table words mean here ----------------------------------------------------------------------------------
+WAIT_HIGH = 0.2  # the trainer idles on an empty queue for more than a fifth of a step (median window)
+WAIT_LOW = 0.05  # ... or less than 5 %: "near zero"
+# rollout/backpressure_s is the wait before each group start; compared with the step time it says how much of a
+# step generation loses each time max_staleness holds it back.
+BLOCKED_HIGH = 0.2
+BLOCKED_LOW = 0.05
+QUEUE_EMPTY_STEPS = 0.5  # "nearly empty": less than half a step of samples waiting
+QUEUE_FULL_FRAC = 0.5  # "about max_staleness steps": at least half of max(max_staleness, 1) steps queued
+CAP_BELOW = 0.9  # the live cap sits below 90 % of max_concurrent_rollouts: the server's load limits it
+AT_CAP = 0.9  # concurrency within 10 % of max_concurrent_rollouts: "reaches" it
+KV_LOW = 0.6  # the worker raises its cap only below 60 % KV use (the document's rule), so below is "low"
+ZERO_STD_LOW = 0.25
+ZERO_STD_HIGH = 0.5
+CLIMB = 0.1  # a fraction moved by more than 0.1 across the window (least-squares fit): climbing/falling
+REWARD_MOVE = 0.05  # reward moved by more than 5 % of the reward range across the window
+TOP, BOTTOM = 0.75, 0.25  # reward_dropped in the top / bottom quarter of the reward range
+DUP_HEALTHY = 0.05
+DUP_JUMP = 0.8  # duplicates above 80 % of (G-1)/G: nearly every group is copies of one rollout
+DUP_CLIMB = 0.05
+CLIPPED_HIGH = 0.2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One matched table row: ``table`` it comes from, the row's diagnosis, what to do, and its figures."""
+
+    table: str
+    diagnosis: str
+    action: str
+    healthy: bool
+    figures: dict[str, str] = field(default_factory=dict)
+
+    def text(self) -> str:
+        figs = ", ".join(f"{k} = {v}" for k, v in self.figures.items())
+        mark = "ok" if self.healthy else "!!"
+        return f"[{mark}] {self.table}: {self.diagnosis}. {self.action} ({figs})"
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _change(steps: list[float], values: list[float]) -> float:
+    """Least-squares change of ``values`` from the first to the last step (0 with fewer than 3 points)."""
+    if len(values) < 3 or steps[-1] == steps[0]:
+        return 0.0
+    ms, mv = _mean(steps), _mean(values)
+    var = sum((s - ms) ** 2 for s in steps)
+    slope = sum((s - ms) * (v - mv) for s, v in zip(steps, values)) / var
+    return slope * (steps[-1] - steps[0])
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+# ---- rollout queue ---------------------------------------------------------------------------------------------------
+def queue_verdict(run: RunLog, last: int) -> Verdict | None:
+    wait = _share(run, "perf/rollout_wait_s", last)
+    if wait is None:
+        return None
+    queue = _mean(run.series("rollout/queue_size", last)[1])
+    per_step = _mean(run.series("batch/samples_per_step", last)[1])
+    queue_steps = queue / per_step if queue is not None and per_step else None
+    blocked = _share(run, "rollout/backpressure_s", last)
+    n = len(run.recent(last))
+    figs = {
+        "perf/rollout_wait_s": f"{_pct(wait)} of a step (median of the last {n} windows)",
+        "rollout/queue_size": "n/a" if queue_steps is None else f"{_g(queue)} samples = {queue_steps:.2f} steps",
+        "rollout/backpressure_s": "n/a" if blocked is None else f"{_pct(blocked)} of a step per group start",
+        "max_staleness": str(run.settings.max_staleness),
+    }
+    blocked = blocked or 0.0
+    full = max(run.settings.max_staleness, 1) * QUEUE_FULL_FRAC
+    if wait >= WAIT_HIGH and blocked >= BLOCKED_HIGH:
+        return Verdict(
+            "queue",
+            f"the trainer waited {_pct(wait)} and generation was blocked too: max_staleness itself is too tight",
+            "raise max_staleness",
+            False,
+            figs,
+        )
+    if wait >= WAIT_HIGH and (queue_steps is None or queue_steps < QUEUE_EMPTY_STEPS):
+        return Verdict(
+            "queue",
+            f"the trainer waited {_pct(wait)} of a step (median, last {n} windows), the queue is nearly "
+            "empty: generation-bound",
+            "see rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size",
+            False,
+            figs,
+        )
+    if blocked >= BLOCKED_HIGH and (queue_steps is None or queue_steps >= full):
+        return Verdict(
+            "queue",
+            "the queue holds about max_staleness steps of samples and generation waits: trainer-bound",
+            "expected when inference is faster than training; sample/staleness_mean sits near its limit",
+            True,
+            figs,
+        )
+    if wait < WAIT_LOW and blocked < BLOCKED_LOW:
+        return Verdict("queue", "neither side waits: balanced", "nothing to do", True, figs)
+    return Verdict(
+        "queue",
+        "between rows: some waiting on both sides, no clear bottleneck",
+        "watch the trend of perf/rollout_wait_s and rollout/backpressure_s",
+        True,
+        figs,
+    )
+
+
+def _share(run: RunLog, name: str, last: int) -> float | None:
+    """Median over the windows of ``name / perf/step_s``: one slow step (a checkpoint, a long first sync) does
+    not hide what the other steps show."""
+    shares = sorted(r[name] / r["perf/step_s"] for r in run.recent(last) if name in r and r.get("perf/step_s", 0) > 0)
+    if not shares:
+        return None
+    mid = len(shares) // 2
+    return shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+
+
+# ---- concurrency -----------------------------------------------------------------------------------------------------
+def concurrency_verdict(run: RunLog, last: int) -> Verdict | None:
+    conc = _mean(run.series("rollout/concurrency", last)[1])
+    if conc is None:
+        return None
+    limit = run.settings.max_concurrent_rollouts
+    cap = _mean(run.series("rollout/concurrency_cap", last)[1])
+    kv = _mean(run.series("rollout/vllm_kv_cache_usage_frac", last)[1])
+    wait = _share(run, "perf/rollout_wait_s", last) or 0.0
+    blocked = _share(run, "rollout/backpressure_s", last) or 0.0
+    figs = {
+        "rollout/concurrency": _g(conc),
+        "rollout/concurrency_cap": "n/a" if cap is None else _g(cap),
+        "max_concurrent_rollouts": str(limit),
+        "rollout/vllm_kv_cache_usage_frac": "n/a" if kv is None else _pct(kv),
+        "perf/rollout_wait_s": f"{_pct(wait)} of a step",
+    }
+    if conc >= AT_CAP * limit and (kv is None or kv < KV_LOW) and wait >= WAIT_HIGH:
+        return Verdict(
+            "concurrency",
+            "rollouts reach max_concurrent_rollouts while the KV cache has room and the "
+            "trainer waits: the user's cap is the limit",
+            "raise max_concurrent_rollouts if the environment and tools allow it",
+            False,
+            figs,
+        )
+    if cap is not None and cap < CAP_BELOW * limit and conc >= AT_CAP * cap:
+        return Verdict(
+            "concurrency",
+            "rollouts fill the live cap, which sits below max_concurrent_rollouts: the server's load limits generation",
+            "give the server more KV cache (memory, a shorter --max-model-len) or another server",
+            wait < WAIT_HIGH,
+            figs,
+        )
+    if blocked > 0:
+        figs["rollout/backpressure_s"] = f"{_pct(blocked)} of a step per group start"
+        return Verdict(
+            "concurrency",
+            "generation waits on max_staleness: the staleness limit holds it",
+            "expected when inference is faster than training",
+            True,
+            figs,
+        )
+    return Verdict(
+        "concurrency", "no limit binds: fewer rollouts are ready than any cap allows", "nothing to do", True, figs
+    )
+
+
+# ---- saturation ------------------------------------------------------------------------------------------------------
+def _reward_range(run: RunLog) -> tuple[float, float]:
+    if run.settings.reward_range is not None:
+        return run.settings.reward_range
+    seen = [v for name in ("reward", "reward_kept", "reward_dropped") for v in run.series(name)[1]]
+    return min([0.0, *seen]), max([1.0, *seen])
+
+
+def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
+    zs_steps, zs = run.series("frac_reward_zero_std", last)
+    r_steps, reward = run.series("reward", last)
+    if not zs or not reward:
+        return None
+    lo, hi = _reward_range(run)
+    span = hi - lo
+    d_steps, dropped = run.series("reward_dropped", last)
+    zs_now, zs_move = zs[-1] if len(zs) < 3 else _mean(zs[-3:]), _change(zs_steps, zs)
+    r_move = _change(r_steps, reward) / span
+    d_pos = None if not dropped else (_mean(dropped[-3:]) - lo) / span
+    d_move = _change(d_steps, dropped) / span if dropped else 0.0
+    figs = {
+        "frac_reward_zero_std": f"{_g(zs_now)} (change {zs_move:+.2f})",
+        "reward_dropped": "n/a"
+        if d_pos is None
+        else f"{_g(_mean(dropped[-3:]))} ({_pct(d_pos)} of range, change {d_move * span:+.2g})",
+        "reward": f"{_g(_mean(reward[-3:]))} (change {r_move * span:+.2g})",
+        "reward range": f"[{_g(lo)}, {_g(hi)}]",
+    }
+    if zs_move > CLIMB and d_move < -REWARD_MOVE and r_move < -REWARD_MOVE:
+        return Verdict(
+            "saturation",
+            "regression: groups that used to pass now fail together",
+            "check completions/duplicate_frac and entropy for a collapse",
+            False,
+            figs,
+        )
+    if zs_move > CLIMB and d_pos is not None and d_pos >= TOP and r_move > REWARD_MOVE:
+        return Verdict(
+            "saturation",
+            "saturating at the top: the prompts became too easy for the policy (a "
+            "successful run usually ends like this)",
+            "stop the run or move to harder prompts",
+            True,
+            figs,
+        )
+    if zs_now >= ZERO_STD_HIGH and d_pos is not None and d_pos <= BOTTOM and abs(r_move) <= REWARD_MOVE:
+        clipped = _mean(run.series("completions/clipped_ratio", last)[1])
+        if clipped is not None:
+            figs["completions/clipped_ratio"] = _g(clipped)
+        first = (
+            "completions/clipped_ratio is high: completions are cut before the answer and score 0; raise "
+            "max_completion_length"
+            if clipped is not None and clipped >= CLIPPED_HIGH
+            else "check completions/clipped_ratio first (cut completions score 0)"
+        )
+        return Verdict(
+            "saturation",
+            "stuck at the bottom: the prompts are too hard or the reward function gives no credit",
+            f"{first}, then read a few completions to see whether the reward function parses them",
+            False,
+            figs,
+        )
+    if zs_now >= ZERO_STD_HIGH and d_pos is not None and BOTTOM < d_pos < TOP:
+        return Verdict(
+            "saturation",
+            "mixed: some prompts are too easy and others too hard (or groups sit on one partial score)",
+            "read the rollouts",
+            False,
+            figs,
+        )
+    if zs_now < ZERO_STD_LOW:
+        return Verdict("saturation", "healthy: most groups produce a gradient", "nothing to do", True, figs)
+    return Verdict(
+        "saturation",
+        "between rows: a sizeable share of groups gives no signal, without a clear trend",
+        "watch frac_reward_zero_std and reward_dropped",
+        True,
+        figs,
+    )
+
+
+# ---- duplicates ------------------------------------------------------------------------------------------------------
+def duplicate_verdict(run: RunLog, last: int) -> Verdict | None:
+    steps, dup = run.series("completions/duplicate_frac", last)
+    if not dup:
+        return None
+    g = run.settings.num_generations
+    ceiling = (g - 1) / g
+    now = _mean(dup[-3:])
+    move = _change(steps, dup)
+    e_steps, ent = run.series("entropy", last)
+    e_move = _change(e_steps, ent)
+    figs = {
+        "completions/duplicate_frac": f"{_g(now)} (change {move:+.2f})",
+        "(num_generations - 1) / num_generations": _g(ceiling),
+        "entropy": "n/a" if not ent else f"{_g(_mean(ent[-3:]))} (change {e_move:+.2g})",
+    }
+    if now >= DUP_JUMP * ceiling:
+        return Verdict(
+            "duplicates",
+            "sampling is no longer random: every group returns copies of one rollout",
+            "check temperature (0?) and that data-parallel servers do not share a sampling seed",
+            False,
+            figs,
+        )
+    if move > DUP_CLIMB and e_move < 0:
+        return Verdict(
+            "duplicates",
+            "collapse: the policy converges to one answer per prompt",
+            "raise temperature or entropy, or stop at the last good checkpoint",
+            False,
+            figs,
+        )
+    if now <= DUP_HEALTHY:
+        return Verdict(
+            "duplicates", "healthy: a group's rollouts are sampled independently", "nothing to do", True, figs
+        )
+    return Verdict(
+        "duplicates",
+        "a steady share of duplicates: usual for tasks with short completions",
+        "nothing to do unless it climbs",
+        True,
+        figs,
+    )
+
+
+def diagnose(run: RunLog, last: int = 50) -> list[Verdict]:
+    """Every table that the run's metrics allow, over the windows of the last ``last`` steps."""
+    checks = (queue_verdict, concurrency_verdict, saturation_verdict, duplicate_verdict)
+    return [v for v in (check(run, last) for check in checks) if v is not None]
