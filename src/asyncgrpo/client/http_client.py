@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0  # one HTTP call (a long generation must fit)
 
 
+def _check_single(sampling_params: Mapping[str, Any], method: str) -> None:
+    """``generate``/``complete`` return one sequence: refuse ``n`` > 1 with the method that returns several."""
+    if sampling_params.get("n", 1) != 1:
+        raise ValueError(f"{method}() returns one sequence but n={sampling_params['n']}; use {method}_n()")
+
+
 class AsyncServerClient:
     """Client of one generation server (vLLM or embedded), bound to the event loop it is first used in.
 
@@ -284,8 +290,7 @@ class AsyncServerClient:
         self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any
     ) -> GenerationResult:
         """Like :meth:`generate_n` for one sequence (``n`` must be 1)."""
-        if sampling_params.get("n", 1) != 1:
-            raise ValueError(f"generate() returns one sequence but n={sampling_params['n']}; use generate_n()")
+        _check_single(sampling_params, "generate")
         return (await self.generate_n(token_ids, sampling_params, **kwargs))[0]
 
     async def complete_n(
@@ -322,8 +327,7 @@ class AsyncServerClient:
         self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any
     ) -> GenerationResult:
         """Like :meth:`complete_n` for one sequence (``n`` must be 1)."""
-        if sampling_params.get("n", 1) != 1:
-            raise ValueError(f"complete() returns one sequence but n={sampling_params['n']}; use complete_n()")
+        _check_single(sampling_params, "complete")
         return (await self.complete_n(token_ids, sampling_params, **kwargs))[0]
 
     async def supports_sampling_mask(self, probe_token_ids: list[int] | None = None) -> bool:
