@@ -22,14 +22,17 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0  # how often the child stamps the heartbeat
+PARENT_CHECK_INTERVAL_S = 0.5  # how often the child re-checks that its trainer still lives
 POLL_INTERVAL_S = 0.2  # how often a blocking trainer wait re-checks the child's health
 
 
@@ -75,8 +78,31 @@ async def _run_child(loop_obj: RolloutLoopLike, channels: WorkerChannels) -> Non
         beat.cancel()
 
 
-def _child_main(loop_obj: RolloutLoopLike, channels: WorkerChannels) -> None:
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this process as soon as the trainer that spawned it is gone, whatever killed it (SIGKILL included).
+
+    A spawned child holds the read end of a pipe whose write end only its parent holds: the pipe turns readable
+    (EOF) when the parent dies. The parent pid changing (re-parented to init) is a second, independent sign.
+    Without this watch the worker would outlive a killed trainer and keep sending requests to the server.
+    """
+    parent = mp.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
+    while True:
+        if sentinel is not None:
+            gone = bool(wait_ready([sentinel], timeout=PARENT_CHECK_INTERVAL_S))
+        else:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+            gone = False
+        if gone or os.getppid() != parent_pid:
+            logger.error("the trainer process (pid %d) is gone; the rollout worker stops", parent_pid)
+            logging.shutdown()
+            os._exit(3)  # no clean-up: the trainer that would read our queues no longer exists
+
+
+def _child_main(loop_obj: RolloutLoopLike, channels: WorkerChannels, parent_pid: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rollout-worker: %(message)s")
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="watch-trainer", daemon=True).start()
     channels.heartbeat.value = time.time()
     try:
         asyncio.run(_run_child(loop_obj, channels))
@@ -116,7 +142,10 @@ class RolloutWorker:
         # The child stamps the heartbeat once it runs; until then its age counts from the spawn, not from 1970.
         self.channels.heartbeat.value = time.time()
         self.process = self._ctx.Process(
-            target=_child_main, args=(self.loop_obj, self.channels), name="asyncgrpo-rollout-worker", daemon=True
+            target=_child_main,
+            args=(self.loop_obj, self.channels, os.getpid()),
+            name="asyncgrpo-rollout-worker",
+            daemon=True,
         )
         # The child must never touch a GPU: hide them while it is spawned (it inherits this environment).
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")

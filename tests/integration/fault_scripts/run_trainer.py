@@ -1,0 +1,75 @@
+"""A real training run in its own process, driven by the fault-matrix tests (they kill it, restart it, time it).
+
+    python run_trainer.py SETTINGS.json
+
+SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``resume`` (bool) and ``config``
+(extra ``AsyncGRPOConfig`` keywords). It writes, next to the output dir:
+
+* ``worker.pid``: the rollout worker's pid once step 1 ended;
+* ``steps.jsonl``: one line per optimizer step, the flat prompt indices the step trained (the independent record
+  that the random-kill test checks the lineage against).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+
+
+def parity_reward(completion_ids, **kwargs):
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) + 0.01 * i for i, ids in enumerate(completion_ids)]
+
+
+def tied_reward(completion_ids, **kwargs):
+    return [1.0 for _ in completion_ids]  # a saturated reward: every group ties
+
+
+class Record(TrainerCallback):
+    def __init__(self, trainer: AsyncGRPOTrainer, where: Path) -> None:
+        self.trainer, self.where = trainer, where
+
+    def on_step_end(self, args, state, control, **kwargs):
+        micro = getattr(self.trainer, "_step_micro", None) or []
+        prompts = sorted({s.meta.row_index for mb in micro for trie in mb.rows for s in trie.samples})
+        with open(self.where / "steps.jsonl", "a") as fh:
+            fh.write(json.dumps({"step": state.global_step, "prompts": prompts}) + "\n")
+            fh.flush()
+        if state.global_step >= 1 and self.trainer.worker is not None and self.trainer.worker.process is not None:
+            (self.where / "worker.pid").write_text(str(self.trainer.worker.process.pid))
+
+
+def main(settings_path: str) -> None:
+    s = json.loads(Path(settings_path).read_text())
+    where = Path(settings_path).parent
+    dataset = reasoning_gym_dataset("chain_sum", size=s.get("dataset_size", 24), seed=0, system_prompt=None)
+    cfg = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
+        output_dir=s["output_dir"],
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=384,
+        vllm_server_base_url=s["server_url"],
+        report_to=[],
+        save_strategy="no",
+        learning_rate=1e-3,
+        gradient_checkpointing=False,
+        vllm_server_timeout=120,
+        rollout_worker_timeout=60,
+        seed=0,
+    )
+    cfg.update(s.get("config", {}))
+    reward = tied_reward if s.get("reward") == "tied" else parity_reward
+    trainer = AsyncGRPOTrainer(
+        s["model_dir"], reward_funcs=[reward], args=AsyncGRPOConfig(**cfg), train_dataset=dataset
+    )
+    trainer.add_callback(Record(trainer, where))
+    trainer.train(resume_from_checkpoint=True if s.get("resume") else None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
