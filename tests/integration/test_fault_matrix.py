@@ -94,3 +94,27 @@ def test_worker_dies_with_a_sigkilled_trainer_and_stops_sending(tmp_path, server
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------- item 11
+
+
+def test_script_without_main_guard_fails_fast_with_the_hint(tmp_path, server, tiny_llama_dir):
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, str(SCRIPTS / "unguarded.py"), server.base_url, str(tiny_llama_dir), str(tmp_path / "o")],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=150,
+            cwd=tmp_path,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"an unguarded script hung for {e.timeout:.0f}s instead of failing with the guard hint")
+    elapsed = time.monotonic() - t0
+    assert done.returncode != 0
+    tail = done.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in tail, tail
+    assert "before it received its rollout loop" in tail, tail
+    assert elapsed < 120
