@@ -118,3 +118,83 @@ def test_script_without_main_guard_fails_fast_with_the_hint(tmp_path, server, ti
     assert 'if __name__ == "__main__":' in tail, tail
     assert "before it received its rollout loop" in tail, tail
     assert elapsed < 120
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+
+
+def _post(url: str, body: bytes | dict, timeout: float = 60.0) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_deeply_nested_json_is_a_400(server):
+    body = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/inference/v1/generate", "/v1/completions", "/init_weight_transfer_engine"):
+        status, reply = _post(server.base_url + path, body)
+        assert status == 400, (path, reply)
+        assert "nests JSON too deeply" in reply["error"]["message"]
+    assert urllib.request.urlopen(server.base_url + "/health", timeout=10).status == 200
+
+
+def test_n_is_bounded(server):
+    status, reply = _post(server.base_url + "/inference/v1/generate",
+                          {"token_ids": [1, 2, 3], "sampling_params": {"n": 100_000, "max_tokens": 2}})  # fmt: skip
+    assert status == 400 and reply["error"]["param"] == "n"
+    assert "[1, 1024]" in reply["error"]["message"]
+
+
+def test_tiny_temperature_is_greedy_with_finite_logprobs(server):
+    def gen(temperature: float) -> dict:
+        sp = {"temperature": temperature, "max_tokens": 6, "logprobs": 0, "seed": 1}
+        status, reply = _post(
+            server.base_url + "/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": sp}
+        )
+        assert status == 200, reply
+        return reply["choices"][0]
+
+    greedy, tiny = gen(0.0), gen(1e-41)
+    assert tiny["token_ids"] == greedy["token_ids"]
+    got = [e["logprob"] for e in tiny["logprobs"]["content"]]
+    assert got == [e["logprob"] for e in greedy["logprobs"]["content"]]
+    assert all(isinstance(v, float) for v in got)
+
+
+def test_tiny_repetition_penalty_and_out_of_vocab_stop_ids_are_refused(server):
+    url = server.base_url + "/inference/v1/generate"
+    status, reply = _post(url, {"token_ids": [1, 2], "sampling_params": {"repetition_penalty": 1e-39}})
+    assert status == 400 and reply["error"]["param"] == "repetition_penalty"
+    status, reply = _post(url, {"token_ids": [1, 2], "sampling_params": {"stop_token_ids": [10**12]}})
+    assert status == 400 and reply["error"]["param"] == "stop_token_ids"
+    vocab = json.loads(urllib.request.urlopen(server.base_url + "/server_info", timeout=10).read())
+    assert "9223372036854775808" not in reply["error"]["message"]
+    assert re.search(r"outside the vocabulary \[0, \d+\)", reply["error"]["message"]), (reply, vocab.keys())
+
+
+def test_stray_init_does_not_silently_block_the_next_one(serve, tiny_llama_dir):
+    """A stray init joins a group at an address nobody serves; the next init is answered at once, naming it."""
+    import threading
+
+    from asyncgrpo.server.launcher import free_port
+
+    srv = serve(tiny_llama_dir, "--max-model-len", "64", "--weight-transfer-config",
+                '{"backend": "gloo", "timeout_s": 20}')  # fmt: skip
+    dead_port = free_port()
+    stray = {"init_info": {"master_address": "127.0.0.1", "master_port": dead_port, "world_size": 2}}
+    stray_reply: list = []
+    t = threading.Thread(target=lambda: stray_reply.append(_post(srv.base_url + "/init_weight_transfer_engine", stray)))
+    t.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    real = {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}}
+    status, reply = _post(srv.base_url + "/init_weight_transfer_engine", real, timeout=15)
+    assert time.monotonic() - t0 < 5
+    assert status == 409, reply
+    assert f"127.0.0.1:{dead_port}" in reply["error"]["message"]
+    t.join(60)
+    assert stray_reply and stray_reply[0][0] >= 400  # the stray join itself fails at the server's timeout
