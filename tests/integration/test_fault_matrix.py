@@ -198,3 +198,45 @@ def test_stray_init_does_not_silently_block_the_next_one(serve, tiny_llama_dir):
     assert f"127.0.0.1:{dead_port}" in reply["error"]["message"]
     t.join(60)
     assert stray_reply and stray_reply[0][0] >= 400  # the stray join itself fails at the server's timeout
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+
+
+def test_unreachable_server_says_what_it_waits_for_every_30s(tmp_path, tiny_llama_dir, caplog):
+    import logging
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.client.errors import ServerTimeoutError
+    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.server.launcher import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens here
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, vllm_server_base_url=url, report_to=[],
+                           vllm_server_timeout=40, gradient_checkpointing=False)  # fmt: skip
+    dataset = reasoning_gym_dataset("chain_sum", size=4, seed=0, system_prompt=None)
+    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[_len_reward], args=args, train_dataset=dataset)
+    seen: list[float] = []
+    t0 = time.monotonic()
+
+    class Stamp(logging.Handler):
+        def emit(self, record):
+            if "not answering" in record.getMessage():
+                seen.append(time.monotonic() - t0)
+
+    handler = Stamp()
+    logging.getLogger("asyncgrpo").addHandler(handler)
+    caplog.set_level(logging.WARNING, logger="asyncgrpo.client.http_client")
+    try:
+        with pytest.raises(ServerTimeoutError, match="asyncgrpo serve"):
+            trainer.train()
+    finally:
+        logging.getLogger("asyncgrpo").removeHandler(handler)
+    assert time.monotonic() - t0 < 55
+    assert seen and seen[0] <= 31.0, seen
+    line = next(r.getMessage() for r in caplog.records if "not answering" in r.getMessage())
+    assert url in line and "timeout 40s" in line and "asyncgrpo serve" in line and "for 30s" in line, line
+
+
+def _len_reward(completion_ids, **kwargs):
+    return [float(len(c)) for c in completion_ids]

@@ -36,6 +36,16 @@ from asyncgrpo.client.results import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0  # one HTTP call (a long generation must fit)
+WAIT_LOG_INTERVAL_S = 30.0  # X4: a waiting client says what it waits for at least this often
+SERVER_HINT = "is `asyncgrpo serve` (or `vllm serve`) running and reachable at that address?"
+
+
+def not_answering_message(base_url: str, waited_s: float, timeout_s: float, last_error: str) -> str:
+    """The X4 line of a wait on an unreachable server: URL, time so far, timeout, last error and the hint."""
+    return (
+        f"server {base_url} not answering /health for {waited_s:.0f}s (timeout {timeout_s:.0f}s; last error: "
+        f"{last_error}) - {SERVER_HINT}"
+    )
 
 
 def config_section(data: Any, *keys: str) -> dict[str, Any]:
@@ -188,25 +198,33 @@ class AsyncServerClient:
             return False
         return True
 
-    async def wait_until_ready(self, timeout: float, poll_s: float = 0.5) -> None:
-        """Poll ``GET /health`` until it answers 200.
+    async def wait_until_ready(
+        self, timeout: float, poll_s: float = 0.5, log_every: float = WAIT_LOG_INTERVAL_S
+    ) -> None:
+        """Poll ``GET /health`` until it answers 200, logging what it waits for every ``log_every`` seconds (X4).
 
         Raises:
             ServerTimeoutError: not ready within ``timeout`` seconds (names the URL and the last error).
         """
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        next_log = t0 + log_every
         last = "no attempt"
         while True:
             try:
                 await self.request("GET", "/health", retries=0, timeout=min(10.0, timeout), parse="none")
                 return
             except ServerError as exc:
-                last = str(exc)
-            if time.monotonic() + poll_s > deadline:
+                last = exc.message
+            now = time.monotonic()
+            if now >= next_log:
+                logger.warning("%s", not_answering_message(self.base_url, now - t0, timeout, last))
+                next_log = now + log_every
+            if now + poll_s > deadline:
                 raise ServerTimeoutError(
                     "GET /health",
                     None,
-                    f"server not ready after waiting {timeout:.0f}s; last error: {last}",
+                    f"server not ready after waiting {timeout:.0f}s; last error: {last}. {SERVER_HINT}",
                     base_url=self.base_url,
                 )
             await asyncio.sleep(poll_s)
