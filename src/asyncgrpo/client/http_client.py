@@ -64,6 +64,8 @@ class AsyncServerClient:
         max_connections: HTTP connection pool size (SPEC G6).
         retries: extra attempts after a connection error, a timeout or a 503.
         backoff: first retry delay in seconds; doubles each retry (capped at 30 s).
+        retry_for_s: keep retrying a call that gets no answer (or 503) until this many seconds passed since its
+            first attempt, even past ``retries`` (a server restarting); 0 = only ``retries`` count.
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class AsyncServerClient:
         max_connections: int = 512,
         retries: int = 3,
         backoff: float = 0.5,
+        retry_for_s: float = 0.0,
     ) -> None:
         parsed = urlparse(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -88,6 +91,7 @@ class AsyncServerClient:
         self.max_connections = max_connections
         self.retries = retries
         self.backoff = backoff
+        self.retry_for_s = max(float(retry_for_s), 0.0)
         self.retry_count = 0
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,6 +104,7 @@ class AsyncServerClient:
             max_connections=self.max_connections,
             retries=self.retries,
             backoff=self.backoff,
+            retry_for_s=self.retry_for_s,
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -150,12 +155,20 @@ class AsyncServerClient:
         limit = self.timeout if timeout is None else timeout
         session = self._get_session()
         last: ServerError | None = None
-        for attempt in range(attempts):
+        t0 = time.monotonic()
+        window = self.retry_for_s if retries is None else 0.0
+        attempt = 0
+        while attempt < attempts or (attempt and time.monotonic() - t0 < window):
             if attempt:
                 self.retry_count += 1
-                delay = min(self.backoff * 2 ** (attempt - 1), 30.0)
-                logger.warning("retrying %s in %.1fs after: %s", endpoint, delay, last)
+                delay = min(self.backoff * 2 ** (attempt - 1), 30.0 if attempt < attempts else 2.0)
+                delay = min(delay, max(window - (time.monotonic() - t0), 0.0)) if attempt >= attempts else delay
+                if attempt < attempts or attempt % 10 == 0:
+                    logger.warning("retrying %s at %s in %.1fs (%.0fs since the first try, retrying for up to %.0fs) "
+                                   "after: %s", endpoint, self.base_url, delay, time.monotonic() - t0,
+                                   max(window, 0.0), last)  # fmt: skip
                 await asyncio.sleep(delay)
+            attempt += 1
             try:
                 async with session.request(
                     method,

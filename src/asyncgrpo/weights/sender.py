@@ -45,6 +45,9 @@ from asyncgrpo.weights.collectives import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S = 1800.0  # matches vllm_server_timeout's default
+DEFAULT_RESTART_TIMEOUT_S = 120.0  # how long a round waits for a vanished server to come back
+RESTART_POLL_S = 0.5
+RESTART_LOG_INTERVAL_S = 30.0  # X4
 _T = TypeVar("_T")
 
 
@@ -101,6 +104,8 @@ class WeightSender:
         timeout_s: bound on every wait of a round (rendezvous, HTTP calls, broadcasts).
         packed_buffer_size_bytes: packed chunk size; sent in ``init_info`` so both sides agree.
         packed_num_buffers: sent in ``init_info`` (vLLM's double buffering; we send chunks in order).
+        restart_timeout_s: a round that finds the server gone (no answer, or a server without our group: it
+            restarted) waits this long for it, then forms the group again and pushes; 0 = fail at once.
     """
 
     def __init__(
@@ -109,7 +114,13 @@ class WeightSender:
         timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+        restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
     ) -> None:
+        if restart_timeout_s < 0:
+            raise ValueError(f"restart_timeout_s must be >= 0, got {restart_timeout_s}")
+        self.restart_timeout_s = restart_timeout_s
+        self.restarts = 0  # times the group was formed again after the server came back
+        self._init_kwargs: dict[str, Any] | None = None
         if timeout_s <= 0 or packed_buffer_size_bytes <= 0 or packed_num_buffers < 1:
             raise ValueError(
                 f"need timeout_s > 0, packed_buffer_size_bytes > 0, packed_num_buffers >= 1; got {timeout_s}, "
@@ -173,6 +184,8 @@ class WeightSender:
         """
         if self.group is not None:
             raise RuntimeError("WeightSender.init() was already called; close() first")
+        self._init_kwargs = {"client": client, "server_world_size": server_world_size, "backend": backend,
+                             "device": device, "packed": packed, "master_address": master_address}  # fmt: skip
         self._client = client.clone()
         self._loop = _LoopThread()
         if server_world_size is None:
@@ -276,6 +289,7 @@ class WeightSender:
         """
         if self.group is None or self._client is None or self._loop is None:
             raise RuntimeError("call WeightSender.init() before update()")
+        self._ensure_server()
         client, group = self._client, self.group
         if metadata is None:
             items = [(n, t) for n, t in named_tensors]
@@ -329,10 +343,67 @@ class WeightSender:
             raise WeightTransferError(f"POST /update_weights failed: {exc}") from exc
         self._last_metas = metas
         self._http(client.finish_weight_update(version, timeout=self.timeout_s), "POST /finish_weight_update")
+        self._pushed_version = str(version)
         self._http(client.reset_prefix_cache(), "POST /reset_prefix_cache")
         self._http(client.resume(timeout=self.timeout_s), "POST /resume")
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    # ------------------------------------------------------------------ surviving a server restart
+
+    def _ensure_server(self) -> None:
+        """Before a round: if the server stopped answering, or answers with other weights than we pushed last (it
+        restarted), wait for it (bounded) and form the group again; the round then pushes the current weights."""
+        assert self._client is not None
+        try:
+            info = self._http(self._client.request("GET", "/weight_info", retries=0, timeout=30.0), "GET /weight_info")
+        except ServerError as exc:
+            if exc.status is not None and exc.status != 503:
+                return  # it answers (e.g. a real vLLM without /weight_info): nothing to compare
+            info = None
+        except WeightTransferError:
+            info = None
+        if info is not None:
+            version = info.get("weight_version") if isinstance(info, dict) else None
+            if self._pushed_version is None or version == self._pushed_version:
+                return
+            logger.warning("server %s serves weight version %r, not %r pushed last: it restarted", self._client.base_url,
+                           version, self._pushed_version)  # fmt: skip
+        else:
+            self._await_return()
+        self._reinit()
+
+    _pushed_version: str | None = None
+
+    def _await_return(self) -> None:
+        assert self._client is not None
+        url, t0, since = self._client.base_url, time.monotonic(), time.strftime("%H:%M:%S")
+        next_log = t0
+        while True:
+            if self._http(self._client.health(), "GET /health"):
+                return
+            waited = time.monotonic() - t0
+            if waited >= self.restart_timeout_s:
+                raise WeightTransferError(
+                    f"server {url} gone since {since} ({waited:.0f}s; it did not come back within "
+                    f"restart_timeout {self.restart_timeout_s:.0f}s). Restart `asyncgrpo serve` on that address and "
+                    "resume from the last checkpoint"
+                )
+            if time.monotonic() >= next_log:
+                logger.warning("server %s gone since %s (%.0fs so far): waiting up to %.0fs for it to come back",
+                               url, since, waited, self.restart_timeout_s)  # fmt: skip
+                next_log = time.monotonic() + RESTART_LOG_INTERVAL_S
+            time.sleep(RESTART_POLL_S)
+
+    def _reinit(self) -> None:
+        """The server came back without our group (or with other weights): leave the old group, form a new one."""
+        assert self._init_kwargs is not None
+        kwargs = dict(self._init_kwargs)
+        self.close(shutdown_server_side=False)
+        self.init(**kwargs)
+        self.restarts += 1
+        logger.warning("weight transfer re-established with %s (restart %d): pushing the current weights",
+                       kwargs["client"].base_url, self.restarts)  # fmt: skip
 
     def _close_rejected_round(self, fut: concurrent.futures.Future) -> None:
         """After a 4xx on /update_weights the server never entered the collective: finish and resume it.
