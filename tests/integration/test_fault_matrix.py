@@ -240,3 +240,22 @@ def test_unreachable_server_says_what_it_waits_for_every_30s(tmp_path, tiny_llam
 
 def _len_reward(completion_ids, **kwargs):
     return [float(len(c)) for c in completion_ids]
+
+
+# ---------------------------------------------------------------------------------------------- item 10
+
+
+def test_dtype_warning_reads_vllms_own_field(server, caplog):
+    """G13 against a server that reports its dtype only where vLLM does (the embedded server's own section removed)."""
+    import logging
+
+    import torch
+
+    from asyncgrpo.trainer.server_setup import check_dtype, server_dtype
+
+    info = json.loads(urllib.request.urlopen(server.base_url + "/server_info?config_format=json", timeout=10).read())
+    info.pop("asyncgrpo", None)
+    assert server_dtype(info) == "float32"  # the tiny model is served in fp32 on CPU
+    caplog.set_level(logging.WARNING, logger="asyncgrpo.trainer.server_setup")
+    check_dtype(torch.bfloat16, server_dtype(info))
+    assert any("generates in float32" in r.getMessage() for r in caplog.records)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from asyncgrpo.client.errors import ServerError
-from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.http_client import AsyncServerClient, config_section
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +66,22 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
             has_metrics=has_metrics,
             masks_supported=masks,
             world_size=int(world),
-            dtype=engine_info.get("dtype") or info.get("dtype"),
+            dtype=server_dtype(info),
             weight_backend=engine_info.get("weight_transfer_backend") or info.get("weight_transfer_backend"),
         )
+
+
+def server_dtype(info: Any) -> str | None:
+    """The dtype a server generates in, from ``/server_info``: vLLM's ``vllm_config.model_config.dtype`` (a JSON
+    object, or the text form some vLLM versions send), else the embedded server's own section (G13)."""
+    if not isinstance(info, dict):
+        return None
+    found = config_section(info, "vllm_config", "model_config").get("dtype")
+    if found is None and isinstance(info.get("vllm_config"), str):
+        m = re.search(r"dtype=(?:torch\.)?(\w+)", info["vllm_config"])
+        found = m.group(1) if m else None
+    found = found or config_section(info, "asyncgrpo").get("dtype") or info.get("dtype")
+    return str(found).removeprefix("torch.") if found else None
 
 
 def probe_server(base_url: str, timeout: float, want_masks: bool) -> ServerFacts:
@@ -95,4 +110,20 @@ def check_dtype(trainer_dtype: torch.dtype, server_dtype: str | None) -> None:
             name,
             server_dtype,
             name,
+        )
+
+
+def check_completion_length(max_completion_length: int, max_model_len: int, base_url: str) -> None:
+    """Refuse a ``max_completion_length`` the server can never produce: prompt + completion must fit
+    ``max_model_len``, so every completion would be cut (``completions/clipped_ratio`` = 1) and never end with EOS.
+
+    Raises:
+        ValueError: ``max_completion_length`` >= the server's ``max_model_len`` (names both and what to change).
+    """
+    if max_completion_length >= max_model_len:
+        raise ValueError(
+            f"max_completion_length={max_completion_length} does not fit the server at {base_url}: its max_model_len "
+            f"is {max_model_len} tokens for prompt + completion, so every completion would be cut. Lower "
+            f"max_completion_length below {max_model_len} minus your longest prompt, or start the server with a larger "
+            "--max-model-len"
         )
