@@ -281,7 +281,7 @@ class AsyncServerClient:
         return int((await self.request("GET", "/load"))["server_load"])
 
     async def metrics(self, model_name: str | None = None) -> dict[str, float]:
-        """The ``vllm:*`` values of ``GET /metrics`` (engines summed; KV usage averaged)."""
+        """The ``vllm:*`` values of ``GET /metrics`` (engines summed; KV usage: the fullest engine)."""
         return vllm_metrics(await self.request("GET", "/metrics", parse="text"), model_name)
 
     # ------------------------------------------------------------------ generation
