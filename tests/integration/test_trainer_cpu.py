@@ -105,8 +105,14 @@ def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, datas
         "sample/staleness_mean",
         "sampling/importance_sampling_ratio/mean",
         "rewards/parity_reward/mean",
+        "rollout/samples_per_rollout",
+        "perf/step_s",
     ):
         assert name in keys, name
+    # Single-turn rollouts: one training sample each, no turn transition hence no fork metric.
+    assert all(r["rollout/samples_per_rollout"] == 1.0 for r in rows if "rollout/samples_per_rollout" in r)
+    assert "rollout/fork_frac" not in keys
+    assert all(r["perf/step_s"] >= r["perf/fwd_bwd_s"] for r in rows if "perf/step_s" in r)
     undocumented = {k for k in keys if not is_documented_metric(k) and k not in TRAINER_OWN_KEYS}
     assert not undocumented, undocumented
     assert rows[0]["batch/packing_ratio"] > 1.5  # a group's prompt is forwarded once for its 4 completions

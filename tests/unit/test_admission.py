@@ -26,16 +26,41 @@ def test_token_limit_before_and_after_the_first_step():
     # outstanding = 500 + 500 * k < 4000 holds for k = 0..6 -> 7 groups start.
     assert started == 7
     assert adm.outstanding_tokens == 500 + 7 * 500
-    # The trainer reports a step that used only 600 tokens: limit = 2400; nothing more may start.
-    adm.on_step(600)
+    # The trainer reports a step that used only 600 tokens (nothing pulled yet): limit = 2400; nothing may start.
+    adm.on_trainer_report(consumed_tokens=0, tokens_per_step=600)
     assert adm.limit == 2400
     assert not adm.can_start_group()
     # The trainer pulls the queued 500 and 4 groups finish with everything dropped (zero std).
-    adm.on_tokens_consumed(500)
+    adm.on_trainer_report(consumed_tokens=500, tokens_per_step=600)
     for _ in range(4):
         adm.on_group_finished(tokens=500, kept_tokens=0)
+    assert adm.queued_tokens == 0
     assert adm.outstanding_tokens == 3 * 500
     assert adm.can_start_group()  # 1500 < 2400
+
+
+def test_queued_tokens_follow_the_trainers_running_total():
+    # The worker counts what it enqueues; the trainer reports the running total it pulled. A report of
+    # "no step yet" (tokens_per_step=0) keeps the first-step assumption.
+    adm = StalenessAdmission(max_staleness=2, initial_tokens_per_step=1000)
+    for kept in (300, 200, 0):
+        adm.on_group_started()
+        adm.on_group_finished(tokens=400, kept_tokens=kept)
+    assert adm.queued_tokens == 500
+    adm.on_trainer_report(consumed_tokens=300, tokens_per_step=0)
+    assert adm.queued_tokens == 200 and adm.limit == 2000
+    adm.on_trainer_report(consumed_tokens=500, tokens_per_step=450)
+    assert adm.queued_tokens == 0 and adm.limit == 900
+    # Reports are totals, not increments: repeating one changes nothing.
+    adm.on_trainer_report(consumed_tokens=500, tokens_per_step=450)
+    assert adm.queued_tokens == 0
+    assert adm.outstanding_tokens == 0  # no group in flight
+
+
+def test_finishing_a_group_that_never_started_is_an_error():
+    adm = StalenessAdmission(max_staleness=1, initial_tokens_per_step=10)
+    with pytest.raises(RuntimeError, match="on_group_started"):
+        adm.on_group_finished(tokens=1, kept_tokens=1)
 
 
 def test_zero_staleness_still_allows_one_step_of_tokens():

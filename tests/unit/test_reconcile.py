@@ -1,5 +1,8 @@
 """A5 reconciliation: turns -> training sequences, checked on hand-made turns."""
 
+import pytest
+
+from asyncgrpo.metrics import MetricsWindow, is_documented_metric
 from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
 from asyncgrpo.types import Rollout, TurnRecord
 
@@ -58,3 +61,32 @@ def test_output_mask_and_candidate_sets_travel():
 def test_rollout_without_trained_tokens_yields_nothing():
     t = TurnRecord(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.1], output_mask=[0])
     assert _seqs([t]) == []
+
+
+def test_reconcile_metrics_over_a_window():
+    # Rollout A: the fork of test_extension_and_fork (2 transitions, 1 fork re-rendering 4 tokens, 2 samples).
+    t1 = TurnRecord(prompt_ids=[1, 2], output_ids=[3], output_log_probs=[-0.3])
+    t2 = TurnRecord(prompt_ids=[1, 2, 3, 10, 11], output_ids=[4], output_log_probs=[-0.4])
+    t3 = TurnRecord(prompt_ids=[1, 2, 99, 10, 11, 4, 12], output_ids=[5, 6], output_log_probs=[-0.5, -0.6])
+    # Rollout B: one turn, one sample. Rollout C: one turn whose only token is masked out, no sample.
+    t4 = TurnRecord(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.1])
+    t5 = TurnRecord(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.1], output_mask=[0])
+    stats = ReconcileStats()
+    seqs = [_seqs(turns, stats=stats) for turns in ([t1, t2, t3], [t4], [t5])]
+    window = MetricsWindow()
+    window.extend(stats.metric_events(sum(len(s) for s in seqs), num_rollouts=3))
+    # A second group of single-turn rollouts adds rollouts but no transitions.
+    window.extend(ReconcileStats().metric_events(num_sequences=2, num_rollouts=2))
+    m = window.flush()
+    assert m["rollout/samples_per_rollout"] == pytest.approx((3 + 2) / 5)
+    assert m["rollout/fork_frac"] == pytest.approx(1 / 2)
+    assert m["rollout/drift_tokens_mean"] == pytest.approx((0 + 4) / 2)
+    assert m["rollout/drift_tokens_max"] == 4
+    assert all(is_documented_metric(name) for name in m)
+
+
+def test_single_turn_groups_emit_no_fork_metrics():
+    events = ReconcileStats().metric_events(num_sequences=4, num_rollouts=4)
+    assert [name for name, _, _ in events] == ["rollout/samples_per_rollout"]
+    with pytest.raises(ValueError, match="num_rollouts"):
+        ReconcileStats().metric_events(num_sequences=0, num_rollouts=0)

@@ -31,6 +31,9 @@ CAP_SHRINK = 0.30  # -30 % when the KV cache is over KV_USAGE_HIGH
 class StalenessAdmission:
     """Token accounting behind G3; owned by the worker, fed by the trainer's reports.
 
+    The worker tells it what it does (``on_group_started``, ``on_group_finished``) and passes on
+    the trainer's two shared counters with ``on_trainer_report``; it counts everything else itself.
+
     Args:
         max_staleness: the config's ``max_staleness`` (0 allows one step of look-ahead tokens).
         initial_tokens_per_step: the first step's assumption, ``token_budget × rows per step``.
@@ -39,7 +42,8 @@ class StalenessAdmission:
     max_staleness: int
     initial_tokens_per_step: int
     tokens_per_step: int | None = None  # last value reported by the trainer
-    queued_tokens: int = 0  # scored samples waiting in the queue (not yet pulled by the trainer)
+    enqueued_tokens: int = 0  # tokens of every sample put on the queue so far
+    consumed_tokens: int = 0  # tokens of every sample the trainer pulled so far (its report)
     inflight_groups: int = 0
     completed_groups: int = 0
     completed_group_tokens: int = 0  # sum over completed groups, for the per-group estimate
@@ -53,6 +57,11 @@ class StalenessAdmission:
         """Tokens allowed queued or in flight."""
         per_step = self.tokens_per_step if self.tokens_per_step is not None else self.initial_tokens_per_step
         return max(self.max_staleness, 1) * per_step
+
+    @property
+    def queued_tokens(self) -> int:
+        """Scored tokens waiting in the queue (put there, not yet pulled by the trainer)."""
+        return max(0, self.enqueued_tokens - self.consumed_tokens)
 
     @property
     def tokens_per_group_estimate(self) -> float | None:
@@ -76,20 +85,18 @@ class StalenessAdmission:
 
     def on_group_finished(self, tokens: int, kept_tokens: int) -> None:
         """A group completed: ``tokens`` it generated in all, ``kept_tokens`` that went to the queue."""
-        assert self.inflight_groups > 0, "on_group_finished without a started group"
+        if self.inflight_groups <= 0:
+            raise RuntimeError("on_group_finished without a started group: call on_group_started first")
         self.inflight_groups -= 1
         self.completed_groups += 1
         self.completed_group_tokens += tokens
-        self.queued_tokens += kept_tokens
+        self.enqueued_tokens += kept_tokens
 
-    def on_tokens_consumed(self, tokens: int) -> None:
-        """The trainer pulled (trained or dropped) samples holding ``tokens`` tokens."""
-        self.queued_tokens = max(0, self.queued_tokens - tokens)
-
-    def on_step(self, tokens_used: int) -> None:
-        """The trainer finished an optimizer step that used ``tokens_used`` tokens."""
-        if tokens_used > 0:
-            self.tokens_per_step = tokens_used
+    def on_trainer_report(self, consumed_tokens: int, tokens_per_step: int) -> None:
+        """The trainer's counters: total tokens it pulled from the queue, tokens its last step used (0: none yet)."""
+        self.consumed_tokens = int(consumed_tokens)
+        if tokens_per_step > 0:
+            self.tokens_per_step = int(tokens_per_step)
 
 
 class ConcurrencyCap:

@@ -10,13 +10,12 @@ change it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from asyncgrpo.metrics import MetricEvent
 
-__all__ = ["GroupScore", "group_advantages", "group_reward_metrics", "is_zero_std_group", "score_groups"]
+__all__ = ["group_advantages", "group_reward_metrics", "is_zero_std_group"]
 
 # Bessel-corrected std (ddof=1), as torch.std and GRPO's group normalisation use.
 STD_DDOF = 1
@@ -87,37 +86,3 @@ def group_reward_metrics(
         if not dropped and source_scored.size >= 2:
             events.append((f"rewards/{name}/group_std", float(source_scored.std(ddof=STD_DDOF)), weight_samples))
     return events
-
-
-@dataclass
-class GroupScore:
-    """Outcome of scoring several groups: which to train, their advantages, and the metric events."""
-
-    kept: list[int] = field(default_factory=list)
-    dropped: list[int] = field(default_factory=list)
-    advantages: list[np.ndarray] = field(default_factory=list)
-    metrics: list[MetricEvent] = field(default_factory=list)
-
-
-def score_groups(
-    rewards: list[np.ndarray],
-    per_source: list[Mapping[str, np.ndarray]] | None = None,
-) -> GroupScore:
-    """Advantages and the keep/drop decision for a list of groups.
-
-    Args:
-        rewards: One [G] total-reward array per group.
-        per_source: Per group, its rewards per source name (for `rewards/{name}/*`).
-
-    Returns:
-        A `GroupScore` with the indices of kept and dropped groups, one advantage array per group (zeros for
-        dropped ones) and the metric events of all groups.
-    """
-    out = GroupScore()
-    for i, group in enumerate(rewards):
-        dropped = is_zero_std_group(group)
-        (out.dropped if dropped else out.kept).append(i)
-        out.advantages.append(group_advantages(group))
-        sources = per_source[i] if per_source is not None else {}
-        out.metrics.extend(group_reward_metrics(group, sources, dropped))
-    return out

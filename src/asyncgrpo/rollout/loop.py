@@ -10,6 +10,13 @@ Subclass and override the hooks (``filter_prompt``, ``generate_one``,
 ``generate_one_turn``, ``compute_advantages``, ``setup``, ``close``), then set the
 subclass as the trainer subclass's ``loop_cls``. The subclass must be defined at
 module level (the worker re-imports it after the spawn).
+
+The loop reads the run only through ``self.settings``, a frozen ``RolloutSettings``
+the trainer built once (``rollout/settings.py``). Knobs of your own reach the hooks two
+ways: fields your ``AsyncGRPOConfig`` subclass adds are copied into
+``settings.extra`` and read as ``self.config.<field>``; anything else, override
+``AsyncGRPOTrainer.rollout_settings`` and return
+``dataclasses.replace(settings, extra={**settings.extra, ...})``.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.admission import METRICS_POLL_INTERVAL_S, ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
+from asyncgrpo.rollout.completion_metrics import completion_metric_events
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
-from asyncgrpo.rollout.sampling import SamplingSettings
+from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -41,41 +49,37 @@ class AsyncRolloutLoop:
     """Generates and scores the rollouts of an ``AsyncGRPOTrainer`` run (default: single-turn GRPO).
 
     Args:
-        config: the run's ``AsyncGRPOConfig`` (hooks may read subclass fields from it).
-        model_name: the name the server serves the policy under (a LoRA adapter name selects an adapter).
+        settings: the run as plain values, built once by the trainer (``AsyncGRPOTrainer.rollout_settings``).
         dataset: rows with a conversational ``prompt`` column; other columns go to the reward functions.
         reward_funcs: sync or async callables (module-level: they are pickled into this process).
         processing_class: the tokenizer (its chat template renders prompts).
-        eos_token_ids: ids that end a completion.
-        sampling: resolved server-side settings (token budget, rows per step, masks support).
-        dataset_start_index: the first untrained prompt (resume, T5).
-        num_epochs: passes over the dataset to generate (None: until stopped).
+        tools: tool callables handed to ``generate_one``.
     """
 
     def __init__(
         self,
-        config: Any,
-        model_name: str,
+        settings: RolloutSettings,
         dataset: Any,
         reward_funcs: list[Any],
         processing_class: Any,
-        eos_token_ids: list[int],
-        sampling: SamplingSettings,
         *,
         tools: list[Any] | None = None,
-        dataset_start_index: int = 0,
-        num_epochs: int | None = None,
     ) -> None:
-        self.config = config
-        self.model_name = model_name
+        if not isinstance(settings, RolloutSettings):
+            raise TypeError(
+                f"settings must be a RolloutSettings, got {type(settings).__name__}; the trainer builds it with "
+                "AsyncGRPOTrainer.rollout_settings"
+            )
+        self.settings = settings
         self.dataset = dataset
         self.reward_funcs = list(reward_funcs)
         self.tokenizer = processing_class
-        self.eos_token_ids = list(eos_token_ids)
-        self.sampling = sampling
         self.tools = list(tools or [])
-        self.dataset_start_index = dataset_start_index
-        self.num_epochs = num_epochs
+
+    @property
+    def config(self) -> ConfigView:
+        """The fields an ``AsyncGRPOConfig`` subclass adds (``settings.extra``), as attributes."""
+        return ConfigView(self.settings.extra)
 
     # ------------------------------------------------------------------ hooks
 
@@ -99,19 +103,20 @@ class AsyncRolloutLoop:
         )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the config's sampling settings."""
-        params = self.sampling.request_params(len(prompt_ids), seed=self._next_seed())
+        """One sampling request with the run's sampling settings."""
+        sampling = self.settings.sampling
+        params = sampling.request_params(len(prompt_ids), seed=self._next_seed())
         t0 = time.perf_counter()
         try:
-            if self.sampling.use_generate_endpoint:
-                res = await self.client.generate(prompt_ids, params, model=self.model_name)
+            if sampling.use_generate_endpoint:
+                res = await self.client.generate(prompt_ids, params, model=self.settings.model_name)
             else:
-                res = await self.client.complete(prompt_ids, params, model=self.model_name)
+                res = await self.client.complete(prompt_ids, params, model=self.settings.model_name)
         except ServerError as e:
             if e.status == 400:
                 raise ValueError(
                     f"the generation server rejected a prompt of {len(prompt_ids)} tokens: {e}. Shorten the prompts "
-                    f"or start the server with a larger --max-model-len (now {self.sampling.max_model_len})"
+                    f"or start the server with a larger --max-model-len (now {sampling.max_model_len})"
                 ) from e
             raise
         self._generated_tokens += len(res.token_ids)
@@ -121,8 +126,8 @@ class AsyncRolloutLoop:
             prompt_ids=list(prompt_ids),
             output_ids=res.token_ids,
             output_log_probs=res.logprobs,
-            output_sampling_mask=res.sampling_mask if self.sampling.wants_masks else None,
-            output_sampler_logprobs=res.top_logprobs if self.config.score_centering else None,
+            output_sampling_mask=res.sampling_mask if sampling.wants_masks else None,
+            output_sampler_logprobs=res.top_logprobs if sampling.num_sampler_logprobs is not None else None,
         )
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
@@ -132,7 +137,7 @@ class AsyncRolloutLoop:
     # ------------------------------------------------------------------ helpers
 
     def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
-        kwargs = dict(self.config.chat_template_kwargs or {})
+        kwargs = dict(self.settings.chat_template_kwargs)
         ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -141,29 +146,31 @@ class AsyncRolloutLoop:
     def _next_seed(self) -> int:
         # Unique per request (G7): data-parallel engines never decode identical text for one prompt.
         self._seed_counter += 1
-        return (self.config.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
+        return (self.settings.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
 
     # ------------------------------------------------------------------ the engine of the loop
 
     async def run(self, channels: Any) -> None:
         """Entry point called by the worker process; returns when ``channels.stop`` is set or data runs out."""
         self.channels = channels
+        st = self.settings
         self._seed_counter = 0
         self._generated_tokens = 0
         self._gen_time = 0.0
-        self._enqueued_tokens = 0
         self._failure: BaseException | None = None  # the first exception of a group task
         self._running = 0
         self._last_finish: dict[int, str] = {}
         self._slot_freed = asyncio.Condition()
-        self._executor = ThreadPoolExecutor(max_workers=min(self.config.max_concurrent_rollouts, 64))
-        self.client = AsyncServerClient(self.sampling.base_url, max_connections=self.config.max_concurrent_rollouts)
-        self.admission = StalenessAdmission(self.config.max_staleness, self.sampling.initial_tokens_per_step)
+        self._executor = ThreadPoolExecutor(max_workers=min(st.max_concurrent_rollouts, 64))
+        self.client = AsyncServerClient(
+            st.sampling.base_url, timeout=st.request_timeout_s, max_connections=st.max_concurrent_rollouts
+        )
+        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
         self.cap = ConcurrencyCap(
-            self.config.max_concurrent_rollouts,
-            self.sampling.kv_cache_tokens,
-            self.sampling.max_model_len,
-            has_metrics=self.sampling.has_metrics,
+            st.max_concurrent_rollouts,
+            st.sampling.kv_cache_tokens,
+            st.sampling.max_model_len,
+            has_metrics=st.sampling.has_metrics,
         )
         await self.setup()
         poller = asyncio.create_task(self._poll_server_metrics())
@@ -178,9 +185,7 @@ class AsyncRolloutLoop:
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _sync_admission(self) -> None:
-        consumed = self.channels.tokens_consumed.value
-        self.admission.queued_tokens = max(0, self._enqueued_tokens - consumed)
-        self.admission.on_step(self.channels.tokens_per_step.value)
+        self.admission.on_trainer_report(self.channels.tokens_consumed.value, self.channels.tokens_per_step.value)
 
     async def _wait_for_admission(self, tasks: set[asyncio.Task]) -> None:
         t0 = time.perf_counter()
@@ -199,9 +204,9 @@ class AsyncRolloutLoop:
             raise ValueError("the training dataset is empty")
         group_id = 0
         tasks: set[asyncio.Task] = set()
-        epoch = self.dataset_start_index // n
-        index = self.dataset_start_index % n
-        while not self.channels.stop.is_set() and (self.num_epochs is None or epoch < self.num_epochs):
+        start, num_epochs = self.settings.dataset_start_index, self.settings.num_epochs
+        epoch, index = start // n, start % n
+        while not self.channels.stop.is_set() and (num_epochs is None or epoch < num_epochs):
             accepted = 0
             for row_index in range(index, n):
                 if self.channels.stop.is_set():
@@ -280,7 +285,7 @@ class AsyncRolloutLoop:
                 '{"role": ..., "content": ...} messages'
             )
         version = self.channels.policy_version.value
-        G = self.config.num_generations
+        G = self.settings.num_generations
         results = await asyncio.gather(*(self._one_rollout(prompt, group_id) for _ in range(G)))
         rollouts = [r for r, _ in results]
         t_score = time.perf_counter()
@@ -300,7 +305,7 @@ class AsyncRolloutLoop:
                 group_id=group_id,
                 row_index=flat_index,
                 model_version=version,
-                num_sampler_logprobs=self.config.num_sampler_logprobs if self.config.score_centering else None,
+                num_sampler_logprobs=self.settings.num_sampler_logprobs,
                 stats=stats,
             )
             for r in rollouts
@@ -328,7 +333,10 @@ class AsyncRolloutLoop:
         per_source = {reward_function_name(f): per_func[:, j] for j, f in enumerate(self.reward_funcs)}
         for name, value, weight in group_reward_metrics(group.rewards, per_source, dropped):
             self.channels.metrics.put((name, float(value), float(weight)))
-        self._put_completion_metrics(rollouts, [f for _, f in results])
+        for event in completion_metric_events(rollouts, [f for _, f in results]):
+            self.channels.metrics.put(event)
+        for event in stats.metric_events(sum(len(seqs) for seqs in sequences), G):
+            self.channels.metrics.put(event)
         self.channels.put_metric("rollout/score_s", time.perf_counter() - t_score)
         kept: list[Any] = []
         if not dropped:
@@ -344,7 +352,7 @@ class AsyncRolloutLoop:
         tokens = sum(len(s.input_ids) for seqs in sequences for s in seqs)
         kept_tokens = sum(len(s.input_ids) for s in kept)
         self.admission.on_group_finished(tokens, kept_tokens)
-        self._enqueued_tokens += kept_tokens
+        log_texts = self.settings.log_completions
         self.channels.samples.put(
             GroupResult(
                 row_index=flat_index,
@@ -356,50 +364,27 @@ class AsyncRolloutLoop:
                 queued_at=time.time(),
                 tokens=kept_tokens,
                 prompt_text=self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-                if self.config.log_completions
+                if log_texts
                 else None,
                 completion_texts=[r.completion[-1]["content"] if r.completion else "" for r in rollouts]
-                if self.config.log_completions
+                if log_texts
                 else None,
                 rewards=[float(x) for x in group.rewards],
             )
         )
 
-    def _put_completion_metrics(self, rollouts: list[Rollout], finishes: list[str]) -> None:
-        lengths = [len(r.completion_ids) for r in rollouts]
-        put = self.channels.put_metric
-        put("completions/mean_length", float(np.mean(lengths)))
-        put("completions/max_length", float(max(lengths)))
-        put("completions/min_length", float(min(lengths)))
-        terminated = [n for n, f in zip(lengths, finishes) if f == "stop"]
-        if terminated:
-            put("completions/mean_terminated_length", float(np.mean(terminated)))
-            put("completions/max_terminated_length", float(max(terminated)))
-            put("completions/min_terminated_length", float(min(terminated)))
-        put("completions/clipped_ratio", sum(f != "stop" for f in finishes) / len(finishes))
-        seen: set[tuple[int, ...]] = set()
-        dups = 0
-        for r in rollouts:
-            key = tuple(r.completion_ids)
-            dups += key in seen
-            seen.add(key)
-        put("completions/duplicate_frac", dups / len(rollouts))
-        put("rollout/turns_mean", float(np.mean([len(r.turns) for r in rollouts])))
-        put("rollout/turns_max", float(max(len(r.turns) for r in rollouts)))
-        put("tools/call_frequency", float(np.mean([r.tool_call_count for r in rollouts])))
-
     async def _poll_server_metrics(self) -> None:
         """G5: read the server's /metrics every few seconds and move the concurrency cap."""
         last_tokens, last_t = 0, time.perf_counter()
         while True:
-            await asyncio.sleep(METRICS_POLL_INTERVAL_S if self.sampling.has_metrics else 1.0)
+            await asyncio.sleep(METRICS_POLL_INTERVAL_S if self.settings.sampling.has_metrics else 1.0)
             now = time.perf_counter()
             put = self.channels.put_metric
             put("rollout/generated_tokens_per_s", (self._generated_tokens - last_tokens) / max(now - last_t, 1e-9))
             last_tokens, last_t = self._generated_tokens, now
             put("rollout/vllm_retry_count", float(self.client.retry_count))
             self.client.retry_count = 0
-            if self.sampling.has_metrics:
+            if self.settings.sampling.has_metrics:
                 try:
                     m = await self.client.metrics()
                 except (TimeoutError, ServerError, OSError) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncgrpo.metrics import MetricEvent
 from asyncgrpo.types import Rollout, TrainingSequence, TurnRecord
 
 
@@ -54,7 +55,24 @@ class ReconcileStats:
 
     transitions: int = 0
     forks: int = 0
-    drift_tokens: list[int] = field(default_factory=list)
+    drift_tokens: list[int] = field(default_factory=list)  # one entry per transition, 0 when it extended
+
+    def metric_events(self, num_sequences: int, num_rollouts: int) -> list[MetricEvent]:
+        """``rollout/samples_per_rollout``, ``rollout/fork_frac`` and ``rollout/drift_tokens_*`` of these rollouts.
+
+        Means are weighted by what they average over (rollouts, turn transitions), so a logging window
+        reports the mean over all its rollouts and transitions. Without a transition (single-turn rollouts)
+        there is nothing to average the fork metrics over and they are left out.
+        """
+        if num_rollouts <= 0:
+            raise ValueError(f"num_rollouts must be > 0, got {num_rollouts}")
+        events: list[MetricEvent] = [("rollout/samples_per_rollout", num_sequences / num_rollouts, float(num_rollouts))]
+        if self.transitions:
+            n = float(self.transitions)
+            events.append(("rollout/fork_frac", self.forks / n, n))
+            events.append(("rollout/drift_tokens_mean", sum(self.drift_tokens) / n, n))
+            events.append(("rollout/drift_tokens_max", float(max(self.drift_tokens)), 1.0))
+        return events
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -2,7 +2,8 @@
 
 The trainer builds one :class:`SamplingSettings` in the parent process after
 asking the server for its limits and capabilities, and hands it to the rollout
-loop, so the worker never has to re-discover them.
+loop inside its ``RolloutSettings`` (``rollout/settings.py``), so the worker never
+has to re-discover them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
+def truncates_distribution(top_k: int, top_p: float, min_p: float | None) -> bool:
+    """Top-k/top-p/min-p truncate the distribution: the trainer must renormalise over candidate sets (G9)."""
+    return top_k > 0 or top_p < 1.0 or bool(min_p)
+
+
+@dataclass(frozen=True)
 class SamplingSettings:
     """Plain values the rollout loop needs to build requests (picklable)."""
 
@@ -23,7 +29,7 @@ class SamplingSettings:
     top_k: int = 0
     min_p: float | None = None
     repetition_penalty: float = 1.0
-    num_sampler_logprobs: int = 0  # top-N per position for score centering (0: none)
+    num_sampler_logprobs: int | None = None  # top-N per position for score centering (None: centering off)
     kv_cache_tokens: int | None = None
     has_metrics: bool = True
     masks_supported: bool = False  # the server returns sampling masks (checked at start)
@@ -31,8 +37,8 @@ class SamplingSettings:
 
     @property
     def wants_masks(self) -> bool:
-        """Top-k/top-p/min-p truncate the distribution: the trainer must renormalise over candidate sets (G9)."""
-        return self.top_k > 0 or self.top_p < 1.0 or bool(self.min_p)
+        """Whether the trainer needs each position's candidate set (see :func:`truncates_distribution`)."""
+        return truncates_distribution(self.top_k, self.top_p, self.min_p)
 
     @property
     def use_generate_endpoint(self) -> bool:
@@ -54,7 +60,7 @@ class SamplingSettings:
             "top_k": self.top_k if self.top_k > 0 else -1,
             "repetition_penalty": self.repetition_penalty,
             "seed": seed,
-            "logprobs": self.num_sampler_logprobs,
+            "logprobs": self.num_sampler_logprobs or 0,
         }
         if self.min_p:
             params["min_p"] = self.min_p

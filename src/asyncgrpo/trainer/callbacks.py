@@ -1,9 +1,11 @@
 """Trainer callbacks: what happens between optimizer steps, and the metrics file (G10, T3, T5, M1–M4).
 
-``AsyncGRPOCallback`` runs on every rank after each optimizer step: it accounts
-for the trained prompts, pushes the weights every ``weight_sync_steps`` and hands
-the new policy version to the worker, fills the step's ``perf/*`` metrics and
-stops the run when the prompts of ``num_train_epochs`` are consumed.
+``AsyncGRPOCallback`` runs on every rank after each optimizer step: it asks the
+trainer to push the weights every ``weight_sync_steps`` (``sync_weights``: the
+push and the version hand-over to the worker), accounts for the trained prompts,
+fills the step's ``perf/*`` metrics from the trainer's ``StepStats`` and stops the
+run when the prompts of ``num_train_epochs`` are consumed. It sees the trainer only
+through :class:`TrainerSeam`, public attributes and methods.
 ``MetricsFileCallback`` appends every logged window to
 ``<output_dir>/metrics.jsonl`` (one JSON object per line with ``step`` and ``time``).
 """
@@ -15,70 +17,51 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from asyncgrpo.metrics import mfu
+from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.trainer.checkpoint import write_rollout_state
-from asyncgrpo.weights.policy import policy_weights
-
-if TYPE_CHECKING:
-    from asyncgrpo.trainer.trainer import AsyncGRPOTrainer
+from asyncgrpo.trainer.rollout_source import RolloutSource
+from asyncgrpo.trainer.step_stats import StepStats
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncGRPOCallback(TrainerCallback):
-    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
-        self.trainer = trainer
+class TrainerSeam(Protocol):
+    """What the callbacks use of ``AsyncGRPOTrainer`` (declared here so this file never imports the trainer)."""
 
-    # ---- weight sync
-    def sync_weights(self) -> None:
-        tr = self.trainer
-        model = tr.model  # policy_weights merges a PEFT adapter itself
-        step = tr.state.global_step
-        if not tr.is_world_process_zero():
-            for _ in policy_weights(model):  # sharded parameters gather collectively, in the same order
-                pass
-            return
-        assert tr.sender is not None and tr.worker is not None
-        timings = tr.sender.update(policy_weights(model), version=f"step-{step}")
-        tr.worker.set_policy_version(step)
-        w = tr.window
-        w.add("perf/weight_sync_s", timings["pause_s"] + timings["barrier_s"] + timings["transfer_s"])
-        w.add("perf/weight_sync_pause_s", timings["pause_s"])
-        w.add("perf/weight_sync_barrier_s", timings["barrier_s"])
-        w.add("perf/weight_sync_transfer_s", timings["transfer_s"])
+    state: Any
+    callback_handler: Any
+    window: MetricsWindow
+    step_stats: StepStats
+    source: RolloutSource | None  # rank 0 only
+
+    def is_world_process_zero(self) -> bool: ...
+
+    def sync_weights(self) -> None: ...
+
+
+class AsyncGRPOCallback(TrainerCallback):
+    def __init__(self, trainer: TrainerSeam) -> None:
+        self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step > 0:  # resumed: the server still serves the weights it started with
-            self.sync_weights()
+            self.trainer.sync_weights()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         tr = self.trainer
-        sync_s = 0.0
         if state.global_step % args.weight_sync_steps == 0:
-            t0 = time.perf_counter()
-            self.sync_weights()
-            sync_s = time.perf_counter() - t0
+            tr.sync_weights()
         if not tr.is_world_process_zero():
             return
-        assert tr.source is not None
-        trained_tokens = tr.source.step_done(getattr(tr, "_step_micro", []))
-        step_s = time.perf_counter() - tr._step_t0 + sync_s
-        w = tr.window
-        w.add("perf/step_s", step_s)
-        w.add("perf/fwd_bwd_s", tr._fwd_bwd_s)
-        forwarded = tr._forwarded * args.world_size
-        w.add_ratio("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, tr._fwd_bwd_s)
-        w.add_ratio("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
-        w.add_ratio("perf/wall_clock_trained_tokens_per_s", trained_tokens, step_s)
-        w.add("num_tokens", float(forwarded))
-        if tr._peak and tr._flops_per_token and tr._fwd_bwd_s > 0:
-            w.add("perf/fwd_bwd_mfu", mfu(forwarded, tr._flops_per_token, tr._fwd_bwd_s, tr._peak, args.world_size))
-            w.add("perf/wall_clock_mfu", mfu(forwarded, tr._flops_per_token, step_s, tr._peak, args.world_size))
+        if tr.source is None:
+            raise RuntimeError("AsyncGRPOCallback.on_step_end: the trainer has no rollout source (train() not running)")
+        trained_tokens = tr.source.step_done(tr.step_stats.micro_batches)
+        tr.step_stats.record(tr.window, trained_tokens, args.world_size)
         n = tr.source.dataset_len
         if n:
             state.epoch = tr.source.prompts_consumed / n
@@ -127,7 +110,7 @@ class AsyncGRPOCallback(TrainerCallback):
 class MetricsFileCallback(TrainerCallback):
     """Appends each logging window to ``<output_dir>/metrics.jsonl`` (rank 0)."""
 
-    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+    def __init__(self, trainer: TrainerSeam) -> None:
         self.trainer = trainer
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:

@@ -8,8 +8,11 @@ is transformers'. What changes:
   rollout worker (``RolloutSource``) instead of reading a DataLoader;
 * ``training_step`` runs the packed forward, the chunked log-probs and the policy
   loss of ``trainer/loss.py``;
-* a callback pushes the weights to the server every ``weight_sync_steps`` and
-  tells the worker the new version and the tokens the step used.
+* a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights
+  to the server, hand the new version to the worker) and logs the step's
+  ``StepStats``;
+* the rollout worker gets one frozen ``RolloutSettings`` (``rollout_settings``),
+  never the config.
 
     trainer = AsyncGRPOTrainer(model="path/or/id", reward_funcs=[accuracy_reward],
                                args=AsyncGRPOConfig(output_dir="out"), train_dataset=ds)
@@ -34,7 +37,8 @@ from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable
-from asyncgrpo.rollout.sampling import SamplingSettings
+from asyncgrpo.rollout.sampling import truncates_distribution
+from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import read_rollout_state, resolve_checkpoint
@@ -42,6 +46,9 @@ from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, probe_server
+from asyncgrpo.trainer.step_stats import StepStats
+from asyncgrpo.trainer.worker_settings import build_rollout_settings
+from asyncgrpo.weights.policy import policy_weights
 from asyncgrpo.weights.sender import WeightSender
 
 logger = logging.getLogger(__name__)
@@ -150,14 +157,13 @@ class AsyncGRPOTrainer(Trainer):
         )
         use_tree_attention(self._causal_lm())
         self.window = MetricsWindow()
+        self.step_stats = StepStats()
         self.add_callback(AsyncGRPOCallback(self))
         self.add_callback(MetricsFileCallback(self))
         self.worker: RolloutWorker | None = None
         self.source: RolloutSource | None = None
         self.sender: WeightSender | None = None
         self.facts: ServerFacts | None = None
-        self._flops_per_token: float | None = None
-        self._peak: float | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -180,10 +186,20 @@ class AsyncGRPOTrainer(Trainer):
         model = self.model
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
+    def rollout_settings(self, facts: ServerFacts, start_index: int) -> RolloutSettings:
+        """The rollout worker's whole view of the run, built once on rank 0 after probing the server.
+
+        Every on/off decision is taken here (score centering: ``num_sampler_logprobs`` is None when off).
+        Fields an ``AsyncGRPOConfig`` subclass adds go to ``extra`` (the loop's ``self.config``); override this
+        method to add other values: ``dataclasses.replace(super().rollout_settings(...), extra={...})``.
+        """
+        eos = self.processing_class.eos_token_id
+        return build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
+
     def _start_rollout(self, start_index: int) -> None:
         args: AsyncGRPOConfig = self.args
-        want_masks = args.top_k > 0 or args.top_p < 1.0 or bool(args.min_p)
         if self.is_world_process_zero():
+            want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
             self.facts = probe_server(args.vllm_server_base_url, args.vllm_server_timeout, want_masks)
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
         facts = self._broadcast_object(self.facts)
@@ -191,35 +207,9 @@ class AsyncGRPOTrainer(Trainer):
         self.token_budget = args.token_budget or facts.max_model_len
         n_proc = self.args.world_size
         if self.is_world_process_zero():
-            sampling = SamplingSettings(
-                base_url=args.vllm_server_base_url,
-                max_model_len=facts.max_model_len,
-                max_completion_length=args.max_completion_length,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty,
-                num_sampler_logprobs=args.num_sampler_logprobs if args.score_centering else 0,
-                kv_cache_tokens=facts.kv_cache_tokens,
-                has_metrics=facts.has_metrics,
-                masks_supported=facts.masks_supported,
-                initial_tokens_per_step=self.token_budget * n_proc * args.gradient_accumulation_steps,
-            )
             n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
-            num_epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None
-            eos = self.processing_class.eos_token_id
-            loop = self.loop_cls(
-                args,
-                facts.model_name,
-                self.train_dataset,
-                self.reward_funcs,
-                self.processing_class,
-                [eos] if eos is not None else [],
-                sampling,
-                dataset_start_index=start_index,
-                num_epochs=num_epochs,
-            )
+            settings = self.rollout_settings(facts, start_index)
+            loop = self.loop_cls(settings, self.train_dataset, self.reward_funcs, self.processing_class)
             check_picklable(loop, f"rollout loop {type(loop).__name__}")
             self.worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
             total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
@@ -243,9 +233,10 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
         cfg = self._causal_lm().config
-        self._flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
+        self.step_stats.flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
         if torch.cuda.is_available():
-            self._peak = peak_flops(torch.cuda.get_device_name(), "bfloat16" if args.bf16 else "float32")
+            precision = "bfloat16" if args.bf16 else "float32"
+            self.step_stats.peak_flops = peak_flops(torch.cuda.get_device_name(), precision)
 
     def _stop_rollout(self) -> None:
         if self.worker is not None:
@@ -253,6 +244,26 @@ class AsyncGRPOTrainer(Trainer):
         if self.sender is not None:
             self.sender.close()
         self.worker = self.source = self.sender = None
+
+    def sync_weights(self) -> None:
+        """Push the current policy to the server and hand its version to the rollout worker.
+
+        Every process must call it (sharded parameters are gathered collectively); rank 0 sends.
+        """
+        if not self.is_world_process_zero():
+            for _ in policy_weights(self.model):  # the same gathers, in the same order, as rank 0's
+                pass
+        else:
+            if self.sender is None or self.worker is None:
+                raise RuntimeError("sync_weights needs the weight sender and rollout worker that train() starts")
+            step = self.state.global_step
+            timings = self.sender.update(policy_weights(self.model), version=f"step-{step}")  # merges PEFT
+            self.worker.set_policy_version(step)
+            w = self.window
+            w.add("perf/weight_sync_s", timings["pause_s"] + timings["barrier_s"] + timings["transfer_s"])
+            w.add("perf/weight_sync_pause_s", timings["pause_s"])
+            w.add("perf/weight_sync_barrier_s", timings["barrier_s"])
+            w.add("perf/weight_sync_transfer_s", timings["transfer_s"])
 
     def _broadcast_object(self, obj: Any) -> Any:
         if self.args.world_size <= 1:
@@ -290,14 +301,12 @@ class AsyncGRPOTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
         """One step's micro-batches: ``{"rows": [PackedRow per process], "normalizer": float}`` each."""
+        self.step_stats.begin()  # perf/step_s counts the wait for samples
         batches: list[dict[str, Any]] | None = None
         if self.is_world_process_zero():
             assert self.source is not None
-            if self.source.finished:
-                micro = []
-            else:
-                micro = self.source.next_step(self.state.global_step)
-            self._step_micro = micro
+            micro = [] if self.source.finished else self.source.next_step(self.state.global_step)
+            self.step_stats.micro_batches = micro
             self.window.add("perf/rollout_wait_s", self.source.wait_s)
             packed = [mb.pack() for mb in micro]
             dropped = self.source.batcher.take_dropped_count()
@@ -312,9 +321,6 @@ class AsyncGRPOTrainer(Trainer):
         batches = self._broadcast_object(batches)
         if not batches:
             self.control.should_training_stop = True
-        self._step_t0 = time.perf_counter()
-        self._fwd_bwd_s = 0.0
-        self._forwarded = 0
         return batches, None
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
@@ -334,8 +340,7 @@ class AsyncGRPOTrainer(Trainer):
         self.accelerator.backward(loss)
         if self._device_is_cuda():
             torch.cuda.synchronize()  # CPU-GPU sync point: only for honest perf/fwd_bwd_s
-        self._fwd_bwd_s += time.perf_counter() - t0
-        self._forwarded += row.num_tokens
+        self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens)
         if result is not None:
             for name, value, weight in result.metric_events():
                 if math.isfinite(value):
@@ -346,7 +351,7 @@ class AsyncGRPOTrainer(Trainer):
         """Chunked log-probs of the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6)."""
         args: AsyncGRPOConfig = self.args
         h = hidden[row.pred_index]  # [M, hidden]: the position predicting each trained token
-        use_top = args.score_centering and row.sampler_topn_ids is not None
+        use_top = row.sampler_topn_ids is not None  # the worker sends top-N only with score centering on
         out = selective_logprobs(
             h,
             lm.get_output_embeddings().weight,
@@ -379,7 +384,7 @@ class AsyncGRPOTrainer(Trainer):
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         rows = inputs.get("rows", []) if isinstance(inputs, dict) else []
         tokens = sum(r.num_tokens for r in rows)
-        return int(tokens * (self._flops_per_token or 0))
+        return int(tokens * (self.step_stats.flops_per_token or 0))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.is_world_process_zero():

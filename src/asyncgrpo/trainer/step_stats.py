@@ -1,0 +1,64 @@
+"""``StepStats``: one optimizer step's timings and counts, the seam between the trainer and its callback.
+
+The trainer owns one record: it starts it when it fetches a step's batches and adds each
+micro-batch's forward+backward; the callback reads it after
+the optimizer step to fill the step's ``perf/*`` metrics (M3). Nothing else crosses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo.metrics import MetricsWindow, mfu
+
+
+@dataclass
+class StepStats:
+    """Timings (seconds) and token counts of the current optimizer step on this process.
+
+    Args:
+        flops_per_token: the model's training FLOPs per forwarded token (None: unknown architecture).
+        peak_flops: this device's peak FLOP/s at the training precision (None: unknown, e.g. CPU).
+    """
+
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    started_at: float = field(default_factory=time.perf_counter)
+    fwd_bwd_s: float = 0.0
+    forwarded_tokens: int = 0  # this process's forwarded tokens (shared prefixes once)
+    micro_batches: list[Any] = field(default_factory=list)  # rank 0: the step's micro-batches, for step_done
+
+    def begin(self) -> None:
+        """A new step starts (before its samples are awaited: ``perf/step_s`` includes the wait)."""
+        self.started_at = time.perf_counter()
+        self.fwd_bwd_s = 0.0
+        self.forwarded_tokens = 0
+        self.micro_batches = []
+
+    def add_forward_backward(self, seconds: float, tokens: int) -> None:
+        self.fwd_bwd_s += seconds
+        self.forwarded_tokens += tokens
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started_at
+
+    def record(self, window: MetricsWindow, trained_tokens: int, world_size: int) -> None:
+        """Add the finished step's ``perf/*`` metrics and ``num_tokens`` to ``window``.
+
+        Every process forwards a row of about the same size, so this process's count × ``world_size``
+        stands for the step's forwarded tokens.
+        """
+        step_s = self.elapsed_s()
+        forwarded = self.forwarded_tokens * world_size
+        window.add("perf/step_s", step_s)
+        window.add("perf/fwd_bwd_s", self.fwd_bwd_s)
+        window.add_ratio("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, self.fwd_bwd_s)
+        window.add_ratio("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
+        window.add_ratio("perf/wall_clock_trained_tokens_per_s", trained_tokens, step_s)
+        window.add("num_tokens", float(forwarded))
+        if self.peak_flops and self.flops_per_token and self.fwd_bwd_s > 0:
+            fpt, peak = self.flops_per_token, self.peak_flops
+            window.add("perf/fwd_bwd_mfu", mfu(forwarded, fpt, self.fwd_bwd_s, peak, world_size))
+            window.add("perf/wall_clock_mfu", mfu(forwarded, fpt, step_s, peak, world_size))
