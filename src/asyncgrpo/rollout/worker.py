@@ -64,6 +64,12 @@ class WorkerChannels:
     tokens_per_step: Any  # mp.Value("q"), 0 before the first step
     tokens_consumed: Any  # mp.Value("q"), total tokens the trainer pulled from `samples`
     heartbeat: Any  # mp.Value("d")
+    samples_queued: Any = None  # mp.Value("q"): samples put in `samples` minus samples the trainer pulled
+
+    def count_queued(self, delta: int) -> None:
+        if self.samples_queued is not None:
+            with self.samples_queued.get_lock():
+                self.samples_queued.value += int(delta)
 
     def put_metric(self, name: str, value: float, weight: float = 1.0) -> None:
         """Queue one ``(name, value, weight)`` metric event for the trainer's logging window."""
@@ -141,6 +147,7 @@ class RolloutWorker:
             tokens_per_step=ctx.Value("q", 0),
             tokens_consumed=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", 0.0),
+            samples_queued=ctx.Value("q", 0),
         )
         self.loop_obj = loop_obj
         self.heartbeat_timeout = heartbeat_timeout
@@ -282,11 +289,8 @@ class RolloutWorker:
                 raise TimeoutError(f"waited {timeout:.0f}s for a sample from the rollout worker's queue")
 
     def queue_size(self) -> int:
-        """Group results waiting in the sample queue (approximate, as multiprocessing reports it)."""
-        try:
-            return self.channels.samples.qsize()
-        except NotImplementedError:  # macOS has no sem_getvalue
-            return -1
+        """Training samples waiting in the sample queue (``rollout/queue_size`` counts samples, not groups)."""
+        return int(self.channels.samples_queued.value)
 
     def drain_metrics(self) -> list[tuple[str, float, float]]:
         out = []

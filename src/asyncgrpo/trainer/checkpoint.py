@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
@@ -32,6 +33,7 @@ def write_rollout_state(
     dataset_len: int,
     settled: dict[int, str] | None = None,
     step: int | None = None,
+    num_tokens: float = 0.0,
 ) -> Path:
     path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
     state = {
@@ -40,6 +42,7 @@ def write_rollout_state(
         "row_in_epoch": int(first_untrained_prompt % max(dataset_len, 1)),
         "dataset_len": int(dataset_len),
         "step": step,
+        "num_tokens": float(num_tokens),
         "settled": {str(k): v for k, v in sorted((settled or {}).items())},
     }
     tmp = path.with_suffix(".tmp")
@@ -71,6 +74,14 @@ def read_settled(checkpoint_dir: str | os.PathLike | None) -> dict[int, str]:
     if path is None or not path.is_file():
         return {}
     return {int(k): str(v) for k, v in json.loads(path.read_text()).get("settled", {}).items()}
+
+
+def read_num_tokens(checkpoint_dir: str | os.PathLike | None) -> float:
+    """The ``num_tokens`` running total at the checkpoint (0 for older state files or no checkpoint)."""
+    path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME if checkpoint_dir else None
+    if path is None or not path.is_file():
+        return 0.0
+    return float(json.loads(path.read_text()).get("num_tokens", 0.0))
 
 
 def checkpoint_step(checkpoint_dir: str | os.PathLike) -> int:
@@ -136,3 +147,38 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: st
     if not os.path.isdir(resume_from_checkpoint):
         raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory")
     return str(resume_from_checkpoint)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run restarts: the first unsettled prompt, the settled outcomes past it, the running token count."""
+
+    start_index: int = 0
+    settled: dict[int, str] = field(default_factory=dict)
+    num_tokens: float = 0.0
+
+    @property
+    def skip(self) -> frozenset[int]:
+        """Prompts the worker must not generate again: every settled one but those only dropped as stale."""
+        return frozenset(i for i, outcome in self.settled.items() if outcome != "stale")
+
+
+def prepare_resume(checkpoint_dir: str | None, dataset_len: int | None, output_dir: str) -> ResumePoint:
+    """Read a checkpoint's rollout state and trim ``metrics.jsonl`` to its step (rank 0; X3).
+
+    The steps after the checkpoint are trained again, so their old lines would appear twice in the file.
+    """
+    if not checkpoint_dir:
+        return ResumePoint()
+    point = ResumePoint(
+        read_rollout_state(checkpoint_dir, dataset_len), read_settled(checkpoint_dir), read_num_tokens(checkpoint_dir)
+    )
+    step = checkpoint_step(checkpoint_dir)
+    cut = trim_metrics_file(Path(output_dir) / "metrics.jsonl", step)
+    retried = sum(outcome == "stale" for outcome in point.settled.values())
+    logger.warning(
+        "resuming from %s: prompts from #%d on; %d settled past it are skipped, %d only dropped as stale are retried; "
+        "%d metrics.jsonl lines logged after step %d removed",
+        checkpoint_dir, point.start_index, len(point.settled) - retried, retried, cut, step,
+    )  # fmt: skip
+    return point

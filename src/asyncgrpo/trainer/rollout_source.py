@@ -169,6 +169,7 @@ class RolloutSource:
         # Pulled = no longer queued: the worker's token allowance (G3) frees now, not after the step, or a
         # step that needs more tokens than the allowance would wait forever for the worker.
         self.worker.report_consumed(res.tokens)
+        self.worker.channels.count_queued(-len(res.sequences))
         if self.is_settled(res.row_index) or res.row_index in self._pending:
             return  # settled before a resume (or a duplicate): never trained twice
         self._step_groups += 1
@@ -283,6 +284,9 @@ class RolloutSource:
                 for sample in trie.samples:
                     meta: _Meta = sample.meta
                     tokens += meta.num_tokens
+                    self.metrics.append(("sample/forwarded_tokens_mean", float(meta.num_tokens), 1.0))
+                    self.metrics.append(("sample/forwarded_tokens_max", float(meta.num_tokens), 1.0))
+                    self.metrics.append(("sample/trained_tokens_mean", float(sample.num_trained), 1.0))
                     behind = float(self.behind(meta.model_version))
                     self.metrics.append(("sample/staleness_mean", behind, 1.0))
                     self.metrics.append(("sample/staleness_max", behind, 1.0))

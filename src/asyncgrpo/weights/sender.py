@@ -281,12 +281,40 @@ class WeightSender:
             metadata: ``(name, dtype, shape)`` per tensor, to avoid materialising ``named_tensors`` up front.
             barrier: called after the pause (e.g. waiting for the other trainer ranks); timed as ``barrier_s``.
 
+        A server that stopped answering or restarted (``restart_timeout_s`` > 0) is waited for, the group formed
+        again and the round repeated once (without ``metadata`` or ``barrier``: those cannot be replayed).
+
         Returns:
             ``{"pause_s", "barrier_s", "transfer_s", "total_s"}`` (SPEC G10).
 
         Raises:
             WeightTransferError: a broadcast or a server step failed; the group should be considered broken.
         """
+        if metadata is None:
+            named_tensors = list(named_tensors)  # kept for one more try after a server restart
+        try:
+            return self._update_once(named_tensors, version=version, packed=packed, metadata=metadata, barrier=barrier)
+        except (WeightTransferError, ServerError) as exc:
+            retry = metadata is None and barrier is None and self.restart_timeout_s > 0 and self._client is not None
+            if not retry or self._http(self._client.health(), "GET /health"):
+                raise
+            logger.warning(
+                "the weight sync failed because server %s stopped answering (%s)", self._client.base_url, exc
+            )
+        self._await_return()
+        self._reinit()
+        return self._update_once(named_tensors, version=version, packed=packed, metadata=metadata, barrier=barrier)
+
+    def _update_once(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: str,
+        packed: bool | None = None,
+        metadata: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+        barrier: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        """One round of :meth:`update` (after checking the server is the one we formed the group with)."""
         if self.group is None or self._client is None or self._loop is None:
             raise RuntimeError("call WeightSender.init() before update()")
         self._ensure_server()

@@ -6,13 +6,17 @@ SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``res
 (extra ``AsyncGRPOConfig`` keywords). It writes, next to the output dir:
 
 * ``worker.pid``: the rollout worker's pid once step 1 ended;
-* ``steps.jsonl``: one line per optimizer step, the flat prompt indices the step trained (the independent record
-  that the random-kill test checks the lineage against).
+* ``steps.jsonl``: ``{"begin": step}`` when a run starts (the step it resumed at), then one line per optimizer
+  step with the samples it trained per flat prompt index (the independent record the random-kill test checks
+  the lineage against).
+
+``resume``: true, false, or ``"auto"`` (resume when ``output_dir`` holds a checkpoint).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,12 +38,22 @@ class Record(TrainerCallback):
     def __init__(self, trainer: AsyncGRPOTrainer, where: Path) -> None:
         self.trainer, self.where = trainer, where
 
-    def on_step_end(self, args, state, control, **kwargs):
-        micro = getattr(self.trainer, "_step_micro", None) or []
-        prompts = sorted({s.meta.row_index for mb in micro for trie in mb.rows for s in trie.samples})
+    def _write(self, record: dict) -> None:
         with open(self.where / "steps.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": state.global_step, "prompts": prompts}) + "\n")
+            fh.write(json.dumps(record) + "\n")
             fh.flush()
+            os.fsync(fh.fileno())
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._write({"begin": state.global_step})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        counts: dict[int, int] = {}
+        for mb in self.trainer.step_stats.micro_batches:
+            for trie in mb.rows:
+                for sample in trie.samples:
+                    counts[sample.meta.row_index] = counts.get(sample.meta.row_index, 0) + 1
+        self._write({"step": state.global_step, "samples": {str(k): v for k, v in sorted(counts.items())}})
         if state.global_step >= 1 and self.trainer.worker is not None and self.trainer.worker.process is not None:
             (self.where / "worker.pid").write_text(str(self.trainer.worker.process.pid))
 
@@ -68,7 +82,10 @@ def main(settings_path: str) -> None:
         s["model_dir"], reward_funcs=[reward], args=AsyncGRPOConfig(**cfg), train_dataset=dataset
     )
     trainer.add_callback(Record(trainer, where))
-    trainer.train(resume_from_checkpoint=True if s.get("resume") else None)
+    resume = s.get("resume", False)
+    if resume == "auto":
+        resume = any(Path(s["output_dir"]).glob("checkpoint-*"))
+    trainer.train(resume_from_checkpoint=True if resume else None)
 
 
 if __name__ == "__main__":
