@@ -182,6 +182,8 @@ class RolloutSource:
                 self._dropped_reward_sum += sum(res.rewards)
                 self._dropped_reward_n += len(res.rewards)
             self._mark_consumed(res.row_index, "zero_std")
+            if not self._trained_any and self.total_prompts is not None and self.prompts_consumed >= self.total_prompts:
+                raise NoTrainableSamplesError(self._zero_std_diagnosis("the epochs ended without a trainable group"))
             if self._zero_std_streak >= self.zero_std_patience:
                 raise NoTrainableSamplesError(
                     self._zero_std_diagnosis(f"{self._zero_std_streak} groups in a row tied (the bound)")

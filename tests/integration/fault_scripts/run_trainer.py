@@ -77,6 +77,8 @@ def main(settings_path: str) -> None:
         seed=0,
     )
     cfg.update(s.get("config", {}))
+    if s.get("iterable"):
+        dataset = dataset.to_iterable_dataset()
     reward = tied_reward if s.get("reward") == "tied" else parity_reward
     trainer = AsyncGRPOTrainer(
         s["model_dir"], reward_funcs=[reward], args=AsyncGRPOConfig(**cfg), train_dataset=dataset
