@@ -408,3 +408,63 @@ def test_random_sigkills_lose_and_duplicate_no_prompt_slow(tmp_path, server, tin
     if not os.environ.get("ASYNCGRPO_SLOW_FAULTS"):
         pytest.skip("12 kills per seed (minutes each): set ASYNCGRPO_SLOW_FAULTS=1")
     assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=12, seed=seed, size=64) == 12
+
+
+# ---------------------------------------------------------------------------------------------- item 6
+
+
+def test_server_restart_is_survived(tmp_path, tiny_llama_dir):
+    """The server is killed after step 2 and comes back on its port: the run re-forms the group, pushes, goes on."""
+    from asyncgrpo.server.launcher import free_port, launch_server
+
+    port = free_port()
+    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "16384"]
+    srv = launch_server(tiny_llama_dir, port=port, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+    proc = start_run(
+        tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 6, "vllm_server_restart_timeout": 180}
+    )
+    try:
+        steps = tmp_path / "run" / "steps.jsonl"
+        _wait_for(lambda: proc.poll() is not None or (steps.exists() and '"step": 2' in steps.read_text()), 300,
+                  "step 2")  # fmt: skip
+        assert proc.poll() is None, (tmp_path / "run" / "log.txt").read_text()[-3000:]
+        srv.proc.kill()
+        srv.proc.wait()
+        time.sleep(2.0)
+        srv = launch_server(tiny_llama_dir, port=port, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+        proc.wait(timeout=400)
+        log = (tmp_path / "run" / "log.txt").read_text()
+        assert proc.returncode == 0, log[-4000:]
+        assert "weight transfer re-established" in log
+        info = json.loads(urllib.request.urlopen(srv.base_url + "/weight_info", timeout=10).read())
+        assert info["weight_version"] == "step-6"  # the new server got the run's weights
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.stop()
+
+
+def test_server_gone_for_good_stops_the_run_saying_so(tmp_path, tiny_llama_dir):
+    from asyncgrpo.server.launcher import launch_server
+
+    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "16384"]
+    srv = launch_server(tiny_llama_dir, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+    proc = start_run(
+        tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 50, "vllm_server_restart_timeout": 20}
+    )
+    try:
+        steps = tmp_path / "run" / "steps.jsonl"
+        _wait_for(lambda: proc.poll() is not None or (steps.exists() and '"step": 1' in steps.read_text()), 300,
+                  "step 1")  # fmt: skip
+        srv.proc.kill()
+        t0 = time.monotonic()
+        proc.wait(timeout=200)
+        took = time.monotonic() - t0
+        log = (tmp_path / "run" / "log.txt").read_text()
+        assert proc.returncode != 0
+        assert "gone since" in log, log[-4000:]
+        assert took < 90  # the 20 s window plus the last attempts and the shutdown
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.stop()

@@ -199,6 +199,11 @@ class AsyncServerClient:
                 return body.decode("utf-8", errors="replace")
             return None
         assert last is not None
+        if window > 0 and last.status is None:
+            since = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - t0)))
+            raise ServerError(endpoint, None, f"server {self.base_url} gone since {since} ({time.monotonic() - t0:.0f}s; "
+                              f"retried for up to {window:.0f}s, vllm_server_restart_timeout): {last.message}",
+                              base_url=self.base_url)  # fmt: skip
         raise last
 
     # ------------------------------------------------------------------ basic endpoints
