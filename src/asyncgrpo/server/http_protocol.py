@@ -235,7 +235,8 @@ def parse_generate(body: Any, limits: ServerLimits) -> ParsedRequest:
         raise ApiError(400, "the request body must be a JSON object")
     _check_noops(body)
     prompt = _token_list(body.get("token_ids"), "token_ids", limits.vocab_size)
-    sp = body.get("sampling_params") or {}
+    sp = body.get("sampling_params")
+    sp = {} if sp is None else sp  # an empty list is not an empty object
     if not isinstance(sp, dict):
         raise ApiError(400, "sampling_params must be an object", param="sampling_params")
     model, lora = _resolve_model(body.get("model"), limits)

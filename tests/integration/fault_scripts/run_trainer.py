@@ -30,6 +30,10 @@ def parity_reward(completion_ids, **kwargs):
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) + 0.01 * i for i, ids in enumerate(completion_ids)]
 
 
+def exploding_reward(completion_ids, **kwargs):
+    raise ValueError("the judge is offline")
+
+
 def tied_reward(completion_ids, **kwargs):
     return [1.0 for _ in completion_ids]  # a saturated reward: every group ties
 
@@ -79,7 +83,7 @@ def main(settings_path: str) -> None:
     cfg.update(s.get("config", {}))
     if s.get("iterable"):
         dataset = dataset.to_iterable_dataset()
-    reward = tied_reward if s.get("reward") == "tied" else parity_reward
+    reward = {"tied": tied_reward, "exploding": exploding_reward}.get(s.get("reward", ""), parity_reward)
     trainer = AsyncGRPOTrainer(
         s["model_dir"], reward_funcs=[reward], args=AsyncGRPOConfig(**cfg), train_dataset=dataset
     )
