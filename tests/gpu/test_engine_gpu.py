@@ -18,6 +18,7 @@ from asyncgrpo.server.model import DecoderLM
 from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Sequence
+from tests.helpers.reference import hf_greedy, make_lora_adapter
 
 pytestmark = pytest.mark.gpu
 
@@ -57,14 +58,6 @@ def _collect(eng: Engine, reqs: list[Request], timeout: float = 120.0) -> dict[s
         eng.submit(r, cb)
     assert done.wait(timeout), "requests did not finish"
     return outs
-
-
-def _hf_greedy(hf, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -133,20 +126,12 @@ def test_engine_greedy_with_graphs_matches_hf_across_buckets_and_preemption():
         eng.shutdown()
     assert preemptions > 0  # 12 sequences growing to ~100 tokens do not fit 640 KV tokens
     for i, p in enumerate(prompts):
-        assert outs[f"g{i}"].token_ids == _hf_greedy(hf, p, 40), f"request {i}"
+        assert outs[f"g{i}"].token_ids == hf_greedy(hf, p, 40)[0], f"request {i}"
 
 
 def test_engine_seeded_sampling_is_reproducible_and_lora_runs_eager(tmp_path):
-    from peft import LoraConfig, get_peft_model
-
-    base = tiny_model(seed=0)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    peft_model.save_pretrained(tmp_path / "a")
-    merged = peft_model.merge_and_unload().to("cuda", torch.float32)
+    merged = make_lora_adapter(tiny_model(seed=0), tmp_path / "a", seed=0, rank=8, targets=["q_proj", "down_proj"])
+    merged = merged.to("cuda", torch.float32)
     eng = Engine(_model(torch.float32), max_model_len=128, kv_cache_tokens=2048, enable_lora=True)
     eng.load_lora("a", str(tmp_path / "a"))
     eng.start()
@@ -162,5 +147,5 @@ def test_engine_seeded_sampling_is_reproducible_and_lora_runs_eager(tmp_path):
         again = _collect(eng, [Request("s2", prompt, seeded)])
     finally:
         eng.shutdown()
-    assert outs["lora"].token_ids == _hf_greedy(merged, prompt, 12)
+    assert outs["lora"].token_ids == hf_greedy(merged, prompt, 12)[0]
     assert outs["s1"].token_ids == again["s2"].token_ids

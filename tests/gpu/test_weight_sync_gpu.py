@@ -7,7 +7,6 @@ served in fp32 so the check against a CPU fp32 HF forward holds to 1e-4.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 
@@ -16,34 +15,28 @@ import torch
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import launch_server
+from asyncgrpo.weights.policy import policy_weight_metadata
 from asyncgrpo.weights.sender import WeightSender
+from tests.helpers.reference import (
+    ALL_LINEAR,
+    check_greedy,
+    hf_model,
+    lora_model,
+    perturb,
+    server_greedy,
+    write_tiny_llama,
+)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 
-PROMPT = [1, 504, 3032, 314, 260, 3241]
-TOL = 1e-4
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def write_tiny_llama(path, seed=0):
-    """A random-init fp32 Llama (hidden 64, 2 layers, vocab 4096) saved without a tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)  # fmt: skip
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     model_dir = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
@@ -55,78 +48,51 @@ def setup(tmp_path_factory):
         env={"CUDA_VISIBLE_DEVICES": visible[0], **NO_MULTICAST},
         timeout=300,
     )  # fmt: skip
-    cpu_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cpu_model = hf_model(model_dir)
     sender = WeightSender(timeout_s=120, packed_buffer_size_bytes=256 * 1024)
     sender.init(AsyncServerClient(server.base_url), backend="auto", device="cuda:1")  # auto: the server says nccl
-    yield server, cpu_model, sender
+    yield server, cpu_model, sender, model_dir
     sender.close()
     server.stop()
 
 
-def _perturb(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-
-
-def _greedy(url):
-    async def go():
-        async with AsyncServerClient(url, retries=0) as c:
-            sp = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}
-            return await c.generate(PROMPT, sp), (await c.weight_info())["weight_version"]
-
-    return asyncio.run(go())
-
-
-def _check(model, result):
-    ids = PROMPT + result.token_ids
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, len(PROMPT) - 1 :].double(), -1)
-    assert result.token_ids == ref.argmax(-1).tolist()
-    for i, t in enumerate(result.token_ids):
-        assert abs(result.logprobs[i] - ref[i, t].item()) <= TOL
-        for tok, v in result.top_logprobs[i].items():
-            assert abs(v - ref[i, tok].item()) <= TOL
-
-
 def test_nccl_rounds_unpacked_packed_and_bf16(setup):
-    server, model, sender = setup
+    server, model, sender, _ = setup
     assert sender.backend == "nccl"
-    before, version = _greedy(server.base_url)
-    _check(model, before)
+    before, version = server_greedy(server.base_url)
+    check_greedy(model, before)
     assert version == "0"
 
-    _perturb(model, 1)
+    perturb(model, 1)
     on_gpu = [(n, p.detach().to("cuda:1")) for n, p in model.named_parameters()]
     t = sender.update(on_gpu, version="step-1", packed=False)
-    after, version = _greedy(server.base_url)
+    after, version = server_greedy(server.base_url)
     assert version == "step-1" and after.token_ids != before.token_ids
-    _check(model, after)
+    check_greedy(model, after)
     print(f"\nunpacked round: {t}")
 
-    _perturb(model, 2)
+    perturb(model, 2)
     t = sender.update([(n, p.detach().to("cuda:1")) for n, p in model.named_parameters()], version="step-2")
-    result, version = _greedy(server.base_url)
+    result, version = server_greedy(server.base_url)
     assert version == "step-2"
-    _check(model, result)
+    check_greedy(model, result)
     print(f"packed round (256 KiB chunks): {t}")
 
-    _perturb(model, 3)
+    perturb(model, 3)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     meta = [(n, torch.bfloat16, tuple(p.shape)) for n, p in model.named_parameters()]
     lazy = ((n, p.detach().to("cuda:1", torch.bfloat16)) for n, p in model.named_parameters())
     sender.update(lazy, version="step-3", metadata=meta)
-    result, version = _greedy(server.base_url)
+    result, version = server_greedy(server.base_url)
     assert version == "step-3"
-    _check(model, result)
+    check_greedy(model, result)
 
 
 def test_nccl_broadcast_bandwidth(setup):
     """Time rounds of the same tensors (metadata reused) and report the achieved rate; no threshold."""
-    server, model, sender = setup
+    server, model, sender, _ = setup
     tensors = [(n, p.detach().to("cuda:1")) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     sender.update(tensors, version="warm")
@@ -136,4 +102,25 @@ def test_nccl_broadcast_bandwidth(setup):
         sender.update(tensors, version=f"bw-{i}")
     dt = (time.perf_counter() - start) / rounds
     print(f"\n{nbytes / 2**20:.1f} MiB per round, {dt * 1e3:.1f} ms per full round (pause..resume)")
-    assert _greedy(server.base_url)[1] == f"bw-{rounds - 1}"
+    assert server_greedy(server.base_url)[1] == f"bw-{rounds - 1}"
+
+
+def test_nccl_update_model_streams_a_peft_policy(setup):
+    """The trainer's path: a LoRA policy on GPU 1 synced merged, one tensor at a time (CUDA allocator peak)."""
+    server, _, sender, model_dir = setup
+    policy = lora_model(hf_model(model_dir), seed=4, rank=8, targets=ALL_LINEAR).to("cuda:1")
+    metas = policy_weight_metadata(policy)
+    largest = max(m.nbytes for m in metas)
+    torch.cuda.synchronize("cuda:1")
+    torch.cuda.reset_peak_memory_stats("cuda:1")
+    base = torch.cuda.memory_allocated("cuda:1")
+    sender.update_model(policy, version="peft-1")  # packed, 256 KiB chunks
+    torch.cuda.synchronize("cuda:1")
+    extra = torch.cuda.max_memory_allocated("cuda:1") - base
+    # the merged tensor + PEFT's temporary + one chunk (<= buffer + one tensor); the allocator rounds to 512 B
+    bound = 3 * largest + sender.packed_buffer_size_bytes + (1 << 16)
+    print(f"\nupdate_model peak extra {extra / 2**20:.2f} MiB (bound {bound / 2**20:.2f} MiB)")
+    assert extra <= bound
+    result, version = server_greedy(server.base_url)
+    assert version == "peft-1"
+    check_greedy(policy.merge_and_unload().cpu().eval(), result)

@@ -8,51 +8,23 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from tests.helpers.reference import PROMPT, check_greedy, hf_model, make_lora_adapter
 
-PROMPT = [1, 504, 3032, 314, 260, 3241]
-TOL = 1e-4
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}
-
-
-def _base(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def make_adapter(model_dir, out_dir, *, seed, rank=4, targets=("q_proj", "v_proj", "down_proj")):
-    """Save a PEFT LoRA adapter with random non-zero A and B; return the merged reference model."""
-    import peft
-
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
-    model = peft.get_peft_model(_base(model_dir), cfg)
-    model.save_pretrained(out_dir)
-    return model.merge_and_unload().eval()
-
-
-def check_greedy(reference, result):
-    ids = PROMPT + result.token_ids
-    with torch.no_grad():
-        ref = torch.log_softmax(reference(torch.tensor([ids[:-1]])).logits[0, len(PROMPT) - 1 :].double(), -1)
-    assert result.token_ids == ref.argmax(-1).tolist()
-    for i, t in enumerate(result.token_ids):
-        assert abs(result.logprobs[i] - ref[i, t].item()) <= TOL
-        for tok, v in result.top_logprobs[i].items():
-            assert abs(v - ref[i, tok].item()) <= TOL
 
 
 @pytest.fixture(scope="module")
 def setup(serve, tiny_llama_dir, tmp_path_factory):
     server = serve(tiny_llama_dir, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-model-len", "64")
     root = tmp_path_factory.mktemp("adapters")
-    merged1 = make_adapter(tiny_llama_dir, root / "a1", seed=1)
-    merged2 = make_adapter(tiny_llama_dir, root / "a2", seed=2, targets=("k_proj", "o_proj", "gate_proj", "up_proj"))
-    return server, root, _base(tiny_llama_dir), merged1, merged2
+    merged1 = make_lora_adapter(tiny_llama_dir, root / "a1", seed=1)
+    merged2 = make_lora_adapter(
+        tiny_llama_dir, root / "a2", seed=2, targets=("k_proj", "o_proj", "gate_proj", "up_proj")
+    )
+    return server, root, hf_model(tiny_llama_dir), merged1, merged2
 
 
 def test_adapter_output_equals_the_merged_model(setup):
@@ -109,7 +81,7 @@ def test_load_errors_inplace_reload_and_unload(setup):
 
 def test_rank_above_max_lora_rank_is_refused(setup, tiny_llama_dir):
     server, root, _, _, _ = setup
-    make_adapter(tiny_llama_dir, root / "rank16", seed=4, rank=16)
+    make_lora_adapter(tiny_llama_dir, root / "rank16", seed=4, rank=16)
 
     async def go():
         async with AsyncServerClient(server.base_url, retries=0) as c:

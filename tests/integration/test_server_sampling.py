@@ -14,24 +14,9 @@ import torch
 
 from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from tests.helpers.reference import PROMPT, TOL, hf_greedy, hf_model
 
 MAX_MODEL_LEN = 48
-PROMPT = [1, 504, 3032, 314, 260, 3241]
-TOL = 1e-4
-
-
-def _hf(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _greedy(model, prompt, steps):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +24,12 @@ def setup(serve, tiny_llama_dir, tmp_path_factory):
     """(server, HF reference model, greedy continuation of PROMPT with the default EOS)."""
     from asyncgrpo.recipes import tiny_model_dir
 
-    greedy = _greedy(_hf(tiny_llama_dir), PROMPT, 4)
+    greedy = hf_greedy(hf_model(tiny_llama_dir), PROMPT, 4)[0]
     assert greedy[2] not in greedy[:2]
     # Same seed and architecture -> same weights; only the EOS id differs.
     model_dir = tiny_model_dir("llama", tmp_dir=tmp_path_factory.mktemp("eos") / "m", eos_token_id=greedy[2])
     server = serve(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--return-sampling-mask", "--seed", "0")
-    return server, _hf(model_dir), greedy
+    return server, hf_model(model_dir), greedy
 
 
 def _post(url, path, body):

@@ -16,80 +16,41 @@ import torch
 from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.weights.sender import WeightSender
-
-PROMPT = [1, 504, 3032, 314, 260, 3241]
-TOL = 1e-4
+from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
 
 @pytest.fixture(scope="module")
 def setup(serve, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
     server = serve(tiny_llama_dir, "--max-model-len", "64")
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model = hf_model(tiny_llama_dir)
     sender = WeightSender(timeout_s=120, packed_buffer_size_bytes=256 * 1024)
     sender.init(AsyncServerClient(server.base_url), backend="auto", device="cpu")
     yield server, model, sender
     sender.close()
 
 
-def _perturb(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-
-
-def _greedy(url, n=8):
-    async def go():
-        async with AsyncServerClient(url, retries=0) as c:
-            return await c.generate(PROMPT, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "logprobs": 3})
-
-    return asyncio.run(go())
-
-
-def _check_matches(model, result):
-    ids = PROMPT + result.token_ids
-    with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]])).logits[0, len(PROMPT) - 1 :]
-    ref = torch.log_softmax(logits.double(), -1)
-    assert result.token_ids == ref.argmax(-1).tolist()
-    got = torch.tensor(result.logprobs, dtype=torch.float64)
-    assert (got - ref.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]).abs().max() <= TOL
-    for i, top in enumerate(result.top_logprobs):
-        for t, v in top.items():
-            assert abs(v - ref[i, t].item()) <= TOL
-
-
-def _weight_version(url):
-    async def go():
-        async with AsyncServerClient(url) as c:
-            return (await c.weight_info())["weight_version"]
-
-    return asyncio.run(go())
-
-
 def test_unpacked_then_packed_rounds_load_the_new_weights(setup):
     server, model, sender = setup
-    before = _greedy(server.base_url)
-    _check_matches(model, before)  # server and test start from the same checkpoint
+    before, _ = server_greedy(server.base_url)
+    check_greedy(model, before)  # server and test start from the same checkpoint
 
-    _perturb(model, seed=1)
+    perturb(model, seed=1)
     timings = sender.update(model.named_parameters(), version="step-1", packed=False)
     assert set(timings) == {"pause_s", "barrier_s", "transfer_s", "total_s"}
     assert all(v >= 0 for v in timings.values())
-    assert _weight_version(server.base_url) == "step-1"
-    after = _greedy(server.base_url)
+    after, version = server_greedy(server.base_url)
+    assert version == "step-1"
     assert after.token_ids != before.token_ids  # the perturbation changed the model
-    _check_matches(model, after)
+    check_greedy(model, after)
     assert [(s.version, s.start, s.end) for s in after.weight_versions] == [("step-1", 0, 8)]
 
-    _perturb(model, seed=2)
+    perturb(model, seed=2)
     barrier_calls = []
     sender.update(model.named_parameters(), version="step-2", barrier=lambda: barrier_calls.append(1))  # packed
     assert barrier_calls == [1]
-    assert _weight_version(server.base_url) == "step-2"
-    _check_matches(model, _greedy(server.base_url))
+    result, version = server_greedy(server.base_url)
+    assert version == "step-2"
+    check_greedy(model, result)
 
     async def still_serving():
         async with AsyncServerClient(server.base_url) as c:
@@ -101,14 +62,14 @@ def test_unpacked_then_packed_rounds_load_the_new_weights(setup):
 def test_lazy_tensors_with_metadata_and_bf16_on_the_wire(setup):
     """Tensors sent in bf16 land in the fp32 server rounded to bf16 (the server casts on load)."""
     server, model, sender = setup
-    _perturb(model, seed=3)
+    perturb(model, seed=3)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())  # the reference: bf16-rounded weights in fp32
     meta = [(n, torch.bfloat16, tuple(p.shape)) for n, p in model.named_parameters()]
     lazy = ((n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
     sender.update(lazy, version="step-3", metadata=meta)
-    _check_matches(model, _greedy(server.base_url))
+    check_greedy(model, server_greedy(server.base_url)[0])
 
 
 def test_server_rejects_bad_update_info_before_broadcasting(setup):
@@ -138,8 +99,7 @@ def test_sender_fails_fast_when_the_server_rejects_the_round(setup):
     """A tensor the server does not have: 400 at once, the sender stops broadcasting without waiting out its
     timeout, and the server is left resumed with its old weights. (Runs last: it re-forms the server's group.)"""
     server, model, _ = setup
-    before = _greedy(server.base_url)
-    version = _weight_version(server.base_url)
+    before, version = server_greedy(server.base_url)
     sender = WeightSender(timeout_s=60)
     sender.init(AsyncServerClient(server.base_url), device="cpu")
     bad = [("not.a.weight", torch.zeros(4)), *model.named_parameters()]
@@ -148,5 +108,5 @@ def test_sender_fails_fast_when_the_server_rejects_the_round(setup):
         sender.update(bad, version="never")
     assert time.monotonic() - start < 20
     sender.close()
-    after = _greedy(server.base_url)  # not paused any more
-    assert after.token_ids == before.token_ids and _weight_version(server.base_url) == version
+    after, after_version = server_greedy(server.base_url)  # not paused any more
+    assert after.token_ids == before.token_ids and after_version == version

@@ -15,6 +15,7 @@ import torch
 from asyncgrpo.recipes import tiny_model, tiny_model_dir
 from asyncgrpo.server.engine import Engine
 from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from tests.helpers.reference import hf_greedy
 
 TIMEOUT = 120.0
 
@@ -39,18 +40,6 @@ class Collector:
             ok = self._cv.wait_for(lambda: all(i in self.outputs for i in ids), timeout=timeout)
         assert ok, f"timed out waiting for {[i for i in ids if i not in self.outputs]}"
         return {i: self.outputs[i] for i in ids}
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy continuation and its log-probs from full HF forwards (no KV cache)."""
-    ids, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
-            tok = int(logp.argmax())
-            ids.append(tok)
-            lps.append(float(logp[tok]))
-    return ids[len(prompt) :], lps
 
 
 def greedy(n: int, **kw) -> SamplingParams:

@@ -2,39 +2,22 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
-from test_engine_batching import Collector, greedy, hf_greedy
+from test_engine_batching import Collector, greedy
 
 from asyncgrpo.recipes import tiny_model
 from asyncgrpo.server.engine import Engine
 from asyncgrpo.server.request import Request
+from tests.helpers.reference import ALL_LINEAR, hf_greedy, make_lora_adapter
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(ALL_LINEAR)
 PROMPT = [10, 20, 30, 40, 50, 60]
-
-
-def make_adapter(base, path, *, r=4, alpha=16, rslora=False, targets=TARGETS, seed=0):
-    """Save a PEFT LoRA with random (non-zero) A and B; return the merged reference model."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
-    peft_model = get_peft_model(copy.deepcopy(base), cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    peft_model.save_pretrained(path)
-    return peft_model.merge_and_unload().eval()
 
 
 @pytest.mark.parametrize("arch,rslora", [("qwen3", False), ("llama", True)])
 def test_lora_rows_match_merged_model_and_base_rows_stay_base(arch, rslora, tmp_path):
     base = tiny_model(arch, seed=0)
-    merged = make_adapter(base, tmp_path / "a", rslora=rslora)
+    merged = make_lora_adapter(base, tmp_path / "a", seed=0, alpha=16, rslora=rslora, targets=TARGETS)
     eng = Engine(tiny_model(arch, seed=0), max_model_len=64, kv_cache_tokens=512, enable_lora=True, max_lora_rank=8)
     eng.load_lora("a", str(tmp_path / "a"))
     assert eng.lora_names == ["a"]
@@ -56,9 +39,9 @@ def test_lora_rows_match_merged_model_and_base_rows_stay_base(arch, rslora, tmp_
 
 def test_lora_registry_errors(tmp_path):
     base = tiny_model("qwen3", seed=0)
-    make_adapter(base, tmp_path / "ok", r=4)
-    make_adapter(base, tmp_path / "big", r=16)
-    make_adapter(base, tmp_path / "head", targets=["q_proj", "lm_head"])
+    make_lora_adapter(base, tmp_path / "ok", seed=0, rank=4, targets=TARGETS)
+    make_lora_adapter(base, tmp_path / "big", seed=0, rank=16, targets=TARGETS)
+    make_lora_adapter(base, tmp_path / "head", seed=0, targets=["q_proj", "lm_head"])
     eng = Engine(tiny_model("qwen3", seed=0), max_model_len=32, kv_cache_tokens=256, enable_lora=True, max_lora_rank=8)
     with pytest.raises(ValueError, match="lm_head"):
         eng.load_lora("head", str(tmp_path / "head"))

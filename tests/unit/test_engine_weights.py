@@ -6,11 +6,12 @@ import time
 
 import pytest
 import torch
-from test_engine_batching import Collector, greedy, hf_greedy
+from test_engine_batching import Collector, greedy
 
 from asyncgrpo.recipes import tiny_model
 from asyncgrpo.server.engine import Engine
 from asyncgrpo.server.request import Request, SamplingParams
+from tests.helpers.reference import hf_greedy
 
 PROMPT = [3, 14, 15, 92, 65]
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from asyncgrpo.packing.attention import _flex_block_mask, build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
+from tests.helpers.reference import lora_model
 from tests.helpers.synthetic import random_tree_samples
 
 VOCAB = 97
@@ -181,15 +182,10 @@ def test_cuda_backends_refuse_cpu():
 
 
 def test_lora_model_packed_matches_unpacked():
-    from peft import LoraConfig, get_peft_model
-
     rng = np.random.default_rng(11)
     samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=2)
     row = pack_samples(samples)
-    model = get_peft_model(_model("qwen3"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
-    for n, p in model.named_parameters():  # non-zero B so the adapters change the forward
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.1)
+    model = lora_model(_model("qwen3"), seed=11)  # random A and B: the adapters change the forward
     weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
     ref_lp, ref_grads = _reference(model, samples, weights)
     lp, grads = _packed(model, row, weights)

@@ -50,7 +50,7 @@ from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import ServerFacts, check_completion_length, check_dtype, probe_server
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
-from asyncgrpo.weights.policy import policy_weights
+from asyncgrpo.weights.policy import join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
 logger = logging.getLogger(__name__)
@@ -266,13 +266,12 @@ class AsyncGRPOTrainer(Trainer):
         Every process must call it (sharded parameters are gathered collectively); rank 0 sends.
         """
         if not self.is_world_process_zero():
-            for _ in policy_weights(self.model):  # the same gathers, in the same order, as rank 0's
-                pass
+            join_policy_gathers(self.model)  # the same gathers, in the same order, as rank 0's
         else:
             if self.sender is None or self.worker is None:
                 raise RuntimeError("sync_weights needs the weight sender and rollout worker that train() starts")
             step = self.state.global_step
-            timings = self.sender.update(policy_weights(self.model), version=f"step-{step}")  # merges PEFT
+            timings = self.sender.update_model(self.model, version=f"step-{step}")  # streamed; merges PEFT
             self.worker.set_policy_version(step)
             w = self.window
             w.add("perf/weight_sync_s", timings["pause_s"] + timings["barrier_s"] + timings["transfer_s"])

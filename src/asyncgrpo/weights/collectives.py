@@ -329,7 +329,12 @@ def send_tensors(
     packed: bool,
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
 ) -> None:
-    """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks."""
+    """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks.
+
+    Streams: each tensor is taken from ``tensors`` only when it is sent (unpacked) or copied into the
+    current chunk (packed), and dropped before the next is taken, so a lazy source (gathered or merged
+    tensors) costs at most one tensor plus one chunk.
+    """
     it = iter(tensors)
 
     def next_tensor(meta: TensorMeta) -> torch.Tensor:
@@ -341,19 +346,26 @@ def send_tensors(
             raise WeightTransferError(
                 f"tensor {meta.name!r} is {t.dtype} {tuple(t.shape)} but the update announced {meta.dtype} {meta.shape}"
             )
-        return t.detach().to(group.device).contiguous()
+        return t.detach()
 
     if not packed:
         for meta in metas:
-            t = next_tensor(meta)
+            t = next_tensor(meta).to(group.device).contiguous()
             if t.numel():
                 group.broadcast(t, src=0)
+            del t
         return
     for chunk in plan_chunks(metas, buffer_size_bytes):
-        parts = [next_tensor(metas[i]).reshape(-1).view(torch.uint8) for i in chunk]
-        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+        buf = torch.empty(sum(metas[i].nbytes for i in chunk), dtype=torch.uint8, device=group.device)
+        offset = 0
+        for i in chunk:
+            t = next_tensor(metas[i]).contiguous()
+            buf[offset : offset + metas[i].nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            offset += metas[i].nbytes
+            del t
         if buf.numel():
             group.broadcast(buf, src=0)
+        del buf
 
 
 def _unpack(buf: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:

@@ -4,17 +4,37 @@ The server loads weights by their Hugging Face checkpoint names. A plain model
 sends its parameters as they are (a tied LM head once, as the embedding). A PEFT
 model sends *merged* weights — ``W + scale · B A`` for every LoRA-wrapped
 layer — under the base model's names, so any server (vLLM or embedded) needs no
-adapter support. Sharded (FSDP2/DTensor) parameters are gathered one tensor at a
-time, so no rank ever holds more than one full tensor beyond its shard.
+adapter support.
+
+Streaming: :func:`policy_weight_metadata` reads names, dtypes and *global* shapes
+without gathering or merging anything (a DTensor reports its global shape), so
+the update can be announced up front; :func:`policy_weights` then makes one full
+tensor at a time (a DTensor ``full_tensor()`` gather under FSDP2, a merged LoRA
+weight under PEFT) and drops it before making the next, so no rank holds more
+than one full tensor beyond its shards. Both walk the same list, in the same
+order; every rank must iterate :func:`policy_weights` to the end (the gathers
+are collective).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.weights.collectives import TensorMeta
+
 _PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One weight the server gets: its HF name, the (possibly sharded) parameter, the LoRA layer merged into it."""
+
+    name: str
+    param: torch.Tensor
+    lora_layer: torch.nn.Module | None = None
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -27,37 +47,66 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full detached tensor)`` of every weight the server needs, in a fixed order."""
-    if not _is_peft(model):
-        for name, p in model.named_parameters():
-            yield name, _full(p.detach())
-        return
-    merged_layers = {}
-    for mod_name, module in model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
-            merged_layers[mod_name] = module
+def _active_adapter(model: torch.nn.Module) -> str:
     adapter = getattr(model, "active_adapter", "default")
-    if isinstance(adapter, list):
-        adapter = adapter[0]
-    for name, p in model.named_parameters():
-        if "lora_" in name or "modules_to_save" in name and ".original_module." in name:
-            continue
-        owner = name.rsplit(".", 2)[0] if ".base_layer." in name else None
-        tensor = _full(p.detach())
-        if owner is not None and owner in merged_layers and name.endswith("base_layer.weight"):
-            layer = merged_layers[owner]
-            if adapter in layer.lora_A and not getattr(layer, "merged", False):
-                tensor = tensor + _full(layer.get_delta_weight(adapter).detach()).to(tensor.dtype)
-        clean = name.removeprefix(_PEFT_PREFIX)
-        clean = clean.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        yield clean, tensor
+    return adapter[0] if isinstance(adapter, list) else adapter
 
 
-@torch.no_grad()
-def policy_weight_metadata(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """``(name, dtype, shape)`` of :func:`policy_weights` without materialising merged tensors."""
+def _sources(model: torch.nn.Module) -> list[_Source]:
+    """The server's weights in send order; nothing is gathered or merged here."""
+    if not _is_peft(model):
+        return [_Source(name, p) for name, p in model.named_parameters()]
+    adapter = _active_adapter(model)
+    lora_layers = {
+        name: module
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+    }
     out = []
-    for name, t in policy_weights(model):
-        out.append((name, t.dtype, tuple(t.shape)))
+    for name, p in model.named_parameters():
+        # LoRA factors travel merged; a modules_to_save wrapper sends its trained copy, not the frozen original.
+        if "lora_" in name or ".original_module." in name:
+            continue
+        layer = None
+        if name.endswith(".base_layer.weight"):
+            candidate = lora_layers.get(name.removesuffix(".base_layer.weight"))
+            if candidate is not None and adapter in candidate.lora_A and not getattr(candidate, "merged", False):
+                layer = candidate
+        clean = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+        clean = clean.replace(f".modules_to_save.{adapter}.", ".")
+        out.append(_Source(clean, p, layer))
     return out
+
+
+def policy_weight_metadata(model: torch.nn.Module) -> list[TensorMeta]:
+    """``TensorMeta(name, dtype, global shape)`` of every tensor :func:`policy_weights` yields, in its order.
+
+    Local and cheap: no gather, no merge (a merged weight keeps its base weight's dtype and shape).
+    """
+    return [TensorMeta(s.name, s.param.dtype, tuple(s.param.shape)) for s in _sources(model)]
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full detached tensor)`` of every weight the server needs, one at a time.
+
+    Each yielded tensor is released by the generator before the next is made; a consumer that drops it
+    too keeps at most one full tensor alive. (No ``@torch.no_grad()`` here: its generator wrapper holds
+    the last yielded tensor while the next one is made.)
+    """
+    adapter = _active_adapter(model)
+    for source in _sources(model):
+        with torch.no_grad():
+            tensor = _full(source.param.detach())
+            if source.lora_layer is not None:
+                # The fresh delta takes the sum in place: one new tensor per merged weight (x + y == y + x).
+                merged = _full(source.lora_layer.get_delta_weight(adapter).detach()).to(tensor.dtype)
+                tensor = merged.add_(tensor)
+                del merged
+        yield source.name, tensor
+        del tensor
+
+
+def join_policy_gathers(model: torch.nn.Module) -> None:
+    """Ranks other than the sender: take part in :func:`policy_weights`' collective gathers, keeping nothing."""
+    for item in policy_weights(model):
+        del item

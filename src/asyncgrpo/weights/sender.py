@@ -9,8 +9,12 @@ server) with torch primitives only (no vLLM import). One round (SPEC G10):
 
     sender = WeightSender()
     sender.init(AsyncServerClient(url), server_world_size=1, backend="auto", device="cuda:0")
-    timings = sender.update(model.named_parameters(), version="step-1")
+    timings = sender.update_model(model, version="step-1")  # or update(named tensors, ...)
     sender.close()
+
+With ``metadata`` (``update_model`` takes it from global shapes) tensors are pulled,
+sent and dropped one at a time: a lazy source (FSDP gathers, PEFT merges) costs one
+full tensor (plus one packed chunk), not the model.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -41,13 +45,12 @@ from asyncgrpo.weights.collectives import (
     make_store,
     send_tensors,
 )
+from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
+from asyncgrpo.weights.restart import DEFAULT_RESTART_TIMEOUT_S, RestartRecovery
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S = 1800.0  # matches vllm_server_timeout's default
-DEFAULT_RESTART_TIMEOUT_S = 120.0  # how long a round waits for a vanished server to come back
-RESTART_POLL_S = 0.5
-RESTART_LOG_INTERVAL_S = 30.0  # X4
 _T = TypeVar("_T")
 
 
@@ -89,6 +92,17 @@ def _local_address_towards(base_url: str) -> str:
         return s.getsockname()[0]
 
 
+def _values(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """The tensors of ``(name, tensor)`` pairs, each released here before the next pair is made."""
+    for item in named_tensors:
+        yield item[1]
+        del item
+
+
+def _as_meta(m: TensorMeta | tuple[str, torch.dtype, Sequence[int]]) -> TensorMeta:
+    return m if isinstance(m, TensorMeta) else TensorMeta(m[0], m[1], tuple(m[2]))
+
+
 def _raise_if_failed(fut: concurrent.futures.Future, what: str) -> Callable[[], None]:
     def check() -> None:
         if fut.done() and fut.exception() is not None:
@@ -97,7 +111,7 @@ def _raise_if_failed(fut: concurrent.futures.Future, what: str) -> Callable[[], 
     return check
 
 
-class WeightSender:
+class WeightSender(RestartRecovery):
     """Rank 0 of the weight-transfer group: pushes named tensors to one generation server.
 
     Args:
@@ -268,17 +282,19 @@ class WeightSender:
         *,
         version: str,
         packed: bool | None = None,
-        metadata: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+        metadata: Sequence[TensorMeta | tuple[str, torch.dtype, Sequence[int]]] | None = None,
         barrier: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """Push one set of weights and label it ``version``.
 
         Args:
-            named_tensors: ``(hf_name, full tensor)`` in send order; consumed lazily when ``metadata`` is given.
+            named_tensors: ``(hf_name, full tensor)`` in send order. With ``metadata`` they are pulled one at a
+                time while broadcasting (each dropped before the next); without it they are listed first, which
+                is free for existing parameters but holds every tensor made on the fly.
             version: the weight version the server reports from now on (``/weight_info``, ``weight_versions``).
             packed: pack tensors into uint8 chunks (default: the ``init`` choice). A value other than the
                 ``init`` choice is sent as ``update_info.packed`` (honoured by the embedded server).
-            metadata: ``(name, dtype, shape)`` per tensor, to avoid materialising ``named_tensors`` up front.
+            metadata: ``TensorMeta`` or ``(name, dtype, shape)`` per tensor, in the order of ``named_tensors``.
             barrier: called after the pause (e.g. waiting for the other trainer ranks); timed as ``barrier_s``.
 
         A server that stopped answering or restarted (``restart_timeout_s`` > 0) is waited for, the group formed
@@ -295,12 +311,8 @@ class WeightSender:
         try:
             return self._update_once(named_tensors, version=version, packed=packed, metadata=metadata, barrier=barrier)
         except (WeightTransferError, ServerError) as exc:
-            retry = metadata is None and barrier is None and self.restart_timeout_s > 0 and self._client is not None
-            if not retry or self._http(self._client.health(), "GET /health"):
+            if metadata is not None or barrier is not None or not self._server_vanished(exc):
                 raise
-            logger.warning(
-                "the weight sync failed because server %s stopped answering (%s)", self._client.base_url, exc
-            )
         self._await_return()
         self._reinit()
         return self._update_once(named_tensors, version=version, packed=packed, metadata=metadata, barrier=barrier)
@@ -311,7 +323,7 @@ class WeightSender:
         *,
         version: str,
         packed: bool | None = None,
-        metadata: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+        metadata: Sequence[TensorMeta | tuple[str, torch.dtype, Sequence[int]]] | None = None,
         barrier: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """One round of :meth:`update` (after checking the server is the one we formed the group with)."""
@@ -320,12 +332,13 @@ class WeightSender:
         self._ensure_server()
         client, group = self._client, self.group
         if metadata is None:
-            items = [(n, t) for n, t in named_tensors]
+            items = list(named_tensors)
             metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items]
-            tensors: Iterable[torch.Tensor] = (t for _, t in items)
+            tensors: Iterable[torch.Tensor] = [t for _, t in items]
+            del items
         else:
-            metas = [TensorMeta(n, d, tuple(s)) for n, d, s in metadata]
-            tensors = (t for _, t in named_tensors)
+            metas = [_as_meta(m) for m in metadata]
+            tensors = _values(named_tensors)
         use_packed = self.packed if packed is None else packed
 
         t0 = time.perf_counter()
@@ -377,61 +390,25 @@ class WeightSender:
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
 
-    # ------------------------------------------------------------------ surviving a server restart
+    def update_model(self, model: torch.nn.Module, *, version: str, **kwargs: Any) -> dict[str, float]:
+        """:meth:`update` with ``model``'s policy weights (``weights/policy.py``: PEFT merged, FSDP2 gathered).
 
-    def _ensure_server(self) -> None:
-        """Before a round: if the server stopped answering, or answers with other weights than we pushed last (it
-        restarted), wait for it (bounded) and form the group again; the round then pushes the current weights."""
-        assert self._client is not None
+        Metadata from global shapes up front, then one full tensor made, sent and freed at a time. Under FSDP
+        the other ranks call ``join_policy_gathers(model)`` meanwhile (the gathers are collective).
+        """
+
+        def once() -> dict[str, float]:
+            metadata = policy_weight_metadata(model)
+            return self.update(policy_weights(model), version=version, metadata=metadata, **kwargs)
+
         try:
-            info = self._http(self._client.request("GET", "/weight_info", retries=0, timeout=30.0), "GET /weight_info")
-        except ServerError as exc:
-            if exc.status is not None and exc.status != 503:
-                return  # it answers (e.g. a real vLLM without /weight_info): nothing to compare
-            info = None
-        except WeightTransferError:
-            info = None
-        if info is not None:
-            version = info.get("weight_version") if isinstance(info, dict) else None
-            if self._pushed_version is None or version == self._pushed_version:
-                return
-            logger.warning("server %s serves weight version %r, not %r pushed last: it restarted", self._client.base_url,
-                           version, self._pushed_version)  # fmt: skip
-        else:
-            self._await_return()
+            return once()
+        except (WeightTransferError, ServerError) as exc:
+            if kwargs.get("barrier") is not None or not self._server_vanished(exc):
+                raise  # other ranks joined this round's gathers: it cannot be replayed alone
+        self._await_return()
         self._reinit()
-
-    _pushed_version: str | None = None
-
-    def _await_return(self) -> None:
-        assert self._client is not None
-        url, t0, since = self._client.base_url, time.monotonic(), time.strftime("%H:%M:%S")
-        next_log = t0
-        while True:
-            if self._http(self._client.health(), "GET /health"):
-                return
-            waited = time.monotonic() - t0
-            if waited >= self.restart_timeout_s:
-                raise WeightTransferError(
-                    f"server {url} gone since {since} ({waited:.0f}s; it did not come back within "
-                    f"restart_timeout {self.restart_timeout_s:.0f}s). Restart `asyncgrpo serve` on that address and "
-                    "resume from the last checkpoint"
-                )
-            if time.monotonic() >= next_log:
-                logger.warning("server %s gone since %s (%.0fs so far): waiting up to %.0fs for it to come back",
-                               url, since, waited, self.restart_timeout_s)  # fmt: skip
-                next_log = time.monotonic() + RESTART_LOG_INTERVAL_S
-            time.sleep(RESTART_POLL_S)
-
-    def _reinit(self) -> None:
-        """The server came back without our group (or with other weights): leave the old group, form a new one."""
-        assert self._init_kwargs is not None
-        kwargs = dict(self._init_kwargs)
-        self.close(shutdown_server_side=False)
-        self.init(**kwargs)
-        self.restarts += 1
-        logger.warning("weight transfer re-established with %s (restart %d): pushing the current weights",
-                       kwargs["client"].base_url, self.restarts)  # fmt: skip
+        return once()  # the policy's tensors are made again, so the round can be repeated whole
 
     def _close_rejected_round(self, fut: concurrent.futures.Future) -> None:
         """After a 4xx on /update_weights the server never entered the collective: finish and resume it.
