@@ -247,18 +247,19 @@ def _len_reward(completion_ids, **kwargs):
 
 
 def test_dtype_warning_reads_vllms_own_field(server, caplog):
-    """G13 against a server that reports its dtype only where vLLM does (the embedded server's own section removed)."""
+    """G13: the server's dtype comes from where vLLM reports it (``vllm_config.model_config.dtype``)."""
     import logging
 
     import torch
 
-    from asyncgrpo.trainer.server_setup import check_dtype, server_dtype
+    from asyncgrpo.trainer.server_setup import check_dtype, probe_server
 
     info = json.loads(urllib.request.urlopen(server.base_url + "/server_info?config_format=json", timeout=10).read())
-    info.pop("asyncgrpo", None)
-    assert server_dtype(info) == "float32"  # the tiny model is served in fp32 on CPU
+    assert "float32" in str(info["vllm_config"]["model_config"]["dtype"])  # the tiny model is served in fp32 on CPU
+    facts = probe_server(server.base_url, 60, False)
+    assert str(facts.dtype).removeprefix("torch.") == "float32"
     caplog.set_level(logging.WARNING, logger="asyncgrpo.trainer.server_setup")
-    check_dtype(torch.bfloat16, server_dtype(info))
+    check_dtype(torch.bfloat16, facts.dtype)
     assert any("generates in float32" in r.getMessage() for r in caplog.records)
 
 

@@ -1,8 +1,9 @@
 """Generation through HTTP against an independent computation in the test.
 
-One server (tiny random-init Llama, fp32 on CPU, ``--return-sampling-mask``) for
-the module. Its EOS id is set, before the server starts, to the token greedy
-decoding produces third, so EOS stopping is observable.
+Two servers (tiny random-init Llama, fp32 on CPU), one with ``--return-sampling-mask``
+for the requests that can carry masks (temperature > 0 and top_k > 0: vLLM refuses
+any other request on such a server). The model's EOS id is set, before the servers
+start, to the token greedy decoding produces third, so EOS stopping is observable.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def setup(serve, tiny_llama_dir, tmp_path_factory):
     assert greedy[2] not in greedy[:2]
     # Same seed and architecture -> same weights; only the EOS id differs.
     model_dir = tiny_model_dir("llama", tmp_dir=tmp_path_factory.mktemp("eos") / "m", eos_token_id=greedy[2])
-    server = serve(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--return-sampling-mask", "--seed", "0")
-    return server, hf_model(model_dir), greedy
+    server = serve(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0")
+    masking = serve(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--return-sampling-mask", "--seed", "0")
+    return server, hf_model(model_dir), greedy, masking
 
 
 def _post(url, path, body):
@@ -79,7 +81,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=["topk-topp-rep", "minp", "topk", "greedy"])
 def test_logprobs_top_n_and_masks_match_an_independent_computation(setup, case):
-    server, hf, _ = setup
+    plain, hf, _, masking = setup
+    eligible = case["temperature"] > 0 and case.get("top_k", 0) > 0  # vLLM: masks need temperature > 0, top_k > 0
+    server = masking if eligible else plain
     # Prepend high-ranked tokens so the repetition penalty changes the candidates.
     with torch.no_grad():
         first = hf(torch.tensor([PROMPT])).logits[0, -1].topk(6).indices.tolist()
@@ -110,7 +114,7 @@ def test_logprobs_top_n_and_masks_match_an_independent_computation(setup, case):
             if v != -torch.inf:
                 assert e["token_id"] == t
         mask = choice["sampling_mask"]
-        if case["temperature"] > 0 and case.get("top_k", 0) > 0:
+        if eligible:
             expected = set(torch.nonzero(torch.isfinite(ref)).flatten().tolist())
             assert set(mask[i]) == expected, i
             if case.get("rep", 1.0) != 1.0:
@@ -118,7 +122,7 @@ def test_logprobs_top_n_and_masks_match_an_independent_computation(setup, case):
                                          top_p=case.get("top_p", 1.0), min_p=case.get("min_p", 0.0))  # fmt: skip
                 penalty_matters |= expected != set(torch.nonzero(torch.isfinite(unpenalized)).flatten().tolist())
         else:
-            assert mask is None  # not eligible (vLLM: temperature > 0 and top_k > 0)
+            assert mask is None  # a server without --return-sampling-mask
     if case.get("rep", 1.0) != 1.0:
         assert penalty_matters, "the test prompt should make the repetition penalty change the candidates"
     assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": 6}]
@@ -126,7 +130,7 @@ def test_logprobs_top_n_and_masks_match_an_independent_computation(setup, case):
 
 
 def test_seed_reproducibility_and_n(setup):
-    server, _, _ = setup
+    server, _, _, masking = setup
     sp = {"max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
 
     async def go():
@@ -136,7 +140,9 @@ def test_seed_reproducibility_and_n(setup):
             other = await c.generate(PROMPT, {**sp, "seed": 6})
             many = await c.generate_n(PROMPT, {**sp, "seed": 5, "n": 3})
             via_completions = await c.complete(PROMPT, {**sp, "seed": 5})
-            assert await c.supports_sampling_mask()  # started with --return-sampling-mask
+            assert not await c.supports_sampling_mask()
+            async with AsyncServerClient(masking.base_url, retries=0) as m:
+                assert await m.supports_sampling_mask()  # started with --return-sampling-mask
             return a, b, other, many, via_completions
 
     a, b, other, many, comp = asyncio.run(go())
@@ -150,7 +156,7 @@ def test_seed_reproducibility_and_n(setup):
 
 
 def test_eos_stop_tokens_and_lengths(setup):
-    server, hf, greedy = setup
+    server, hf, greedy, _ = setup
     eos = greedy[2]
     g = {"temperature": 0.0}
 
@@ -182,7 +188,7 @@ def test_eos_stop_tokens_and_lengths(setup):
 
 
 def test_completions_text_and_token_strings(setup):
-    server, _, greedy = setup
+    server, _, greedy, _ = setup
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(server_model_dir(server))
@@ -207,7 +213,7 @@ def server_model_dir(server):
 
 
 def test_prompt_at_max_model_len_is_rejected_with_vllms_error_body(setup):
-    server, _, _ = setup
+    server, _, _, _ = setup
 
     async def go():
         async with AsyncServerClient(server.base_url, retries=0) as c:

@@ -35,7 +35,11 @@ def test_unpacked_then_packed_rounds_load_the_new_weights(setup):
     check_greedy(model, before)  # server and test start from the same checkpoint
 
     perturb(model, seed=1)
-    timings = sender.update(model.named_parameters(), version="step-1", packed=False)
+    with pytest.raises(ValueError, match="packing is fixed"):  # vLLM's update_info has no packed field
+        sender.update(model.named_parameters(), version="never", packed=False)
+    sender.close()
+    sender.init(AsyncServerClient(server.base_url), backend="auto", device="cpu", packed=False)
+    timings = sender.update(model.named_parameters(), version="step-1")
     assert set(timings) == {"pause_s", "barrier_s", "transfer_s", "total_s"}
     assert all(v >= 0 for v in timings.values())
     after, version = server_greedy(server.base_url)
@@ -45,6 +49,8 @@ def test_unpacked_then_packed_rounds_load_the_new_weights(setup):
     assert [(s.version, s.start, s.end) for s in after.weight_versions] == [("step-1", 0, 8)]
 
     perturb(model, seed=2)
+    sender.close()
+    sender.init(AsyncServerClient(server.base_url), backend="auto", device="cpu", packed=True)
     barrier_calls = []
     sender.update(model.named_parameters(), version="step-2", barrier=lambda: barrier_calls.append(1))  # packed
     assert barrier_calls == [1]

@@ -172,13 +172,18 @@ def test_requests_carry_protocol_fields():
             await runner.cleanup()
 
     g, c = asyncio.run(main())
+    # Every sampling field goes out explicitly (vLLM fills omitted ones from generation_config.json).
+    neutral = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0}  # fmt: skip
     assert seen["generate"] == {
-        "token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "top_k": 5, "logprobs": 0},
+        "token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "top_k": 5, "logprobs": 0, **neutral},
         "request_id": "r1", "model": "lora-a",
     }  # fmt: skip
     body = seen["completions"]
     assert body["prompt"] == [1, 2] and body["max_tokens"] == 3 and body["logprobs"] == 4 and body["seed"] == 9
     assert body["return_tokens_as_token_ids"] is True and body["return_token_ids"] is True
+    assert body["return_weight_versions"] is True
+    assert {k: body[k] for k in neutral} == neutral and body["top_k"] == 0
     assert g.token_ids == [5] and g.logprobs == [-0.5] and g.request_id == "r1"
     assert c.token_ids == [6] and c.top_logprobs == [{6: -1.0}]
 
@@ -223,3 +228,46 @@ def test_parse_completion_choice_with_and_without_token_ids():
     choice["logprobs"]["top_logprobs"] = [{"plain": -1.0}, {}]
     with pytest.raises(ServerError, match="token_id:<id>"):
         parse_completion_choice(choice)
+
+
+def test_dev_route_404_and_unconfigured_weight_transfer_say_what_to_change():
+    """vLLM answers a bare 404 without VLLM_SERVER_DEV_MODE=1 and a 500 without --weight-transfer-config."""
+
+    async def not_configured(request):
+        return web.json_response({"error": {"message": "Weight transfer not configured. Please set "
+                                            "weight_transfer_config to enable weight transfer.",
+                                            "type": "InternalServerError", "param": None, "code": 500}}, status=500)  # fmt: skip
+
+    async def main():
+        runner, url = await _serve([web.post("/start_weight_update", not_configured)])
+        errors = []
+        try:
+            async with AsyncServerClient(url, retries=0) as client:
+                for call in (client.pause("keep"), client.start_weight_update(), client.request("GET", "/nope")):
+                    with pytest.raises(ServerError) as info:
+                        await call
+                    errors.append(info.value)
+        finally:
+            await runner.cleanup()
+        return errors
+
+    pause, start, other = asyncio.run(main())
+    assert pause.status == 404 and "VLLM_SERVER_DEV_MODE=1" in pause.message
+    assert start.status == 500 and """--weight-transfer-config '{"backend": "nccl"}'""" in start.message
+    assert other.status == 404 and "VLLM_SERVER_DEV_MODE" not in other.message  # not an RL route
+
+
+def test_kv_capacity_prefers_kv_cache_size_tokens_times_dp():
+    from asyncgrpo.client.server_rules import kv_capacity
+
+    def info(cache, dp=None):
+        cfg = {"cache_config": cache}
+        if dp is not None:
+            cfg["parallel_config"] = {"data_parallel_size": dp}
+        return {"vllm_config": cfg}
+
+    # hybrid model: blocks x block size (summed over DP engines) overstates; the per-engine figure x DP is right
+    assert kv_capacity(info({"kv_cache_size_tokens": 3000, "num_gpu_blocks": 1000, "block_size": 16}, dp=2)) == 6000
+    assert kv_capacity(info({"kv_cache_size_tokens": None, "num_gpu_blocks": 1000, "block_size": 16}, dp=2)) == 16000
+    assert kv_capacity(info({"block_size": 16})) is None
+    assert kv_capacity({}) is None

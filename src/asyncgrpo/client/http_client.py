@@ -32,6 +32,12 @@ from asyncgrpo.client.results import (
     parse_completion_choice,
     parse_generate_choice,
 )
+from asyncgrpo.client.server_rules import (  # noqa: F401 - config_section re-exported (weights/sender.py)
+    config_section,
+    explain,
+    kv_capacity,
+    with_explicit_sampling,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +52,6 @@ def not_answering_message(base_url: str, waited_s: float, timeout_s: float, last
         f"server {base_url} not answering /health for {waited_s:.0f}s (timeout {timeout_s:.0f}s; last error: "
         f"{last_error}) - {SERVER_HINT}"
     )
-
-
-def config_section(data: Any, *keys: str) -> dict[str, Any]:
-    """``data[k1][k2]...`` when every level is a dict, else ``{}`` (servers differ in what they expose)."""
-    for key in keys:
-        data = data.get(key) if isinstance(data, dict) else None
-    return data if isinstance(data, dict) else {}
 
 
 class AsyncServerClient:
@@ -186,7 +185,8 @@ class AsyncServerClient:
                 last = ServerError(endpoint, None, f"{type(exc).__name__}: {exc}", base_url=self.base_url)
                 continue
             if status >= 400:
-                last = ServerError(endpoint, status, error_message(body), base_url=self.base_url)
+                message = explain(path, status, error_message(body))
+                last = ServerError(endpoint, status, message, base_url=self.base_url)
                 if status == 503:
                     continue
                 raise last
@@ -265,18 +265,19 @@ class AsyncServerClient:
         """``GET /server_info?config_format=json`` (vLLM dev mode)."""
         return await self.request("GET", "/server_info", params={"config_format": "json"})
 
-    async def kv_cache_tokens(self) -> int | None:
-        """KV-cache capacity in tokens (``num_gpu_blocks × block_size``), None when the server does not say."""
-        try:
-            info = await self.server_info()
-        except ServerError as exc:
-            logger.info("no KV-cache capacity from %s: %s", self.base_url, exc)
-            return None
-        cache = config_section(info, "vllm_config", "cache_config")
-        blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
-        if isinstance(blocks, int) and isinstance(size, int):
-            return blocks * size
-        return None
+    async def kv_cache_tokens(self, info: Mapping[str, Any] | None = None) -> int | None:
+        """KV-cache capacity in tokens of the whole server, None when it does not say.
+
+        vLLM 0.33 reports ``cache_config.kv_cache_size_tokens`` per data-parallel engine (group-aware, right
+        for hybrid models) and ``num_gpu_blocks`` summed over engines; prefer the first × DP size.
+        """
+        if info is None:
+            try:
+                info = await self.server_info()
+            except ServerError as exc:
+                logger.info("no KV-cache capacity from %s: %s", self.base_url, exc)
+                return None
+        return kv_capacity(info)
 
     async def world_size(self) -> int:
         return int((await self.request("GET", "/get_world_size", params={"include_dp": "true"}))["world_size"])
@@ -303,9 +304,9 @@ class AsyncServerClient:
         """``POST /inference/v1/generate``; one result per choice (``n`` of them).
 
         ``sampling_params`` uses vLLM's SamplingParams names; ``logprobs`` defaults to 0
-        (the sampled token's log-prob only).
+        (the sampled token's log-prob only); omitted sampling fields are sent at vLLM's neutral values.
         """
-        params = dict(sampling_params)
+        params = with_explicit_sampling(sampling_params)
         params.setdefault("logprobs", 0)
         rid = request_id or f"gen-{uuid.uuid4().hex}"
         body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": params, "request_id": rid}
@@ -335,11 +336,16 @@ class AsyncServerClient:
         """``POST /v1/completions`` with a token-id prompt; one result per choice.
 
         Sends ``return_tokens_as_token_ids`` and ``return_token_ids`` so top-N keys are
-        token ids; ``logprobs`` defaults to 0. Always pass ``max_tokens`` (vLLM's default is 16).
+        token ids, and ``return_weight_versions`` (vLLM returns the spans only when asked);
+        ``logprobs`` defaults to 0. Every sampling field goes out explicitly (omitted ones at
+        vLLM's neutral values): vLLM fills omitted fields from the model's generation_config.json.
+        Always pass ``max_tokens`` (vLLM's default is 16).
         """
-        body: dict[str, Any] = {k: v for k, v in sampling_params.items() if k not in ("detokenize",)}
+        body = with_explicit_sampling({k: v for k, v in sampling_params.items() if k not in ("detokenize",)})
         body.setdefault("logprobs", 0)
-        body.update(prompt=list(token_ids), return_tokens_as_token_ids=True, return_token_ids=True)
+        body.update(
+            prompt=list(token_ids), return_tokens_as_token_ids=True, return_token_ids=True, return_weight_versions=True
+        )
         if model is not None:
             body["model"] = model
         if request_id is not None:

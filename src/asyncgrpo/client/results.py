@@ -84,9 +84,7 @@ def parse_generate_choice(choice: Mapping[str, Any], request_id: str | None = No
     top = None
     if content and any(e.get("top_logprobs") is not None for e in content):
         top = [{int(t["token_id"]): _lp(t["logprob"]) for t in e.get("top_logprobs") or []} for e in content]
-    spans = [
-        VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []
-    ]
+    spans = _spans(choice)
     mask = choice.get("sampling_mask")
     return GenerationResult(
         token_ids=token_ids,
@@ -108,6 +106,11 @@ def _token_id_key(key: str) -> int:
     return int(key.split(":", 1)[1])
 
 
+def _spans(choice: Mapping[str, Any]) -> list[VersionSpan]:
+    """``weight_versions`` (null on vLLM's completions unless ``return_weight_versions`` was sent)."""
+    return [VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
+
+
 def parse_completion_choice(choice: Mapping[str, Any], request_id: str | None = None) -> GenerationResult:
     """Parse one choice of ``POST /v1/completions`` sent with ``return_tokens_as_token_ids``."""
     lp = choice.get("logprobs") or {}
@@ -127,4 +130,5 @@ def parse_completion_choice(choice: Mapping[str, Any], request_id: str | None = 
         prompt_token_ids=choice.get("prompt_token_ids"),
         text=choice.get("text"),
         request_id=request_id,
+        weight_versions=_spans(choice),
     )

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
@@ -115,11 +115,13 @@ class AsyncRolloutLoop:
             else:
                 res = await self.client.complete(prompt_ids, params, model=self.settings.model_name)
         except ServerError as e:
-            if e.status == 400:
+            if e.status == 400 and is_length_error(e.message):
                 raise ValueError(
                     f"the generation server rejected a prompt of {len(prompt_ids)} tokens: {e}. Shorten the prompts "
                     f"or start the server with a larger --max-model-len (now {sampling.max_model_len})"
                 ) from e
+            if e.status == 400:
+                raise ValueError(f"the generation server rejected a request (sampling settings {params}): {e}") from e
             raise
         self._generated_tokens += len(res.token_ids)
         self._gen_time += time.perf_counter() - t0

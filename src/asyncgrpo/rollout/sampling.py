@@ -57,11 +57,10 @@ class SamplingSettings:
             "max_tokens": min(self.max_completion_length, room),
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "top_k": self.top_k if self.top_k > 0 else -1,
+            "top_k": max(self.top_k, 0),  # 0 = off (vLLM also takes -1, but a masking server rejects both)
             "repetition_penalty": self.repetition_penalty,
             "seed": seed,
             "logprobs": self.num_sampler_logprobs or 0,
         }
-        if self.min_p:
-            params["min_p"] = self.min_p
+        params["min_p"] = self.min_p or 0.0  # explicit: vLLM fills omitted fields from generation_config.json
         return params

@@ -11,9 +11,10 @@ exception becomes a logged 500 and never takes the server down.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -50,11 +51,17 @@ class ServerConfig:
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 1
-    weight_transfer_backend: str = "gloo"
+    weight_transfer_backend: str | None = "gloo"  # None: started without weight transfer (500 on its routes)
     weight_transfer_timeout_s: float = 1800.0
     seed: int = 0
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.85
+    # vLLM serves the RL routes, /server_info and /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1; the
+    # embedded server serves them unless that variable is set to 0 (see main.py).
+    dev_mode: bool = True
+    generation_config: str = "auto"  # --generation-config, reported in /server_info
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # omitted completion fields
+    default_max_new_tokens: int | None = None  # generation_config.json max_new_tokens
 
 
 class ServerState:
@@ -75,6 +82,8 @@ class ServerState:
             max_logprobs=config.max_logprobs,
             return_sampling_mask=config.return_sampling_mask,
             lora_names=lambda: list(engine.lora_names),
+            generation_defaults=dict(config.generation_defaults),
+            default_max_new_tokens=config.default_max_new_tokens,
         )
         self.registry = prometheus.make_registry(engine.stats, config.served_model_name)
         self.receiver = WeightReceiver(engine, config.weight_transfer_backend, config.weight_transfer_timeout_s)
@@ -217,27 +226,33 @@ async def world_size(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
+    """vLLM's nesting (``vllm_config`` as its JSON dump: dtypes as ``"torch.bfloat16"``) plus our own section."""
     state = _state(request)
     e, cfg = state.engine, state.config
-    dtype = str(e.dtype).removeprefix("torch.")
+    dtype = str(e.dtype)
+    wt = {"backend": cfg.weight_transfer_backend} if cfg.weight_transfer_backend else None
     vllm_config = {
         "model_config": {"model": cfg.model, "served_model_name": cfg.served_model_name,
                          "max_model_len": e.max_model_len, "dtype": dtype, "seed": cfg.seed,
-                         "max_logprobs": cfg.max_logprobs, "logprobs_mode": "processed_logprobs"},
+                         "max_logprobs": cfg.max_logprobs, "logprobs_mode": "processed_logprobs",
+                         "return_sampling_mask": cfg.return_sampling_mask,
+                         "generation_config": cfg.generation_config},
         "cache_config": {"block_size": e.block_size, "num_gpu_blocks": e.num_blocks,
-                         "kv_cache_tokens": e.kv_cache_tokens, "gpu_memory_utilization": cfg.gpu_memory_utilization},
+                         "kv_cache_size_tokens": e.kv_cache_tokens,
+                         "gpu_memory_utilization": cfg.gpu_memory_utilization},
         "scheduler_config": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": e.max_model_len},
         "parallel_config": {"world_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                             "data_parallel_size": 1},
         "device_config": {"device": str(e.device)},
         "lora_config": {"max_lora_rank": cfg.max_lora_rank, "max_loras": cfg.max_loras} if cfg.enable_lora else None,
-        "weight_transfer_config": {"backend": cfg.weight_transfer_backend},
+        "weight_transfer_config": wt,
     }  # fmt: skip
-    ours = {"kv_cache_tokens": e.kv_cache_tokens, "dtype": dtype, "weight_transfer_backend": cfg.weight_transfer_backend,
+    ours = {"kv_cache_tokens": e.kv_cache_tokens, "weight_transfer_backend": cfg.weight_transfer_backend,
             "return_sampling_mask": cfg.return_sampling_mask, "enable_scale_out": cfg.enable_scale_out,
             "enable_lora": cfg.enable_lora, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
             "weight_version": e.weight_version}  # fmt: skip
-    return web.json_response({"vllm_config": vllm_config, "asyncgrpo": ours})
+    return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},
+                              "asyncgrpo": ours})  # fmt: skip
 
 
 async def load(request: web.Request) -> web.Response:
@@ -257,8 +272,13 @@ async def pause(request: web.Request) -> web.Response:
     mode = request.query.get("mode", "abort")
     if mode not in ("abort", "wait", "keep"):
         raise ApiError(400, f"mode must be one of abort, wait, keep; got {mode!r}", param="mode")
+    clear = request.query.get("clear_cache", "true").lower()
+    if clear not in ("true", "false", "1", "0"):
+        raise ApiError(400, f"clear_cache must be true or false; got {clear!r}", param="clear_cache")
     state.pause_mode = mode  # new requests see it at once, even while "wait" drains
-    await asyncio.get_running_loop().run_in_executor(None, state.engine.pause, mode)
+    # keep + clear_cache (the default) preempts the frozen requests: KV recomputed on resume, as in vLLM.
+    pause = functools.partial(state.engine.pause, mode, clear_cache=clear in ("true", "1"))
+    await asyncio.get_running_loop().run_in_executor(None, pause)
     return web.json_response({"status": "paused"})
 
 
@@ -328,16 +348,17 @@ def create_app(engine: Any, tokenizer: Any, config: ServerConfig) -> web.Applica
     r.add_get("/health", health)
     r.add_get("/version", version)
     r.add_get("/v1/models", models)
-    r.add_get("/get_world_size", world_size)
-    r.add_get("/server_info", server_info)
     r.add_get("/load", load)
     r.add_get("/metrics", metrics)
     r.add_post("/inference/v1/generate", generate)
     r.add_post("/v1/completions", completions)
-    r.add_post("/pause", pause)
-    r.add_post("/resume", resume)
-    r.add_get("/is_paused", is_paused)
     r.add_post("/v1/load_lora_adapter", load_lora_adapter)
     r.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
-    add_weight_routes(app, state.receiver)
+    if config.dev_mode:  # vLLM: RL and dev routes exist only with VLLM_SERVER_DEV_MODE=1 (else bare 404)
+        r.add_get("/get_world_size", world_size)
+        r.add_get("/server_info", server_info)
+        r.add_post("/pause", pause)
+        r.add_post("/resume", resume)
+        r.add_get("/is_paused", is_paused)
+        add_weight_routes(app, state.receiver)
     return app

@@ -134,7 +134,7 @@ class EngineLoop:
                 if seq is not None:
                     self._finish(seq, "abort")
             elif kind == "pause":
-                self._pause(arg, fut)
+                self._pause(*arg, fut)
                 return
             elif kind == "resume":
                 self.pause_mode = None
@@ -155,10 +155,14 @@ class EngineLoop:
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort", error=error)
 
-    def _pause(self, mode: PauseMode, fut: Future) -> None:
+    def _pause(self, mode: PauseMode, clear_cache: bool, fut: Future) -> None:
         self.pause_mode = mode
         if mode == "abort":
             self._abort_all()
+        if mode == "keep" and clear_cache:
+            # vLLM 0.33 (v1/engine/core.py): clearing the caches preempts the frozen requests, so their KV is
+            # recomputed on resume, with whatever weights are loaded by then.
+            self.scheduler.preempt_all()
         if mode == "wait" and self.scheduler.running:
             self._drain_waiters.append(fut)  # answered once the running sequences are done
         else:

@@ -214,11 +214,15 @@ class Engine:
                 raise ValueError(msg)
 
     # ------------------------------------------------------------ pause / calls
-    def pause(self, mode: PauseMode, timeout: float | None = None) -> None:
-        """Pause per ``mode`` ("abort", "wait", "keep"; see the HTTP protocol) and return once in effect."""
+    def pause(self, mode: PauseMode, timeout: float | None = None, *, clear_cache: bool = True) -> None:
+        """Pause per ``mode`` ("abort", "wait", "keep"; see the HTTP protocol) and return once in effect.
+
+        ``clear_cache`` (vLLM's default) makes a ``keep`` pause preempt the frozen sequences: their KV is
+        recomputed on resume. With ``clear_cache=False`` they keep their KV in place.
+        """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        self._core.call(("pause", mode), timeout)
+        self._core.call(("pause", (mode, clear_cache)), timeout)
 
     def resume(self) -> None:
         self._core.call(("resume", None), None)

@@ -27,6 +27,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions default
 MAX_CHOICES = 1024  # largest n: one request cannot occupy the server for minutes (GRPO groups are far smaller)
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule); dividing by them overflows the logits
 MIN_REPETITION_PENALTY = 1e-4  # logits / penalty must stay finite in float32 (|logit| < 1e34 for any model)
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperature > 2
+# The sampling fields /v1/completions fills from generation_config.json when a request omits them (vLLM
+# 0.33 ModelConfig.get_diff_sampling_param, with --generation-config auto).
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                            "top_p", "min_p")  # fmt: skip
 _ERROR_TYPES = {400: "BadRequestError", 403: "ForbiddenError", 404: "NotFoundError", 409: "ConflictError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
 _internal_ids = itertools.count()
@@ -86,9 +91,13 @@ class ServerLimits:
     served_model_name: str
     max_model_len: int
     vocab_size: int
-    max_logprobs: int
+    max_logprobs: int  # -1: the vocabulary size (vLLM)
     return_sampling_mask: bool
     lora_names: Callable[[], list[str]]
+    # Defaults for the sampling fields a /v1/completions request omits (from generation_config.json), and the
+    # cap on an omitted max_tokens of /inference/v1/generate (its max_new_tokens); empty / None: vLLM's neutral.
+    generation_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    default_max_new_tokens: int | None = None
 
 
 @dataclass
@@ -148,10 +157,17 @@ def _resolve_model(model: Any, limits: ServerLimits) -> tuple[str, str | None]:
 
 
 def _sampling(
-    src: Mapping[str, Any], *, prompt_len: int, limits: ServerLimits, default_max_tokens: int | None
+    src: Mapping[str, Any],
+    *,
+    prompt_len: int,
+    limits: ServerLimits,
+    default_max_tokens: int | None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> tuple[SamplingParams, int]:
-    """SamplingParams (one choice) and ``n`` from vLLM-named fields."""
+    """SamplingParams (one choice) and ``n`` from vLLM-named fields; ``defaults`` fill omitted (or null) fields."""
     _check_noops(src)
+    if defaults:
+        src = {**defaults, **{k: v for k, v in src.items() if v is not None}}
     room = limits.max_model_len - prompt_len
     max_tokens = _get(src, "max_tokens", int, None, optional=True)
     if max_tokens is None:
@@ -166,8 +182,10 @@ def _sampling(
     n = _get(src, "n", int, 1, optional=True)
     min_tokens = _get(src, "min_tokens", int, 0, optional=True)
     logprobs = _get(src, "logprobs", int, None, optional=True)
+    max_logprobs = limits.vocab_size if limits.max_logprobs == -1 else limits.max_logprobs
     checks = [
-        (temperature is None or temperature >= 0, "temperature", f"temperature must be >= 0, got {temperature}"),
+        (temperature is None or 0 <= temperature <= MAX_TEMPERATURE, "temperature",
+         f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}"),
         (top_p is None or 0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}"),
         (top_k is None or top_k >= -1, "top_k", f"top_k must be -1, 0 (off) or at least 1, got {top_k}"),
         (min_p is None or 0 <= min_p <= 1, "min_p", f"min_p must be in [0, 1], got {min_p}"),
@@ -176,8 +194,8 @@ def _sampling(
         (n is None or 1 <= n <= MAX_CHOICES, "n", f"n must be in [1, {MAX_CHOICES}], got {n}"),
         (min_tokens is None or 0 <= min_tokens <= max_tokens, "min_tokens",
          f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"),
-        (logprobs is None or 0 <= logprobs <= limits.max_logprobs, "logprobs",
-         f"logprobs must be in [0, {limits.max_logprobs}] (--max-logprobs), got {logprobs}"),
+        (logprobs is None or 0 <= logprobs <= max_logprobs, "logprobs",
+         f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {max_logprobs} (--max-logprobs)"),
     ]  # fmt: skip
     for ok, param, message in checks:
         if not ok:
@@ -200,8 +218,15 @@ def _sampling(
         min_tokens=min(min_tokens or 0, max_tokens),
         logprobs=logprobs,
     )
-    # vLLM returns masks only for requests with temperature > 0 and top_k > 0.
-    params.return_sampling_mask = limits.return_sampling_mask and params.temperature > 0 and params.top_k > 0
+    if limits.return_sampling_mask:
+        # vLLM 0.33 (v1/engine/input_processor.py): with --return-sampling-mask every request on every endpoint
+        # needs temperature > 0 and top_k > 0.
+        if params.temperature <= 0:
+            raise ApiError(400, "sampling distribution replay requires temperature > 0", param="temperature")
+        if params.top_k <= 0:
+            raise ApiError(400, "sampling distribution replay requires top_k > 0 to bound sampling mask size, "
+                           "reduce transfer overhead, and avoid potential OOMs", param="top_k")  # fmt: skip
+        params.return_sampling_mask = True
     return params, n or 1
 
 
@@ -241,7 +266,9 @@ def parse_generate(body: Any, limits: ServerLimits) -> ParsedRequest:
         raise ApiError(400, "sampling_params must be an object", param="sampling_params")
     model, lora = _resolve_model(body.get("model"), limits)
     _check_prompt_len(prompt, limits)
-    params, n = _sampling(sp, prompt_len=len(prompt), limits=limits, default_max_tokens=None)
+    cap = limits.default_max_new_tokens
+    default_max = None if cap is None else min(cap, limits.max_model_len - len(prompt))
+    params, n = _sampling(sp, prompt_len=len(prompt), limits=limits, default_max_tokens=default_max)
     rid = _get(body, "request_id", str, None, optional=True) or f"gen-{uuid.uuid4().hex}"
     return ParsedRequest(rid, model, lora, prompt, _expand(rid, prompt, params, n, lora), params.logprobs)
 
@@ -270,7 +297,7 @@ def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> di
             "token_ids": list(out.token_ids),
             "logprobs": logprobs,
             "sampling_mask": out.sampling_mask,
-            "weight_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in out.weight_versions],
+            "weight_versions": _spans(out),
         })  # fmt: skip
     completion = sum(len(o.token_ids) for o in outputs)
     return {
@@ -284,6 +311,10 @@ def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> di
     }
 
 
+def _spans(out: RequestOutput) -> list[dict[str, Any]]:
+    return [{"version": s.version, "start": s.start, "end": s.end} for s in out.weight_versions]
+
+
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -295,6 +326,7 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 class ParsedCompletion(ParsedRequest):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    return_weight_versions: bool = False
 
 
 def parse_completion(body: Any, limits: ServerLimits, encode: Callable[[str], list[int]]) -> ParsedCompletion:
@@ -310,13 +342,15 @@ def parse_completion(body: Any, limits: ServerLimits, encode: Callable[[str], li
     model, lora = _resolve_model(body.get("model"), limits)
     _check_prompt_len(prompt, limits)
     params, n = _sampling(
-        body, prompt_len=len(prompt), limits=limits, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS
-    )
+        body, prompt_len=len(prompt), limits=limits, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        defaults=limits.generation_defaults,
+    )  # fmt: skip
     rid = _get(body, "request_id", str, None, optional=True) or f"cmpl-{uuid.uuid4().hex}"
     return ParsedCompletion(
         rid, model, lora, prompt, _expand(rid, prompt, params, n, lora), params.logprobs,
         return_token_ids=bool(_get(body, "return_token_ids", bool, False, optional=True)),
         return_tokens_as_token_ids=bool(_get(body, "return_tokens_as_token_ids", bool, False, optional=True)),
+        return_weight_versions=bool(_get(body, "return_weight_versions", bool, False, optional=True)),
     )  # fmt: skip
 
 
@@ -353,6 +387,7 @@ def completion_response(
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
             "prompt_logprobs": None,
+            "weight_versions": _spans(out) if parsed.return_weight_versions else None,
         }
         if parsed.return_token_ids:
             choice["token_ids"] = list(out.token_ids)

@@ -6,6 +6,12 @@
 Flags follow ``vllm serve`` where both have them; vLLM-only deployment flags the
 documented launch command uses (``--api-server-count``, ``--logprobs-mode``) are
 accepted so the same command line works against either server.
+
+Two deliberate differences in the defaults, so a plain ``asyncgrpo serve`` works
+with the trainer: the RL routes (weight transfer, pause, ``/server_info``) are on
+unless ``VLLM_SERVER_DEV_MODE=0`` is set (vLLM needs ``VLLM_SERVER_DEV_MODE=1``),
+and weight transfer is configured (``--weight-transfer-config '{"backend": "none"}'``
+turns it off, which vLLM's default is).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -37,10 +44,33 @@ def _weight_transfer_config(text: str) -> dict[str, Any]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--weight-transfer-config is not JSON: {exc}") from exc
     if not isinstance(cfg, dict) or set(cfg) - {"backend", "timeout_s"}:
-        raise argparse.ArgumentTypeError('--weight-transfer-config takes {"backend": "nccl"|"gloo"|"auto"}')
-    if cfg.get("backend", "auto") not in ("nccl", "gloo", "auto"):
-        raise argparse.ArgumentTypeError(f"weight-transfer backend must be nccl, gloo or auto; got {cfg['backend']!r}")
+        raise argparse.ArgumentTypeError('--weight-transfer-config takes {"backend": "nccl"|"gloo"|"auto"|"none"}')
+    if cfg.get("backend", "auto") not in ("nccl", "gloo", "auto", "none"):
+        raise argparse.ArgumentTypeError(
+            f"weight-transfer backend must be nccl, gloo, auto or none; got {cfg['backend']!r}"
+        )
     return cfg
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def dev_mode_from_env(environ: dict[str, str] | None = None) -> bool:
+    """``VLLM_SERVER_DEV_MODE`` as vLLM reads it (an integer); unset means on for the embedded server."""
+    value = (os.environ if environ is None else environ).get("VLLM_SERVER_DEV_MODE")
+    if value is None or value.strip() == "":
+        return True
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"VLLM_SERVER_DEV_MODE must be 0 or 1, got {value!r}") from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,10 +103,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--logprobs-mode", default="processed_logprobs", choices=["processed_logprobs"],
       help="only processed_logprobs (log-probs after penalties, temperature and top-k/top-p/min-p)")  # fmt: skip
     a("--api-server-count", type=int, default=1, help="accepted for vLLM compatibility; one API process here")
+    a("--generation-config", default="auto",
+      help="where omitted /v1/completions sampling fields come from: auto (the model's generation_config.json, "
+           "vLLM's default), vllm (neutral defaults) or a directory holding generation_config.json")  # fmt: skip
+    a("--override-generation-config", type=_json_object, default=None,
+      help='JSON object that overrides generation-config values, e.g. \'{"temperature": 0.5}\'')  # fmt: skip
 
 
 def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
     from asyncgrpo.server.app import ServerConfig
+    from asyncgrpo.server.generation_defaults import load_generation_defaults
 
     wt = args.weight_transfer_config
     backend = wt.get("backend", "auto")
@@ -84,6 +120,7 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         backend = "nccl" if engine.device.type == "cuda" else "gloo"
     if backend == "nccl" and engine.device.type != "cuda":
         raise ValueError("the nccl weight-transfer backend needs the engine on CUDA; use gloo on CPU")
+    gen = load_generation_defaults(args.generation_config, args.model, args.override_generation_config)
     return ServerConfig(
         model=str(args.model),
         served_model_name=args.served_model_name or str(args.model),
@@ -93,11 +130,15 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
-        weight_transfer_backend=backend,
+        weight_transfer_backend=None if backend == "none" else backend,
         weight_transfer_timeout_s=float(wt.get("timeout_s", 1800.0)),
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        dev_mode=dev_mode_from_env(),
+        generation_config=args.generation_config,
+        generation_defaults=gen.sampling,
+        default_max_new_tokens=gen.max_new_tokens,
     )
 
 

@@ -174,6 +174,11 @@ class Scheduler:
             i += 1
         return list(self.running)
 
+    def preempt_all(self) -> None:
+        """Send every running sequence back to the front of the queue, in order, freeing its KV blocks."""
+        while self.running:
+            self._preempt(self.running[-1])
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.block_table)

@@ -36,9 +36,12 @@ from asyncgrpo.weights.collectives import (
 
 logger = logging.getLogger(__name__)
 
+# vLLM 0.33's NCCLWeightTransferInitInfo / NCCLWeightTransferUpdateInfo fields: anything else is a 400.
+# Packing is fixed at init; a round carries only the tensor metadata.
 _INIT_KEYS = {"master_address", "master_port", "nccl_unique_id_b64", "rank_offset", "world_size", "packed",
               "packed_buffer_size_bytes", "packed_num_buffers"}  # fmt: skip
-_UPDATE_KEYS = {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+_UPDATE_KEYS = {"names", "dtype_names", "shapes"}
+NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
 
 
 def _require(ok: bool, message: str, param: str | None = None) -> None:
@@ -55,11 +58,12 @@ class WeightReceiver:
 
     Args:
         engine: the :class:`~asyncgrpo.server.engine.Engine`.
-        backend: ``nccl`` or ``gloo`` (the server's ``--weight-transfer-config``).
+        backend: ``nccl`` or ``gloo`` (the server's ``--weight-transfer-config``); None: not configured, every
+            step answers 500 as vLLM does without ``--weight-transfer-config``.
         timeout_s: bound on the rendezvous and on one round's collectives.
     """
 
-    def __init__(self, engine: Any, backend: str, timeout_s: float) -> None:
+    def __init__(self, engine: Any, backend: str | None, timeout_s: float) -> None:
         self.engine = engine
         self.backend = backend
         self.timeout_s = timeout_s
@@ -74,12 +78,19 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ protocol steps (blocking)
 
+    def _check_configured(self) -> None:
+        if self.backend is None:
+            raise ApiError(500, NOT_CONFIGURED)
+
     def init(self, info: Any) -> None:
         """Validate ``init_info`` and join the group; blocks until every rank joined."""
+        self._check_configured()
         _require(isinstance(info, dict), "init_info must be an object", "init_info")
         unknown = sorted(set(info) - _INIT_KEYS)
         _require(not unknown, f"unknown init_info keys {unknown}; allowed: {sorted(_INIT_KEYS)}", "init_info")
-        world, offset = info.get("world_size"), info.get("rank_offset", 1)
+        missing = sorted({"rank_offset", "world_size"} - set(info))  # required fields of vLLM's init info
+        _require(not missing, f"init_info is missing {missing}", "init_info")
+        world, offset = info["world_size"], info["rank_offset"]
         _require(_is_int(world) and world >= 2, f"init_info.world_size must be an integer >= 2, got {world!r}")
         _require(_is_int(offset) and 1 <= offset < world, f"init_info.rank_offset must be in [1, world_size), got {offset!r}")  # fmt: skip
         packed = info.get("packed", False)
@@ -89,7 +100,10 @@ class WeightReceiver:
         _require(_is_int(size) and size > 0, f"init_info.packed_buffer_size_bytes must be > 0, got {size!r}")
         _require(_is_int(nbuf) and nbuf >= 1, f"init_info.packed_num_buffers must be >= 1, got {nbuf!r}")
         unique_id = store = None
-        if "nccl_unique_id_b64" in info:
+        has_addr = info.get("master_address") is not None or info.get("master_port") is not None
+        if info.get("nccl_unique_id_b64") and has_addr:
+            raise ApiError(400, "init_info: pass nccl_unique_id_b64 OR master_address/master_port, not both")
+        if info.get("nccl_unique_id_b64"):
             _require(self.backend == "nccl", "nccl_unique_id_b64 needs the nccl backend; this server uses gloo")
             try:
                 unique_id = base64.b64decode(str(info["nccl_unique_id_b64"]), validate=True)
@@ -134,6 +148,7 @@ class WeightReceiver:
         )
 
     def start(self) -> None:
+        self._check_configured()
         if self.group is None:
             raise ApiError(400, "no weight-transfer group: call /init_weight_transfer_engine first")
         if self.active:
@@ -164,15 +179,15 @@ class WeightReceiver:
 
     def update(self, info: Any) -> None:
         """Receive and load one round; blocks until every tensor is in."""
+        self._check_configured()
         _require(isinstance(info, dict), "update_info must be an object", "update_info")
         unknown = sorted(set(info) - _UPDATE_KEYS)
-        _require(not unknown, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)}", "update_info")
+        _require(not unknown, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)} (packing is "
+                 "fixed by init_info)", "update_info")  # fmt: skip
         if not self.active or self.group is None:
             raise ApiError(409, "no active weight update: call /start_weight_update first")
         metas = self._metas(info)
-        packed = info.get("packed", self.packed)
-        size = info.get("packed_buffer_size_bytes", self.buffer_size)
-        _require(isinstance(packed, bool) and _is_int(size) and size > 0, "bad packed / packed_buffer_size_bytes")
+        packed, size = self.packed, self.buffer_size
         group, engine = self.group, self.engine
 
         def receive_and_load() -> None:
@@ -190,6 +205,7 @@ class WeightReceiver:
         self._last_metas = metas
 
     def finish(self, version: Any) -> None:
+        self._check_configured()
         if not self.active:
             raise ApiError(400, "no active weight update to finish")
         if version is not None:
@@ -240,25 +256,27 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
     async def init(request: web.Request) -> web.Response:
         body = await _body(request)
         await in_pool(receiver.init, body.get("init_info"))
-        return web.json_response({"status": "ok"})
+        return web.json_response({"message": "Weight transfer initialized"})
 
     async def start(request: web.Request) -> web.Response:
         receiver.start()
-        return web.json_response({"status": "ok"})
+        return web.json_response({"message": "Weight update started"})
 
     async def update(request: web.Request) -> web.Response:
         body = await _body(request)
         await in_pool(receiver.update, body.get("update_info"))
-        return web.json_response({"status": "ok"})
+        return web.json_response({"message": "Weights updated"})
 
     async def finish(request: web.Request) -> web.Response:
         body = await _body(request)
         receiver.finish(body.get("weight_version"))
-        return web.json_response({"status": "ok", "weight_version": receiver.engine.weight_version})
+        return web.json_response(
+            {"message": "Weight update finished", "weight_version": receiver.engine.weight_version}
+        )
 
     async def shutdown(request: web.Request) -> web.Response:
         await in_pool(receiver.shutdown)
-        return web.json_response({"status": "ok"})
+        return web.json_response({"message": "Weight transfer shut down"})
 
     async def weight_info(request: web.Request) -> web.Response:
         return web.json_response({"weight_version": receiver.engine.weight_version})

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from asyncgrpo.client.errors import ServerError
-from asyncgrpo.client.http_client import AsyncServerClient, config_section
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.server_rules import DEV_MODE_HINT, NOT_CONFIGURED_HINT, config_section, kv_capacity
 
 logger = logging.getLogger(__name__)
+
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperature > 2
 
 
 @dataclass
@@ -29,8 +30,22 @@ class ServerFacts:
     has_metrics: bool
     masks_supported: bool
     world_size: int
-    dtype: str | None  # as the server reports it (embedded server only)
-    weight_backend: str | None  # "nccl" | "gloo" (embedded server) or None (vLLM: NCCL)
+    dtype: str | None  # vllm_config.model_config.dtype as reported ("torch.bfloat16")
+    weight_backend: str | None  # vllm_config.weight_transfer_config.backend ("nccl"; the embedded server: or "gloo")
+    max_logprobs: int = 20  # --max-logprobs; -1 means the vocabulary size
+    return_sampling_mask: bool = False  # --return-sampling-mask: every request needs temperature > 0, top_k > 0
+
+
+async def _server_info(client: AsyncServerClient) -> dict:
+    """``/server_info``; the trainer cannot sync weights without the dev-mode routes, so a 404 stops the run."""
+    try:
+        info = await client.server_info()
+    except ServerError as exc:
+        if exc.status == 404:
+            raise RuntimeError(f"the generation server at {client.base_url} answers 404 on /server_info: "
+                               f"{DEV_MODE_HINT}") from exc  # fmt: skip
+        raise
+    return info if isinstance(info, dict) else {}
 
 
 async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts:
@@ -43,45 +58,55 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
         max_len = base.get("max_model_len")
         if not max_len:
             raise RuntimeError(f"/v1/models of {base_url} reports no max_model_len; is it a vLLM-compatible server?")
-        try:
-            info = await client.server_info()
-        except ServerError:
-            info = {}
+        info = await _server_info(client)
+        model_cfg = config_section(info, "vllm_config", "model_config")
+        transfer = config_section(info, "vllm_config", "weight_transfer_config")
+        if "vllm_config" in info and not transfer:
+            raise RuntimeError(f"the generation server at {base_url} has no weight transfer: {NOT_CONFIGURED_HINT}")
         try:
             await client.metrics()
             has_metrics = True
         except (TimeoutError, ServerError, OSError):
             has_metrics = False
-        kv = await client.kv_cache_tokens()
         masks = await client.supports_sampling_mask() if want_masks else False
-        try:
-            world = await client.world_size()
-        except ServerError:
-            world = 1
-        engine_info = info.get("asyncgrpo", {}) if isinstance(info, dict) else {}
+        world = await client.world_size()
+        max_logprobs = model_cfg.get("max_logprobs", 20)
         return ServerFacts(
             model_name=base["id"],
             max_model_len=int(max_len),
-            kv_cache_tokens=kv,
+            kv_cache_tokens=kv_capacity(info),
             has_metrics=has_metrics,
             masks_supported=masks,
             world_size=int(world),
-            dtype=server_dtype(info),
-            weight_backend=engine_info.get("weight_transfer_backend") or info.get("weight_transfer_backend"),
+            dtype=model_cfg.get("dtype"),
+            weight_backend=transfer.get("backend"),
+            max_logprobs=int(max_logprobs) if isinstance(max_logprobs, int) else 20,
+            return_sampling_mask=bool(model_cfg.get("return_sampling_mask", False)),
         )
 
 
-def server_dtype(info: Any) -> str | None:
-    """The dtype a server generates in, from ``/server_info``: vLLM's ``vllm_config.model_config.dtype`` (a JSON
-    object, or the text form some vLLM versions send), else the embedded server's own section (G13)."""
-    if not isinstance(info, dict):
-        return None
-    found = config_section(info, "vllm_config", "model_config").get("dtype")
-    if found is None and isinstance(info.get("vllm_config"), str):
-        m = re.search(r"dtype=(?:torch\.)?(\w+)", info["vllm_config"])
-        found = m.group(1) if m else None
-    found = found or config_section(info, "asyncgrpo").get("dtype") or info.get("dtype")
-    return str(found).removeprefix("torch.") if found else None
+def check_sampling_limits(facts: ServerFacts, *, temperature: float, top_k: int, num_sampler_logprobs: int) -> None:
+    """Fail at start on a setting the server would reject on every request (vLLM 0.33's limits).
+
+    Raises:
+        ValueError: every violated limit, each with the setting or server flag to change.
+    """
+    problems = []
+    if temperature > MAX_TEMPERATURE:
+        problems.append(f"temperature={temperature} is above {MAX_TEMPERATURE:g}, the most vLLM accepts: set "
+                        f"temperature <= {MAX_TEMPERATURE:g}")  # fmt: skip
+    if facts.return_sampling_mask and top_k < 1:
+        problems.append("the server returns sampling masks, so every request needs top_k ≥ 1: set top_k, or restart "
+                        "vLLM without --return-sampling-mask")  # fmt: skip
+    if facts.return_sampling_mask and temperature <= 0:
+        problems.append("the server returns sampling masks, so every request needs temperature > 0: set temperature, "
+                        "or restart vLLM without --return-sampling-mask")  # fmt: skip
+    if facts.max_logprobs != -1 and num_sampler_logprobs > facts.max_logprobs:
+        problems.append(f"num_sampler_logprobs={num_sampler_logprobs} is above the server's --max-logprobs "
+                        f"{facts.max_logprobs}: lower num_sampler_logprobs, or restart the server with --max-logprobs "
+                        f"{num_sampler_logprobs}")  # fmt: skip
+    if problems:
+        raise ValueError("the generation server would reject every request:\n  - " + "\n  - ".join(problems))
 
 
 def probe_server(base_url: str, timeout: float, want_masks: bool) -> ServerFacts:

@@ -47,7 +47,13 @@ from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_ch
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
-from asyncgrpo.trainer.server_setup import ServerFacts, check_completion_length, check_dtype, probe_server
+from asyncgrpo.trainer.server_setup import (
+    ServerFacts,
+    check_completion_length,
+    check_dtype,
+    check_sampling_limits,
+    probe_server,
+)
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.policy import join_policy_gathers
@@ -209,6 +215,10 @@ class AsyncGRPOTrainer(Trainer):
             self.facts = probe_server(args.vllm_server_base_url, args.vllm_server_timeout, want_masks)
             check_completion_length(args.max_completion_length, self.facts.max_model_len, args.vllm_server_base_url)
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
+            n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
+            check_sampling_limits(
+                self.facts, temperature=args.temperature, top_k=args.top_k, num_sampler_logprobs=n_logprobs
+            )
         facts = self._broadcast_object(self.facts)
         self.facts = facts
         self.token_budget = args.token_budget or facts.max_model_len

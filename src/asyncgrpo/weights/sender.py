@@ -292,8 +292,7 @@ class WeightSender(RestartRecovery):
                 time while broadcasting (each dropped before the next); without it they are listed first, which
                 is free for existing parameters but holds every tensor made on the fly.
             version: the weight version the server reports from now on (``/weight_info``, ``weight_versions``).
-            packed: pack tensors into uint8 chunks (default: the ``init`` choice). A value other than the
-                ``init`` choice is sent as ``update_info.packed`` (honoured by the embedded server).
+            packed: must equal the ``init`` choice when given (packing is fixed at init, as in vLLM).
             metadata: ``TensorMeta`` or ``(name, dtype, shape)`` per tensor, in the order of ``named_tensors``.
             barrier: called after the pause (e.g. waiting for the other trainer ranks); timed as ``barrier_s``.
 
@@ -340,6 +339,9 @@ class WeightSender(RestartRecovery):
             metas = [_as_meta(m) for m in metadata]
             tensors = _values(named_tensors)
         use_packed = self.packed if packed is None else packed
+        if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
+            raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
+                             "group forms: close() and init() again with the packing you want")  # fmt: skip
 
         t0 = time.perf_counter()
         self._http(client.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
@@ -358,8 +360,6 @@ class WeightSender(RestartRecovery):
             "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
             "shapes": [] if reuse else [list(m.shape) for m in metas],
         }
-        if use_packed != self.packed:
-            update_info["packed"] = use_packed
         fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
         group.abort_check = _raise_if_failed(fut, "POST /update_weights")
         try:

@@ -1,0 +1,82 @@
+"""The server the conformance suite talks to: the embedded server, or a real vLLM named by ``ASYNCGRPO_VLLM_URL``.
+
+Against a real vLLM (started as VLLM_PROTOCOL.md documents, with
+``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config '{"backend": "nccl"}'``,
+``--logprobs-mode processed_logprobs`` and without ``--return-sampling-mask``)
+the same tests run unchanged; the ones that need to restart the server with
+special flags (``embedded(...)``) or need our tiny model's weights skip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.server.launcher import ServerProcess, launch_server
+
+VLLM_URL_ENV = "ASYNCGRPO_VLLM_URL"
+START_TIMEOUT_S = 240.0  # 2 shared CPU cores: imports + model load can be slow under load
+
+
+@dataclass
+class Target:
+    """A server under test: ``embedded`` is False for a real vLLM (whose model we do not know)."""
+
+    base_url: str
+    embedded: bool
+
+
+def real_vllm_url() -> str | None:
+    return os.environ.get(VLLM_URL_ENV) or None
+
+
+def needs_embedded(reason: str) -> None:
+    if real_vllm_url():
+        pytest.skip(f"{reason} (restarts the server with special flags / needs the tiny model; {VLLM_URL_ENV} set)")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir() -> Path:
+    from asyncgrpo.recipes import tiny_model_dir
+
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def embedded() -> Iterator[Callable[..., ServerProcess]]:
+    """Factory: ``embedded(model_dir, *flags, env=...)`` -> a running embedded server (skips against a real vLLM)."""
+    started: list[ServerProcess] = []
+
+    def start(model_dir: Path | str, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+        needs_embedded("embedded-server variant")
+        server = launch_server(
+            model_dir, extra_args=["--device", "cpu", *flags], env={"CUDA_VISIBLE_DEVICES": "", **(env or {})},
+            timeout=START_TIMEOUT_S,
+        )  # fmt: skip
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def target(tiny_llama_dir: Path) -> Iterator[Target]:
+    """The server every module shares: a real vLLM when ``ASYNCGRPO_VLLM_URL`` is set, else an embedded one."""
+    url = real_vllm_url()
+    if url:
+        yield Target(url.rstrip("/"), embedded=False)
+        return
+    server = launch_server(
+        tiny_llama_dir, extra_args=["--device", "cpu", "--max-model-len", "256"], env={"CUDA_VISIBLE_DEVICES": ""},
+        timeout=START_TIMEOUT_S,
+    )  # fmt: skip
+    try:
+        yield Target(server.base_url, embedded=True)
+    finally:
+        server.stop()
