@@ -186,13 +186,13 @@ def test_stray_init_does_not_silently_block_the_next_one(serve, tiny_llama_dir):
     srv = serve(tiny_llama_dir, "--max-model-len", "64", "--weight-transfer-config",
                 '{"backend": "gloo", "timeout_s": 20}')  # fmt: skip
     dead_port = free_port()
-    stray = {"init_info": {"master_address": "127.0.0.1", "master_port": dead_port, "world_size": 2}}
+    stray = {"init_info": {"master_address": "127.0.0.1", "master_port": dead_port, "world_size": 2, "rank_offset": 1}}
     stray_reply: list = []
     t = threading.Thread(target=lambda: stray_reply.append(_post(srv.base_url + "/init_weight_transfer_engine", stray)))
     t.start()
     time.sleep(1.5)
     t0 = time.monotonic()
-    real = {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}}
+    real = {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "rank_offset": 1}}
     status, reply = _post(srv.base_url + "/init_weight_transfer_engine", real, timeout=15)
     assert time.monotonic() - t0 < 5
     assert status == 409, reply
@@ -260,7 +260,8 @@ def test_dtype_warning_reads_vllms_own_field(server, caplog):
     assert str(facts.dtype).removeprefix("torch.") == "float32"
     caplog.set_level(logging.WARNING, logger="asyncgrpo.trainer.server_setup")
     check_dtype(torch.bfloat16, facts.dtype)
-    assert any("generates in float32" in r.getMessage() for r in caplog.records)
+    lines = [r.getMessage() for r in caplog.records if "server generates in" in r.getMessage()]
+    assert lines and "float32" in lines[0] and "bfloat16" in lines[0], lines
 
 
 # ---------------------------------------------------------------------------------------------- runs in a subprocess
