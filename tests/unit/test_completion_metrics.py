@@ -30,7 +30,7 @@ def test_group_metrics_average_over_rollouts_across_groups():
     assert m["completions/clipped_ratio"] == pytest.approx(1 / 5)
     assert m["completions/duplicate_frac"] == pytest.approx(1 / 5)
     assert m["rollout/turns_mean"] == pytest.approx(6 / 5) and m["rollout/turns_max"] == 2
-    assert m["tools/call_frequency"] == pytest.approx(3 / 5)
+    assert "tools/call_frequency" not in m  # logged by the tool metrics, only when the trainer has tools
     assert all(is_documented_metric(name) for name in m)
 
 

@@ -40,9 +40,23 @@ def test_lambda_reward_is_refused_with_a_fix(tmp_path):
         _make(tmp_path, reward_funcs=[lambda completions, **kw: [1.0] * len(completions)])
 
 
-def test_tools_are_refused_until_agents_land(tmp_path):
-    with pytest.raises(NotImplementedError, match="tools"):
-        _make(tmp_path, tools=[reward])
+def test_tools_need_a_schema_and_environments_need_data_or_max_steps(tmp_path):
+    from tests.unit.agent_tools_mod import CounterEnv, multiply
+
+    with pytest.raises(TypeError, match="Google-style docstring"):
+        _make(tmp_path, tools=[reward])  # no docstring: transformers cannot build its schema
+    with pytest.raises(TypeError, match="lambda"):
+        _make(tmp_path, tools=[lambda a: a])
+    with pytest.raises(ValueError, match="max_steps"):
+        _make(tmp_path, train_dataset=None, environment_factory=CounterEnv)
+    with pytest.raises(ValueError, match="'environment' column"):
+        _make(tmp_path, environment_factory={"a": CounterEnv, "b": CounterEnv})
+    trainer = _make(
+        tmp_path, tools=[multiply], train_dataset=None, environment_factory=CounterEnv,
+        args=AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], max_steps=2),
+    )  # fmt: skip
+    assert trainer.tools == [multiply] and list(trainer.environment_factory) == [""]
+    assert "<tools>" in trainer.processing_class.chat_template  # the patched tool template
 
 
 def test_lora_on_lm_head_is_refused(tmp_path):

@@ -45,6 +45,5 @@ def completion_metric_events(rollouts: list[Rollout], finish_reasons: list[str])
         ("completions/duplicate_frac", duplicates / n, n),
         ("rollout/turns_mean", sum(turns) / n, n),
         ("rollout/turns_max", float(max(turns)), 1.0),
-        ("tools/call_frequency", sum(r.tool_call_count for r in rollouts) / n, n),
     ]
     return events

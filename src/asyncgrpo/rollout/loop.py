@@ -33,6 +33,9 @@ from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
+from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode
+from asyncgrpo.rollout.agents.stats import ToolLoopStats, tool_metric_events
+from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop
 from asyncgrpo.rollout.completion_metrics import completion_metric_events
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompt_order import PromptOrder
@@ -55,7 +58,9 @@ class AsyncRolloutLoop:
         dataset: rows with a conversational ``prompt`` column; other columns go to the reward functions.
         reward_funcs: sync or async callables (module-level: they are pickled into this process).
         processing_class: the tokenizer (its chat template renders prompts).
-        tools: tool callables handed to ``generate_one``.
+        tools: the trainer's tools (module-level functions), handed to ``generate_one``.
+        environment_factory: name -> environment factory (``{"": factory}`` for a single one), or None; each
+            rollout gets an instance's public methods as extra tools (A4).
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class AsyncRolloutLoop:
         processing_class: Any,
         *,
         tools: list[Any] | None = None,
+        environment_factory: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(settings, RolloutSettings):
             raise TypeError(
@@ -77,6 +83,7 @@ class AsyncRolloutLoop:
         self.reward_funcs = list(reward_funcs)
         self.tokenizer = processing_class
         self.tools = list(tools or [])
+        self.environment_factory = environment_factory
 
     @property
     def config(self) -> ConfigView:
@@ -96,7 +103,21 @@ class AsyncRolloutLoop:
         """Release what ``setup`` created; runs when the loop stops, also on failure (default: nothing)."""
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Any], group_id: int = 0) -> Rollout:
-        """One whole rollout for ``prompt``. Default: a single turn rendered with the chat template."""
+        """One whole rollout for ``prompt``: the multi-turn tool loop when there are tools, else a single turn."""
+        if tools:
+            rollout, stats = await run_tool_loop(
+                prompt,
+                tools,
+                render=self.render_conversation,
+                generate_turn=self.generate_one_turn,
+                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                executor=self._executor,
+                settings=ToolLoopSettings(
+                    self.settings.max_tool_calling_iterations, self.settings.sampling.max_model_len
+                ),
+            )
+            self._tool_stats[rollout.rollout_id] = stats
+            return rollout
         prompt_ids = self.render_prompt(prompt)
         turn = await self.generate_one_turn(prompt_ids)
         text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
@@ -141,8 +162,16 @@ class AsyncRolloutLoop:
     # ------------------------------------------------------------------ helpers
 
     def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
+        return self.render_conversation(prompt, None)
+
+    def render_conversation(
+        self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """Token ids of the whole conversation with the generation prompt (the tools' schemas shown if any)."""
         kwargs = dict(self.settings.chat_template_kwargs)
-        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, **kwargs)
+        if tool_schemas:
+            kwargs["tools"] = tool_schemas
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -165,7 +194,11 @@ class AsyncRolloutLoop:
         self._running = 0
         self._last_finish: dict[int, str] = {}
         self._slot_freed = asyncio.Condition()
-        self._executor = ThreadPoolExecutor(max_workers=min(st.max_concurrent_rollouts, 64))
+        # Sync tools, reset/get_reward and sync reward functions share this pool: one thread per concurrent
+        # rollout (the document's promise); threads start lazily, so a large cap costs nothing until used.
+        self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
+        self._tool_stats: dict[str, ToolLoopStats] = {}
+        self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)
         self.client = AsyncServerClient(
             st.sampling.base_url,
             timeout=st.request_timeout_s,
@@ -272,27 +305,37 @@ class AsyncRolloutLoop:
             self.cap.on_rollout_completed()
             self._slot_freed.notify_all()
 
-    async def _one_rollout(self, prompt: list[dict[str, Any]], group_id: int) -> tuple[Rollout, str]:
+    async def _one_rollout(
+        self, row: dict[str, Any], prompt: list[dict[str, Any]] | None, group_id: int
+    ) -> tuple[Rollout, str, Episode]:
         await self._acquire_slot()
         t0 = time.perf_counter()
+        episode: Episode | None = None
         try:
-            rollout = await self.generate_one(prompt, self.tools, group_id)
+            episode = await self.agents.start(row, prompt)  # an environment instance, reset (A4)
+            rollout = await self.generate_one(episode.prompt, episode.tools, group_id)
+            episode.env_reward = await self.agents.finish(episode)
         finally:
+            if episode is not None:
+                self.agents.release(episode)
             await self._release_slot()
         self.channels.put_metric("rollout/duration_s", time.perf_counter() - t0)
         finish = self._last_finish.pop(id(asyncio.current_task()), "stop")
-        return rollout, finish
+        return rollout, finish, episode
 
     async def _run_group(self, row_index: int, flat_index: int, row: dict[str, Any], epoch: int, group_id: int) -> None:
         prompt = row.get("prompt") if isinstance(row, dict) else None
-        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt)):
+        env_owns_prompt = self.environment_factory is not None and prompt is None  # reset() returns the prompt
+        if not env_owns_prompt and not (
+            isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt)
+        ):
             raise ValueError(
                 f"dataset row {row_index} has prompt={prompt!r}; prompts must be conversational: a list of "
                 '{"role": ..., "content": ...} messages'
             )
         version = self.channels.policy_version.value
         G = self.settings.num_generations
-        results = await asyncio.gather(*(self._one_rollout(prompt, group_id) for _ in range(G)))
+        results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id) for _ in range(G)))
         # Finished groups queue for a reward thread; generation never waits on that queue (score_block_s = 0).
         t_done = time.perf_counter()
         self._score_waiting += 1
@@ -307,14 +350,16 @@ class AsyncRolloutLoop:
             self._score_slots.release()
 
     async def _score_group(self, row_index: int, flat_index: int, row: dict[str, Any], epoch: int, group_id: int,
-                           version: int, prompt: list[dict[str, Any]], results: list[tuple[Rollout, str]]) -> None:  # fmt: skip
+                           version: int, prompt: list[dict[str, Any]], results: list[tuple[Any, ...]]) -> None:  # fmt: skip
         G = self.settings.num_generations
-        rollouts = [r for r, _ in results]
+        rollouts = [r for r, _, _ in results]
+        prompts = [e.prompt for _, _, e in results]
+        env_rewards = [e.env_reward for _, _, e in results]
         t_score = time.perf_counter()
         reward_kwargs = {k: [v] * G for k, v in row.items() if k != "prompt"}
         per_func = await run_reward_functions(
             self.reward_funcs,
-            prompts=[prompt] * G,
+            prompts=prompts,
             completions=[r.completion for r in rollouts],
             completion_ids=[r.completion_ids for r in rollouts],
             reward_kwargs=reward_kwargs,
@@ -333,7 +378,7 @@ class AsyncRolloutLoop:
             for r in rollouts
         ]
         group = RolloutGroup(
-            prompts=[prompt] * G,
+            prompts=prompts,
             reward_kwargs=reward_kwargs,
             completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts],
@@ -343,22 +388,28 @@ class AsyncRolloutLoop:
             model_version=version,
             group_id=group_id,
             row_index=row_index,
-            env_rewards=[None] * G,
+            env_rewards=env_rewards,
             rollout_rewards=[r.reward for r in rollouts],
             queued_at=time.monotonic(),
         )
-        group.rewards = total_rewards(per_func, None, group.rollout_rewards)
+        group.rewards = total_rewards(per_func, [e and e[1] for e in env_rewards], group.rollout_rewards)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
         if advantages.shape != (G,):
             raise ValueError(f"compute_advantages returned shape {advantages.shape}; expected ({G},)")
         dropped = is_zero_std_group(group.rewards)
         per_source = {reward_function_name(f): per_func[:, j] for j, f in enumerate(self.reward_funcs)}
-        for name, value, weight in group_reward_metrics(group.rewards, per_source, dropped):
+        for cls in {e[0] for e in env_rewards if e is not None}:  # rewards/<EnvClass>/mean
+            per_source[cls.__name__] = np.array([e[1] if e and e[0] is cls else np.nan for e in env_rewards])
+        num_samples = sum(len(seqs) for seqs in sequences)
+        events = group_reward_metrics(group.rewards, per_source, dropped, num_samples)
+        events += completion_metric_events(rollouts, [f for _, f, _ in results])
+        events += stats.metric_events(num_samples, G)
+        if self.agents.has_tools:  # tools/* only when the run has tools (M1)
+            loop_stats = [self._tool_stats.pop(r.rollout_id, None) for r in rollouts]
+            fails = [r.tool_failure_count for r in rollouts]
+            events += tool_metric_events([r.tool_call_count for r in rollouts], fails, loop_stats)
+        for name, value, weight in events:
             self.channels.metrics.put((name, float(value), float(weight)))
-        for event in completion_metric_events(rollouts, [f for _, f in results]):
-            self.channels.metrics.put(event)
-        for event in stats.metric_events(sum(len(seqs) for seqs in sequences), G):
-            self.channels.metrics.put(event)
         self.channels.put_metric("rollout/score_s", time.perf_counter() - t_score)
         kept: list[Any] = []
         if not dropped:
@@ -386,7 +437,7 @@ class AsyncRolloutLoop:
                 dropped=dropped,
                 queued_at=time.time(),
                 tokens=kept_tokens,
-                prompt_text=self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                prompt_text=self.tokenizer.apply_chat_template(prompts[0], tokenize=False, add_generation_prompt=True)
                 if log_texts
                 else None,
                 completion_texts=[r.completion[-1]["content"] if r.completion else "" for r in rollouts]

@@ -34,6 +34,7 @@ class RolloutSettings:
         request_timeout_s: one generation request's HTTP timeout (the config's ``vllm_server_timeout``).
         eos_token_ids: token ids that end a completion.
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` when rendering prompts.
+        max_tool_calling_iterations: executed tool-calling turns per rollout (None: until a turn has no call).
         log_completions: send prompt and completion texts with each group, for the trainer's completion log.
         dataset_start_index: the first untrained prompt (resume, T5), counted over epochs.
         num_epochs: passes over the dataset to generate (None: until the trainer stops the worker).
@@ -53,6 +54,7 @@ class RolloutSettings:
     request_timeout_s: float = DEFAULT_TIMEOUT_S
     eos_token_ids: tuple[int, ...] = ()
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_tool_calling_iterations: int | None = None
     log_completions: bool = False
     dataset_start_index: int = 0
     num_epochs: int | None = None

@@ -37,6 +37,7 @@ from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
 from asyncgrpo.packing import TokenBudgetBatcher, batch_metrics, build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
+from asyncgrpo.rollout.agents import prepare_tool_template
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable
 from asyncgrpo.rollout.sampling import truncates_distribution
@@ -44,6 +45,7 @@ from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
+from asyncgrpo.trainer.inputs import check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
@@ -82,10 +84,6 @@ class _StepSource:
             yield None
 
 
-def _conversational(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
-
-
 class AsyncGRPOTrainer(Trainer):
     """Asynchronous GRPO trainer (see the module docstring).
 
@@ -97,7 +95,10 @@ class AsyncGRPOTrainer(Trainer):
         processing_class: the tokenizer (default: loaded from ``model``).
         callbacks, optimizers: as in ``transformers.Trainer``.
         peft_config: a PEFT config; the server then receives merged weights.
-        tools, environment_factory: multi-turn agents (not part of this release's single-turn trainer).
+        tools: module-level functions (sync or ``async def``, typed, Google-style docstrings) the model may call.
+        environment_factory: a class/callable making an environment (``reset``, optional ``get_reward``, public
+            methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
+            ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -115,11 +116,6 @@ class AsyncGRPOTrainer(Trainer):
         tools: list[Any] | None = None,
         environment_factory: Any = None,
     ) -> None:
-        if tools or environment_factory is not None:
-            raise NotImplementedError(
-                "tools and environment_factory (multi-turn agents, SPEC A1-A4) are not supported by this version; "
-                "train single-turn prompts, or override AsyncRolloutLoop.generate_one for a custom multi-turn loop"
-            )
         if getattr(mp.current_process(), "_inheriting", False):  # a spawned child re-importing the user's script
             raise RuntimeError(GUARD_HINT)
         args = args if args is not None else AsyncGRPOConfig(output_dir="asyncgrpo-output")
@@ -152,9 +148,10 @@ class AsyncGRPOTrainer(Trainer):
             if isinstance(f, str):
                 raise TypeError(f"reward function {f!r} is a string; pass a callable (import it in your script)")
             check_picklable(f, "reward function")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required: a dataset with a conversational 'prompt' column")
-        self._check_dataset(train_dataset)
+        tools, factories, train_dataset = check_train_inputs(tools, environment_factory, train_dataset, args.max_steps)
+        if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
+            prepare_tool_template(processing_class, args.chat_template_kwargs)
+        self.tools, self.environment_factory = tools, factories
         self.model_id = model_id
         self.reward_funcs = reward_funcs
         super().__init__(
@@ -176,21 +173,6 @@ class AsyncGRPOTrainer(Trainer):
         self.facts: ServerFacts | None = None
 
     # ------------------------------------------------------------------ set-up
-
-    @staticmethod
-    def _check_dataset(dataset: Any) -> None:
-        if not hasattr(dataset, "__len__"):
-            return  # iterable datasets are checked row by row by the worker
-        if len(dataset) == 0:
-            raise ValueError("train_dataset is empty")
-        row = dataset[0]
-        if "prompt" not in row:
-            raise ValueError(f"train_dataset has columns {sorted(row)}; it needs a conversational 'prompt' column")
-        if not _conversational(row["prompt"]):
-            raise ValueError(
-                f"train_dataset row 0 has prompt={row['prompt']!r}; prompts must be conversational: a list of "
-                '{"role": "user", "content": "..."} messages'
-            )
 
     def _causal_lm(self) -> torch.nn.Module:
         model = self.model
@@ -226,7 +208,14 @@ class AsyncGRPOTrainer(Trainer):
         if self.is_world_process_zero():
             n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
             settings = dataclasses.replace(self.rollout_settings(facts, start_index), skip_indices=resume.skip)
-            loop = self.loop_cls(settings, self.train_dataset, self.reward_funcs, self.processing_class)
+            loop = self.loop_cls(
+                settings,
+                self.train_dataset,
+                self.reward_funcs,
+                self.processing_class,
+                tools=self.tools,
+                environment_factory=self.environment_factory,
+            )
             check_picklable(loop, f"rollout loop {type(loop).__name__}")
             self.worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
             total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None

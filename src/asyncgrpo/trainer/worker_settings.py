@@ -59,6 +59,7 @@ def build_rollout_settings(
         retry_for_s=args.vllm_server_restart_timeout,
         eos_token_ids=(eos_token_id,) if eos_token_id is not None else (),
         chat_template_kwargs=dict(args.chat_template_kwargs or {}),
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
         log_completions=args.log_completions,
         dataset_start_index=start_index,
         num_epochs=math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None,
