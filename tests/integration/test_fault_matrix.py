@@ -352,7 +352,7 @@ def _lineage(steps_file: Path) -> dict[int, dict[int, int]]:
     return lineage
 
 
-def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, size: int = 32):
+def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, size: int = 64):
     import random
 
     rng = random.Random(seed)
@@ -369,10 +369,10 @@ def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, si
         proc = start_run(tmp_path, server.base_url, tiny_llama_dir, **settings)
         try:
             if done_kills < kills:
-                # Kill at a random moment: after this run trained its first step, 0-2.5 s later.
+                # Kill at a random moment: after this run trained its first step, 0-1.5 s later.
                 _wait_for(lambda p=proc, b=before: p.poll() is not None or steps_recorded() > b,
                           300, "a step of the resumed run")  # fmt: skip
-                time.sleep(rng.uniform(0.0, 2.5))
+                time.sleep(rng.uniform(0.0, 1.5))
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGKILL)
                     done_kills += 1
@@ -409,7 +409,7 @@ def test_random_sigkills_lose_and_duplicate_no_prompt(tmp_path, server, tiny_lla
 def test_random_sigkills_lose_and_duplicate_no_prompt_slow(tmp_path, server, tiny_llama_dir, seed):
     if not os.environ.get("ASYNCGRPO_SLOW_FAULTS"):
         pytest.skip("12 kills per seed (minutes each): set ASYNCGRPO_SLOW_FAULTS=1")
-    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=12, seed=seed, size=64) == 12
+    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=12, seed=seed, size=160) == 12
 
 
 # ---------------------------------------------------------------------------------------------- item 6
@@ -504,6 +504,7 @@ perf/wall_clock_forwarded_tokens_per_s perf/wall_clock_trained_tokens_per_s perf
 # Absent from a single-turn CPU run, and why (each is owned elsewhere or needs a condition this run lacks).
 EXPECTED_ABSENT = {
     "aux_loss": "MoE router loss: not implemented yet (its own issue)",
+    "tools/call_frequency": "tools/: agents issue (logged only when the run has tools)",
     "tools/failure_frequency": "tools/: agents issue",
     "tools/latency_s": "tools/: agents issue",
     "tools/{tool_name}/latency_s": "tools/: agents issue",
