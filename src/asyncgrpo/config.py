@@ -172,6 +172,14 @@ class AsyncGRPOConfig(TrainingArguments):
             "each weight-sync call. Waits and weight syncs raise on timeout; generation requests are retried."
         },
     )
+    vllm_server_restart_timeout: float = field(
+        default=120.0,
+        metadata={
+            "help": "Seconds a run keeps retrying a generation server that stopped answering (e.g. restarted). If it "
+            "comes back, the trainer forms the weight-transfer group again, pushes the current weights and continues; "
+            "otherwise the run stops with 'server ... gone since ...'. 0 = stop at once."
+        },
+    )
 
     # ---- loss --------------------------------------------------------------------------------------------------
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon of the clipped surrogate."})
@@ -310,6 +318,8 @@ class AsyncGRPOConfig(TrainingArguments):
         for name in ("vllm_server_timeout", "rollout_worker_timeout"):
             if not getattr(self, name) > 0:
                 p.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if not self.vllm_server_restart_timeout >= 0:
+            p.append(f"vllm_server_restart_timeout={self.vllm_server_restart_timeout}: must be >= 0 seconds")
         p += self._loss_problems()
         p += self._pipeline_problems()
         p += self._unsupported_problems()

@@ -48,7 +48,7 @@ def test_vllm_metrics_sums_engines_and_averages_kv_usage():
     m = vllm_metrics(EXPOSITION)
     assert m["vllm:num_requests_running"] == 5.0  # 3 + 2
     assert m["vllm:num_requests_waiting"] == 7.0  # 7 + 0
-    assert m["vllm:kv_cache_usage_perc"] == 0.5  # (0.25 + 0.75) / 2
+    assert m["vllm:kv_cache_usage_perc"] == 0.75  # the fullest engine (max of 0.25, 0.75)
     assert m["vllm:num_preemptions_total"] == 4.0
     assert "process_cpu_seconds_total" not in m
     assert m["vllm:other"] == 100.0

@@ -14,8 +14,9 @@ def test_a_step_records_its_timings_and_rates():
     stats = StepStats(flops_per_token=6.0e6, peak_flops=1.0e12)
     stats.begin()
     stats.micro_batches = ["mb0", "mb1"]
-    stats.add_forward_backward(0.5, 300)
-    stats.add_forward_backward(0.25, 100)
+    stats.add_forward_backward(0.5, 300, forward_s=0.2)
+    stats.add_forward_backward(0.25, 100, forward_s=0.1)
+    stats.optimizer_s = 0.05
     time.sleep(0.8)  # the step's wall time covers at least fwd+bwd
     window = MetricsWindow()
     stats.record(window, trained_tokens=250, world_size=2)
@@ -24,7 +25,13 @@ def test_a_step_records_its_timings_and_rates():
     assert 0.8 <= step_s < 30
     assert m["perf/fwd_bwd_s"] == pytest.approx(0.75)
     forwarded = 400 * 2  # this process's tokens × processes
-    assert m["num_tokens"] == forwarded
+    assert m["perf/fwd_s"] == pytest.approx(0.3)
+    assert m["perf/optimizer_s"] == pytest.approx(0.05)
+    assert stats.num_tokens_total == forwarded  # num_tokens: a running total, logged by the trainer
+    stats.begin()
+    stats.add_forward_backward(0.1, 50)
+    stats.record(MetricsWindow(), trained_tokens=10, world_size=2)
+    assert stats.num_tokens_total == forwarded + 100
     assert m["perf/fwd_bwd_forwarded_tokens_per_s"] == pytest.approx(forwarded / 0.75)
     assert m["perf/wall_clock_forwarded_tokens_per_s"] == pytest.approx(forwarded / step_s)
     assert m["perf/wall_clock_trained_tokens_per_s"] == pytest.approx(250 / step_s)
@@ -43,4 +50,4 @@ def test_begin_starts_a_fresh_step_and_mfu_needs_a_known_peak():
     stats.record(window, trained_tokens=0, world_size=1)
     m = window.flush()
     assert "perf/fwd_bwd_mfu" not in m and "perf/wall_clock_mfu" not in m  # CPU / unknown device: not logged
-    assert m["num_tokens"] == 0
+    assert stats.num_tokens_total == 0

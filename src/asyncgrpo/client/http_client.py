@@ -42,6 +42,16 @@ from asyncgrpo.client.server_rules import (  # noqa: F401 - config_section re-ex
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0  # one HTTP call (a long generation must fit)
+WAIT_LOG_INTERVAL_S = 30.0  # X4: a waiting client says what it waits for at least this often
+SERVER_HINT = "is `asyncgrpo serve` (or `vllm serve`) running and reachable at that address?"
+
+
+def not_answering_message(base_url: str, waited_s: float, timeout_s: float, last_error: str) -> str:
+    """The X4 line of a wait on an unreachable server: URL, time so far, timeout, last error and the hint."""
+    return (
+        f"server {base_url} not answering /health for {waited_s:.0f}s (timeout {timeout_s:.0f}s; last error: "
+        f"{last_error}) - {SERVER_HINT}"
+    )
 
 
 def _check_single(sampling_params: Mapping[str, Any], method: str) -> None:
@@ -59,6 +69,8 @@ class AsyncServerClient:
         max_connections: HTTP connection pool size (SPEC G6).
         retries: extra attempts after a connection error, a timeout or a 503.
         backoff: first retry delay in seconds; doubles each retry (capped at 30 s).
+        retry_for_s: keep retrying a call that gets no answer (or 503) until this many seconds passed since its
+            first attempt, even past ``retries`` (a server restarting); 0 = only ``retries`` count.
     """
 
     def __init__(
@@ -69,6 +81,7 @@ class AsyncServerClient:
         max_connections: int = 512,
         retries: int = 3,
         backoff: float = 0.5,
+        retry_for_s: float = 0.0,
     ) -> None:
         parsed = urlparse(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -83,6 +96,7 @@ class AsyncServerClient:
         self.max_connections = max_connections
         self.retries = retries
         self.backoff = backoff
+        self.retry_for_s = max(float(retry_for_s), 0.0)
         self.retry_count = 0
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -95,6 +109,7 @@ class AsyncServerClient:
             max_connections=self.max_connections,
             retries=self.retries,
             backoff=self.backoff,
+            retry_for_s=self.retry_for_s,
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -145,12 +160,20 @@ class AsyncServerClient:
         limit = self.timeout if timeout is None else timeout
         session = self._get_session()
         last: ServerError | None = None
-        for attempt in range(attempts):
+        t0 = time.monotonic()
+        window = self.retry_for_s if retries is None else 0.0
+        attempt = 0
+        while attempt < attempts or (attempt and time.monotonic() - t0 < window):
             if attempt:
                 self.retry_count += 1
-                delay = min(self.backoff * 2 ** (attempt - 1), 30.0)
-                logger.warning("retrying %s in %.1fs after: %s", endpoint, delay, last)
+                delay = min(self.backoff * 2 ** (attempt - 1), 30.0 if attempt < attempts else 2.0)
+                delay = min(delay, max(window - (time.monotonic() - t0), 0.0)) if attempt >= attempts else delay
+                if attempt < attempts or attempt % 10 == 0:
+                    logger.warning("retrying %s at %s in %.1fs (%.0fs since the first try, retrying for up to %.0fs) "
+                                   "after: %s", endpoint, self.base_url, delay, time.monotonic() - t0,
+                                   max(window, 0.0), last)  # fmt: skip
                 await asyncio.sleep(delay)
+            attempt += 1
             try:
                 async with session.request(
                     method,
@@ -182,6 +205,11 @@ class AsyncServerClient:
                 return body.decode("utf-8", errors="replace")
             return None
         assert last is not None
+        if window > 0 and last.status is None:
+            since = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - t0)))
+            raise ServerError(endpoint, None, f"server {self.base_url} gone since {since} ({time.monotonic() - t0:.0f}s; "
+                              f"retried for up to {window:.0f}s, vllm_server_restart_timeout): {last.message}",
+                              base_url=self.base_url)  # fmt: skip
         raise last
 
     # ------------------------------------------------------------------ basic endpoints
@@ -194,25 +222,33 @@ class AsyncServerClient:
             return False
         return True
 
-    async def wait_until_ready(self, timeout: float, poll_s: float = 0.5) -> None:
-        """Poll ``GET /health`` until it answers 200.
+    async def wait_until_ready(
+        self, timeout: float, poll_s: float = 0.5, log_every: float = WAIT_LOG_INTERVAL_S
+    ) -> None:
+        """Poll ``GET /health`` until it answers 200, logging what it waits for every ``log_every`` seconds (X4).
 
         Raises:
             ServerTimeoutError: not ready within ``timeout`` seconds (names the URL and the last error).
         """
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        next_log = t0 + log_every
         last = "no attempt"
         while True:
             try:
                 await self.request("GET", "/health", retries=0, timeout=min(10.0, timeout), parse="none")
                 return
             except ServerError as exc:
-                last = str(exc)
-            if time.monotonic() + poll_s > deadline:
+                last = exc.message
+            now = time.monotonic()
+            if now >= next_log:
+                logger.warning("%s", not_answering_message(self.base_url, now - t0, timeout, last))
+                next_log = now + log_every
+            if now + poll_s > deadline:
                 raise ServerTimeoutError(
                     "GET /health",
                     None,
-                    f"server not ready after waiting {timeout:.0f}s; last error: {last}",
+                    f"server not ready after waiting {timeout:.0f}s; last error: {last}. {SERVER_HINT}",
                     base_url=self.base_url,
                 )
             await asyncio.sleep(poll_s)
@@ -257,7 +293,7 @@ class AsyncServerClient:
         return int((await self.request("GET", "/load"))["server_load"])
 
     async def metrics(self, model_name: str | None = None) -> dict[str, float]:
-        """The ``vllm:*`` values of ``GET /metrics`` (engines summed; KV usage averaged)."""
+        """The ``vllm:*`` values of ``GET /metrics`` (engines summed; KV usage: the fullest engine)."""
         return vllm_metrics(await self.request("GET", "/metrics", parse="text"), model_name)
 
     # ------------------------------------------------------------------ generation

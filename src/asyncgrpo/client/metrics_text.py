@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Gauges that are fractions: several engines (data-parallel ranks) are averaged, not summed.
-_AVERAGED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# Gauges that are fractions: over several engines (data-parallel ranks) the fullest one counts (the document takes
+# the maximum: one full engine preempts even when the others are empty), not their sum.
+_MAXED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def vllm_metrics(text: str, model_name: str | None = None) -> dict[str, float]:
     """The ``vllm:*`` values of an exposition, one number per metric name.
 
     Series of the same name (one per engine / data-parallel rank) are summed, except
-    the KV-cache usage fractions, which are averaged. ``model_name`` keeps only the
+    the KV-cache usage fractions, which take the maximum. ``model_name`` keeps only the
     series with that ``model_name`` label.
     """
     grouped: dict[str, list[float]] = {}
@@ -65,4 +66,4 @@ def vllm_metrics(text: str, model_name: str | None = None) -> dict[str, float]:
         if model_name is not None and s.labels.get("model_name", model_name) != model_name:
             continue
         grouped.setdefault(s.name, []).append(s.value)
-    return {name: (sum(values) / len(values) if name in _AVERAGED else sum(values)) for name, values in grouped.items()}
+    return {name: (max(values) if name in _MAXED else sum(values)) for name, values in grouped.items()}

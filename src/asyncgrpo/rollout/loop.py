@@ -31,15 +31,17 @@ import numpy as np
 
 from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.rollout.admission import METRICS_POLL_INTERVAL_S, ConcurrencyCap, StalenessAdmission
+from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
 from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode
 from asyncgrpo.rollout.agents.stats import ToolLoopStats, tool_metric_events
 from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop
 from asyncgrpo.rollout.completion_metrics import completion_metric_events
 from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.rollout.prompt_order import PromptOrder
 from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
+from asyncgrpo.rollout.server_poll import poll_server_metrics
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
@@ -198,8 +200,13 @@ class AsyncRolloutLoop:
         self._tool_stats: dict[str, ToolLoopStats] = {}
         self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)
         self.client = AsyncServerClient(
-            st.sampling.base_url, timeout=st.request_timeout_s, max_connections=st.max_concurrent_rollouts
+            st.sampling.base_url,
+            timeout=st.request_timeout_s,
+            max_connections=st.max_concurrent_rollouts,
+            retry_for_s=st.retry_for_s,
         )
+        self._score_slots = asyncio.Semaphore(min(st.max_concurrent_rollouts, 64))  # the reward threads
+        self._score_waiting = 0
         self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
         self.cap = ConcurrencyCap(
             st.max_concurrent_rollouts,
@@ -234,22 +241,20 @@ class AsyncRolloutLoop:
         self.channels.put_metric("rollout/backpressure_s", waited)
 
     async def _produce(self) -> None:
-        n = len(self.dataset)
-        if n == 0:
-            raise ValueError("the training dataset is empty")
+        st = self.settings
+        order = PromptOrder(self.dataset, st.dataset_start_index, st.num_epochs, st.skip_indices)
         group_id = 0
         tasks: set[asyncio.Task] = set()
-        start, num_epochs = self.settings.dataset_start_index, self.settings.num_epochs
-        epoch, index = start // n, start % n
-        while not self.channels.stop.is_set() and (num_epochs is None or epoch < num_epochs):
-            accepted = 0
-            for row_index in range(index, n):
+        for epoch in order.epochs():
+            if self.channels.stop.is_set():
+                break
+            accepted = rejected = 0
+            for row_index, flat_index, row in order.epoch_rows(epoch):
                 if self.channels.stop.is_set():
                     break
-                row = self.dataset[row_index]
-                flat_index = epoch * n + row_index
                 if not self.filter_prompt(row_index, row, epoch):
                     self.channels.samples.put(GroupResult.rejected(flat_index, epoch))
+                    rejected += 1
                     continue
                 accepted += 1
                 await self._wait_for_admission(tasks)
@@ -261,11 +266,10 @@ class AsyncRolloutLoop:
                 task.add_done_callback(lambda t: self._on_group_done(t, tasks))
                 group_id += 1
                 await self._raise_failed(tasks)
-            if accepted == 0 and index == 0 and not self.channels.stop.is_set():
+            if accepted == 0 and rejected == order.epoch_len and not self.channels.stop.is_set():
                 raise ValueError(
                     f"filter_prompt rejected every prompt of epoch {epoch}; no batch can reach the trainer"
                 )
-            epoch, index = epoch + 1, 0
         while tasks and not self.channels.stop.is_set():
             await self._raise_failed(tasks)
             await asyncio.sleep(0.05)
@@ -332,6 +336,22 @@ class AsyncRolloutLoop:
         version = self.channels.policy_version.value
         G = self.settings.num_generations
         results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id) for _ in range(G)))
+        # Finished groups queue for a reward thread; generation never waits on that queue (score_block_s = 0).
+        t_done = time.perf_counter()
+        self._score_waiting += 1
+        self.channels.put_metric("rollout/score_queue_size", float(self._score_waiting))
+        await self._score_slots.acquire()
+        self._score_waiting -= 1
+        try:
+            self.channels.put_metric("rollout/score_wait_s", time.perf_counter() - t_done)
+            self.channels.put_metric("rollout/score_block_s", 0.0)
+            await self._score_group(row_index, flat_index, row, epoch, group_id, version, prompt, results)
+        finally:
+            self._score_slots.release()
+
+    async def _score_group(self, row_index: int, flat_index: int, row: dict[str, Any], epoch: int, group_id: int,
+                           version: int, prompt: list[dict[str, Any]], results: list[tuple[Any, ...]]) -> None:  # fmt: skip
+        G = self.settings.num_generations
         rollouts = [r for r, _, _ in results]
         prompts = [e.prompt for _, _, e in results]
         env_rewards = [e.env_reward for _, _, e in results]
@@ -405,6 +425,7 @@ class AsyncRolloutLoop:
         tokens = sum(len(s.input_ids) for seqs in sequences for s in seqs)
         kept_tokens = sum(len(s.input_ids) for s in kept)
         self.admission.on_group_finished(tokens, kept_tokens)
+        self.channels.count_queued(len(kept))
         log_texts = self.settings.log_completions
         self.channels.samples.put(
             GroupResult(
@@ -427,26 +448,6 @@ class AsyncRolloutLoop:
         )
 
     async def _poll_server_metrics(self) -> None:
-        """G5: read the server's /metrics every few seconds and move the concurrency cap."""
-        last_tokens, last_t = 0, time.perf_counter()
-        while True:
-            await asyncio.sleep(METRICS_POLL_INTERVAL_S if self.settings.sampling.has_metrics else 1.0)
-            now = time.perf_counter()
-            put = self.channels.put_metric
-            put("rollout/generated_tokens_per_s", (self._generated_tokens - last_tokens) / max(now - last_t, 1e-9))
-            last_tokens, last_t = self._generated_tokens, now
-            put("rollout/vllm_retry_count", float(self.client.retry_count))
-            self.client.retry_count = 0
-            if self.settings.sampling.has_metrics:
-                try:
-                    m = await self.client.metrics()
-                except (TimeoutError, ServerError, OSError) as e:
-                    logger.warning("could not read the server's /metrics: %s", e)
-                    continue
-                usage = m.get("vllm:kv_cache_usage_perc", 0.0)
-                waiting = int(m.get("vllm:num_requests_waiting", 0))
-                self.cap.on_metrics(usage, waiting)
-                put("rollout/vllm_kv_cache_usage_frac", usage)
-                put("rollout/vllm_running_requests", m.get("vllm:num_requests_running", 0.0))
-                put("rollout/vllm_queued_requests", float(waiting))
-            put("rollout/concurrency_cap", float(self.cap.cap))
+        """G5: read the server's /metrics every few seconds and move the concurrency cap (``server_poll.py``)."""
+        await poll_server_metrics(self.settings.sampling.has_metrics, self.client, self.cap, self.channels,
+                                  lambda: self._generated_tokens)  # fmt: skip

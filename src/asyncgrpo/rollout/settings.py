@@ -38,6 +38,9 @@ class RolloutSettings:
         log_completions: send prompt and completion texts with each group, for the trainer's completion log.
         dataset_start_index: the first untrained prompt (resume, T5), counted over epochs.
         num_epochs: passes over the dataset to generate (None: until the trainer stops the worker).
+        skip_indices: flat prompt indices past ``dataset_start_index`` a checkpoint settled: not generated (X3).
+        retry_for_s: how long a request to a server that stopped answering is retried (the config's
+            ``vllm_server_restart_timeout``).
         extra: free-form values for custom loops; the library never reads it.
     """
 
@@ -55,6 +58,8 @@ class RolloutSettings:
     log_completions: bool = False
     dataset_start_index: int = 0
     num_epochs: int | None = None
+    skip_indices: frozenset[int] = frozenset()
+    retry_for_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -22,15 +22,24 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0  # how often the child stamps the heartbeat
+PARENT_CHECK_INTERVAL_S = 0.5  # how often the child re-checks that its trainer still lives
 POLL_INTERVAL_S = 0.2  # how often a blocking trainer wait re-checks the child's health
+START_LOG_INTERVAL_S = 30.0  # X4: a line at least this often while the worker starts
+GUARD_HINT = (
+    "the rollout worker is a spawned process that re-imports your script when it starts; if the script builds "
+    'or trains the AsyncGRPOTrainer at import time, put that code under `if __name__ == "__main__":`'
+)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -55,6 +64,12 @@ class WorkerChannels:
     tokens_per_step: Any  # mp.Value("q"), 0 before the first step
     tokens_consumed: Any  # mp.Value("q"), total tokens the trainer pulled from `samples`
     heartbeat: Any  # mp.Value("d")
+    samples_queued: Any = None  # mp.Value("q"): samples put in `samples` minus samples the trainer pulled
+
+    def count_queued(self, delta: int) -> None:
+        if self.samples_queued is not None:
+            with self.samples_queued.get_lock():
+                self.samples_queued.value += int(delta)
 
     def put_metric(self, name: str, value: float, weight: float = 1.0) -> None:
         """Queue one ``(name, value, weight)`` metric event for the trainer's logging window."""
@@ -75,10 +90,35 @@ async def _run_child(loop_obj: RolloutLoopLike, channels: WorkerChannels) -> Non
         beat.cancel()
 
 
-def _child_main(loop_obj: RolloutLoopLike, channels: WorkerChannels) -> None:
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this process as soon as the trainer that spawned it is gone, whatever killed it (SIGKILL included).
+
+    A spawned child holds the read end of a pipe whose write end only its parent holds: the pipe turns readable
+    (EOF) when the parent dies. The parent pid changing (re-parented to init) is a second, independent sign.
+    Without this watch the worker would outlive a killed trainer and keep sending requests to the server.
+    """
+    parent = mp.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
+    while True:
+        if sentinel is not None:
+            gone = bool(wait_ready([sentinel], timeout=PARENT_CHECK_INTERVAL_S))
+        else:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+            gone = False
+        if gone or os.getppid() != parent_pid:
+            logger.error("the trainer process (pid %d) is gone; the rollout worker stops", parent_pid)
+            logging.shutdown()
+            os._exit(3)  # no clean-up: the trainer that would read our queues no longer exists
+
+
+def _child_main(loop_conn: Any, channels: WorkerChannels, parent_pid: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s rollout-worker: %(message)s")
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="watch-trainer", daemon=True).start()
     channels.heartbeat.value = time.time()
     try:
+        loop_obj = ForkingPickler.loads(loop_conn.recv_bytes())
+        loop_conn.send_bytes(b"ok")  # the trainer's start() returns on this
+        loop_conn.close()
         asyncio.run(_run_child(loop_obj, channels))
     except BaseException:  # noqa: BLE001 - process boundary: everything goes back to the trainer
         channels.errors.put(traceback.format_exc())
@@ -107,16 +147,34 @@ class RolloutWorker:
             tokens_per_step=ctx.Value("q", 0),
             tokens_consumed=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", 0.0),
+            samples_queued=ctx.Value("q", 0),
         )
         self.loop_obj = loop_obj
         self.heartbeat_timeout = heartbeat_timeout
         self.process: mp.process.BaseProcess | None = None
 
-    def start(self) -> None:
+    def start(self, timeout: float | None = None) -> None:
+        """Spawn the child and hand it the rollout loop; returns once the child holds the loop.
+
+        The loop (dataset, tokenizer, reward functions) is sent after the spawn over a pipe of our own rather than
+        as a ``Process`` argument: multiprocessing writes the arguments with a blocking write that never returns
+        when the child dies while it re-imports the script (a missing ``__main__`` guard), because the parent
+        holds the pipe's read end too. Our pipe's read end is closed here, so a dead child is seen at once.
+
+        Raises:
+            RolloutWorkerError: the child exited before it received the loop (the guard hint says the usual cause).
+            TimeoutError: the child did not take the loop within ``timeout`` seconds (default: the heartbeat timeout).
+        """
+        timeout = self.heartbeat_timeout if timeout is None else timeout
+        payload = ForkingPickler.dumps(self.loop_obj)  # fails here, in the trainer, if the loop cannot pickle
+        child_end, our_end = self._ctx.Pipe(duplex=True)
         # The child stamps the heartbeat once it runs; until then its age counts from the spawn, not from 1970.
         self.channels.heartbeat.value = time.time()
         self.process = self._ctx.Process(
-            target=_child_main, args=(self.loop_obj, self.channels), name="asyncgrpo-rollout-worker", daemon=True
+            target=_child_main,
+            args=(child_end, self.channels, os.getpid()),
+            name="asyncgrpo-rollout-worker",
+            daemon=True,
         )
         # The child must never touch a GPU: hide them while it is spawned (it inherits this environment).
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -125,20 +183,57 @@ class RolloutWorker:
             self.process.start()
         except RuntimeError as e:
             if "bootstrapping phase" in str(e) or "freeze_support" in str(e):
-                raise RuntimeError(
-                    "the rollout worker is a spawned process that re-imports your script; put the code that "
-                    'starts training under `if __name__ == "__main__":`'
-                ) from e
+                raise RuntimeError(GUARD_HINT) from e
             raise
         finally:
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        child_end.close()
         # The trainer only reads these queues. Dropping its copy of their write ends means a child killed in the
         # middle of a message gives EOF here instead of a read that blocks forever on the missing bytes.
         for q in (self.channels.samples, self.channels.metrics, self.channels.errors):
             q._writer.close()
+        self._hand_over(our_end, bytes(payload), timeout)
+
+    def _hand_over(self, conn: Any, payload: bytes, timeout: float) -> None:
+        """Send the loop and wait for the child's acknowledgement, watching the child and the clock meanwhile."""
+        failure: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                conn.send_bytes(payload)
+                conn.recv_bytes()
+            except (EOFError, OSError) as e:
+                failure.append(e)
+            finally:
+                conn.close()
+
+        sender = threading.Thread(target=send, name="rollout-loop-handover", daemon=True)  # send/recv block
+        sender.start()
+        t0 = time.monotonic()
+        next_log = t0 + START_LOG_INTERVAL_S
+        while sender.is_alive() or failure:
+            sender.join(POLL_INTERVAL_S)
+            assert self.process is not None
+            if failure or (sender.is_alive() and not self.process.is_alive()):
+                self.process.join(timeout=5.0)
+                raise RolloutWorkerError(
+                    f"the rollout worker exited (exit code {self.process.exitcode}) while it started, before it "
+                    f"received its rollout loop; its error is printed above. Usual cause: {GUARD_HINT}"
+                )
+            now = time.monotonic()
+            if now - t0 > timeout:
+                self.process.kill()
+                raise TimeoutError(
+                    f"the rollout worker (pid {self.process.pid}) did not take its rollout loop within {timeout:.0f}s "
+                    f"(rollout_worker_timeout); it may still be importing your script. {GUARD_HINT}"
+                )
+            if now >= next_log:
+                logger.info("waiting for the rollout worker (pid %d) to start: %.0fs so far (timeout %.0fs)",
+                            self.process.pid, now - t0, timeout)  # fmt: skip
+                next_log = now + START_LOG_INTERVAL_S
 
     # ---- trainer -> worker
     def set_policy_version(self, version: int) -> None:
@@ -194,11 +289,8 @@ class RolloutWorker:
                 raise TimeoutError(f"waited {timeout:.0f}s for a sample from the rollout worker's queue")
 
     def queue_size(self) -> int:
-        """Group results waiting in the sample queue (approximate, as multiprocessing reports it)."""
-        try:
-            return self.channels.samples.qsize()
-        except NotImplementedError:  # macOS has no sem_getvalue
-            return -1
+        """Training samples waiting in the sample queue (``rollout/queue_size`` counts samples, not groups)."""
+        return int(self.channels.samples_queued.value)
 
     def drain_metrics(self) -> list[tuple[str, float, float]]:
         out = []

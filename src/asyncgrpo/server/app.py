@@ -128,6 +128,8 @@ async def _json(request: web.Request) -> Any:
         return await request.json()
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. 100k nested arrays: the client's fault, not a server error
+        raise ApiError(400, "the request body nests JSON too deeply") from exc
 
 
 # ---------------------------------------------------------------------- generation

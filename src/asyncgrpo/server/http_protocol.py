@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 NEG_INF_WIRE = -9999.0  # vLLM sends -inf log-probs as this number
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's /v1/completions default
+MAX_CHOICES = 1024  # largest n: one request cannot occupy the server for minutes (GRPO groups are far smaller)
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's rule); dividing by them overflows the logits
+MIN_REPETITION_PENALTY = 1e-4  # logits / penalty must stay finite in float32 (|logit| < 1e34 for any model)
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperature > 2
 # The sampling fields /v1/completions fills from generation_config.json when a request omits them (vLLM
 # 0.33 ModelConfig.get_diff_sampling_param, with --generation-config auto).
@@ -186,8 +189,9 @@ def _sampling(
         (top_p is None or 0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}"),
         (top_k is None or top_k >= -1, "top_k", f"top_k must be -1, 0 (off) or at least 1, got {top_k}"),
         (min_p is None or 0 <= min_p <= 1, "min_p", f"min_p must be in [0, 1], got {min_p}"),
-        (rep is None or rep > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {rep}"),
-        (n is None or n >= 1, "n", f"n must be at least 1, got {n}"),
+        (rep is None or rep >= MIN_REPETITION_PENALTY, "repetition_penalty",
+         f"repetition_penalty must be >= {MIN_REPETITION_PENALTY:g} (smaller ones overflow the logits), got {rep}"),
+        (n is None or 1 <= n <= MAX_CHOICES, "n", f"n must be in [1, {MAX_CHOICES}], got {n}"),
         (min_tokens is None or 0 <= min_tokens <= max_tokens, "min_tokens",
          f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"),
         (logprobs is None or 0 <= logprobs <= max_logprobs, "logprobs",
@@ -197,7 +201,9 @@ def _sampling(
         if not ok:
             raise ApiError(400, message, param=param)
     stop_ids = src.get("stop_token_ids") or []
-    stop_ids = _token_list(stop_ids, "stop_token_ids", 2**63, allow_empty=True)
+    stop_ids = _token_list(stop_ids, "stop_token_ids", limits.vocab_size, allow_empty=True)
+    if temperature is not None and 0 < temperature < SAMPLING_EPS:
+        temperature = 0.0
     max_tokens = min(max_tokens, room)  # prompt + output never passes max_model_len ("length" there)
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -254,7 +260,8 @@ def parse_generate(body: Any, limits: ServerLimits) -> ParsedRequest:
         raise ApiError(400, "the request body must be a JSON object")
     _check_noops(body)
     prompt = _token_list(body.get("token_ids"), "token_ids", limits.vocab_size)
-    sp = body.get("sampling_params") or {}
+    sp = body.get("sampling_params")
+    sp = {} if sp is None else sp  # an empty list is not an empty object
     if not isinstance(sp, dict):
         raise ApiError(400, "sampling_params must be an object", param="sampling_params")
     model, lora = _resolve_model(body.get("model"), limits)

@@ -15,6 +15,7 @@ import base64
 import binascii
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -73,6 +74,7 @@ class WeightReceiver:
         self.active = False
         self._last_metas: list[TensorMeta] | None = None
         self._lock = threading.Lock()  # one init/update at a time
+        self._joining: tuple[str, float] | None = None  # (rendezvous target, since) while an init joins
 
     # ------------------------------------------------------------------ protocol steps (blocking)
 
@@ -112,7 +114,11 @@ class WeightReceiver:
             addr, port = info.get("master_address"), info.get("master_port")
             _require(isinstance(addr, str) and _is_int(port) and 0 < port < 65536,
                      "init_info needs master_address and master_port (or nccl_unique_id_b64)")  # fmt: skip
-        with self._lock:
+        target = "an NCCL unique id" if unique_id is not None else f"{addr}:{port}"
+        if not self._lock.acquire(blocking=False):
+            raise ApiError(409, self._busy_message(target))
+        self._joining = (target, time.monotonic())
+        try:
             self._close_group()
             if unique_id is None:
                 store = make_store(addr, port, rank=offset, world_size=world, timeout_s=self.timeout_s)
@@ -124,6 +130,22 @@ class WeightReceiver:
             self.packed, self.buffer_size, self.num_buffers = packed, size, nbuf
             self._last_metas = None
             self.active = False
+        finally:
+            self._joining = None
+            self._lock.release()
+
+    def _busy_message(self, target: str) -> str:
+        """Why an init is refused: a join (perhaps a stray request's, to an address no trainer serves) is pending."""
+        joining = self._joining
+        if joining is None:
+            return "a weight update is being received; retry /init_weight_transfer_engine after it ends"
+        where, since = joining
+        return (
+            f"another /init_weight_transfer_engine is still joining a group at {where} "
+            f"({time.monotonic() - since:.0f}s so far, weight-transfer timeout {self.timeout_s:.0f}s); this init "
+            f"(to {target}) is refused rather than queued behind it. If no trainer of yours started that join, "
+            "it will fail at the timeout; restart the server to clear it sooner"
+        )
 
     def start(self) -> None:
         self._check_configured()
@@ -211,6 +233,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
         data = await request.json()
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the request body nests JSON too deeply") from exc
     if data is None:
         return {}
     _require(isinstance(data, dict), "the request body must be a JSON object")

@@ -43,6 +43,8 @@ class TrainerSeam(Protocol):
 
     def sync_weights(self) -> None: ...
 
+    def start_rollout_worker(self) -> None: ...
+
 
 class AsyncGRPOCallback(TrainerCallback):
     def __init__(self, trainer: TrainerSeam) -> None:
@@ -51,6 +53,15 @@ class AsyncGRPOCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step > 0:  # resumed: the server still serves the weights it started with
             self.trainer.sync_weights()
+        if self.trainer.is_world_process_zero():
+            self.trainer.start_rollout_worker()  # only now: its first samples carry the weights just restored
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._optimizer_t0 = time.perf_counter()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Without a device sync this is the launch time on a GPU; the step's sync points bound the error.
+        self.trainer.step_stats.optimizer_s = time.perf_counter() - getattr(self, "_optimizer_t0", time.perf_counter())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         tr = self.trainer
@@ -86,7 +97,9 @@ class AsyncGRPOCallback(TrainerCallback):
         if tr.is_world_process_zero() and tr.source is not None:
             ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             if os.path.isdir(ckpt):
-                write_rollout_state(ckpt, tr.source.first_untrained, tr.source.dataset_len)
+                first, settled = tr.source.checkpoint_state()
+                num_tokens = tr.step_stats.num_tokens_total
+                write_rollout_state(ckpt, first, tr.source.dataset_len, settled, state.global_step, num_tokens)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
         tr = self.trainer

@@ -1,28 +1,49 @@
-"""``rollout_state.json``: where the rollout worker resumes (T5).
+"""``rollout_state.json``: where the rollout worker resumes (T5, X3).
 
-Each checkpoint records the index of the first untrained prompt (counted over
-epochs: ``epoch × len(dataset) + row``). Resuming restarts the worker there, so
-the next prompts are exactly the first untrained ones — nothing is replayed.
+Each checkpoint records the index of the first unsettled prompt (counted over
+epochs: ``epoch × len(dataset) + row``) and the outcome of every settled prompt
+past it (``trained``, ``zero_std``, ``rejected``, ``stale``, ``invalid``).
+Resuming restarts the worker at the first unsettled prompt and skips the settled
+ones, except prompts only dropped as stale, which are generated again: nothing
+the checkpoint's weights trained is trained twice, nothing is lost.
+
+The file is written last, atomically, after transformers wrote the checkpoint's
+model and optimizer: a checkpoint folder without it was cut short by a crash, and
+``resolve_checkpoint(True)`` passes over it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
+logger = logging.getLogger(__name__)
+
 ROLLOUT_STATE_NAME = "rollout_state.json"
 
 
-def write_rollout_state(checkpoint_dir: str | os.PathLike, first_untrained_prompt: int, dataset_len: int) -> Path:
+def write_rollout_state(
+    checkpoint_dir: str | os.PathLike,
+    first_untrained_prompt: int,
+    dataset_len: int,
+    settled: dict[int, str] | None = None,
+    step: int | None = None,
+    num_tokens: float = 0.0,
+) -> Path:
     path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
     state = {
         "first_untrained_prompt": int(first_untrained_prompt),
         "epoch": int(first_untrained_prompt // max(dataset_len, 1)),
         "row_in_epoch": int(first_untrained_prompt % max(dataset_len, 1)),
         "dataset_len": int(dataset_len),
+        "step": step,
+        "num_tokens": float(num_tokens),
+        "settled": {str(k): v for k, v in sorted((settled or {}).items())},
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
@@ -47,6 +68,68 @@ def read_rollout_state(checkpoint_dir: str | os.PathLike, dataset_len: int | Non
     return int(state["first_untrained_prompt"])
 
 
+def read_settled(checkpoint_dir: str | os.PathLike | None) -> dict[int, str]:
+    """Outcomes of the settled prompts past the first unsettled one ({} for older state files or no checkpoint)."""
+    path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME if checkpoint_dir else None
+    if path is None or not path.is_file():
+        return {}
+    return {int(k): str(v) for k, v in json.loads(path.read_text()).get("settled", {}).items()}
+
+
+def read_num_tokens(checkpoint_dir: str | os.PathLike | None) -> float:
+    """The ``num_tokens`` running total at the checkpoint (0 for older state files or no checkpoint)."""
+    path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME if checkpoint_dir else None
+    if path is None or not path.is_file():
+        return 0.0
+    return float(json.loads(path.read_text()).get("num_tokens", 0.0))
+
+
+def checkpoint_step(checkpoint_dir: str | os.PathLike) -> int:
+    """The optimizer step a ``checkpoint-N`` folder holds (N)."""
+    name = Path(checkpoint_dir).name
+    try:
+        return int(name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"{checkpoint_dir} is not a checkpoint-<step> folder") from None
+
+
+def trim_metrics_file(path: str | os.PathLike, step: int) -> int:
+    """Drop the lines of ``metrics.jsonl`` logged after ``step`` (a killed run's last steps are trained again).
+
+    Returns how many lines were dropped. Rewritten atomically; unreadable lines (a write cut by the kill) go too.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = int(json.loads(line).get("step", 0)) <= step
+        except (ValueError, AttributeError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+def _complete_checkpoints(output_dir: str) -> list[Path]:
+    found = []
+    for p in Path(output_dir).glob("checkpoint-*"):
+        try:
+            step = checkpoint_step(p)
+        except ValueError:
+            continue
+        if p.is_dir() and (p / ROLLOUT_STATE_NAME).is_file():
+            found.append((step, p))
+    return [p for _, p in sorted(found)]
+
+
 def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
     """``True`` means the newest checkpoint in ``output_dir``; a path is checked to exist."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
@@ -55,7 +138,47 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: st
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
             raise ValueError(f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-* folder")
+        complete = _complete_checkpoints(output_dir)
+        if complete and Path(last) != complete[-1]:
+            logger.warning("%s has no %s (a crash cut its save short): resuming from %s", last,
+                           ROLLOUT_STATE_NAME, complete[-1])  # fmt: skip
+            return str(complete[-1])
         return last
     if not os.path.isdir(resume_from_checkpoint):
         raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory")
     return str(resume_from_checkpoint)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run restarts: the first unsettled prompt, the settled outcomes past it, the running token count."""
+
+    start_index: int = 0
+    settled: dict[int, str] = field(default_factory=dict)
+    num_tokens: float = 0.0
+
+    @property
+    def skip(self) -> frozenset[int]:
+        """Prompts the worker must not generate again: every settled one but those only dropped as stale."""
+        return frozenset(i for i, outcome in self.settled.items() if outcome != "stale")
+
+
+def prepare_resume(checkpoint_dir: str | None, dataset_len: int | None, output_dir: str) -> ResumePoint:
+    """Read a checkpoint's rollout state and trim ``metrics.jsonl`` to its step (rank 0; X3).
+
+    The steps after the checkpoint are trained again, so their old lines would appear twice in the file.
+    """
+    if not checkpoint_dir:
+        return ResumePoint()
+    point = ResumePoint(
+        read_rollout_state(checkpoint_dir, dataset_len), read_settled(checkpoint_dir), read_num_tokens(checkpoint_dir)
+    )
+    step = checkpoint_step(checkpoint_dir)
+    cut = trim_metrics_file(Path(output_dir) / "metrics.jsonl", step)
+    retried = sum(outcome == "stale" for outcome in point.settled.values())
+    logger.warning(
+        "resuming from %s: prompts from #%d on; %d settled past it are skipped, %d only dropped as stale are retried; "
+        "%d metrics.jsonl lines logged after step %d removed",
+        checkpoint_dir, point.start_index, len(point.settled) - retried, retried, cut, step,
+    )  # fmt: skip
+    return point

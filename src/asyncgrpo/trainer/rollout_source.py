@@ -1,10 +1,23 @@
-"""The trainer's side of the rollout queue: pull, drop stale, plan rows, count prompts (G4, P2, T3, T5).
+"""The trainer's side of the rollout queue: pull, drop stale, plan rows, count prompts (G4, P2, T3, T5, X3, X4).
 
 Rank 0 owns it. Each step it pulls group results from the worker, drops samples
 more than ``max_staleness`` weight updates behind (G4), feeds the token-budget
 planner until ``gradient_accumulation_steps`` micro-batches are closed, and after
 the optimizer step marks the trained prompts consumed, which moves the epoch
 count (T3) and the first untrained prompt that checkpoints record (T5).
+
+Staleness counts weight updates *the server received*: a sample stamped with the
+step of the weights that generated it is ``t // k - stamp // k`` syncs behind at
+step ``t`` when weights are pushed every ``k = weight_sync_steps`` steps. Counting
+optimizer steps instead would drop every sample once ``k > max_staleness + 1``,
+because the server has nothing newer to offer until the next sync.
+
+Every prompt taken ends *settled* with an outcome (``trained``, ``zero_std``,
+``rejected``, ``stale``, ``invalid``); checkpoints record the outcomes past the
+first unsettled prompt, so a resume skips exactly what was settled (X3). A prompt
+with some samples trained counts as trained. While a step waits for samples, a
+line every 30 s says what is known (X4); groups that all tie stop the run after
+``ZERO_STD_PATIENCE_GROUPS`` in a row, with that diagnosis.
 """
 
 from __future__ import annotations
@@ -19,6 +32,14 @@ from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
+
+WAIT_LOG_INTERVAL_S = 30.0  # X4: a step that waits for samples says why at least this often
+ZERO_STD_PATIENCE_GROUPS = 256  # this many scored groups in a row with equal rewards stop the run
+OUTCOMES = ("trained", "zero_std", "rejected", "stale", "invalid")
+
+
+class NoTrainableSamplesError(RuntimeError):
+    """Every group the worker scored was dropped for equal rewards, past the patience bound (or to data's end)."""
 
 
 @dataclass
@@ -43,6 +64,9 @@ class RolloutSource:
         start_index: first untrained prompt (flat index over epochs) when resuming.
         total_prompts: stop once this many prompts are consumed (``num_train_epochs × len``), or None.
         sample_timeout: seconds to wait for one sample while the worker is healthy.
+        weight_sync_steps: optimizer steps between weight pushes (staleness counts pushes).
+        settled: outcomes of prompts past ``start_index`` restored from a checkpoint; all but ``stale`` are skipped.
+        zero_std_patience: consecutive all-tied groups after which the run stops.
     """
 
     def __init__(
@@ -55,6 +79,9 @@ class RolloutSource:
         start_index: int = 0,
         total_prompts: int | None = None,
         sample_timeout: float = 1800.0,
+        weight_sync_steps: int = 1,
+        settled: dict[int, str] | None = None,
+        zero_std_patience: int = ZERO_STD_PATIENCE_GROUPS,
     ) -> None:
         self.worker = worker
         self.batcher = batcher
@@ -63,9 +90,20 @@ class RolloutSource:
         self.dataset_len = dataset_len
         self.total_prompts = total_prompts
         self.sample_timeout = sample_timeout
+        self.weight_sync_steps = max(int(weight_sync_steps), 1)
+        self.zero_std_patience = zero_std_patience
         self.policy_version = 0
         self.first_untrained = start_index
-        self._consumed: set[int] = set()
+        self._consumed: dict[int, str] = {}  # settled prompts past first_untrained -> outcome
+        self._partial: set[int] = set()  # prompts with some samples trained and some pending
+        for row, outcome in sorted((settled or {}).items()):
+            if outcome != "stale":  # a prompt only dropped as stale is generated again
+                self._mark_consumed(int(row), outcome)
+        self._zero_std_streak = 0
+        self._trained_any = False
+        self._step_groups = self._step_zero_std = self._step_stale = 0
+        self._dropped_reward_sum = 0.0
+        self._dropped_reward_n = 0
         self._pending: dict[int, int] = {}  # flat row index -> sequences not yet trained
         self._buffer: deque[PackSample] = deque()
         self._ended = False
@@ -84,47 +122,126 @@ class RolloutSource:
             return True
         return self._ended and not self._buffer and self.batcher.pending_samples == 0
 
-    def _mark_consumed(self, row_index: int) -> None:
-        if row_index < self.first_untrained:
+    def _mark_consumed(self, row_index: int, outcome: str = "trained") -> None:
+        if row_index < self.first_untrained or row_index in self._consumed:
             return  # already counted
-        self._consumed.add(row_index)
+        self._partial.discard(row_index)
+        self._consumed[row_index] = outcome
         while self.first_untrained in self._consumed:
-            self._consumed.discard(self.first_untrained)
+            del self._consumed[self.first_untrained]
             self.first_untrained += 1
+
+    def is_settled(self, row_index: int) -> bool:
+        return row_index < self.first_untrained or row_index in self._consumed
+
+    def checkpoint_state(self) -> tuple[int, dict[int, str]]:
+        """(first unsettled prompt, outcomes of the settled prompts past it); partly trained prompts count as trained.
+
+        Read right after a step: what the checkpoint's weights trained is exactly what is settled here.
+        """
+        settled = dict(self._consumed)
+        settled.update({row: "trained" for row in self._partial})
+        return self.first_untrained, settled
 
     def _receive(self, timeout: float) -> None:
         """Pull one group result from the worker into the buffer (G4 stale drop happens here)."""
         t0 = time.perf_counter()
-        res: GroupResult = self.worker.get_sample(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                res: GroupResult = self.worker.get_sample(
+                    min(WAIT_LOG_INTERVAL_S, max(deadline - time.monotonic(), 0.01))
+                )
+                break
+            except TimeoutError:
+                waited = time.perf_counter() - t0
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self._wait_status(waited, timeout)}; giving up (vllm_server_timeout)"
+                    ) from None
+                logger.warning("%s", self._wait_status(waited, timeout))
         self.wait_s += time.perf_counter() - t0
         if res.end:
             self._ended = True
+            if not self._trained_any and self._step_zero_std and not self._buffer:
+                raise NoTrainableSamplesError(self._zero_std_diagnosis("the data ended"))
             return
         # Pulled = no longer queued: the worker's token allowance (G3) frees now, not after the step, or a
         # step that needs more tokens than the allowance would wait forever for the worker.
         self.worker.report_consumed(res.tokens)
+        self.worker.channels.count_queued(-len(res.sequences))
+        if self.is_settled(res.row_index) or res.row_index in self._pending:
+            return  # settled before a resume (or a duplicate): never trained twice
+        self._step_groups += 1
         if res.prompt_text is not None:
             self.completions_log.append(res)
+        if res.dropped:
+            self._zero_std_streak += 1
+            self._step_zero_std += 1
+            if res.rewards:
+                self._dropped_reward_sum += sum(res.rewards)
+                self._dropped_reward_n += len(res.rewards)
+            self._mark_consumed(res.row_index, "zero_std")
+            if not self._trained_any and self.total_prompts is not None and self.prompts_consumed >= self.total_prompts:
+                raise NoTrainableSamplesError(self._zero_std_diagnosis("the epochs ended without a trainable group"))
+            if self._zero_std_streak >= self.zero_std_patience:
+                raise NoTrainableSamplesError(
+                    self._zero_std_diagnosis(f"{self._zero_std_streak} groups in a row tied (the bound)")
+                )
+            return
+        if res.skipped or not res.sequences:
+            self._mark_consumed(res.row_index, "rejected" if res.skipped else "invalid")
+            return
+        self._zero_std_streak = 0
         fresh = [s for s in res.sequences if not self._is_stale(s.model_version)]
         if len(fresh) < len(res.sequences):
+            self._step_stale += len(res.sequences) - len(fresh)
             self.metrics.append(("sample/dropped_stale_count", float(len(res.sequences) - len(fresh)), 1.0))
         if not fresh:
-            self._mark_consumed(res.row_index)
+            self._mark_consumed(res.row_index, "stale")
             return
         self._pending[res.row_index] = len(fresh)
         for s in fresh:
             meta = _Meta(res.row_index, s.model_version, res.queued_at, len(s.input_ids))
             self._buffer.append(PackSample.from_sequence(s, meta))
 
+    def _zero_std_diagnosis(self, why: str) -> str:
+        mean = self._dropped_reward_sum / max(self._dropped_reward_n, 1)
+        return (
+            f"step {self.policy_version + 1}: {self._step_groups} groups scored, {self._step_zero_std} dropped for "
+            f"equal rewards (zero std; reward_dropped={mean:.2f}) and none trainable: {why}. The reward is saturated "
+            "or constant: every completion of a prompt scores the same. Check the reward functions (and that they "
+            "can tell completions apart), or use harder/easier prompts"
+        )
+
+    def _wait_status(self, waited: float, timeout: float) -> str:
+        """The X4 line of a step waiting for samples: what it waits for, for how long, and what is known."""
+        status = (
+            f"step {self.policy_version + 1}: waiting {waited:.0f}s for samples from the rollout worker "
+            f"(timeout {timeout:.0f}s); since the step began {self._step_groups} groups were scored, "
+            f"{self._step_zero_std} dropped for equal rewards, {self._step_stale} samples dropped as stale"
+        )
+        if self._step_groups and self._step_zero_std == self._step_groups:
+            status += " - reward saturated?"
+        elif not self._step_groups:
+            status += " - is the generation server answering? (its log and rollout/* metrics tell)"
+        return status
+
+    def behind(self, model_version: int) -> int:
+        """Weight pushes between the weights stamped ``model_version`` and the current step's (see the module doc)."""
+        k = self.weight_sync_steps
+        return self.policy_version // k - model_version // k
+
     def _is_stale(self, model_version: int) -> bool:
-        return self.policy_version - model_version > self.max_staleness
+        return self.behind(model_version) > self.max_staleness
 
     def _drop_stale(self, row_index: int, count: int) -> None:
         self.metrics.append(("sample/dropped_stale_count", float(count), 1.0))
+        self._step_stale += count
         left = self._pending.get(row_index, 0) - count
         if left <= 0:
             self._pending.pop(row_index, None)
-            self._mark_consumed(row_index)
+            self._mark_consumed(row_index, "trained" if row_index in self._partial else "stale")
         else:
             self._pending[row_index] = left
 
@@ -148,6 +265,8 @@ class RolloutSource:
         """Micro-batches of the next step (fewer than ``gradient_accumulation_steps`` only at the end of data)."""
         self.policy_version = policy_version
         self.wait_s = 0.0
+        self._step_groups = self._step_zero_std = self._step_stale = 0
+        self.metrics.append(("sample/dropped_stale_count", 0.0, 1.0))  # present (0) in every window
         # The sample that closed the last step waits in the planner; re-check it (and any others) against the
         # new version so no sample is trained more than max_staleness updates behind (G4).
         for sample in reversed(self.batcher.take_open_samples()):
@@ -167,15 +286,21 @@ class RolloutSource:
                 for sample in trie.samples:
                     meta: _Meta = sample.meta
                     tokens += meta.num_tokens
-                    self.metrics.append(("sample/staleness_mean", float(self.policy_version - meta.model_version), 1.0))
-                    self.metrics.append(("sample/staleness_max", float(self.policy_version - meta.model_version), 1.0))
+                    self.metrics.append(("sample/forwarded_tokens_mean", float(meta.num_tokens), 1.0))
+                    self.metrics.append(("sample/forwarded_tokens_max", float(meta.num_tokens), 1.0))
+                    self.metrics.append(("sample/trained_tokens_mean", float(sample.num_trained), 1.0))
+                    behind = float(self.behind(meta.model_version))
+                    self.metrics.append(("sample/staleness_mean", behind, 1.0))
+                    self.metrics.append(("sample/staleness_max", behind, 1.0))
                     self.metrics.append(("sample/time_in_queue_s", now - meta.queued_at, 1.0))
+                    self._trained_any = True
                     left = self._pending.get(meta.row_index, 0) - 1
                     if left <= 0:
                         self._pending.pop(meta.row_index, None)
-                        self._mark_consumed(meta.row_index)
+                        self._mark_consumed(meta.row_index, "trained")
                     else:
                         self._pending[meta.row_index] = left
+                        self._partial.add(meta.row_index)
         self.worker.report_step(tokens)
         return tokens
 

@@ -136,3 +136,19 @@ def check_dtype(trainer_dtype: torch.dtype, server_dtype: str | None) -> None:
             server_dtype,
             name,
         )
+
+
+def check_completion_length(max_completion_length: int, max_model_len: int, base_url: str) -> None:
+    """Refuse a ``max_completion_length`` the server can never produce: prompt + completion must fit
+    ``max_model_len``, so every completion would be cut (``completions/clipped_ratio`` = 1) and never end with EOS.
+
+    Raises:
+        ValueError: ``max_completion_length`` >= the server's ``max_model_len`` (names both and what to change).
+    """
+    if max_completion_length >= max_model_len:
+        raise ValueError(
+            f"max_completion_length={max_completion_length} does not fit the server at {base_url}: its max_model_len "
+            f"is {max_model_len} tokens for prompt + completion, so every completion would be cut. Lower "
+            f"max_completion_length below {max_model_len} minus your longest prompt, or start the server with a larger "
+            "--max-model-len"
+        )

@@ -27,6 +27,9 @@ class StepStats:
     peak_flops: float | None = None
     started_at: float = field(default_factory=time.perf_counter)
     fwd_bwd_s: float = 0.0
+    fwd_s: float = 0.0  # the forward passes alone (perf/fwd_s)
+    optimizer_s: float = 0.0  # the optimizer step (perf/optimizer_s), timed by the callback's optimizer hooks
+    num_tokens_total: float = 0.0  # num_tokens: forwarded tokens since the run began (a running total)
     forwarded_tokens: int = 0  # this process's forwarded tokens (shared prefixes once)
     micro_batches: list[Any] = field(default_factory=list)  # rank 0: the step's micro-batches, for step_done
 
@@ -34,18 +37,21 @@ class StepStats:
         """A new step starts (before its samples are awaited: ``perf/step_s`` includes the wait)."""
         self.started_at = time.perf_counter()
         self.fwd_bwd_s = 0.0
+        self.fwd_s = 0.0
+        self.optimizer_s = 0.0
         self.forwarded_tokens = 0
         self.micro_batches = []
 
-    def add_forward_backward(self, seconds: float, tokens: int) -> None:
+    def add_forward_backward(self, seconds: float, tokens: int, forward_s: float = 0.0) -> None:
         self.fwd_bwd_s += seconds
+        self.fwd_s += forward_s
         self.forwarded_tokens += tokens
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started_at
 
     def record(self, window: MetricsWindow, trained_tokens: int, world_size: int) -> None:
-        """Add the finished step's ``perf/*`` metrics and ``num_tokens`` to ``window``.
+        """Add the finished step's ``perf/*`` metrics to ``window`` and its tokens to ``num_tokens_total``.
 
         Every process forwards a row of about the same size, so this process's count × ``world_size``
         stands for the step's forwarded tokens.
@@ -54,10 +60,12 @@ class StepStats:
         forwarded = self.forwarded_tokens * world_size
         window.add("perf/step_s", step_s)
         window.add("perf/fwd_bwd_s", self.fwd_bwd_s)
+        window.add("perf/fwd_s", self.fwd_s)
+        window.add("perf/optimizer_s", self.optimizer_s)
         window.add_ratio("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, self.fwd_bwd_s)
         window.add_ratio("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
         window.add_ratio("perf/wall_clock_trained_tokens_per_s", trained_tokens, step_s)
-        window.add("num_tokens", float(forwarded))
+        self.num_tokens_total += float(forwarded)  # logged as a running total (transformers' convention)
         if self.peak_flops and self.flops_per_token and self.fwd_bwd_s > 0:
             fpt, peak = self.flops_per_token, self.peak_flops
             window.add("perf/fwd_bwd_mfu", mfu(forwarded, fpt, self.fwd_bwd_s, peak, world_size))

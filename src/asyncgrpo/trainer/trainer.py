@@ -21,8 +21,10 @@ is transformers'. What changes:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import multiprocessing as mp
 import time
 from typing import Any
 
@@ -40,14 +42,20 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable
 from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings
-from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
-from asyncgrpo.trainer.checkpoint import read_rollout_state, resolve_checkpoint
+from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
-from asyncgrpo.trainer.server_setup import ServerFacts, check_dtype, check_sampling_limits, probe_server
+from asyncgrpo.trainer.server_setup import (
+    ServerFacts,
+    check_completion_length,
+    check_dtype,
+    check_sampling_limits,
+    probe_server,
+)
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.policy import join_policy_gathers
@@ -111,6 +119,8 @@ class AsyncGRPOTrainer(Trainer):
         environment_factory: Any = None,
         eval_dataset: Any = None,
     ) -> None:
+        if getattr(mp.current_process(), "_inheriting", False):  # a spawned child re-importing the user's script
+            raise RuntimeError(GUARD_HINT)
         args = args if args is not None else AsyncGRPOConfig(output_dir="asyncgrpo-output")
         if not isinstance(args, AsyncGRPOConfig):
             raise TypeError(f"args must be an AsyncGRPOConfig, got {type(args).__name__}")
@@ -184,11 +194,14 @@ class AsyncGRPOTrainer(Trainer):
         eos = self.processing_class.eos_token_id
         return build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
 
-    def _start_rollout(self, start_index: int) -> None:
+    def _start_rollout(self, resume: ResumePoint) -> None:
+        """Probe the server; build the loop, source and sender. The worker starts in ``start_rollout_worker``."""
         args: AsyncGRPOConfig = self.args
+        start_index = resume.start_index
         if self.is_world_process_zero():
             want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
             self.facts = probe_server(args.vllm_server_base_url, args.vllm_server_timeout, want_masks)
+            check_completion_length(args.max_completion_length, self.facts.max_model_len, args.vllm_server_base_url)
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
             n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
             check_sampling_limits(
@@ -200,7 +213,7 @@ class AsyncGRPOTrainer(Trainer):
         n_proc = self.args.world_size
         if self.is_world_process_zero():
             n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
-            settings = self.rollout_settings(facts, start_index)
+            settings = dataclasses.replace(self.rollout_settings(facts, start_index), skip_indices=resume.skip)
             loop = self.loop_cls(
                 settings,
                 self.train_dataset,
@@ -221,21 +234,29 @@ class AsyncGRPOTrainer(Trainer):
                 start_index=start_index,
                 total_prompts=total,
                 sample_timeout=args.vllm_server_timeout,
+                weight_sync_steps=args.weight_sync_steps,
+                settled=resume.settled,
             )
-            self.sender = WeightSender(timeout_s=args.vllm_server_timeout)
+            self.sender = WeightSender(timeout_s=args.vllm_server_timeout,
+                                       restart_timeout_s=args.vllm_server_restart_timeout)  # fmt: skip
             self.sender.init(
                 AsyncServerClient(args.vllm_server_base_url),
                 facts.world_size,
                 backend=facts.weight_backend or "auto",
                 device=self.args.device,
             )
-            self.worker.set_policy_version(self.state.global_step)
-            self.worker.start()
         cfg = self._causal_lm().config
         self.step_stats.flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
         if torch.cuda.is_available():
             precision = "bfloat16" if args.bf16 else "float32"
             self.step_stats.peak_flops = peak_flops(torch.cuda.get_device_name(), precision)
+
+    def start_rollout_worker(self) -> None:
+        """Start generating (rank 0), once the server holds the weights of ``global_step``: after a resume, that
+        is after ``on_train_begin`` pushed the restored weights, so the first samples carry them (X3)."""
+        if self.worker is not None and self.worker.process is None:
+            self.worker.set_policy_version(self.state.global_step)
+            self.worker.start()
 
     def _stop_rollout(self) -> None:
         if self.worker is not None:
@@ -280,8 +301,9 @@ class AsyncGRPOTrainer(Trainer):
         """
         ckpt = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
-        start = read_rollout_state(ckpt, n) if ckpt else 0
-        self._start_rollout(start)
+        resume = prepare_resume(ckpt, n, self.args.output_dir) if self.is_world_process_zero() else ResumePoint()
+        self.step_stats.num_tokens_total = resume.num_tokens
+        self._start_rollout(resume)
         try:
             return super().train(resume_from_checkpoint=ckpt, **kwargs)
         finally:
@@ -350,10 +372,13 @@ class AsyncGRPOTrainer(Trainer):
             result = self._policy_loss(lm, hidden, row, inputs["normalizer"]) if row.num_trained else None
             # A row without trained tokens still joins the graph (FSDP needs every rank's backward).
             loss = (result.loss if result is not None else 0.0) + 0.0 * hidden.sum()
+        if self._device_is_cuda():
+            torch.cuda.synchronize()  # CPU-GPU sync points: only for honest perf/fwd_s and perf/fwd_bwd_s
+        forward_s = time.perf_counter() - t0
         self.accelerator.backward(loss)
         if self._device_is_cuda():
-            torch.cuda.synchronize()  # CPU-GPU sync point: only for honest perf/fwd_bwd_s
-        self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens)
+            torch.cuda.synchronize()
+        self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens, forward_s)
         if result is not None:
             for name, value, weight in result.metric_events():
                 if math.isfinite(value):
@@ -405,5 +430,5 @@ class AsyncGRPOTrainer(Trainer):
                 self.window.extend(self.worker.drain_metrics())
             if self.source is not None:
                 self.window.extend(self.source.take_metrics())
-            logs = {**logs, **self.window.flush()}
+            logs = {**logs, **self.window.flush(), "num_tokens": self.step_stats.num_tokens_total}
         super().log(logs, start_time)

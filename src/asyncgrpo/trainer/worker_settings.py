@@ -56,6 +56,7 @@ def build_rollout_settings(
         max_concurrent_rollouts=args.max_concurrent_rollouts,
         initial_tokens_per_step=token_budget * args.world_size * args.gradient_accumulation_steps,
         request_timeout_s=args.vllm_server_timeout,
+        retry_for_s=args.vllm_server_restart_timeout,
         eos_token_ids=(eos_token_id,) if eos_token_id is not None else (),
         chat_template_kwargs=dict(args.chat_template_kwargs or {}),
         max_tool_calling_iterations=args.max_tool_calling_iterations,

@@ -46,6 +46,7 @@ from asyncgrpo.weights.collectives import (
     send_tensors,
 )
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
+from asyncgrpo.weights.restart import DEFAULT_RESTART_TIMEOUT_S, RestartRecovery
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +111,15 @@ def _raise_if_failed(fut: concurrent.futures.Future, what: str) -> Callable[[], 
     return check
 
 
-class WeightSender:
+class WeightSender(RestartRecovery):
     """Rank 0 of the weight-transfer group: pushes named tensors to one generation server.
 
     Args:
         timeout_s: bound on every wait of a round (rendezvous, HTTP calls, broadcasts).
         packed_buffer_size_bytes: packed chunk size; sent in ``init_info`` so both sides agree.
         packed_num_buffers: sent in ``init_info`` (vLLM's double buffering; we send chunks in order).
+        restart_timeout_s: a round that finds the server gone (no answer, or a server without our group: it
+            restarted) waits this long for it, then forms the group again and pushes; 0 = fail at once.
     """
 
     def __init__(
@@ -125,7 +128,13 @@ class WeightSender:
         timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+        restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
     ) -> None:
+        if restart_timeout_s < 0:
+            raise ValueError(f"restart_timeout_s must be >= 0, got {restart_timeout_s}")
+        self.restart_timeout_s = restart_timeout_s
+        self.restarts = 0  # times the group was formed again after the server came back
+        self._init_kwargs: dict[str, Any] | None = None
         if timeout_s <= 0 or packed_buffer_size_bytes <= 0 or packed_num_buffers < 1:
             raise ValueError(
                 f"need timeout_s > 0, packed_buffer_size_bytes > 0, packed_num_buffers >= 1; got {timeout_s}, "
@@ -189,6 +198,8 @@ class WeightSender:
         """
         if self.group is not None:
             raise RuntimeError("WeightSender.init() was already called; close() first")
+        self._init_kwargs = {"client": client, "server_world_size": server_world_size, "backend": backend,
+                             "device": device, "packed": packed, "master_address": master_address}  # fmt: skip
         self._client = client.clone()
         self._loop = _LoopThread()
         if server_world_size is None:
@@ -285,14 +296,39 @@ class WeightSender:
             metadata: ``TensorMeta`` or ``(name, dtype, shape)`` per tensor, in the order of ``named_tensors``.
             barrier: called after the pause (e.g. waiting for the other trainer ranks); timed as ``barrier_s``.
 
+        A server that stopped answering or restarted (``restart_timeout_s`` > 0) is waited for, the group formed
+        again and the round repeated once (without ``metadata`` or ``barrier``: those cannot be replayed).
+
         Returns:
             ``{"pause_s", "barrier_s", "transfer_s", "total_s"}`` (SPEC G10).
 
         Raises:
             WeightTransferError: a broadcast or a server step failed; the group should be considered broken.
         """
+        if metadata is None:
+            named_tensors = list(named_tensors)  # kept for one more try after a server restart
+        try:
+            return self._update_once(named_tensors, version=version, packed=packed, metadata=metadata, barrier=barrier)
+        except (WeightTransferError, ServerError) as exc:
+            if metadata is not None or barrier is not None or not self._server_vanished(exc):
+                raise
+        self._await_return()
+        self._reinit()
+        return self._update_once(named_tensors, version=version, packed=packed, metadata=metadata, barrier=barrier)
+
+    def _update_once(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: str,
+        packed: bool | None = None,
+        metadata: Sequence[TensorMeta | tuple[str, torch.dtype, Sequence[int]]] | None = None,
+        barrier: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        """One round of :meth:`update` (after checking the server is the one we formed the group with)."""
         if self.group is None or self._client is None or self._loop is None:
             raise RuntimeError("call WeightSender.init() before update()")
+        self._ensure_server()
         client, group = self._client, self.group
         if metadata is None:
             items = list(named_tensors)
@@ -348,6 +384,7 @@ class WeightSender:
             raise WeightTransferError(f"POST /update_weights failed: {exc}") from exc
         self._last_metas = metas
         self._http(client.finish_weight_update(version, timeout=self.timeout_s), "POST /finish_weight_update")
+        self._pushed_version = str(version)
         self._http(client.reset_prefix_cache(), "POST /reset_prefix_cache")
         self._http(client.resume(timeout=self.timeout_s), "POST /resume")
         t3 = time.perf_counter()
@@ -359,8 +396,19 @@ class WeightSender:
         Metadata from global shapes up front, then one full tensor made, sent and freed at a time. Under FSDP
         the other ranks call ``join_policy_gathers(model)`` meanwhile (the gathers are collective).
         """
-        metadata = policy_weight_metadata(model)
-        return self.update(policy_weights(model), version=version, metadata=metadata, **kwargs)
+
+        def once() -> dict[str, float]:
+            metadata = policy_weight_metadata(model)
+            return self.update(policy_weights(model), version=version, metadata=metadata, **kwargs)
+
+        try:
+            return once()
+        except (WeightTransferError, ServerError) as exc:
+            if kwargs.get("barrier") is not None or not self._server_vanished(exc):
+                raise  # other ranks joined this round's gathers: it cannot be replayed alone
+        self._await_return()
+        self._reinit()
+        return once()  # the policy's tensors are made again, so the round can be repeated whole
 
     def _close_rejected_round(self, fut: concurrent.futures.Future) -> None:
         """After a 4xx on /update_weights the server never entered the collective: finish and resume it.

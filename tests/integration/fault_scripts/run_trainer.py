@@ -1,0 +1,98 @@
+"""A real training run in its own process, driven by the fault-matrix tests (they kill it, restart it, time it).
+
+    python run_trainer.py SETTINGS.json
+
+SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``resume`` (bool) and ``config``
+(extra ``AsyncGRPOConfig`` keywords). It writes, next to the output dir:
+
+* ``worker.pid``: the rollout worker's pid once step 1 ended;
+* ``steps.jsonl``: ``{"begin": step}`` when a run starts (the step it resumed at), then one line per optimizer
+  step with the samples it trained per flat prompt index (the independent record the random-kill test checks
+  the lineage against).
+
+``resume``: true, false, or ``"auto"`` (resume when ``output_dir`` holds a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+
+
+def parity_reward(completion_ids, **kwargs):
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) + 0.01 * i for i, ids in enumerate(completion_ids)]
+
+
+def exploding_reward(completion_ids, **kwargs):
+    raise ValueError("the judge is offline")
+
+
+def tied_reward(completion_ids, **kwargs):
+    return [1.0 for _ in completion_ids]  # a saturated reward: every group ties
+
+
+class Record(TrainerCallback):
+    def __init__(self, trainer: AsyncGRPOTrainer, where: Path) -> None:
+        self.trainer, self.where = trainer, where
+
+    def _write(self, record: dict) -> None:
+        with open(self.where / "steps.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._write({"begin": state.global_step})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        counts: dict[int, int] = {}
+        for mb in self.trainer.step_stats.micro_batches:
+            for trie in mb.rows:
+                for sample in trie.samples:
+                    counts[sample.meta.row_index] = counts.get(sample.meta.row_index, 0) + 1
+        self._write({"step": state.global_step, "samples": {str(k): v for k, v in sorted(counts.items())}})
+        if state.global_step >= 1 and self.trainer.worker is not None and self.trainer.worker.process is not None:
+            (self.where / "worker.pid").write_text(str(self.trainer.worker.process.pid))
+
+
+def main(settings_path: str) -> None:
+    s = json.loads(Path(settings_path).read_text())
+    where = Path(settings_path).parent
+    dataset = reasoning_gym_dataset("chain_sum", size=s.get("dataset_size", 24), seed=0, system_prompt=None)
+    cfg = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
+        output_dir=s["output_dir"],
+        num_generations=4,
+        max_completion_length=8,
+        token_budget=384,
+        vllm_server_base_url=s["server_url"],
+        report_to=[],
+        save_strategy="no",
+        learning_rate=1e-3,
+        gradient_checkpointing=False,
+        vllm_server_timeout=120,
+        rollout_worker_timeout=60,
+        seed=0,
+    )
+    cfg.update(s.get("config", {}))
+    if s.get("iterable"):
+        dataset = dataset.to_iterable_dataset()
+    reward = {"tied": tied_reward, "exploding": exploding_reward}.get(s.get("reward", ""), parity_reward)
+    trainer = AsyncGRPOTrainer(
+        s["model_dir"], reward_funcs=[reward], args=AsyncGRPOConfig(**cfg), train_dataset=dataset
+    )
+    trainer.add_callback(Record(trainer, where))
+    resume = s.get("resume", False)
+    if resume == "auto":
+        resume = any(Path(s["output_dir"]).glob("checkpoint-*"))
+    trainer.train(resume_from_checkpoint=True if resume else None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,552 @@
+"""The fault matrix (issue 9, SPEC X3/X4/G4/G11/M1): real server, real trainer processes, real faults.
+
+Every scenario runs the public API against a real ``asyncgrpo serve`` process on the tiny Llama and checks
+what a user would see: how soon the run stops or recovers, and what it says. Scripts that must be killed run
+in their own process (``fault_scripts/run_trainer.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).parent / "fault_scripts"
+
+
+@pytest.fixture(scope="module")
+def server(serve, tiny_llama_dir):
+    return serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Running (a zombie, killed but not yet reaped by its new parent, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"waited {timeout:.0f}s for {what}")
+
+
+def _server_counter(base_url: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+    assert m is not None, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def start_run(tmp_path: Path, server_url: str, model_dir: Path, name: str = "run", **settings) -> subprocess.Popen:
+    """Start ``run_trainer.py`` in its own process; its stdout+stderr go to ``<name>/log.txt``."""
+    where = tmp_path / name
+    where.mkdir(parents=True, exist_ok=True)
+    s = {"server_url": server_url, "model_dir": str(model_dir), "output_dir": str(tmp_path / "out"), **settings}
+    (where / "settings.json").write_text(json.dumps(s))
+    log = open(where / "log.txt", "w")  # noqa: SIM115 - the child writes to it until it ends
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "run_trainer.py"), str(where / "settings.json")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- item 4
+
+
+def test_worker_dies_with_a_sigkilled_trainer_and_stops_sending(tmp_path, server, tiny_llama_dir):
+    proc = start_run(tmp_path, server.base_url, tiny_llama_dir, config={"max_steps": 200})
+    try:
+        pid_file = tmp_path / "run" / "worker.pid"
+        _wait_for(lambda: proc.poll() is not None or pid_file.exists(), 240, "step 1 of the trainer process")
+        assert proc.poll() is None, (tmp_path / "run" / "log.txt").read_text()[-3000:]
+        worker_pid = int(pid_file.read_text())
+        assert _pid_alive(worker_pid)
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        proc.wait(timeout=30)
+        _wait_for(lambda: not _pid_alive(worker_pid), 10, f"the rollout worker (pid {worker_pid}) to exit")
+        gone_after = time.monotonic() - t0
+        assert gone_after < 5.0
+        # In-flight requests end within a few seconds; after that the server sees no new ones.
+        time.sleep(3.0)
+        before = _server_counter(server.base_url, "vllm:generation_tokens_total")
+        time.sleep(3.0)
+        assert _server_counter(server.base_url, "vllm:generation_tokens_total") == before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------- item 11
+
+
+def test_script_without_main_guard_fails_fast_with_the_hint(tmp_path, server, tiny_llama_dir):
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, str(SCRIPTS / "unguarded.py"), server.base_url, str(tiny_llama_dir), str(tmp_path / "o")],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=150,
+            cwd=tmp_path,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"an unguarded script hung for {e.timeout:.0f}s instead of failing with the guard hint")
+    elapsed = time.monotonic() - t0
+    assert done.returncode != 0
+    tail = done.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in tail, tail
+    assert "before it received its rollout loop" in tail, tail
+    assert elapsed < 120
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+
+
+def _post(url: str, body: bytes | dict, timeout: float = 60.0) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_deeply_nested_json_is_a_400(server):
+    body = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/inference/v1/generate", "/v1/completions", "/init_weight_transfer_engine"):
+        status, reply = _post(server.base_url + path, body)
+        assert status == 400, (path, reply)
+        assert "nests JSON too deeply" in reply["error"]["message"]
+    assert urllib.request.urlopen(server.base_url + "/health", timeout=10).status == 200
+
+
+def test_n_is_bounded(server):
+    status, reply = _post(server.base_url + "/inference/v1/generate",
+                          {"token_ids": [1, 2, 3], "sampling_params": {"n": 100_000, "max_tokens": 2}})  # fmt: skip
+    assert status == 400 and reply["error"]["param"] == "n"
+    assert "[1, 1024]" in reply["error"]["message"]
+
+
+def test_tiny_temperature_is_greedy_with_finite_logprobs(server):
+    def gen(temperature: float) -> dict:
+        sp = {"temperature": temperature, "max_tokens": 6, "logprobs": 0, "seed": 1}
+        status, reply = _post(
+            server.base_url + "/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": sp}
+        )
+        assert status == 200, reply
+        return reply["choices"][0]
+
+    greedy, tiny = gen(0.0), gen(1e-41)
+    assert tiny["token_ids"] == greedy["token_ids"]
+    got = [e["logprob"] for e in tiny["logprobs"]["content"]]
+    assert got == [e["logprob"] for e in greedy["logprobs"]["content"]]
+    assert all(isinstance(v, float) for v in got)
+
+
+def test_tiny_repetition_penalty_and_out_of_vocab_stop_ids_are_refused(server):
+    url = server.base_url + "/inference/v1/generate"
+    status, reply = _post(url, {"token_ids": [1, 2], "sampling_params": {"repetition_penalty": 1e-39}})
+    assert status == 400 and reply["error"]["param"] == "repetition_penalty"
+    status, reply = _post(url, {"token_ids": [1, 2], "sampling_params": {"stop_token_ids": [10**12]}})
+    assert status == 400 and reply["error"]["param"] == "stop_token_ids"
+    vocab = json.loads(urllib.request.urlopen(server.base_url + "/server_info", timeout=10).read())
+    assert "9223372036854775808" not in reply["error"]["message"]
+    assert re.search(r"outside the vocabulary \[0, \d+\)", reply["error"]["message"]), (reply, vocab.keys())
+
+
+def test_stray_init_does_not_silently_block_the_next_one(serve, tiny_llama_dir):
+    """A stray init joins a group at an address nobody serves; the next init is answered at once, naming it."""
+    import threading
+
+    from asyncgrpo.server.launcher import free_port
+
+    srv = serve(tiny_llama_dir, "--max-model-len", "64", "--weight-transfer-config",
+                '{"backend": "gloo", "timeout_s": 20}')  # fmt: skip
+    dead_port = free_port()
+    stray = {"init_info": {"master_address": "127.0.0.1", "master_port": dead_port, "world_size": 2, "rank_offset": 1}}
+    stray_reply: list = []
+    t = threading.Thread(target=lambda: stray_reply.append(_post(srv.base_url + "/init_weight_transfer_engine", stray)))
+    t.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    real = {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "rank_offset": 1}}
+    status, reply = _post(srv.base_url + "/init_weight_transfer_engine", real, timeout=15)
+    assert time.monotonic() - t0 < 5
+    assert status == 409, reply
+    assert f"127.0.0.1:{dead_port}" in reply["error"]["message"]
+    t.join(60)
+    assert stray_reply and stray_reply[0][0] >= 400  # the stray join itself fails at the server's timeout
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+
+
+def test_unreachable_server_says_what_it_waits_for_every_30s(tmp_path, tiny_llama_dir, caplog):
+    import logging
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.client.errors import ServerTimeoutError
+    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.server.launcher import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens here
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, vllm_server_base_url=url, report_to=[],
+                           vllm_server_timeout=40, gradient_checkpointing=False)  # fmt: skip
+    dataset = reasoning_gym_dataset("chain_sum", size=4, seed=0, system_prompt=None)
+    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[_len_reward], args=args, train_dataset=dataset)
+    seen: list[float] = []
+    t0 = time.monotonic()
+
+    class Stamp(logging.Handler):
+        def emit(self, record):
+            if "not answering" in record.getMessage():
+                seen.append(time.monotonic() - t0)
+
+    handler = Stamp()
+    logging.getLogger("asyncgrpo").addHandler(handler)
+    caplog.set_level(logging.WARNING, logger="asyncgrpo.client.http_client")
+    try:
+        with pytest.raises(ServerTimeoutError, match="asyncgrpo serve"):
+            trainer.train()
+    finally:
+        logging.getLogger("asyncgrpo").removeHandler(handler)
+    assert time.monotonic() - t0 < 55
+    assert seen and seen[0] <= 31.0, seen
+    line = next(r.getMessage() for r in caplog.records if "not answering" in r.getMessage())
+    assert url in line and "timeout 40s" in line and "asyncgrpo serve" in line and "for 30s" in line, line
+
+
+def _len_reward(completion_ids, **kwargs):
+    return [float(len(c)) for c in completion_ids]
+
+
+# ---------------------------------------------------------------------------------------------- item 10
+
+
+def test_dtype_warning_reads_vllms_own_field(server, caplog):
+    """G13: the server's dtype comes from where vLLM reports it (``vllm_config.model_config.dtype``)."""
+    import logging
+
+    import torch
+
+    from asyncgrpo.trainer.server_setup import check_dtype, probe_server
+
+    info = json.loads(urllib.request.urlopen(server.base_url + "/server_info?config_format=json", timeout=10).read())
+    assert "float32" in str(info["vllm_config"]["model_config"]["dtype"])  # the tiny model is served in fp32 on CPU
+    facts = probe_server(server.base_url, 60, False)
+    assert str(facts.dtype).removeprefix("torch.") == "float32"
+    caplog.set_level(logging.WARNING, logger="asyncgrpo.trainer.server_setup")
+    check_dtype(torch.bfloat16, facts.dtype)
+    lines = [r.getMessage() for r in caplog.records if "server generates in" in r.getMessage()]
+    assert lines and "float32" in lines[0] and "bfloat16" in lines[0], lines
+
+
+# ---------------------------------------------------------------------------------------------- runs in a subprocess
+
+
+def run_to_end(tmp_path: Path, server_url: str, model_dir: Path, timeout: float, name: str = "run", **settings):
+    """Run ``run_trainer.py`` to its end; (return code, seconds, log text). A hang fails the test at ``timeout``."""
+    t0 = time.monotonic()
+    proc = start_run(tmp_path, server_url, model_dir, name=name, **settings)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        log = (tmp_path / name / "log.txt").read_text()
+        pytest.fail(f"the run did not end within {timeout:.0f}s; log tail:\n{log[-3000:]}")
+    return proc.returncode, time.monotonic() - t0, (tmp_path / name / "log.txt").read_text()
+
+
+def _metric_rows(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "out" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# ---------------------------------------------------------------------------------------------- item 1
+
+
+def test_sparse_weight_syncs_do_not_stall(tmp_path, server, tiny_llama_dir):
+    """weight_sync_steps=8 > max_staleness + 1: staleness counts pushes, so the run reaches max_steps."""
+    cfg = {"max_steps": 12, "weight_sync_steps": 8, "max_staleness": 4}
+    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, config=cfg)
+    assert rc == 0 and took < 420, log[-3000:]
+    rows = [r for r in _metric_rows(tmp_path) if "sample/staleness_max" in r]
+    assert [r["step"] for r in rows][-1] == 12
+    assert max(r["sample/staleness_max"] for r in rows) <= 1  # at most one push behind: a sync every 8 steps
+
+
+# ---------------------------------------------------------------------------------------------- item 2
+
+
+def test_tied_rewards_stop_with_a_diagnosis(tmp_path, server, tiny_llama_dir):
+    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, reward="tied", config={"max_steps": 3})
+    assert rc != 0 and took < 300
+    assert "NoTrainableSamplesError" in log and "equal rewards" in log and "saturated" in log, log[-3000:]
+    assert "groups in a row tied" in log
+
+
+def test_tied_rewards_in_epoch_mode_say_so(tmp_path, server, tiny_llama_dir):
+    cfg = {"max_steps": -1, "num_train_epochs": 1.0}
+    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, reward="tied", dataset_size=8,
+                               config=cfg)  # fmt: skip
+    assert rc != 0 and took < 300
+    assert "equal rewards" in log and "the epochs ended without a trainable group" in log, log[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+
+
+def test_completion_longer_than_the_server_context_is_refused(tmp_path, server, tiny_llama_dir):
+    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 300, config={"max_steps": 1,
+                               "max_completion_length": 300})  # fmt: skip
+    assert rc != 0 and took < 120
+    assert "max_completion_length=300 does not fit" in log and "max_model_len" in log, log[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- item 10
+
+
+def test_iterable_dataset_trains(tmp_path, server, tiny_llama_dir):
+    rc, _, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 300, iterable=True, config={"max_steps": 2})
+    assert rc == 0, log[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "step" in s] == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- item 3 (X3)
+
+
+def _lineage(steps_file: Path) -> dict[int, dict[int, int]]:
+    """Step -> {prompt: samples trained} of the final lineage: a run that resumed at step s discards later steps."""
+    lineage: dict[int, dict[int, int]] = {}
+    for line in steps_file.read_text().splitlines():
+        rec = json.loads(line)
+        if "begin" in rec:
+            lineage = {k: v for k, v in lineage.items() if k <= rec["begin"]}
+        else:
+            lineage[rec["step"]] = {int(k): v for k, v in rec["samples"].items()}
+    return lineage
+
+
+def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, size: int = 64):
+    import random
+
+    rng = random.Random(seed)
+    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1}
+    settings = {"dataset_size": size, "resume": "auto", "config": cfg}
+    steps_file = tmp_path / "run" / "steps.jsonl"
+    done_kills = 0
+
+    def steps_recorded() -> int:
+        return steps_file.read_text().count('"step"') if steps_file.exists() else 0
+
+    for _attempt in range(kills + 20):
+        before = steps_recorded()
+        proc = start_run(tmp_path, server.base_url, tiny_llama_dir, **settings)
+        try:
+            if done_kills < kills:
+                # Kill at a random moment: after this run trained its first step, 0-1.5 s later.
+                _wait_for(lambda p=proc, b=before: p.poll() is not None or steps_recorded() > b,
+                          300, "a step of the resumed run")  # fmt: skip
+                time.sleep(rng.uniform(0.0, 1.5))
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+                    done_kills += 1
+            proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log = (tmp_path / "run" / "log.txt").read_text()
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, log[-3000:]
+    else:
+        pytest.fail("the run never finished its epoch")
+    assert done_kills == kills, f"only {done_kills} kills happened before the epoch ended; use more prompts"
+    lineage = _lineage(steps_file)
+    assert sorted(lineage) == list(range(1, max(lineage) + 1))
+    totals: dict[int, int] = {}
+    for per_prompt in lineage.values():
+        for prompt, count in per_prompt.items():
+            totals[prompt] = totals.get(prompt, 0) + count
+    lost = sorted(set(range(size)) - set(totals))
+    duplicated = sorted(p for p, c in totals.items() if c > 4)  # num_generations = 4 samples per prompt at most
+    assert not lost and not duplicated, (lost, duplicated, totals)
+    steps_logged = [r["step"] for r in _metric_rows(tmp_path) if "train_runtime" not in r]  # not the run summary
+    assert steps_logged == sorted(set(steps_logged)), "metrics.jsonl holds a step twice"
+    return done_kills
+
+
+def test_random_sigkills_lose_and_duplicate_no_prompt(tmp_path, server, tiny_llama_dir):
+    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=5, seed=0) == 5
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_sigkills_lose_and_duplicate_no_prompt_slow(tmp_path, server, tiny_llama_dir, seed):
+    if not os.environ.get("ASYNCGRPO_SLOW_FAULTS"):
+        pytest.skip("12 kills per seed (minutes each): set ASYNCGRPO_SLOW_FAULTS=1")
+    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=12, seed=seed, size=160) == 12
+
+
+# ---------------------------------------------------------------------------------------------- item 6
+
+
+def test_server_restart_is_survived(tmp_path, tiny_llama_dir):
+    """The server is killed after step 2 and comes back on its port: the run re-forms the group, pushes, goes on."""
+    from asyncgrpo.server.launcher import free_port, launch_server
+
+    port = free_port()
+    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "16384"]
+    srv = launch_server(tiny_llama_dir, port=port, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+    proc = start_run(
+        tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 6, "vllm_server_restart_timeout": 180}
+    )
+    try:
+        steps = tmp_path / "run" / "steps.jsonl"
+        _wait_for(lambda: proc.poll() is not None or (steps.exists() and '"step": 2' in steps.read_text()), 300,
+                  "step 2")  # fmt: skip
+        assert proc.poll() is None, (tmp_path / "run" / "log.txt").read_text()[-3000:]
+        srv.proc.kill()
+        srv.proc.wait()
+        time.sleep(2.0)
+        srv = launch_server(tiny_llama_dir, port=port, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+        proc.wait(timeout=400)
+        log = (tmp_path / "run" / "log.txt").read_text()
+        assert proc.returncode == 0, log[-4000:]
+        assert "weight transfer re-established" in log
+        info = json.loads(urllib.request.urlopen(srv.base_url + "/weight_info", timeout=10).read())
+        assert info["weight_version"] == "step-6"  # the new server got the run's weights
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.stop()
+
+
+def test_server_gone_for_good_stops_the_run_saying_so(tmp_path, tiny_llama_dir):
+    from asyncgrpo.server.launcher import launch_server
+
+    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "16384"]
+    srv = launch_server(tiny_llama_dir, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+    proc = start_run(
+        tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 50, "vllm_server_restart_timeout": 20}
+    )
+    try:
+        steps = tmp_path / "run" / "steps.jsonl"
+        _wait_for(lambda: proc.poll() is not None or (steps.exists() and '"step": 1' in steps.read_text()), 300,
+                  "step 1")  # fmt: skip
+        srv.proc.kill()
+        t0 = time.monotonic()
+        proc.wait(timeout=200)
+        took = time.monotonic() - t0
+        log = (tmp_path / "run" / "log.txt").read_text()
+        assert proc.returncode != 0
+        assert "gone since" in log, log[-4000:]
+        assert took < 90  # the 20 s window plus the last attempts and the shutdown
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.stop()
+
+
+# ---------------------------------------------------------------------------------------------- item 9 (M1)
+
+# Every metric name of the reference document (its metrics section), written out here independently of
+# asyncgrpo.metrics. `{reward_func_name}` / `{tool_name}` are templates.
+DOCUMENTED_METRICS = """
+num_tokens completions/mean_length completions/min_length completions/max_length completions/mean_terminated_length
+completions/min_terminated_length completions/max_terminated_length completions/clipped_ratio
+completions/duplicate_frac tools/call_frequency tools/failure_frequency rewards/{reward_func_name}/mean
+rewards/{reward_func_name}/group_std reward reward_group_std reward_kept reward_dropped frac_reward_zero_std
+sampling/sampling_logp_difference/mean sampling/sampling_logp_difference/max sampling/importance_sampling_ratio/min
+sampling/importance_sampling_ratio/mean sampling/importance_sampling_ratio/max sampling/masked_mean
+sampling/sampler_mass entropy aux_loss clip_ratio/region_mean clip_ratio/low_mean clip_ratio/low_min
+clip_ratio/high_mean clip_ratio/high_max rollout/duration_s rollout/generated_tokens_per_s rollout/concurrency
+rollout/concurrency_cap rollout/turns_mean rollout/turns_max rollout/samples_per_rollout rollout/fork_frac
+rollout/drift_tokens_mean rollout/drift_tokens_max rollout/score_queue_size rollout/queue_size rollout/score_s
+rollout/score_wait_s rollout/score_block_s rollout/backpressure_s rollout/vllm_retry_count
+rollout/vllm_kv_cache_usage_frac rollout/vllm_running_requests rollout/vllm_queued_requests
+rollout/vllm_preemption_count tools/latency_s tools/{tool_name}/latency_s tools/{tool_name}/call_count
+tools/{tool_name}/failure_count tools/unknown_name_count tools/parallel_calls_mean tools/loop_exhausted_frac
+env/reset_s env/reward_s sample/forwarded_tokens_mean sample/forwarded_tokens_max sample/trained_tokens_mean
+sample/time_in_queue_s sample/staleness_mean sample/staleness_max sample/dropped_stale_count
+batch/forwarded_tokens_per_step batch/trained_tokens_per_step batch/samples_per_step batch/groups_per_step
+batch/microbatches_per_step batch/masked_token_frac batch/samples_per_row batch/row_tokens_mean batch/row_tokens_max
+batch/row_fill_frac batch/row_imbalance batch/packing_ratio batch/pad_frac batch/dropped_oversize_count perf/step_s
+perf/fwd_bwd_s perf/fwd_s perf/optimizer_s perf/rollout_wait_s perf/weight_sync_s perf/weight_sync_pause_s
+perf/weight_sync_barrier_s perf/weight_sync_transfer_s perf/fwd_bwd_forwarded_tokens_per_s
+perf/wall_clock_forwarded_tokens_per_s perf/wall_clock_trained_tokens_per_s perf/fwd_bwd_mfu perf/wall_clock_mfu
+""".split()  # noqa: SIM905 - the document's list, pasted
+
+# Absent from a single-turn CPU run, and why (each is owned elsewhere or needs a condition this run lacks).
+EXPECTED_ABSENT = {
+    "aux_loss": "MoE router loss: not implemented yet (its own issue)",
+    "tools/call_frequency": "tools/: agents issue (logged only when the run has tools)",
+    "tools/failure_frequency": "tools/: agents issue",
+    "tools/latency_s": "tools/: agents issue",
+    "tools/{tool_name}/latency_s": "tools/: agents issue",
+    "tools/{tool_name}/call_count": "tools/: agents issue",
+    "tools/{tool_name}/failure_count": "tools/: agents issue",
+    "tools/unknown_name_count": "tools/: agents issue",
+    "tools/parallel_calls_mean": "tools/: agents issue",
+    "tools/loop_exhausted_frac": "tools/: agents issue",
+    "env/reset_s": "env/: agents issue",
+    "env/reward_s": "env/: agents issue",
+    "rollout/fork_frac": "averaged over turn transitions: a single-turn rollout has none",
+    "rollout/drift_tokens_mean": "averaged over turn transitions: a single-turn rollout has none",
+    "rollout/drift_tokens_max": "averaged over turn transitions: a single-turn rollout has none",
+    "perf/fwd_bwd_mfu": "needs the device's peak FLOP/s: GPU only",
+    "perf/wall_clock_mfu": "needs the device's peak FLOP/s: GPU only",
+    "reward_dropped": "mean reward of dropped groups: this run's reward never ties (the tied-reward test sees it)",
+    "completions/mean_terminated_length": "only when some completion ends with EOS (random tiny model, 8 tokens)",
+    "completions/min_terminated_length": "only when some completion ends with EOS (random tiny model, 8 tokens)",
+    "completions/max_terminated_length": "only when some completion ends with EOS (random tiny model, 8 tokens)",
+}
+
+# Counters that must be present in every logging window, 0 included (no gaps in plots).
+EVERY_WINDOW = ["sample/dropped_stale_count", "batch/dropped_oversize_count"]
+
+
+def test_every_documented_metric_is_emitted(tmp_path, server, tiny_llama_dir):
+    assert len(DOCUMENTED_METRICS) == len(set(DOCUMENTED_METRICS)) == 97
+    rc, _, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, config={"max_steps": 6})
+    assert rc == 0, log[-3000:]
+    rows = [r for r in _metric_rows(tmp_path) if "train_runtime" not in r]
+    seen = set().union(*rows)
+    names = {n.replace("{reward_func_name}", "parity_reward") for n in DOCUMENTED_METRICS if "{tool_name}" not in n}
+    expected_absent = {n.replace("{reward_func_name}", "parity_reward") for n in EXPECTED_ABSENT}
+    missing = sorted(names - seen - expected_absent)
+    assert not missing, f"documented metrics never logged: {missing}"
+    owned_elsewhere = sorted(n for n in expected_absent & seen if n.startswith(("tools/", "env/", "aux_loss")))
+    assert not owned_elsewhere, f"now emitted: drop them from EXPECTED_ABSENT ({owned_elsewhere})"
+    for name in EVERY_WINDOW:
+        assert all(name in r for r in rows), f"{name} missing from some windows"
+    # Meanings (M1): num_tokens is a running total; queue size counts samples; KV use is a fraction.
+    totals = [r["num_tokens"] for r in rows]
+    assert totals == sorted(totals) and totals[-1] >= sum(r["batch/forwarded_tokens_per_step"] for r in rows) * 0.99
+    assert all(
+        0.0 <= r["rollout/vllm_kv_cache_usage_frac"] <= 1.0 for r in rows if "rollout/vllm_kv_cache_usage_frac" in r
+    )
