@@ -65,7 +65,9 @@ def test_pause_wait_drains_in_flight_requests(server):
     async def go():
         async with AsyncServerClient(server.base_url) as c, AsyncServerClient(server.base_url, retries=0) as c0:
             tasks = [asyncio.create_task(c.generate(PROMPT, {**LONG, "max_tokens": 40, "seed": i})) for i in range(3)]
-            await _until(c, lambda m: _running(m) > 0, "requests to run")
+            # all three admitted first: a wait-mode pause drains the running requests; one still waiting would
+            # stay queued until /resume (a loaded machine can admit them one step apart)
+            await _until(c, lambda m: _running(m) == 3, "3 running requests")
             pause = asyncio.create_task(c.pause("wait"))
             while not await c.is_paused():  # the engine flags the pause at once, then drains
                 await asyncio.sleep(0.005)

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 from urllib.parse import urlparse
 
@@ -316,11 +316,7 @@ class AsyncServerClient:
         params.setdefault("logprobs", 0)
         rid = request_id or f"gen-{uuid.uuid4().hex}"
         body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": params, "request_id": rid}
-        if model is not None:
-            body["model"] = model
-        data = await self.request("POST", "/inference/v1/generate", json_body=body, timeout=timeout)
-        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
-        return [parse_generate_choice(c, data.get("request_id", rid)) for c in choices]
+        return await self._post_choices("/inference/v1/generate", body, model, timeout, parse_generate_choice, rid)
 
     async def generate(
         self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any
@@ -351,13 +347,26 @@ class AsyncServerClient:
         body.update(
             prompt=list(token_ids), return_tokens_as_token_ids=True, return_token_ids=True, return_weight_versions=True
         )
-        if model is not None:
-            body["model"] = model
         if request_id is not None:
             body["request_id"] = request_id
-        data = await self.request("POST", "/v1/completions", json_body=body, timeout=timeout)
+        return await self._post_choices("/v1/completions", body, model, timeout, parse_completion_choice, request_id)
+
+    async def _post_choices(
+        self,
+        path: str,
+        body: dict[str, Any],
+        model: str | None,
+        timeout: float | None,
+        parse: Callable[[dict[str, Any], str | None], GenerationResult],
+        request_id: str | None,
+    ) -> list[GenerationResult]:
+        """POST a generation body and parse its choices in index order (vLLM may answer them out of order)."""
+        if model is not None:
+            body["model"] = model
+        data = await self.request("POST", path, json_body=body, timeout=timeout)
         choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
-        return [parse_completion_choice(c, data.get("id", request_id)) for c in choices]
+        rid = data.get("request_id", data.get("id", request_id))
+        return [parse(c, rid) for c in choices]
 
     async def complete(
         self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any

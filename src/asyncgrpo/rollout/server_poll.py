@@ -18,6 +18,8 @@ from asyncgrpo.rollout.admission import METRICS_POLL_INTERVAL_S, ConcurrencyCap
 
 logger = logging.getLogger(__name__)
 
+FIRST_POLL_S = 1.0  # the first look at the server comes this soon; then every METRICS_POLL_INTERVAL_S
+
 
 async def poll_server_metrics(
     has_metrics: bool, client: Any, cap: ConcurrencyCap, channels: Any, generated_tokens: Callable[[], int]
@@ -33,8 +35,11 @@ async def poll_server_metrics(
     """
     last_tokens, last_t = 0, time.perf_counter()
     last_preemptions: float | None = None  # the server's running total at the previous poll
+    interval = METRICS_POLL_INTERVAL_S if has_metrics else 1.0
+    delay = min(FIRST_POLL_S, interval)  # a first reading soon, so even a run shorter than the interval has one
     while True:
-        await asyncio.sleep(METRICS_POLL_INTERVAL_S if has_metrics else 1.0)
+        await asyncio.sleep(delay)
+        delay = interval
         now = time.perf_counter()
         put = channels.put_metric
         tokens = generated_tokens()
