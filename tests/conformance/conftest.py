@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.server.launcher import ServerProcess, launch_server
+from asyncgrpo.server.launcher import ServerProcess
+from tests.helpers.servers import start_cpu_server
 
 VLLM_URL_ENV = "ASYNCGRPO_VLLM_URL"
-START_TIMEOUT_S = 240.0  # 2 shared CPU cores: imports + model load can be slow under load
 
 
 @dataclass
@@ -39,30 +39,15 @@ def needs_embedded(reason: str) -> None:
         pytest.skip(f"{reason} (restarts the server with special flags / needs the tiny model; {VLLM_URL_ENV} set)")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir() -> Path:
-    from asyncgrpo.recipes import tiny_model_dir
-
-    return tiny_model_dir("llama")
-
-
 @pytest.fixture(scope="module")
-def embedded() -> Iterator[Callable[..., ServerProcess]]:
+def embedded(serve: Callable[..., ServerProcess]) -> Callable[..., ServerProcess]:
     """Factory: ``embedded(model_dir, *flags, env=...)`` -> a running embedded server (skips against a real vLLM)."""
-    started: list[ServerProcess] = []
 
     def start(model_dir: Path | str, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
         needs_embedded("embedded-server variant")
-        server = launch_server(
-            model_dir, extra_args=["--device", "cpu", *flags], env={"CUDA_VISIBLE_DEVICES": "", **(env or {})},
-            timeout=START_TIMEOUT_S,
-        )  # fmt: skip
-        started.append(server)
-        return server
+        return serve(model_dir, *flags, env=env)
 
-    yield start
-    for server in started:
-        server.stop()
+    return start
 
 
 @pytest.fixture(scope="session")
@@ -72,10 +57,7 @@ def target(tiny_llama_dir: Path) -> Iterator[Target]:
     if url:
         yield Target(url.rstrip("/"), embedded=False)
         return
-    server = launch_server(
-        tiny_llama_dir, extra_args=["--device", "cpu", "--max-model-len", "256"], env={"CUDA_VISIBLE_DEVICES": ""},
-        timeout=START_TIMEOUT_S,
-    )  # fmt: skip
+    server = start_cpu_server(tiny_llama_dir, "--max-model-len", "256")
     try:
         yield Target(server.base_url, embedded=True)
     finally:
