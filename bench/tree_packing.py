@@ -17,7 +17,14 @@ the sampler's top-8 and entropy, as the trainer runs it):
 Trained tokens/s = trained tokens of all samples / fwd+bwd seconds of all their rows (median
 of ``--iters`` synchronised iterations after ``--warmup``). MFU = model FLOPs the method
 needs (6 x matmul params x non-pad tokens + LM head on trained tokens + 12 x layers x heads x
-head_dim x attended (query, key) pairs) / seconds / peak. Gradient checkpointing is off.
+head_dim x attended (query, key) pairs) / seconds / peak: model FLOPs only, so with gradient
+checkpointing (``--checkpointing on``/``both``; methods named ``<method>+ckpt``) the recompute is
+not counted. ``--compile`` compiles each decoder layer (``trainer/compile.py``) as the trainer
+does with ``compile_decoder_layers=True``.
+
+B1 bound: tree and flat do the same LM-head work (it runs on trained tokens, which are never
+shared), so even at equal MFU the speedup over flat is at most ``flop_ratio`` = flat FLOPs / tree
+FLOPs, which is below the packing ratio; both quotients are written.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.planner import TokenBudgetBatcher
+from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers
 from asyncgrpo.trainer.logprobs import selective_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/helpers
@@ -207,6 +215,14 @@ def measure(model, name: str, run_all, device: str, args, info: dict) -> dict:
     return {**info, "times_s": times, "time_s": t, "peak_mem_gib": peak, "mfu": mfu}
 
 
+def set_checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    model.train()
+
+
 def run_shape(model, samples, budget, device, args, tree_backends, flat_backend) -> dict:
     trained = sum(s.num_trained for s in samples)
     flat_pairs = sum(len(s) * (len(s) + 1) // 2 for s in samples)
@@ -217,7 +233,10 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
     flat_rows = [r.to(device) for r in plan_rows(samples, budget, share=False)]
     use_tree_attention(model)
     runs = [(f"tree_{b}", tree_rows, b) for b in tree_backends] + [(f"flat_{flat_backend}", flat_rows, flat_backend)]
-    for name, rows, backend in runs:
+    ckpt_modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
+    runs = [(n + ("+ckpt" if ck else ""), r, b, ck) for ck in ckpt_modes for n, r, b in runs]
+    for name, rows, backend, ckpt in runs:
+        set_checkpointing(model, ckpt)
         sync(device)
         t0 = time.perf_counter()
         try:
@@ -242,6 +261,10 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
                 packed_step(model, r, p)
 
         methods[name] = measure(model, name, run_all, device, args, info)
+    set_checkpointing(model, False)
+    res["methods"] = methods
+    if args.skip_padded:
+        return finish_shape(res, samples, tree_rows, flat_tokens, flat_backend)
     model.set_attn_implementation("sdpa")
     batches = padded_batches(samples, budget, device)
     info = {
@@ -259,22 +282,34 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
             padded_step(model, b)
 
     methods["padded_sdpa"] = measure(model, "padded_sdpa", run_padded, device, args, info)
+    use_tree_attention(model)
+    return finish_shape(res, samples, tree_rows, flat_tokens, flat_backend)
+
+
+def finish_shape(res: dict, samples: list, tree_rows: list, flat_tokens: int, flat_backend: str) -> dict:
+    """Throughput per method and the B1 quotients (best tree method over flat, same checkpointing)."""
+    methods = res["methods"]
     for m in methods.values():
         if "time_s" in m:
-            m["trained_tokens_per_s"] = trained / m["time_s"]
-    res["methods"] = methods
-    flat = methods[f"flat_{flat_backend}"]
+            m["trained_tokens_per_s"] = res["trained_tokens"] / m["time_s"]
     res["tree_tokens"] = sum(r.num_tokens for r in tree_rows)
     res["packing_ratio"] = flat_tokens / res["tree_tokens"]
     ok = {k: m for k, m in methods.items() if "time_s" in m}
-    best_tree = max(
-        (m for k, m in ok.items() if k.startswith("tree_")), key=lambda m: m["trained_tokens_per_s"], default=None
-    )
-    if best_tree is not None and "time_s" in flat:
-        res["speedup_tree_over_flat"] = best_tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
-        res["speedup_over_flat_per_packing_ratio"] = res["speedup_tree_over_flat"] / res["packing_ratio"]
-    if best_tree is not None and "padded_sdpa" in ok:
-        res["speedup_tree_over_padded"] = best_tree["trained_tokens_per_s"] / ok["padded_sdpa"]["trained_tokens_per_s"]
+    for suffix in ("", "+ckpt"):
+        flat = ok.get(f"flat_{flat_backend}{suffix}")
+        trees = [m for k, m in ok.items() if k.startswith("tree_") and k.endswith("+ckpt") == bool(suffix)]
+        best_tree = max(trees, key=lambda m: m["trained_tokens_per_s"], default=None)
+        if best_tree is None or flat is None:
+            continue
+        key = suffix.replace("+", "_")
+        res["flop_ratio" + key] = flat["flops"] / best_tree["flops"]
+        res["speedup_tree_over_flat" + key] = best_tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
+        res["speedup_over_flat_per_packing_ratio" + key] = res["speedup_tree_over_flat" + key] / res["packing_ratio"]
+        res["speedup_over_flat_per_flop_ratio" + key] = res["speedup_tree_over_flat" + key] / res["flop_ratio" + key]
+        if suffix == "" and "padded_sdpa" in ok:
+            res["speedup_tree_over_padded"] = (
+                best_tree["trained_tokens_per_s"] / ok["padded_sdpa"]["trained_tokens_per_s"]
+            )
     return res
 
 
@@ -301,11 +336,16 @@ def main() -> int:
     ap.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
     ap.add_argument("--tree-backends", nargs="*", default=["flex", "varlen"], choices=["flex", "varlen", "sdpa"])
     ap.add_argument("--max-seconds", type=float, default=330, help="skip remaining configs past this wall time")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (trainer/compile.py)")
+    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="off", help="gradient checkpointing")
+    ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
     args = ap.parse_args()
     start = time.perf_counter()
     if args.smoke:
         device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
-        args.budget, args.warmup, args.iters, args.tree_backends, flat_backend = 512, 0, 1, ["sdpa"], "sdpa"
+        args.budget, args.iters, args.tree_backends, flat_backend = 512, 1, ["sdpa"], "sdpa"
+        args.warmup = 1 if args.compile else 0
     elif not torch.cuda.is_available():
         print(
             "tree_packing benchmark needs a CUDA device (use --smoke for a CPU check); no numbers made up",
@@ -326,6 +366,8 @@ def main() -> int:
                 continue
             if model is None:
                 model = build_model({**QWEN3_COMMON, **overrides} if args.smoke else overrides, device)
+                if args.compile:
+                    compile_decoder_layers(model, CompileSettings(backend=args.compile_backend))
             samples = make_samples(shape, model.config.vocab_size, seed=0)
             r = run_shape(model, samples, args.budget, device, args, args.tree_backends, flat_backend)
             results[f"{mname}/{sname}"] = r
@@ -344,7 +386,9 @@ def main() -> int:
         "token_budget": args.budget,
         "warmup": args.warmup,
         "iters": args.iters,
-        "gradient_checkpointing": False,
+        "gradient_checkpointing": args.checkpointing,
+        "compile_decoder_layers": args.compile,
+        "compile_backend": args.compile_backend if args.compile else None,
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "shapes": {
             k: {"groups": v[0], "group_size": v[1], "prompt": v[2], "completion": v[3]} for k, v in shapes.items()
@@ -382,11 +426,13 @@ def print_result(name: str, r: dict) -> None:
             f"{k:<14}{m['rows']:>5}{m['forwarded_tokens']:>12}{m['time_s']:>9.3f}{m['trained_tokens_per_s']:>15.0f}"
             f"{mfu:>7}{m['peak_mem_gib'] or 0:>10.1f}"
         )
-    if "speedup_tree_over_flat" in r:
-        print(
-            f"speedup best tree/flat {r['speedup_tree_over_flat']:.2f} = "
-            f"{r['speedup_over_flat_per_packing_ratio']:.2f} x packing ratio"
-        )
+    for key in ("", "_ckpt"):
+        if "speedup_tree_over_flat" + key in r:
+            print(
+                f"speedup best tree/flat{key} {r['speedup_tree_over_flat' + key]:.2f} = "
+                f"{r['speedup_over_flat_per_packing_ratio' + key]:.2f} x packing ratio = "
+                f"{r['speedup_over_flat_per_flop_ratio' + key]:.2f} x FLOP ratio {r['flop_ratio' + key]:.2f}"
+            )
     if "speedup_tree_over_padded" in r:
         print(f"speedup best tree/padded {r['speedup_tree_over_padded']:.2f}")
 

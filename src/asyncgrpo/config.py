@@ -222,6 +222,15 @@ class AsyncGRPOConfig(TrainingArguments):
         },
     )
 
+    compile_decoder_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "Compile each decoder layer with torch.compile (dynamic shapes: packed rows of any length reuse "
+            "one graph), fusing the norm, RoPE and activation kernels of the packed training step. The first step "
+            "pays the compile time; if compiling fails the layers run eager with one warning."
+        },
+    )
+
     # ---- asynchronous pipeline ---------------------------------------------------------------------------------
     max_concurrent_rollouts: int = field(
         default=512,

@@ -45,6 +45,7 @@ from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
+from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
@@ -169,6 +170,8 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
+        if args.compile_decoder_layers:
+            compile_decoder_layers(self._causal_lm())
         self.window = MetricsWindow()
         self.step_stats = StepStats()
         self.add_callback(AsyncGRPOCallback(self))
