@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ import torch
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.planner import TokenBudgetBatcher
 from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers
-from asyncgrpo.trainer.logprobs import selective_logprobs
+from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/helpers
 from tests.helpers.synthetic import grpo_samples
@@ -114,7 +115,7 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
         width = max(len(s) for s in b)
         ids = torch.zeros(len(b), width, dtype=torch.long)
         mask = torch.zeros(len(b), width, dtype=torch.long)
-        rows, pos, tgt, adv, extra = [], [], [], [], []
+        rows, pos, tgt, adv, extra, old, extra_lp = [], [], [], [], [], [], []
         for i, s in enumerate(b):
             ids[i, : len(s)] = torch.from_numpy(s.token_ids)
             mask[i, : len(s)] = 1
@@ -124,6 +125,8 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
             tgt.append(s.token_ids[t])
             adv.append(np.full(len(t), s.advantage, dtype=np.float32))
             extra.append(s.sampler_topn_ids[t])
+            extra_lp.append(s.sampler_topn_logprobs[t])
+            old.append(np.asarray(s.old_logprobs, dtype=np.float32)[t])
 
         def cat(parts, dtype=torch.long):
             return torch.from_numpy(np.concatenate(parts)).to(device=device, dtype=dtype)
@@ -136,7 +139,15 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
                 "pos": cat(pos),
                 "targets": cat(tgt),
                 "adv": cat(adv, torch.float32),
-                "extra": cat(extra),
+                "loss_row": SimpleNamespace(
+                    target_ids=cat(tgt),
+                    advantages=cat(adv, torch.float32),
+                    old_logprobs=cat(old, torch.float32),
+                    sampler_topn_ids=cat(extra),
+                    sampler_topn_logprobs=cat(extra_lp, torch.float32),
+                    candidates=None,
+                    entry_sample=None,
+                ),
                 "tokens": int(mask.sum()),
                 "width": width,
             }
@@ -145,25 +156,21 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- steps
-def loss_of(hidden, head, targets, extra, adv):
-    """Score-centering-shaped loss over the trained tokens (keeps every output of the log-prob module live)."""
-    out = selective_logprobs(hidden, head, targets, extra_ids=extra, want_entropy=True)
-    m = len(targets)
-    return (
-        -(adv * out.logprobs).sum() + (adv[:, None] * out.extra_logprobs.exp()).sum() - 1e-3 * out.entropy.sum()
-    ) / m
+LOSS = PolicyLossSettings()  # main() sets fused_lm_head from --lm-head
 
 
 def packed_step(model, row, plan):
+    """The trainer's step: packed decoder forward, LM head + score-centering loss on trained tokens, backward."""
     hidden = packed_hidden_states(model, row, plan)
     head = model.get_output_embeddings().weight
-    loss_of(hidden[row.pred_index], head, row.target_ids, row.sampler_topn_ids, row.advantages).backward()
+    packed_policy_loss(hidden[row.pred_index], head, row, row.num_trained, LOSS).loss.backward()
 
 
 def padded_step(model, batch):
     hidden = model.base_model(input_ids=batch["ids"], attention_mask=batch["mask"], use_cache=False).last_hidden_state
     head = model.get_output_embeddings().weight
-    loss_of(hidden[batch["rows"], batch["pos"]], head, batch["targets"], batch["extra"], batch["adv"]).backward()
+    row = batch["loss_row"]
+    packed_policy_loss(hidden[batch["rows"], batch["pos"]], head, row, len(row.target_ids), LOSS).loss.backward()
 
 
 def sync(device: str) -> None:
@@ -339,8 +346,12 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (trainer/compile.py)")
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="off", help="gradient checkpointing")
+    ap.add_argument("--lm-head", choices=["fused", "recompute"], default="fused",
+                    help="fused: gradient formed in the forward (the trainer's default); recompute: logits again in backward")  # fmt: skip
     ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
     args = ap.parse_args()
+    global LOSS
+    LOSS = PolicyLossSettings(fused_lm_head=args.lm_head == "fused")
     start = time.perf_counter()
     if args.smoke:
         device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
@@ -388,6 +399,7 @@ def main() -> int:
         "iters": args.iters,
         "gradient_checkpointing": args.checkpointing,
         "compile_decoder_layers": args.compile,
+        "lm_head": args.lm_head,
         "compile_backend": args.compile_backend if args.compile else None,
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "shapes": {

@@ -47,8 +47,8 @@ from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
-from asyncgrpo.trainer.logprobs import selective_logprobs
-from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
+from asyncgrpo.trainer.loss import loss_normalizer
+from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
@@ -389,35 +389,16 @@ class AsyncGRPOTrainer(Trainer):
         return loss.detach()
 
     def _policy_loss(self, lm: torch.nn.Module, hidden: torch.Tensor, row: Any, normalizer: float):
-        """Chunked log-probs of the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6)."""
+        """LM head on the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6): ``packed_policy_loss``."""
         args: AsyncGRPOConfig = self.args
-        h = hidden[row.pred_index]  # [M, hidden]: the position predicting each trained token
-        use_top = row.sampler_topn_ids is not None  # the worker sends top-N only with score centering on
-        out = selective_logprobs(
-            h,
-            lm.get_output_embeddings().weight,
-            row.target_ids,
+        settings = PolicyLossSettings(
             temperature=args.temperature,
-            extra_ids=row.sampler_topn_ids if use_top else None,
-            candidates=row.candidates,
-            want_entropy=True,
-        )
-        return policy_loss(
-            out.logprobs,
-            row.old_logprobs,
-            row.advantages,
-            torch.ones_like(row.target_ids, dtype=torch.bool),
-            normalizer,
             clip_min=args.vllm_importance_sampling_clip_min,
             clip_max=args.vllm_importance_sampling_clip_max,
             epsilon_low=args.epsilon,
             epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-            score_centering=use_top,
-            top_logprobs=out.extra_logprobs,
-            sampler_top_logprobs=row.sampler_topn_logprobs if use_top else None,
-            sample_index=row.entry_sample,
-            entropy=out.entropy,
         )
+        return packed_policy_loss(hidden[row.pred_index], lm.get_output_embeddings().weight, row, normalizer, settings)
 
     def _device_is_cuda(self) -> bool:
         return torch.device(self.args.device).type == "cuda"
