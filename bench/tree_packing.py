@@ -95,10 +95,12 @@ def make_samples(shape: tuple, vocab: int, seed: int) -> list:
 
 
 def plan_rows(samples: list, budget: int, share: bool) -> list:
-    batcher = TokenBudgetBatcher(budget, share_prefixes=share)
+    """Rows as the trainer plans them (groups kept in one row when they fit)."""
+    batcher = TokenBudgetBatcher(budget, share_prefixes=share, keep_groups=KEEP_GROUPS)
     mbs = [mb for mb in (batcher.add(s) for s in samples) if mb is not None]
-    last = batcher.flush()
-    return [row for mb in mbs + ([last] if last else []) for row in mb.pack()]
+    while (last := batcher.flush()) is not None:
+        mbs.append(last)
+    return [row for mb in mbs for row in mb.pack()]
 
 
 def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
@@ -157,6 +159,7 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
 
 # ---------------------------------------------------------------------------- steps
 LOSS = PolicyLossSettings()  # main() sets fused_lm_head from --lm-head
+KEEP_GROUPS = True  # main() sets it from --split-groups
 
 
 def packed_step(model, row, plan):
@@ -348,10 +351,12 @@ def main() -> int:
     ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="off", help="gradient checkpointing")
     ap.add_argument("--lm-head", choices=["fused", "recompute"], default="fused",
                     help="fused: gradient formed in the forward (the trainer's default); recompute: logits again in backward")  # fmt: skip
+    ap.add_argument("--split-groups", action="store_true", help="plan sample by sample (groups may span rows)")
     ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
     args = ap.parse_args()
-    global LOSS
+    global LOSS, KEEP_GROUPS
     LOSS = PolicyLossSettings(fused_lm_head=args.lm_head == "fused")
+    KEEP_GROUPS = not args.split_groups
     start = time.perf_counter()
     if args.smoke:
         device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
@@ -400,6 +405,7 @@ def main() -> int:
         "gradient_checkpointing": args.checkpointing,
         "compile_decoder_layers": args.compile,
         "lm_head": args.lm_head,
+        "keep_groups": not args.split_groups,
         "compile_backend": args.compile_backend if args.compile else None,
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "shapes": {

@@ -230,7 +230,7 @@ class AsyncGRPOTrainer(Trainer):
             total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
             self.source = RolloutSource(
                 self.worker,
-                TokenBudgetBatcher(self.token_budget, n_proc),
+                TokenBudgetBatcher(self.token_budget, n_proc, keep_groups=True),
                 args.gradient_accumulation_steps,
                 args.max_staleness,
                 n or 0,
