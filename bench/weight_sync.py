@@ -9,8 +9,9 @@ In one run:
    (a) as one buffer and (b) one broadcast per parameter tensor; median of ``--iters``.
 2. sync: ``asyncgrpo serve`` on GPU 0 serves the model (random init, bf16); a ``WeightSender``
    on GPU 1 pushes the trainer's copy with ``update_model`` (pause, start, broadcast, finish,
-   reset prefix cache, resume), packed (the default) and unpacked; median of ``--iters`` rounds
-   after ``--warmup``.
+   reset prefix cache, resume), packed in 1 GiB chunks (vLLM's default), in 64 MiB chunks, and
+   unpacked; median of ``--iters`` rounds after ``--warmup``. One server per mode (packing is fixed
+   when the group forms).
 
 The JSON holds every timing, the bytes moved, and ``ratio`` = sync total / bare one-buffer broadcast.
 A machine without 2 GPUs exits 2 (no numbers made up).
@@ -95,7 +96,8 @@ def bare_broadcast(sizes: list[int], iters: int, warmup: int) -> dict:
     return out
 
 
-def sync_rounds(model_dir: Path, model, iters: int, warmup: int, packed: bool, server_args: list[str]) -> dict:
+def sync_rounds(model_dir: Path, model, iters: int, warmup: int, mode: str, server_args: list[str]) -> dict:
+    """``mode``: "unpacked", or "packed:<MiB>" (packed_buffer_size_bytes; 1024 is vLLM's default)."""
     from asyncgrpo.client.http_client import AsyncServerClient
     from asyncgrpo.server.launcher import launch_server
     from asyncgrpo.weights.sender import WeightSender
@@ -103,12 +105,14 @@ def sync_rounds(model_dir: Path, model, iters: int, warmup: int, packed: bool, s
     server = launch_server(
         model_dir, extra_args=server_args, env={"CUDA_VISIBLE_DEVICES": "0", **NO_MULTICAST}, timeout=600
     )
-    sender = WeightSender(timeout_s=300)
+    packed = mode.startswith("packed")
+    size = int(mode.split(":")[1]) << 20 if packed else 1 << 30
+    sender = WeightSender(timeout_s=300, packed_buffer_size_bytes=size)
     try:
         sender.init(AsyncServerClient(server.base_url), backend="nccl", device="cuda:1", packed=packed)
         rounds = []
         for i in range(warmup + iters):
-            t = sender.update_model(model, version=f"bench-{packed}-{i}")
+            t = sender.update_model(model, version=f"bench-{mode}-{i}")
             if i >= warmup:
                 rounds.append(t)
     finally:
@@ -124,7 +128,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny model (still needs 2 GPUs)")
-    ap.add_argument("--modes", nargs="*", default=["packed", "unpacked"], choices=["packed", "unpacked"])
+    ap.add_argument("--modes", nargs="*", default=["packed:1024", "packed:64", "unpacked"],
+                    help="unpacked, or packed:<buffer MiB>")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("weight_sync benchmark needs 2 CUDA devices (server on GPU 0, trainer on GPU 1); no numbers made up",
@@ -164,9 +169,9 @@ def main() -> int:
                        "--gpu-memory-utilization", "0.3", "--weight-transfer-config", '{"backend": "nccl"}']  # fmt: skip
         bare = report["bare"]["one_buffer"]["median_s"]
         for mode in args.modes:
-            r = sync_rounds(model_dir, model, args.iters, args.warmup, mode == "packed", server_args)
+            r = sync_rounds(model_dir, model, args.iters, args.warmup, mode, server_args)
             r["ratio"] = r["median"]["total_s"] / bare
-            report[f"sync_{mode}"] = r
+            report[f"sync_{mode.replace(':', '_')}"] = r
             med = {k: round(v * 1e3, 2) for k, v in r["median"].items()}
             print(f"sync {mode}: {med} ms -> {r['ratio']:.2f} x bare")
     report["wall_s"] = time.perf_counter() - start
