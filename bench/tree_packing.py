@@ -386,6 +386,10 @@ def main() -> int:
                     compile_decoder_layers(model, CompileSettings(backend=args.compile_backend))
             samples = make_samples(shape, model.config.vocab_size, seed=0)
             r = run_shape(model, samples, args.budget, device, args, args.tree_backends, flat_backend)
+            if args.compile:  # a compile failure falls back to eager with a warning: say so in the results
+                r["compiled_layers_still_compiled"] = all(
+                    layer._compiled_call_impl is not None for layer in model.model.layers
+                )
             results[f"{mname}/{sname}"] = r
             print_result(f"{mname}/{sname}", r)
         del model
