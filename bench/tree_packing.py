@@ -200,6 +200,23 @@ def time_method(model, run_all, device: str, warmup: int, iters: int) -> tuple[l
     return times, peak
 
 
+def profile_once(model, name: str, run_all, path: Path) -> None:
+    """Append the top CUDA kernels of one pass of ``name`` (already warm) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run_all()
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=45, max_name_column_width=70
+    )
+    with path.open("a") as f:
+        f.write(f"\n==== {name} (ckpt={bool(getattr(model, 'is_gradient_checkpointing', False))})\n{table}\n")
+
+
 # ---------------------------------------------------------------------------- FLOPs
 def model_flops(model, tokens: int, trained: int, pairs: int) -> float:
     """Training FLOPs the work needs: 6 x (decoder matmul params x tokens + LM head x trained) + attention."""
@@ -271,6 +288,8 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
                 packed_step(model, r, p)
 
         methods[name] = measure(model, name, run_all, device, args, info)
+        if args.profile and name.startswith("tree_") and "time_s" in methods[name]:
+            profile_once(model, name, run_all, args.profile)
     set_checkpointing(model, False)
     res["methods"] = methods
     if args.skip_padded:
@@ -352,6 +371,7 @@ def main() -> int:
     ap.add_argument("--lm-head", choices=["fused", "recompute"], default="fused",
                     help="fused: gradient formed in the forward (the trainer's default); recompute: logits again in backward")  # fmt: skip
     ap.add_argument("--split-groups", action="store_true", help="plan sample by sample (groups may span rows)")
+    ap.add_argument("--profile", type=Path, help="append a torch.profiler kernel table of each tree method here")
     ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
     args = ap.parse_args()
     global LOSS, KEEP_GROUPS
