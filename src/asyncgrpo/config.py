@@ -410,7 +410,10 @@ class AsyncGRPOConfig(TrainingArguments):
                 "deepspeed is not supported: shard with FSDP2 instead (`fsdp`/`fsdp_config`, or accelerate launch)"
             )
         if self.use_liger_kernel:
-            p.append("use_liger_kernel=True is not supported: the loss computes log-probs in chunks itself; set False")
+            p.append(
+                "use_liger_kernel=True is not supported: the loss computes log-probs in chunks itself; set False "
+                "(compile_decoder_layers=True fuses the norm, RoPE and activation kernels of the packed step instead)"
+            )
         pc = getattr(self, "parallelism_config", None)
         for attr, what in (("cp_size", "context"), ("sp_size", "sequence")):
             size = getattr(pc, attr, 1) if pc is not None else 1
