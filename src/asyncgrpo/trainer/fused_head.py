@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from asyncgrpo.trainer import head_kernels
 from asyncgrpo.trainer.logprobs import CHUNK_BYTES, TokenLogprobs, _Chunk
 
 # chunk_loss(lo, hi, logprobs[c], extra_logprobs[c, K] or None) -> 0-d loss of tokens [lo, hi)
@@ -117,6 +118,10 @@ class _FusedHeadLoss(torch.autograd.Function):
             w = weight.to(o.compute_dtype)
             for lo in range(0, n_tok, o.chunk):
                 hi = min(lo + o.chunk, n_tok)
+                if not o.cand_rows.numel():  # no candidate sets: the fused elementwise path
+                    total += _plain_chunk(o, hidden, w, targets, extra, lo, hi, need_h, need_w,
+                                          (lp, extra_lp, ent, top_ids, top_lp, d_hidden, d_weight))  # fmt: skip
+                    continue
                 ch = _Chunk(o, hidden, w, lo, hi)
                 s = torch.logsumexp(ch.zm, dim=-1)
                 lp[lo:hi] = ch.zm.gather(1, targets[lo:hi, None])[:, 0] - s
@@ -166,6 +171,53 @@ class _FusedHeadLoss(torch.autograd.Function):
         dh = d_hidden * scale.to(d_hidden.dtype) if d_hidden is not None else None
         dw = d_weight * scale.to(d_weight.dtype) if d_weight is not None else None
         return dh, dw, None, None, None
+
+
+def _plain_chunk(
+    o: _Opts, hidden, w, targets, extra, lo: int, hi: int, need_h: bool, need_w: bool, outs
+) -> torch.Tensor:
+    """One chunk without candidate sets: logits stay in the matmul dtype; ``head_kernels`` do the dense work and
+    the one-hot terms go straight into the hidden and weight gradients. Returns the chunk's loss."""
+    lp, extra_lp, ent, top_ids, top_lp, d_hidden, d_weight = outs
+    t_inv = 1.0 / o.temperature
+    h = hidden[lo:hi].to(w.dtype)
+    zb = h @ w.T  # [c, V] in the compute dtype
+    s, mean_z = head_kernels.row_stats(zb, o.temperature, o.want_entropy)
+    t = targets[lo:hi]
+    lp[lo:hi] = zb.gather(1, t[:, None])[:, 0].float() / o.temperature - s
+    ids = extra[lo:hi]
+    safe_ids = ids.clamp(min=0)
+    if extra.shape[1]:
+        got = zb.gather(1, safe_ids).float() / o.temperature - s[:, None]
+        extra_lp[lo:hi] = got.masked_fill(ids < 0, float("-inf"))
+    if o.want_entropy:
+        ent[lo:hi] = s - mean_z
+    if o.top_n:
+        vals, idx = torch.topk(zb, o.top_n, dim=-1)
+        top_ids[lo:hi], top_lp[lo:hi] = idx, vals.float() / o.temperature - s[:, None]
+    g_lp, g_ex, chunk_total = _chunk_grads(o, lo, hi, lp[lo:hi], extra_lp[lo:hi], need_h or need_w)
+    if not (need_h or need_w):
+        return chunk_total
+    coef = g_lp.clone()
+    ge = None
+    if g_ex is not None and extra.shape[1]:
+        ge = g_ex.masked_fill(ids < 0, 0.0)
+        coef += ge.sum(-1)
+    dz = head_kernels.dense_grad(zb, s, coef, o.temperature)  # -p coef / T, [c, V]
+    del zb
+    hf = h.float()
+    if need_h:  # dense part, plus sum over one-hot terms g_k W[id_k] / T
+        sparse = (g_lp * t_inv)[:, None] * w[t].float()
+        if ge is not None:
+            sparse += torch.einsum("ck,ckh->ch", ge * t_inv, w[safe_ids].float())
+        d_hidden[lo:hi] = ((dz @ w).float() + sparse).to(d_hidden.dtype)
+    if need_w:
+        d_weight += dz.T @ h
+        d_weight.index_add_(0, t, (g_lp * t_inv)[:, None] * hf)
+        if ge is not None:
+            rows = (ge * t_inv)[:, :, None] * hf[:, None, :]  # [c, K, H]: small next to [c, V]
+            d_weight.index_add_(0, safe_ids.reshape(-1), rows.reshape(-1, hf.shape[1]))
+    return chunk_total
 
 
 def _chunk_grads(
