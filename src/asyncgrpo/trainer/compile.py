@@ -132,7 +132,7 @@ def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | N
         layer._compiled_call_impl = _GuardedCall(group, layer, compiled)
     # one graph serves every layer; leave room for a few specialisations (e.g. with/without gradients)
     cfg = torch._dynamo.config
-    cfg.cache_size_limit = max(cfg.cache_size_limit, 64)
+    cfg.cache_size_limit = max(cfg.cache_size_limit, 64, 8 * len(layers))
     if hasattr(cfg, "accumulated_cache_size_limit"):
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * len(layers) + 64)
     logger.info("compiled %d decoder layers (backend=%s, dynamic=%s)", len(todo), settings.backend, settings.dynamic)
