@@ -22,6 +22,7 @@ def _qwen3() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
 
 
+@pytest.mark.slow  # ~40 s on 2 shared cores: dynamo + AOT tracing of forward and backward
 def test_compiled_layers_match_unpacked_reference():
     """Under gradient checkpointing (the default of real runs): the recompute runs the compiled layer too."""
     rng = np.random.default_rng(3)
@@ -36,16 +37,11 @@ def test_compiled_layers_match_unpacked_reference():
     # aot_eager traces forward and backward the way inductor does, without a C compiler on 2 shared cores
     assert compile_decoder_layers(model, CompileSettings(backend="aot_eager")) == COMMON["num_hidden_layers"]
     assert compile_decoder_layers(model, CompileSettings(backend="aot_eager")) == 0  # idempotent
-    for _ in range(2):  # the second row has another length: dynamic shapes, no failure
-        lp, grads = _packed(model, row, weights)
-        assert (lp - ref_lp).abs().max().item() <= 1e-4
-        assert grads.keys() == ref_grads.keys()
-        for name, g in grads.items():
-            assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
-        samples = samples[:-2]
-        row = pack_samples(samples)
-        weights = weights[: row.num_trained]
-        ref_lp, ref_grads = _reference(model, samples, weights)
+    lp, grads = _packed(model, row, weights)
+    assert (lp - ref_lp).abs().max().item() <= 1e-4
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
     assert all(layer._compiled_call_impl is not None for layer in decoder_layers(model))
 
 
