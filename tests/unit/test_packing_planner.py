@@ -187,3 +187,17 @@ def test_keep_groups_take_open_samples_returns_the_held_group():
         assert b.add(s) is None
     assert b.pending_samples == 4
     assert b.take_open_samples() == first + [second] and b.pending_samples == 0
+
+
+def test_keep_groups_with_two_processes_balances_whole_groups():
+    samples = grpo_samples(num_groups=4, group_size=4, prompt_len=30, completion_len=(5, 15), vocab_size=1000, seed=2)
+    b = TokenBudgetBatcher(token_budget=200, num_processes=2, keep_groups=True)
+    closed = [mb for mb in (b.add(s) for s in samples) if mb is not None]
+    while (mb := b.flush()) is not None:
+        closed.append(mb)
+    rows = [r for mb in closed for r in mb.rows]
+    groups = [g for r in rows for g in r.group_ids]
+    assert sorted(groups) == sorted({s.group_id for s in samples})  # each group in exactly one row
+    assert sum(len(r) for r in rows) == len(samples) and all(r.num_tokens <= 200 for r in rows)
+    assert all(len(r) for mb in closed for r in mb.rows[:1])  # no micro-batch starts empty
+    assert min(len(r.group_ids) for r in closed[0].rows) >= 1  # the second row of the first micro-batch is used
