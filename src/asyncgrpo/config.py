@@ -161,9 +161,14 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # ---- generation server -------------------------------------------------------------------------------------
-    vllm_server_base_url: str = field(
+    vllm_server_base_url: str | list[str] = field(
         default="http://localhost:8000",
-        metadata={"help": "Base URL of the generation server (vLLM or `asyncgrpo serve`)."},
+        metadata={
+            "help": "Base URL of the generation server (vLLM or `asyncgrpo serve`), or several (a list, or one "
+            "comma-separated string): each GRPO group goes to the least loaded server, every weight sync reaches "
+            "all of them, and a server that stops answering is dropped with a warning naming it (the run goes on "
+            "with the rest; it stops when none is left)."
+        },
     )
     vllm_server_timeout: float = field(
         default=1800.0,
@@ -313,8 +318,7 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"repetition_penalty={self.repetition_penalty}: must be > 0; 1.0 disables it")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             p.append(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 1 or None")
-        if not self.vllm_server_base_url.startswith(("http://", "https://")):
-            p.append(f"vllm_server_base_url={self.vllm_server_base_url!r}: must start with http:// or https://")
+        p += self._server_url_problems()
         for name in ("vllm_server_timeout", "rollout_worker_timeout"):
             if not getattr(self, name) > 0:
                 p.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
@@ -323,6 +327,26 @@ class AsyncGRPOConfig(TrainingArguments):
         p += self._loss_problems()
         p += self._pipeline_problems()
         p += self._unsupported_problems()
+        return p
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """``vllm_server_base_url`` as a tuple of URLs (a list, or a comma-separated string, split)."""
+        value = self.vllm_server_base_url
+        items = [value] if isinstance(value, str) else list(value)  # the CLI parser gives a list either way
+        return tuple(u.strip().rstrip("/") for item in items for u in str(item).split(",") if u.strip())
+
+    def _server_url_problems(self) -> list[str]:
+        value = self.vllm_server_base_url
+        if not isinstance(value, str | list | tuple):
+            return [f"vllm_server_base_url={value!r}: must be a URL string or a list of URLs"]
+        urls = self.server_urls
+        p = [f"vllm_server_base_url: {u!r} must start with http:// or https://" for u in urls
+             if not u.startswith(("http://", "https://"))]  # fmt: skip
+        if not urls:
+            p.append(f"vllm_server_base_url={value!r}: give at least one URL, e.g. 'http://localhost:8000'")
+        if len(set(urls)) != len(urls):
+            p.append(f"vllm_server_base_url={value!r}: lists a server twice; list each server once")
         return p
 
     def _loss_problems(self) -> list[str]:

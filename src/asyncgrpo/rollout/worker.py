@@ -65,6 +65,10 @@ class WorkerChannels:
     tokens_consumed: Any  # mp.Value("q"), total tokens the trainer pulled from `samples`
     heartbeat: Any  # mp.Value("d")
     samples_queued: Any = None  # mp.Value("q"): samples put in `samples` minus samples the trainer pulled
+    dropped_servers: Any = None  # mp.Value("q"): bit i set = the trainer dropped server i from the weight sync (X5)
+
+    def dropped_server_mask(self) -> int:
+        return int(self.dropped_servers.value) if self.dropped_servers is not None else 0
 
     def count_queued(self, delta: int) -> None:
         if self.samples_queued is not None:
@@ -148,6 +152,7 @@ class RolloutWorker:
             tokens_consumed=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", 0.0),
             samples_queued=ctx.Value("q", 0),
+            dropped_servers=ctx.Value("q", 0),
         )
         self.loop_obj = loop_obj
         self.heartbeat_timeout = heartbeat_timeout
@@ -238,6 +243,11 @@ class RolloutWorker:
     # ---- trainer -> worker
     def set_policy_version(self, version: int) -> None:
         self.channels.policy_version.value = version
+
+    def drop_server(self, index: int) -> None:
+        """Tell the loop to stop routing to server ``index``: the weight sync no longer reaches it (X5)."""
+        with self.channels.dropped_servers.get_lock():
+            self.channels.dropped_servers.value |= 1 << index
 
     def report_step(self, tokens_used: int) -> None:
         self.channels.tokens_per_step.value = int(tokens_used)
