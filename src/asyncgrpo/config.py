@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SERVER_URL = "http://localhost:8000"  # vllm serve's default port
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 # transformers >= 5.2x renamed gradient_checkpointing -> activation_checkpointing (old name kept as an alias).
 _HAS_ACTIVATION_CHECKPOINTING = any(f.name == "activation_checkpointing" for f in dataclasses.fields(TrainingArguments))
@@ -162,7 +163,7 @@ class AsyncGRPOConfig(TrainingArguments):
 
     # ---- generation server -------------------------------------------------------------------------------------
     vllm_server_base_url: str | list[str] = field(
-        default="http://localhost:8000",
+        default=DEFAULT_SERVER_URL,
         metadata={
             "help": "Base URL of the generation server (vLLM or `asyncgrpo serve`), or several (a list, or one "
             "comma-separated string): each GRPO group goes to the least loaded server, every weight sync reaches "
@@ -269,6 +270,8 @@ class AsyncGRPOConfig(TrainingArguments):
         self.chat_template_kwargs = _parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.vllm_server_base_url is None:  # HfArgumentParser gives None for an omitted list-typed flag
+            self.vllm_server_base_url = DEFAULT_SERVER_URL
         self._resolve_changed_defaults()
         problems = self._collect_problems()
         if problems:
