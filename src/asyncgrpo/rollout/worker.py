@@ -65,6 +65,7 @@ class WorkerChannels:
     tokens_consumed: Any  # mp.Value("q"), total tokens the trainer pulled from `samples`
     heartbeat: Any  # mp.Value("d")
     samples_queued: Any = None  # mp.Value("q"): samples put in `samples` minus samples the trainer pulled
+    trainer_waiting: Any = None  # mp.Event: set while the trainer waits for a step's samples (sync_rollouts)
     dropped_servers: Any = None  # mp.Value("q"): bit i set = the trainer dropped server i from the weight sync (X5)
 
     def dropped_server_mask(self) -> int:
@@ -152,6 +153,7 @@ class RolloutWorker:
             tokens_consumed=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", 0.0),
             samples_queued=ctx.Value("q", 0),
+            trainer_waiting=ctx.Event(),
             dropped_servers=ctx.Value("q", 0),
         )
         self.loop_obj = loop_obj
@@ -243,6 +245,11 @@ class RolloutWorker:
     # ---- trainer -> worker
     def set_policy_version(self, version: int) -> None:
         self.channels.policy_version.value = version
+
+    def set_trainer_waiting(self, waiting: bool) -> None:
+        """Open (True) or close the gate a ``sync_rollouts`` worker starts groups through."""
+        if self.channels.trainer_waiting is not None:
+            (self.channels.trainer_waiting.set if waiting else self.channels.trainer_waiting.clear)()
 
     def drop_server(self, index: int) -> None:
         """Tell the loop to stop routing to server ``index``: the weight sync no longer reaches it (X5)."""
