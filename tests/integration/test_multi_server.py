@@ -1,6 +1,7 @@
 """Several generation servers serve one run (SPEC X5, issue 12): two real ``asyncgrpo serve`` processes.
 
-Checked against the servers' own HTTP answers: both generate (their ``/metrics`` token counters move),
+Checked against the servers' own HTTP answers: both topologies of the weight fan-out load exactly the
+pushed weights on both servers (greedy tokens and log-probs equal a local forward); in a trainer run both generate (their ``/metrics`` token counters move),
 both report the weight version of every sync on ``/weight_info``, and after one is killed mid-run the
 run goes on with the other (the chosen outcome: continue with a warning naming the dead server's URL),
 which keeps receiving every sync.
@@ -18,8 +19,11 @@ import pytest
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.metrics import is_documented_metric
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.weights.fanout import TOPOLOGIES, FanoutSender
+from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +70,24 @@ def servers(serve, tiny_llama_dir):
     flags = ("--max-model-len", "256", "--kv-cache-tokens", "16384")
     with ThreadPoolExecutor(2) as pool:  # both start at once: half the wait
         return list(pool.map(lambda _: serve(tiny_llama_dir, *flags), range(2)))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_each_topology_loads_the_pushed_weights_on_every_server(servers, tiny_llama_dir, topology):
+    """One group per server, or one group for all: both servers then decode exactly the pushed weights."""
+    model = hf_model(tiny_llama_dir)
+    perturb(model, seed=TOPOLOGIES.index(topology) + 1)
+    sender = FanoutSender(timeout_s=120, packed_buffer_size_bytes=256 * 1024, topology=topology)
+    sender.init([AsyncServerClient(s.base_url) for s in servers], [1, 1], backend="gloo", device="cpu")
+    try:
+        for version in (f"{topology}-1", f"{topology}-2"):  # the second round reuses the metadata
+            sender.update(model.named_parameters(), version=version)
+            for s in servers:
+                res, served = server_greedy(s.base_url)
+                assert served == version
+                check_greedy(model, res)
+    finally:
+        sender.close()
 
 
 def test_two_servers_share_the_work_get_every_sync_and_survive_losing_one(tmp_path, servers, tiny_llama_dir, caplog):
