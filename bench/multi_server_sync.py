@@ -44,7 +44,7 @@ SHAPES = {  # Qwen3 shapes (hidden, intermediate, layers, heads, kv heads)
 }
 
 
-def write_model(path: Path, shape: str):
+def write_model(path: Path, shape: str, device: str):
     """Save a random-init model of ``shape`` for the servers; return it (bf16, on the trainer's GPU)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -53,7 +53,7 @@ def write_model(path: Path, shape: str):
     cfg = Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
                       max_position_embeddings=4096)  # fmt: skip
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return model
@@ -78,13 +78,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--mem-frac", type=float, default=0.3, help="--gpu-memory-utilization of each server")
     p.add_argument("--out", default="bench/results/multi_server_sync_h200x2.json")
+    p.add_argument("--cpu", action="store_true", help="a smoke run of the script on CPU over gloo (use --shape tiny)")
     a = p.parse_args()
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     os.environ["CUDA_VISIBLE_DEVICES"] = a.trainer_gpu  # the trainer sees only its GPU; each server gets its own
     import torch
 
-    if not torch.cuda.is_available():
+    if not a.cpu and not torch.cuda.is_available():
         print("needs CUDA: nothing measured", file=sys.stderr)
         return 2
     from asyncgrpo.client.http_client import AsyncServerClient
@@ -96,32 +97,33 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="multi-server-sync-"))
     t0 = time.time()
     gpus = a.server_gpus.split(",")
-    if a.trainer_gpu in gpus:
+    backend, dev = ("gloo", "cpu") if a.cpu else ("nccl", "cuda:0")
+    if a.trainer_gpu in gpus and not a.cpu:
         print(f"the trainer GPU {a.trainer_gpu} is also a server GPU: NCCL refuses that; pick another", file=sys.stderr)
         return 2
-    model = write_model(tmp / "model", a.shape)
+    model = write_model(tmp / "model", a.shape, dev)
     nbytes = sum(m.nbytes for m in policy_weight_metadata(model))
-    flags = ["--device", "cuda:0", "--dtype", "bfloat16", "--max-model-len", "512", "--gpu-memory-utilization",
-             str(a.mem_frac), "--weight-transfer-config", '{"backend": "nccl"}']  # fmt: skip
+    flags = ["--device", dev, "--dtype", "bfloat16", "--max-model-len", "512", "--gpu-memory-utilization",
+             str(a.mem_frac), "--weight-transfer-config", json.dumps({"backend": backend})]  # fmt: skip
     servers = []
     try:
         for gpu in gpus:
-            env = {"CUDA_VISIBLE_DEVICES": gpu, **NO_MULTICAST}
+            env = {"CUDA_VISIBLE_DEVICES": "" if a.cpu else gpu, **NO_MULTICAST}
             servers.append(launch_server(tmp / "model", extra_args=flags, env=env, timeout=600))
         urls = [s.base_url for s in servers]
         print(f"model {a.shape}: {nbytes / 1e9:.2f} GB per round; servers {urls} ready after {time.time() - t0:.0f}s")
         results = {}
         single = WeightSender(timeout_s=300)
-        single.init(AsyncServerClient(urls[0]), 1, backend="nccl", device="cuda:0")
+        single.init(AsyncServerClient(urls[0]), 1, backend=backend, device=dev)
         results["single"] = measure(single, model, a.rounds, "single")
         single.close()
         for topology in ("per_server", "shared"):
-            if topology == "shared" and len(set(gpus)) < len(gpus):
+            if topology == "shared" and len(set(gpus)) < len(gpus) and not a.cpu:
                 results[topology] = {"skipped": f"servers share a GPU ({a.server_gpus}): NCCL needs one per rank"}
                 print(f"shared: skipped, {results[topology]['skipped']}")
                 continue
             fan = FanoutSender(timeout_s=300, topology=topology)
-            fan.init([AsyncServerClient(u) for u in urls], [1] * len(urls), backend="nccl", device="cuda:0")
+            fan.init([AsyncServerClient(u) for u in urls], [1] * len(urls), backend=backend, device=dev)
             results[topology] = measure(fan, model, a.rounds, topology)
             versions = [weight_version(u) for u in urls]
             results[topology]["all_servers_report_last_version"] = versions == [f"{topology}-{a.rounds - 1}"] * 2
@@ -136,7 +138,7 @@ def main() -> int:
                   f"total {r['total_s'] * 1e3:7.1f} ms  {r['gb_per_s']:6.1f} GB/s  x{r['ratio_to_single']:.2f} "
                   "of one server")  # fmt: skip
         record = {"shape": a.shape, "bytes_per_round": nbytes, "server_gpus": a.server_gpus,
-                  "trainer_gpu": a.trainer_gpu, "rounds": a.rounds, "device": torch.cuda.get_device_name(),
+                  "trainer_gpu": a.trainer_gpu, "rounds": a.rounds, "device": "cpu" if a.cpu else torch.cuda.get_device_name(),
                   "results": results}  # fmt: skip
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(record, indent=1))
