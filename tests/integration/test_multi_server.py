@@ -9,6 +9,7 @@ which keeps receiving every sync.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -20,8 +21,10 @@ from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.metrics import is_documented_metric
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.server.launcher import free_port
 from asyncgrpo.weights.fanout import TOPOLOGIES, FanoutSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
@@ -70,6 +73,29 @@ def servers(serve, tiny_llama_dir):
     flags = ("--max-model-len", "256", "--kv-cache-tokens", "16384")
     with ThreadPoolExecutor(2) as pool:  # both start at once: half the wait
         return list(pool.map(lambda _: serve(tiny_llama_dir, *flags), range(2)))
+
+
+def test_a_request_to_a_dead_server_is_answered_by_a_live_one(servers, caplog):
+    """The worker's pool: the group's server refuses connections, so the request is retried on the other."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    pool = ServerPool([dead, servers[0].base_url], timeout=60, max_connections=4)
+    pool.clients[0].retries = 0
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
+
+    async def go():
+        try:
+            i = pool.assign(2)
+            assert i == 0  # both idle: the first server gets the group
+            return await pool.call(i, lambda c: c.complete([1, 2, 3], params)), await pool.call(i, lambda c: c.health())
+        finally:
+            await pool.close()
+
+    with caplog.at_level(logging.WARNING):
+        res, _ = asyncio.run(go())
+    direct, _ = server_greedy(servers[0].base_url, prompt=[1, 2, 3], max_tokens=4)
+    assert res.token_ids == direct.token_ids  # the live server answered
+    assert pool.alive() == [1] and pool.stats[0].errors == 1 and pool.stats[1].requests == 2
+    assert any(dead in r.getMessage() and "stopped answering" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

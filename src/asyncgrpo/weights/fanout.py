@@ -31,7 +31,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
@@ -47,10 +46,10 @@ from asyncgrpo.weights.collectives import (
     TensorMeta,
     TransferGroup,
     dtype_name,
-    join_group,
     make_store,
     send_tensors,
 )
+from asyncgrpo.weights.fanout_group import FanoutGroup, join_watching
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from asyncgrpo.weights.sender import DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S, _local_address_towards, _LoopThread
 
@@ -68,33 +67,6 @@ class _Link:
         self.group: TransferGroup | None = None  # per_server topology
         self.last_metas: list[TensorMeta] | None = None
         self.pushed: str | None = None  # the version the last finished round labelled
-
-
-class _FanoutGroup(TransferGroup):
-    """Broadcasts into each member group in turn; ``lost`` drops a member whose server died (or re-raises)."""
-
-    def __init__(self, members: dict[str, TransferGroup], lost: Callable[[str, BaseException], None]) -> None:
-        first = next(iter(members.values()))
-        self.backend, self.rank, self.device = first.backend, 0, first.device
-        self.world_size = 1 + sum(g.world_size - 1 for g in members.values())
-        self.members, self._lost = members, lost
-
-    def _each(self, fn: Callable[[TransferGroup], None]) -> None:
-        for url, group in list(self.members.items()):
-            try:
-                fn(group)
-            except Exception as exc:  # noqa: BLE001 - one member's backend error: _lost re-raises unless it died
-                self._lost(url, exc)
-                del self.members[url]
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self._each(lambda g: g.broadcast(tensor, src))
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        raise NotImplementedError("the fan-out only broadcasts; each member group was warmed up when it formed")
-
-    def synchronize(self, what: str) -> None:
-        self._each(lambda g: g.synchronize(what))
 
 
 class FanoutSender:
@@ -187,37 +159,11 @@ class FanoutSender:
             offset += link.world_size
             coro = link.client.init_weight_transfer_engine(info, timeout=self.timeout_s)
             futures[link.client.base_url] = self._loop.submit(coro)
-        group = self._join(futures, world, store, unique_id)
+        group = join_watching(futures, self.backend, world, self.device, self.timeout_s, store, unique_id)
         self._wait_all(futures, "POST /init_weight_transfer_engine")
         logger.info("weight transfer to %s ready (%s, %s, world size %d)", ", ".join(futures), self.topology,
                     self.backend, world)  # fmt: skip
         return group
-
-    def _join(self, futures: dict[str, concurrent.futures.Future], world: int, store: Any, uid: bytes | None) -> Any:
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["group"] = join_group(self.backend, rank=0, world_size=world, device=self.device,
-                                          timeout_s=self.timeout_s, store=store, unique_id=uid)  # fmt: skip
-            except BaseException as exc:  # noqa: BLE001 - re-raised below in the caller's thread
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name="asyncgrpo-fanout-join", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.timeout_s + 10
-        while thread.is_alive():
-            thread.join(0.05)
-            for url, fut in futures.items():
-                if fut.done() and fut.exception() is not None:
-                    raise WeightTransferError(f"{url} rejected POST /init_weight_transfer_engine: {fut.exception()}")
-            if time.monotonic() > deadline:
-                raise WeightTransferError(f"timed out after {self.timeout_s:.0f}s joining the weight-transfer group "
-                                          f"of {', '.join(futures)}")  # fmt: skip
-        if "error" in box:
-            raise WeightTransferError(f"joining the weight-transfer group of {', '.join(futures)} failed: "
-                                      f"{box['error']}") from box["error"]  # fmt: skip
-        return box["group"]
 
     # ------------------------------------------------------------------ servers that stop answering
 
@@ -405,7 +351,7 @@ class FanoutSender:
                 assert link.group is not None
                 link.group.abort_check = failed(url)
                 members[url] = link.group
-            group = _FanoutGroup(members, lost)
+            group = FanoutGroup(members, lost)
         try:
             send_tensors(group, tensors, metas, packed=self.packed, buffer_size_bytes=self.packed_buffer_size_bytes)
             group.synchronize("the weight broadcast")
