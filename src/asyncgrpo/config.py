@@ -257,6 +257,14 @@ class AsyncGRPOConfig(TrainingArguments):
     weight_sync_steps: int = field(
         default=1, metadata={"help": "Push the policy weights to the server every this many optimizer steps."}
     )
+    weight_sync_topology: str = field(
+        default="per_server",
+        metadata={
+            "help": "With several generation servers: 'per_server' gives each server its own NCCL group with the "
+            "trainer (each tensor sent once per server), 'shared' one group of the trainer and every server worker "
+            "(each tensor sent once; every rank needs its own GPU). One server: unused."
+        },
+    )
     rollout_worker_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds since the rollout worker's last heartbeat after which the trainer stops the run."},
@@ -399,6 +407,8 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"max_concurrent_rollouts={self.max_concurrent_rollouts}: must be >= 1")
         if self.max_staleness < 0:
             p.append(f"max_staleness={self.max_staleness}: must be >= 0")
+        if self.weight_sync_topology not in ("per_server", "shared"):
+            p.append(f"weight_sync_topology={self.weight_sync_topology!r}: must be 'per_server' or 'shared'")
         if self.weight_sync_steps < 1:
             p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
         if self.eval_temperature < 0 or self.eval_num_generations < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -123,6 +124,7 @@ def test_two_servers_share_the_work_get_every_sync_and_survive_losing_one(tmp_pa
         token_budget=384, vllm_server_base_url=",".join(urls), report_to=[], save_strategy="no",
         learning_rate=1e-3, gradient_checkpointing=False, vllm_server_timeout=60, rollout_worker_timeout=60,
         vllm_server_restart_timeout=120, logging_steps=1, seed=0,
+        weight_sync_topology=os.environ.get("ASYNCGRPO_TEST_TOPOLOGY", "per_server"),  # the default; 'shared' by hand
     )  # fmt: skip
     dataset = reasoning_gym_dataset("chain_sum", size=40, seed=0, system_prompt=None)
     trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset)

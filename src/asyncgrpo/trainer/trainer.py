@@ -258,7 +258,8 @@ class AsyncGRPOTrainer(Trainer):
             return sender
         worker = self.worker
         assert worker is not None
-        fanout = FanoutSender(timeout_s=args.vllm_server_timeout, on_drop=worker.drop_server)
+        fanout = FanoutSender(timeout_s=args.vllm_server_timeout, topology=args.weight_sync_topology,
+                              on_drop=worker.drop_server)  # fmt: skip
         fanout.init([AsyncServerClient(u) for u in urls], facts.world_sizes, backend=backend, device=args.device)
         return fanout
 
