@@ -17,6 +17,8 @@ What this module adds, with the same bytes on the wire:
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -66,6 +68,9 @@ class _Lanes:
         self.size = max(chunk_bytes, default=0)
         self.bufs: list[torch.Tensor | None] = [None] * self.n
         self.freed: list[torch.cuda.Event | None] = [None] * self.n
+        self.group = group
+        self.in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # lone tensors being sent
+        self.max_in_flight = max(1, num_buffers)
         if self.overlap:  # the round starts after everything queued before it (the optimizer step, a forward)
             self.comm.wait_stream(self.main)
 
@@ -94,15 +99,29 @@ class _Lanes:
         ev.record(self.comm if stream_is_comm else self.main)
         return ev
 
-    def keep_alive(self, t: torch.Tensor) -> None:
-        """``t`` is read by the side stream: the allocator must not hand its memory out before that finishes."""
-        if self.overlap:
-            t.record_stream(self.comm)
+    def hold(self, t: torch.Tensor) -> None:
+        """Keep ``t`` (read by the side stream) until its broadcast is done; at most ``num_buffers`` such tensors,
+        so a lazy source (FSDP gathers, merged LoRA weights) still holds a bounded number of full tensors."""
+        if not self.overlap:
+            return
+        self.in_flight.append((self.mark(stream_is_comm=True), t))
+        while len(self.in_flight) > self.max_in_flight:
+            self._wait(self.in_flight.popleft()[0], "a weight broadcast to finish before making the next tensor")
+
+    def _wait(self, event: torch.cuda.Event, what: str) -> None:
+        timeout = float(getattr(self.group, "timeout_s", 600.0))
+        deadline = time.monotonic() + timeout
+        while not event.query():  # polled (not event.synchronize()) so a dead peer becomes a timeout
+            self.group._poll_abort()
+            if time.monotonic() > deadline:
+                raise WeightTransferError(f"timed out after {timeout:.0f}s waiting for {what} (NCCL)")
+            time.sleep(0.0002)
 
     def finish(self) -> None:
         """Everything broadcast is ordered before what the current stream does next (e.g. a synchronise)."""
         if self.overlap:
             self.main.wait_stream(self.comm)
+            self.in_flight.clear()  # ordered: their memory is reused on the current stream only after that
 
 
 def send_tensors(
@@ -117,7 +136,8 @@ def send_tensors(
     """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks.
 
     Each tensor is taken from ``tensors`` only when it is sent or packed, and dropped after, so a lazy source
-    (gathered or merged tensors) costs one tensor plus ``num_buffers`` chunks.
+    (gathered or merged tensors) costs at most ``num_buffers`` tensors in flight plus ``num_buffers`` chunks
+    (``num_buffers=1``: one tensor and one chunk, no overlap).
     """
     it = iter(tensors)
 
@@ -142,7 +162,7 @@ def send_tensors(
             if t.numel():
                 with lanes.on_comm(after_main=True):
                     group.broadcast(_as_bytes(t) if packed else t, src=0)
-                lanes.keep_alive(t)
+                lanes.hold(t)
             del t
             continue
         nbytes = sum(metas[i].nbytes for i in chunk)
@@ -194,8 +214,7 @@ def receive_tensors(
             if t.numel():
                 with lanes.on_comm(after_main=False):
                     group.broadcast(_as_bytes(t) if packed else t, src=0)
-                lanes.keep_alive(t)
-                if lanes.overlap:
+                if lanes.overlap:  # the caller's copy (and any reuse of t's memory) comes after the receive
                     lanes.main.wait_event(lanes.mark(stream_is_comm=True))
             yield [(meta.name, t)]
             continue
