@@ -58,7 +58,7 @@ def unpack(buf: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.
 class _Lanes:
     """The broadcast stream and the chunk buffers of one round (a plain single-stream loop off CUDA)."""
 
-    def __init__(self, group: TransferGroup, num_buffers: int, chunk_bytes: list[int]) -> None:
+    def __init__(self, group: TransferGroup, num_buffers: int, chunk_bytes: list[int], buffer_size: int = 0) -> None:
         dev = group.device
         self.device = dev
         self.overlap = dev.type == "cuda" and group.backend == "nccl" and num_buffers >= 2
@@ -70,7 +70,8 @@ class _Lanes:
         self.freed: list[torch.cuda.Event | None] = [None] * self.n
         self.group = group
         self.in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # lone tensors being sent
-        self.max_in_flight = max(1, num_buffers)
+        self.max_in_flight_bytes = max(1, num_buffers) * buffer_size
+        self.in_flight_bytes = 0
         if self.overlap:  # the round starts after everything queued before it (the optimizer step, a forward)
             self.comm.wait_stream(self.main)
 
@@ -100,13 +101,17 @@ class _Lanes:
         return ev
 
     def hold(self, t: torch.Tensor) -> None:
-        """Keep ``t`` (read by the side stream) until its broadcast is done; at most ``num_buffers`` such tensors,
-        so a lazy source (FSDP gathers, merged LoRA weights) still holds a bounded number of full tensors."""
+        """Keep ``t`` (read by the side stream) until its broadcast is done. Tensors in flight are bounded by
+        ``num_buffers`` x the packed buffer size in bytes (and one tensor), so a lazy source (FSDP gathers, merged
+        LoRA weights) holds as much as the packed chunks would, while small tensors never wait."""
         if not self.overlap:
             return
         self.in_flight.append((self.mark(stream_is_comm=True), t))
-        while len(self.in_flight) > self.max_in_flight:
-            self._wait(self.in_flight.popleft()[0], "a weight broadcast to finish before making the next tensor")
+        self.in_flight_bytes += t.numel() * t.element_size()
+        while len(self.in_flight) > 1 and self.in_flight_bytes > self.max_in_flight_bytes:
+            event, done = self.in_flight.popleft()
+            self._wait(event, "a weight broadcast to finish before making the next tensor")
+            self.in_flight_bytes -= done.numel() * done.element_size()
 
     def _wait(self, event: torch.cuda.Event, what: str) -> None:
         timeout = float(getattr(self.group, "timeout_s", 600.0))
@@ -122,6 +127,7 @@ class _Lanes:
         if self.overlap:
             self.main.wait_stream(self.comm)
             self.in_flight.clear()  # ordered: their memory is reused on the current stream only after that
+            self.in_flight_bytes = 0
 
 
 def send_tensors(
@@ -154,7 +160,7 @@ def send_tensors(
 
     chunks = [[i] for i in range(len(metas))] if not packed else plan_chunks(metas, buffer_size_bytes)
     multi = [sum(metas[i].nbytes for i in c) for c in chunks if len(c) > 1]
-    lanes = _Lanes(group, num_buffers, multi)
+    lanes = _Lanes(group, num_buffers, multi, buffer_size_bytes)
     k = 0
     for chunk in chunks:
         if len(chunk) == 1:  # travels alone: broadcast the tensor's own storage
