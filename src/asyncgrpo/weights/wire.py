@@ -82,6 +82,8 @@ class _Lanes:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self.bufs[i] is None:
             self.bufs[i] = torch.empty(self.size, dtype=torch.uint8, device=self.device)
+            # fresh memory may be a block the current stream still uses: the side stream starts after that
+            self.comm.wait_stream(self.main)
         return self.bufs[i][:nbytes]
 
     def on_comm(self, after_main: bool):
@@ -215,10 +217,11 @@ def receive_tensors(
         if len(chunk) == 1:
             meta = chunk_metas[0]
             t = _in_place_target(destination, meta, group.device)
-            if t is None:
+            fresh = t is None
+            if fresh:
                 t = torch.empty(meta.shape, dtype=meta.dtype, device=group.device)
             if t.numel():
-                with lanes.on_comm(after_main=False):
+                with lanes.on_comm(after_main=fresh):  # fresh memory: after the current stream's last use of it
                     group.broadcast(_as_bytes(t) if packed else t, src=0)
                 if lanes.overlap:  # the caller's copy (and any reuse of t's memory) comes after the receive
                     lanes.main.wait_event(lanes.mark(stream_is_comm=True))
