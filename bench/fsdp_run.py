@@ -5,7 +5,7 @@
 
 For each of 2 ranks and 1 rank: start ``asyncgrpo serve`` on GPU 0 (``--gpu-memory-utilization`` 0.25, so a
 trainer rank fits beside it; a fresh server per run, so both runs start from the same served weights), then
-launch the trainer as users do::
+launch the trainer as users do, with ``CUDA_VISIBLE_DEVICES=1,0`` (one rank: ``1``)::
 
     torchrun --standalone --nproc-per-node 2 bench/fsdp_run.py --rank-spec SPEC.json   # or --launcher accelerate
 
@@ -14,6 +14,10 @@ records its peak GPU memory; rank 0 writes the run's step times, loss and reward
 compares the two runs (step time, tokens per second). ``--model demo`` is SmolLM2-135M-Instruct (offline: set
 ASYNCGRPO_DEMO_GGUF) on arithmetic prompts made here (or ``--data`` JSONL rows ``{"prompt", "answer"}``);
 ``--model synthetic`` is a random-init Llama of SmolLM2-135M's shape with a token-parity reward.
+
+Trainer rank 0 sits on GPU 1 and rank 1 on GPU 0 beside the server: rank 0 is the weight sender, and NCCL
+refuses a communicator with two members on one GPU, so the sender must not share the server's GPU.
+``--device cpu`` runs the same plumbing on the CPU (tiny model, gloo) as a smoke test of this script.
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ def run_rank(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
+    if spec["device"] == "cpu":
+        from tests.helpers.fsdp_launch import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()
     if spec["model"] == "synthetic":
         from tests.helpers.rewards import even_token_reward
 
@@ -78,18 +86,23 @@ def run_rank(spec_path: str) -> None:
         from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
 
         rewards = [numeric_answer_reward, format_reward]
-    fsdp = FSDP2 if (spec["nproc"] > 1 and spec["launcher"] == "torchrun") else {}
+    fsdp = FSDP2 if spec["launcher"] == "torchrun" else {}  # accelerate launch: the config file says FSDP2
     args = AsyncGRPOConfig(vllm_server_base_url=spec["base_url"], **spec["config"], **fsdp)
     trainer = AsyncGRPOTrainer(spec["model_dir"], reward_funcs=rewards, args=args, train_dataset=rows)
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     trainer.train()
     wall = time.time() - t0
     mine = {
         "rank": args.process_index,
         "device": str(args.device),
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "physical_gpu": os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[args.local_process_index]
+        if cuda
+        else None,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
     }
     ranks = [mine]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -111,8 +124,6 @@ def _launch_cmd(launcher: str, nproc: int, spec_path: Path, workdir: Path) -> li
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
     cfg = workdir / "accelerate_fsdp2.yaml"
     cfg.write_text(ACCELERATE_FSDP2.format(nproc=nproc))
-    if nproc == 1:
-        return [sys.executable, *script]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), *script]
 
 
@@ -123,24 +134,27 @@ def _series(metrics: list[dict[str, Any]], name: str) -> list[float]:
 def run_once(a: argparse.Namespace, nproc: int, model_dir: Path, data: Path, workdir: Path) -> dict[str, Any]:
     from asyncgrpo.server.launcher import launch_server
 
-    gpus = ",".join(str(i) for i in range(nproc))
+    gpus = ",".join(a.trainer_gpus.split(",")[:nproc])
     out = workdir / f"ranks{nproc}"
+    cpu = a.device == "cpu"
     config = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
         output_dir=str(out), max_steps=a.steps, num_generations=8, max_completion_length=a.max_completion_length,
         token_budget=a.token_budget, learning_rate=a.learning_rate, report_to=[], save_strategy="no",
         logging_steps=1, seed=0, max_staleness=4, gradient_checkpointing=True, vllm_server_timeout=300,
+        use_cpu=cpu,
     )  # fmt: skip
-    flags = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "1024",
-             "--gpu-memory-utilization", str(a.gpu_memory_utilization)]  # fmt: skip
+    flags = ["--device", a.device, "--dtype", "float32", "--max-model-len", "1024"]
+    if not cpu:
+        flags += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     t0 = time.time()
-    with launch_server(model_dir, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": a.server_gpu},
+    with launch_server(model_dir, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": "" if cpu else a.server_gpu},
                        log_path=str(workdir / f"server{nproc}.log"), timeout=600) as server:  # fmt: skip
         spec = {"model": a.model, "model_dir": str(model_dir), "data": str(data), "base_url": server.base_url,
-                "config": config, "nproc": nproc, "launcher": a.launcher,
+                "config": config, "nproc": nproc, "launcher": a.launcher, "device": a.device,
                 "summary": str(workdir / f"summary{nproc}.json")}  # fmt: skip
         spec_path = workdir / f"spec{nproc}.json"
         spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus,
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if cpu else gpus,
                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         cmd = _launch_cmd(a.launcher, nproc, spec_path, workdir)
         print(f"[fsdp_run] {nproc} rank(s): CUDA_VISIBLE_DEVICES={gpus} {' '.join(cmd)}", flush=True)
@@ -185,6 +199,8 @@ def main() -> int:
     p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")
     p.add_argument("--ranks", default="2,1", help="trainer rank counts to run, in order")
     p.add_argument("--server-gpu", default="0")
+    p.add_argument("--trainer-gpus", default="1,0", help="physical GPUs of trainer ranks 0, 1, ... (rank 0 sends)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of this script")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     p.add_argument("--token-budget", type=int, default=4096)
     p.add_argument("--max-completion-length", type=int, default=128)
@@ -195,7 +211,7 @@ def main() -> int:
         return 0
     import torch
 
-    if torch.cuda.device_count() < 2:
+    if a.device == "cuda" and torch.cuda.device_count() < 2:
         print("needs two CUDA devices: nothing measured", file=sys.stderr)
         return 2
     workdir = Path(a.out).with_suffix("")
@@ -207,16 +223,16 @@ def main() -> int:
     else:
         from asyncgrpo.recipes import tiny_model_dir
 
-        model_dir = tiny_model_dir("llama", **SMOLLM2_135M)
+        model_dir = tiny_model_dir("llama", **(SMOLLM2_135M if a.device == "cuda" else {}))
     data = Path(a.data) if a.data else workdir / "prompts.jsonl"
     if not a.data:
         data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(1024, 0)))
     t0 = time.time()
     runs = {f"{n}_rank": run_once(a, n, model_dir, data, workdir) for n in (int(x) for x in a.ranks.split(","))}
     result: dict[str, Any] = {
-        "what": f"async GRPO, {a.model} SmolLM2-135M shape, FSDP2 trainer ranks (GPUs 0..n-1), embedded server on "
+        "what": f"async GRPO, {a.model} SmolLM2-135M shape, FSDP2 trainer ranks on GPUs {a.trainer_gpus}, server on "
         f"GPU {a.server_gpu} at --gpu-memory-utilization {a.gpu_memory_utilization}, launched with {a.launcher}",
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "total_wall_s": time.time() - t0,
         "runs": runs,
