@@ -5,10 +5,12 @@ The two-process run is the real trainer launched by ``torchrun`` with TRL-style 
 trainer in this one process, fed the rows both processes trained at step 1: its accumulated gradient must
 equal the gathered FSDP2 gradient, which holds only if every rank trained its own row, the FSDP2 root forward
 reached every parameter, and the loss was divided by the trained tokens of both rows (the global count).
+The server then serves the gathered weights, and a sharded checkpoint resumes on two processes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 from asyncgrpo.trainer.loss import loss_normalizer
 from tests.helpers.fsdp_launch import launch_ranks
@@ -61,6 +64,24 @@ def _one_process_grads(model_dir: Path, base_url: str, out: Path, rows: list, pa
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _server_matches(model_dir: Path, base_url: str, params: dict) -> None:
+    """The server's log-probs of its own sample equal a plain forward of ``params``: the gathered weights arrived."""
+    from transformers import AutoModelForCausalLM
+
+    async def sample():
+        async with AsyncServerClient(base_url) as client:
+            return await client.generate([1, 2, 3, 4, 5], {"max_tokens": 8, "temperature": 1.0, "seed": 3})
+
+    res = asyncio.run(sample())
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    model.load_state_dict(params)
+    ids = torch.tensor([[1, 2, 3, 4, 5, *res.token_ids]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, 4:-1].double(), -1)
+    expected = logp.gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(res.logprobs, dtype=torch.float64), expected, atol=1e-4)
+
+
 def test_two_process_fsdp2_matches_one_process_and_resumes_sharded(tmp_path, server, tiny_llama_dir):
     out = tmp_path / "out"
     spec = {"model_dir": str(tiny_llama_dir), "base_url": server.base_url, "dump_dir": str(tmp_path / "run1"),
@@ -78,6 +99,9 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_sharded(tmp_path, ser
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=name)
 
+    saved = torch.load(tmp_path / "run1" / "end.pt", weights_only=False)
+    _server_matches(tiny_llama_dir, server.base_url, saved["params"])  # step 2's sync sent the sharded weights whole
+
     # The sharded checkpoint of step 2 resumes on two processes: weights and Adam moments as they were saved.
     ckpt = out / "checkpoint-2"
     assert (ckpt / "rollout_state.json").is_file()
@@ -86,7 +110,6 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_sharded(tmp_path, ser
              "config": {**spec["config"], "max_steps": 3, "save_strategy": "no"}}  # fmt: skip
     second = launch_ranks(spec2, 2, tmp_path / "run2")
     assert second == {"global_step": 3, "world_size": 2, "sharded": True, "weight_version": "step-3"}
-    saved = torch.load(tmp_path / "run1" / "end.pt", weights_only=False)
     resumed = torch.load(tmp_path / "run2" / "begin.pt", weights_only=False)
     for kind in ("params", "exp_avg"):
         assert saved[kind] and set(saved[kind]) == set(resumed[kind]), kind
