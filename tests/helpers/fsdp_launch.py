@@ -31,6 +31,8 @@ def allow_fsdp_on_cpu() -> None:
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == state.DistributedType.MULTI_CPU:
             self.distributed_type = state.DistributedType.FSDP
+            if self._mixed_precision != "no":  # as accelerate does on GPUs
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
 
     init._asyncgrpo_cpu_fsdp = True  # type: ignore[attr-defined]
