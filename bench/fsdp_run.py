@@ -3,9 +3,9 @@
     python bench/fsdp_run.py --steps 30 --out bench/results/fsdp_run_h200.json            # demo model
     python bench/fsdp_run.py --model synthetic --steps 30 --out /tmp/fsdp_run.json        # random-init 135M shape
 
-For each of 2 ranks and 1 rank: start ``asyncgrpo serve`` on GPU 0 (``--gpu-memory-utilization`` 0.25, so a
-trainer rank fits beside it; a fresh server per run, so both runs start from the same served weights), then
-launch the trainer as users do, with ``CUDA_VISIBLE_DEVICES=1,0`` (one rank: ``1``)::
+Starts ``asyncgrpo serve`` on GPU 0 (``--gpu-memory-utilization`` 0.25, so a trainer rank fits beside it);
+then, for 2 ranks and for 1 rank, launches the trainer as users do, with ``CUDA_VISIBLE_DEVICES=1,0`` (one
+rank: ``1``); each run first pushes its initial weights, so both start from the same served weights::
 
     torchrun --standalone --nproc-per-node 2 bench/fsdp_run.py --rank-spec SPEC.json   # or --launcher accelerate
 
@@ -89,6 +89,17 @@ def run_rank(spec_path: str) -> None:
     fsdp = FSDP2 if spec["launcher"] == "torchrun" else {}  # accelerate launch: the config file says FSDP2
     args = AsyncGRPOConfig(vllm_server_base_url=spec["base_url"], **spec["config"], **fsdp)
     trainer = AsyncGRPOTrainer(spec["model_dir"], reward_funcs=rewards, args=args, train_dataset=rows)
+    from transformers import TrainerCallback
+
+    class PushInitialWeights(TrainerCallback):
+        """Sync once when training begins (every rank: the gathers are collective)."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 0:
+                trainer.sync_weights()
+
+    # First in line at train begin, before the worker starts: the server may still hold an earlier run's weights.
+    trainer.callback_handler.callbacks.insert(0, PushInitialWeights())
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -131,9 +142,7 @@ def _series(metrics: list[dict[str, Any]], name: str) -> list[float]:
     return [m[name] for m in metrics if name in m]
 
 
-def run_once(a: argparse.Namespace, nproc: int, model_dir: Path, data: Path, workdir: Path) -> dict[str, Any]:
-    from asyncgrpo.server.launcher import launch_server
-
+def run_once(a: argparse.Namespace, nproc: int, model_dir: Path, data: Path, workdir: Path, url: str) -> dict[str, Any]:
     gpus = ",".join(a.trainer_gpus.split(",")[:nproc])
     out = workdir / f"ranks{nproc}"
     cpu = a.device == "cpu"
@@ -143,23 +152,18 @@ def run_once(a: argparse.Namespace, nproc: int, model_dir: Path, data: Path, wor
         logging_steps=1, seed=0, max_staleness=4, gradient_checkpointing=True, vllm_server_timeout=300,
         use_cpu=cpu,
     )  # fmt: skip
-    flags = ["--device", a.device, "--dtype", "float32", "--max-model-len", "1024"]
-    if not cpu:
-        flags += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     t0 = time.time()
-    with launch_server(model_dir, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": "" if cpu else a.server_gpu},
-                       log_path=str(workdir / f"server{nproc}.log"), timeout=600) as server:  # fmt: skip
-        spec = {"model": a.model, "model_dir": str(model_dir), "data": str(data), "base_url": server.base_url,
-                "config": config, "nproc": nproc, "launcher": a.launcher, "device": a.device,
-                "summary": str(workdir / f"summary{nproc}.json")}  # fmt: skip
-        spec_path = workdir / f"spec{nproc}.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if cpu else gpus,
-               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        cmd = _launch_cmd(a.launcher, nproc, spec_path, workdir)
-        print(f"[fsdp_run] {nproc} rank(s): CUDA_VISIBLE_DEVICES={gpus} {' '.join(cmd)}", flush=True)
-        with open(workdir / f"trainer{nproc}.log", "w") as log:
-            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False, cwd=REPO).returncode
+    spec = {"model": a.model, "model_dir": str(model_dir), "data": str(data), "base_url": url,
+            "config": config, "nproc": nproc, "launcher": a.launcher, "device": a.device,
+            "summary": str(workdir / f"summary{nproc}.json")}  # fmt: skip
+    spec_path = workdir / f"spec{nproc}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if cpu else gpus,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    cmd = _launch_cmd(a.launcher, nproc, spec_path, workdir)
+    print(f"[fsdp_run] {nproc} rank(s): CUDA_VISIBLE_DEVICES={gpus} {' '.join(cmd)}", flush=True)
+    with open(workdir / f"trainer{nproc}.log", "w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False, cwd=REPO).returncode
     if rc != 0:
         tail = (workdir / f"trainer{nproc}.log").read_text()[-5000:]
         raise RuntimeError(f"the {nproc}-rank trainer exited {rc}; log tail:\n{tail}")
@@ -227,17 +231,34 @@ def main() -> int:
     data = Path(a.data) if a.data else workdir / "prompts.jsonl"
     if not a.data:
         data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(1024, 0)))
+    from asyncgrpo.server.launcher import launch_server
+
     t0 = time.time()
-    runs = {f"{n}_rank": run_once(a, n, model_dir, data, workdir) for n in (int(x) for x in a.ranks.split(","))}
+    cpu = a.device == "cpu"
+    flags = ["--device", a.device, "--dtype", "float32", "--max-model-len", "1024"]
+    if not cpu:
+        flags += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    runs: dict[str, Any] = {}
+    with launch_server(model_dir, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": "" if cpu else a.server_gpu},
+                       log_path=str(workdir / "server.log"), timeout=600) as server:  # fmt: skip
+        server_start_s = time.time() - t0
+        print(f"[fsdp_run] server up in {server_start_s:.0f}s at {server.base_url}", flush=True)
+        for n in (int(x) for x in a.ranks.split(",")):
+            try:
+                runs[f"{n}_rank"] = run_once(a, n, model_dir, data, workdir, server.base_url)
+            except Exception as exc:  # noqa: BLE001 - the other run's figures are still worth writing
+                print(f"[fsdp_run] {n}-rank run failed: {exc}", file=sys.stderr, flush=True)
+                runs[f"{n}_rank"] = {"error": str(exc)[-3000:]}
     result: dict[str, Any] = {
         "what": f"async GRPO, {a.model} SmolLM2-135M shape, FSDP2 trainer ranks on GPUs {a.trainer_gpus}, server on "
         f"GPU {a.server_gpu} at --gpu-memory-utilization {a.gpu_memory_utilization}, launched with {a.launcher}",
         "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "total_wall_s": time.time() - t0,
+        "server_start_s": server_start_s,
         "runs": runs,
     }
-    if "2_rank" in runs and "1_rank" in runs:
+    if all("step_s_median" in runs.get(k, {}) for k in ("2_rank", "1_rank")):
         two, one = runs["2_rank"], runs["1_rank"]
         result["two_over_one_step_time"] = two["step_s_median"] / one["step_s_median"]
         if two["forwarded_tokens_per_s"] and one["forwarded_tokens_per_s"]:
