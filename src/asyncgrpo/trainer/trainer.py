@@ -6,8 +6,10 @@ is transformers'. What changes:
 
 * ``get_batch_samples`` pulls one optimizer step of packed micro-batches from the
   rollout worker (``RolloutSource``) instead of reading a DataLoader;
-* ``training_step`` runs the packed forward, the chunked log-probs and the policy
-  loss of ``trainer/loss.py``;
+* ``training_step`` runs the packed forward through the prepared model (FSDP2, DDP
+  or plain: ``trainer/packed_forward.py``), the chunked log-probs and the policy
+  loss of ``trainer/loss.py``; under several processes rank 0 plans each step and
+  scatters each process its own rows (``trainer/ranks.py``);
 * a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights
   to the server, hand the new version to the worker) and logs the step's
   ``StepStats``;
@@ -49,6 +51,7 @@ from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import policy_loss
 from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
+from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
@@ -290,23 +293,11 @@ class AsyncGRPOTrainer(Trainer):
             w.add("perf/weight_sync_transfer_s", timings["transfer_s"])
 
     def _broadcast_object(self, obj: Any) -> Any:
-        if self.args.world_size <= 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_from_zero(obj, self.args.world_size)
 
     def share_from_rank_zero(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every process (a collective: every process calls it at the same point)."""
-        return self._broadcast_object(obj)
-
-    def _scatter_object(self, per_rank: list[Any] | None) -> Any:
-        """Process i gets ``per_rank[i]`` (given on rank 0 only)."""
-        if self.args.world_size <= 1:
-            return per_rank[0] if per_rank is not None else None
-        box: list[Any] = [None]
-        torch.distributed.scatter_object_list(box, per_rank, src=0)
-        return box[0]
+        return broadcast_from_zero(obj, self.args.world_size)
 
     # ------------------------------------------------------------------ Trainer hooks
 
@@ -370,7 +361,7 @@ class AsyncGRPOTrainer(Trainer):
             for name, value in batch_metrics(packed, self.token_budget, dropped).items():
                 self.window.add(name, value)
             per_rank = split_rows(packed, self.args.gradient_accumulation_steps, self.args.world_size)
-        batches = self._scatter_object(per_rank)
+        batches = scatter_from_zero(per_rank, self.args.world_size)
         if not batches:
             self.control.should_training_stop = True
         return batches, None
