@@ -12,7 +12,8 @@ rank: ``1``); each run first pushes its initial weights, so both start from the 
 with FSDP2 set through ``AsyncGRPOConfig(fsdp="full_shard", fsdp_config={"fsdp_version": 2, ...})``. Every rank
 records its peak GPU memory; rank 0 writes the run's step times, loss and reward curves. The combined JSON
 compares the two runs (step time, tokens per second). ``--model demo`` is SmolLM2-135M-Instruct (offline: set
-ASYNCGRPO_DEMO_GGUF) on arithmetic prompts made here (or ``--data`` JSONL rows ``{"prompt", "answer"}``);
+ASYNCGRPO_DEMO_GGUF) on ``bench/data/basic_arithmetic_train.jsonl`` (or ``--data``: JSONL rows ``{"prompt",
+"answer"}``), rewarded by ``numeric_answer_reward`` + ``format_reward`` as in ``bench/learning.py``;
 ``--model synthetic`` is a random-init Llama of SmolLM2-135M's shape with a token-parity reward.
 
 Trainer rank 0 sits on GPU 1 and rank 1 on GPU 0 beside the server: rank 0 is the weight sender, and NCCL
@@ -199,7 +200,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="bench/results/fsdp_run_h200.json")
     p.add_argument("--model", choices=("demo", "synthetic"), default="demo")
-    p.add_argument("--data", help="JSONL rows {prompt, answer} (default: arithmetic prompts made here)")
+    p.add_argument(
+        "--data",
+        default=str(REPO / "bench" / "data" / "basic_arithmetic_train.jsonl"),
+        help="JSONL rows {prompt, answer}; made here (two-term sums) when the file is missing",
+    )
     p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")
     p.add_argument("--ranks", default="2,1", help="trainer rank counts to run, in order")
     p.add_argument("--server-gpu", default="0")
@@ -228,8 +233,9 @@ def main() -> int:
         from asyncgrpo.recipes import tiny_model_dir
 
         model_dir = tiny_model_dir("llama", **(SMOLLM2_135M if a.device == "cuda" else {}))
-    data = Path(a.data) if a.data else workdir / "prompts.jsonl"
-    if not a.data:
+    data = Path(a.data)
+    if not data.is_file():
+        data = workdir / "prompts.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(1024, 0)))
     from asyncgrpo.server.launcher import launch_server
 
