@@ -1,8 +1,8 @@
 """FSDP2 training on two processes (gloo, CPU) against a real server, checked against a one-process run (T7, L5).
 
 The two-process run is the real trainer launched by ``torchrun`` with TRL-style FSDP2 settings
-(``fsdp``/``fsdp_config``), gradient checkpointing on and sharded checkpoints. The reference is the same
-trainer in this one process, fed the rows both processes trained at step 1: its accumulated gradient must
+(``fsdp``/``fsdp_config``), two micro-batches per step, gradient checkpointing on and sharded checkpoints. The
+reference is the same trainer in this one process, fed the rows both processes trained at step 1: its gradient must
 equal the gathered FSDP2 gradient, which holds only if every rank trained its own row, the FSDP2 root forward
 reached every parameter, and the loss was divided by the trained tokens of both rows (the global count).
 The server then serves the gathered weights, and a sharded checkpoint resumes on two processes.
@@ -40,7 +40,7 @@ def _config(out: Path, **overrides) -> dict:
         output_dir=str(out), max_steps=2, num_generations=4, max_completion_length=12, token_budget=256,
         report_to=[], save_strategy="steps", save_steps=2, learning_rate=1e-3, optim="adamw_torch",
         max_grad_norm=0.0, gradient_checkpointing=True, vllm_server_timeout=120, rollout_worker_timeout=60,
-        seed=0, use_cpu=True, logging_steps=1,
+        seed=0, use_cpu=True, logging_steps=1, gradient_accumulation_steps=2,
     )  # fmt: skip
     base.update(overrides)
     return base
@@ -91,7 +91,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_sharded(tmp_path, ser
 
     step1 = torch.load(tmp_path / "run1" / "step1.pt", weights_only=False)
     rows = step1["rows"]
-    assert all(len(micro) == 2 for micro in rows)
+    assert len(rows) == 2 and all(len(micro) == 2 for micro in rows)  # 2 micro-batches x 2 processes
     assert all(row.num_trained > 0 for micro in rows for row in micro), "each process must train tokens of its own"
     want = _one_process_grads(tiny_llama_dir, server.base_url, tmp_path, rows, step1["params"])
     got = step1["grads"]
