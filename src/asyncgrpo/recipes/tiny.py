@@ -1,6 +1,6 @@
 """Tiny random-init models with the real SmolLM2 tokenizer, for tests and CPU smoke runs.
 
-They run the real architecture code of transformers (Llama, Qwen2, Qwen3) in
+They run the real architecture code of transformers (Llama, Qwen2, Qwen3, Qwen3-MoE) in
 milliseconds on two CPU cores; only the weights are random.
 """
 
@@ -17,12 +17,12 @@ from filelock import FileLock
 
 from asyncgrpo.recipes.assets import cache_dir, smollm2_tokenizer_dir
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
     """A small config of the given family sized for the SmolLM2 vocabulary (49,152 tokens)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     from asyncgrpo.recipes.assets import smollm2_tokenizer
 
@@ -48,6 +48,9 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     elif arch == "qwen3":
         cls = Qwen3Config
         base["head_dim"] = 16
+    elif arch == "qwen3_moe":  # 4 experts, top-2, every layer sparse; the config's router_aux_loss_coef (0.001)
+        cls = Qwen3MoeConfig
+        base.update(head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHS}")
     base.update(overrides)

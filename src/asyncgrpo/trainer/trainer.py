@@ -48,6 +48,7 @@ from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_ch
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
+from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
@@ -129,12 +130,8 @@ class AsyncGRPOTrainer(Trainer):
             init_kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
             init_kwargs.update(args.model_init_kwargs or {})
             model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
-        moe = any(getattr(model.config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-        if moe:
-            raise ValueError(
-                f"{type(model).__name__} is a mixture-of-experts model; this version's packed trainer does not add "
-                "the router load-balancing loss (router_aux_loss_coef, SPEC L6) yet: train a dense model"
-            )
+        self.router_aux_coef = resolve_router_aux_coef(model.config, args.router_aux_loss_coef)  # L6; 0 = off
+        self.router_top_k = experts_per_token(model.config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if peft_config is not None:
@@ -368,10 +365,14 @@ class AsyncGRPOTrainer(Trainer):
         row = row.to(self.args.device)
         with self.compute_loss_context_manager():
             lm = self._causal_lm()
-            hidden = packed_hidden_states(lm, row, build_plan(row, device=self.args.device))
+            router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
+            hidden = packed_hidden_states(lm, row, build_plan(row, device=self.args.device), router_logits=router)
             result = self._policy_loss(lm, hidden, row, inputs["normalizer"]) if row.num_trained else None
             # A row without trained tokens still joins the graph (FSDP needs every rank's backward).
             loss = (result.loss if result is not None else 0.0) + 0.0 * hidden.sum()
+            aux = router_aux_loss(router, row.path_count, self.router_top_k) if router and row.num_trained else None
+            if aux is not None:  # trainer/moe.py: the unpacked batch's balance loss, averaged over micro-batches
+                loss = loss + (self.router_aux_coef / self.args.gradient_accumulation_steps) * aux
         if self._device_is_cuda():
             torch.cuda.synchronize()  # CPU-GPU sync points: only for honest perf/fwd_s and perf/fwd_bwd_s
         forward_s = time.perf_counter() - t0
@@ -379,6 +380,8 @@ class AsyncGRPOTrainer(Trainer):
         if self._device_is_cuda():
             torch.cuda.synchronize()
         self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens, forward_s)
+        if aux is not None:
+            self.window.add("aux_loss", float(aux.detach()))
         if result is not None:
             for name, value, weight in result.metric_events():
                 if math.isfinite(value):
