@@ -22,6 +22,7 @@ ways: fields your ``AsyncGRPOConfig`` subclass adds are copied into
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,8 @@ from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 logger = logging.getLogger(__name__)
 
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
+# The policy version a group started under; its rollouts' tasks inherit it (adapter sync: the adapter they name).
+_GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_version", default=None)
 
 
 class AsyncRolloutLoop:
@@ -131,10 +134,7 @@ class AsyncRolloutLoop:
         params = sampling.request_params(len(prompt_ids), seed=self._next_seed())
         t0 = time.perf_counter()
         try:
-            if sampling.use_generate_endpoint:
-                res = await self.client.generate(prompt_ids, params, model=self.settings.model_name)
-            else:
-                res = await self.client.complete(prompt_ids, params, model=self.settings.model_name)
+            res = await self._request(prompt_ids, params, self.request_model())
         except ServerError as e:
             if e.status == 400 and is_length_error(e.message):
                 raise ValueError(
@@ -154,6 +154,23 @@ class AsyncRolloutLoop:
             output_sampling_mask=res.sampling_mask if sampling.wants_masks else None,
             output_sampler_logprobs=res.top_logprobs if sampling.num_sampler_logprobs is not None else None,
         )
+
+    def request_model(self) -> str:
+        """The ``model`` of this rollout's requests: the served model, or under adapter sync (T6) the LoRA adapter
+        of the policy version the rollout's group started under (it finishes under that policy)."""
+        version = _GROUP_VERSION.get()
+        return self.settings.request_model(self.channels.policy_version.value if version is None else version)
+
+    async def _request(self, prompt_ids: list[int], params: dict[str, Any], model: str) -> Any:
+        call = self.client.generate if self.settings.sampling.use_generate_endpoint else self.client.complete
+        try:
+            return await call(prompt_ids, params, model=model)
+        except ServerError as e:
+            current = self.settings.request_model(self.channels.policy_version.value)
+            if e.status != 404 or self.settings.lora_name is None or model == current:
+                raise
+            # The group's adapter left the staleness window: its samples will be dropped as stale anyway.
+            return await call(prompt_ids, params, model=current)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group; 0 for unscored rollouts."""
@@ -334,6 +351,7 @@ class AsyncRolloutLoop:
                 '{"role": ..., "content": ...} messages'
             )
         version = self.channels.policy_version.value
+        _GROUP_VERSION.set(version)  # this task's context: the rollouts gathered below copy it
         G = self.settings.num_generations
         results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id) for _ in range(G)))
         # Finished groups queue for a reward thread; generation never waits on that queue (score_block_s = 0).

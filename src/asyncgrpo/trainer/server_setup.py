@@ -34,6 +34,14 @@ class ServerFacts:
     weight_backend: str | None  # vllm_config.weight_transfer_config.backend ("nccl"; the embedded server: or "gloo")
     max_logprobs: int = 20  # --max-logprobs; -1 means the vocabulary size
     return_sampling_mask: bool = False  # --return-sampling-mask: every request needs temperature > 0, top_k > 0
+    max_lora_rank: int | None = None  # --max-lora-rank when the server runs with --enable-lora, else None
+    max_loras: int | None = None  # --max-loras (with --enable-lora)
+    lora_adapters: tuple[str, ...] = ()  # adapters already registered (their /v1/models cards have a parent)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The server was started with ``--enable-lora`` (``vllm_config.lora_config`` is set): adapter sync (T6)."""
+        return self.max_lora_rank is not None
 
 
 async def _server_info(client: AsyncServerClient) -> dict:
@@ -71,6 +79,7 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
         masks = await client.supports_sampling_mask() if want_masks else False
         world = await client.world_size()
         max_logprobs = model_cfg.get("max_logprobs", 20)
+        lora = config_section(info, "vllm_config", "lora_config")
         return ServerFacts(
             model_name=base["id"],
             max_model_len=int(max_len),
@@ -82,6 +91,9 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
             weight_backend=transfer.get("backend"),
             max_logprobs=int(max_logprobs) if isinstance(max_logprobs, int) else 20,
             return_sampling_mask=bool(model_cfg.get("return_sampling_mask", False)),
+            max_lora_rank=int(lora.get("max_lora_rank") or 16) if lora else None,  # vLLM's default rank: 16
+            max_loras=int(lora.get("max_loras") or 1) if lora else None,
+            lora_adapters=tuple(m["id"] for m in models if m.get("parent") not in (None, "")),
         )
 
 

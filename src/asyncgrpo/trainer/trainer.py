@@ -59,7 +59,15 @@ from asyncgrpo.trainer.server_setup import (
 )
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
-from asyncgrpo.weights.policy import join_policy_gathers
+from asyncgrpo.weights.lora_sync import (
+    AdapterPublisher,
+    AdapterSyncSettings,
+    adapter_rank,
+    adapter_state,
+    check_adapter_server,
+    warn_nothing_kept,
+)
+from asyncgrpo.weights.policy import is_peft_model, join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
 logger = logging.getLogger(__name__)
@@ -95,7 +103,8 @@ class AsyncGRPOTrainer(Trainer):
         train_dataset: rows with a conversational ``prompt`` column; other columns reach the reward functions.
         processing_class: the tokenizer (default: loaded from ``model``).
         callbacks, optimizers: as in ``transformers.Trainer``.
-        peft_config: a PEFT config; the server then receives merged weights.
+        peft_config: a PEFT config; the server receives merged weights, or only the adapter when it runs with
+            ``--enable-lora`` (adapter sync, ``weights/lora_sync.py``).
         tools: module-level functions (sync or ``async def``, typed, Google-style docstrings) the model may call.
         environment_factory: a class/callable making an environment (``reset``, optional ``get_reward``, public
             methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
@@ -105,6 +114,7 @@ class AsyncGRPOTrainer(Trainer):
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    lora_prefix: str = "asyncgrpo-lora"  # adapter sync: the server gets adapters <lora_prefix>-step-<N>
 
     def __init__(
         self,
@@ -174,6 +184,9 @@ class AsyncGRPOTrainer(Trainer):
         self.source: RolloutSource | None = None
         self.sender: WeightSender | None = None
         self.facts: ServerFacts | None = None
+        self.adapter_mode = False  # T6: chosen at train() start (PEFT model + a server with --enable-lora)
+        self.adapter_sync: AdapterPublisher | None = None  # rank 0, adapter mode
+        self.needs_initial_sync = False  # adapter mode: register the starting adapter before generation starts
 
     # ------------------------------------------------------------------ set-up
 
@@ -189,7 +202,8 @@ class AsyncGRPOTrainer(Trainer):
         method to add other values: ``dataclasses.replace(super().rollout_settings(...), extra={...})``.
         """
         eos = self.processing_class.eos_token_id
-        return build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
+        settings = build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
+        return dataclasses.replace(settings, lora_name=self.lora_prefix) if self.adapter_mode else settings
 
     def _start_rollout(self, resume: ResumePoint) -> None:
         """Probe the server; build the loop, source and sender. The worker starts in ``start_rollout_worker``."""
@@ -206,6 +220,15 @@ class AsyncGRPOTrainer(Trainer):
             )
         facts = self._broadcast_object(self.facts)
         self.facts = facts
+        self.adapter_mode = self.needs_initial_sync = facts.lora_enabled and is_peft_model(self.model)
+        if self.adapter_mode and self.is_world_process_zero():
+            check_adapter_server(adapter_rank(self.model), args.max_staleness, facts.max_lora_rank, facts.max_loras,
+                                 [n for n in facts.lora_adapters if not n.startswith(self.lora_prefix + "-step-")])  # fmt: skip
+            warn_nothing_kept(args.save_strategy)
+            sync = AdapterSyncSettings(args.vllm_server_base_url, args.output_dir, args.max_staleness,
+                                       self.lora_prefix, args.vllm_server_timeout)  # fmt: skip
+            self.adapter_sync = AdapterPublisher(sync)
+            self.adapter_sync.clear_leftovers(list(facts.lora_adapters))
         self.token_budget = args.token_budget or facts.max_model_len
         n_proc = self.args.world_size
         if self.is_world_process_zero():
@@ -234,14 +257,15 @@ class AsyncGRPOTrainer(Trainer):
                 weight_sync_steps=args.weight_sync_steps,
                 settled=resume.settled,
             )
-            self.sender = WeightSender(timeout_s=args.vllm_server_timeout,
-                                       restart_timeout_s=args.vllm_server_restart_timeout)  # fmt: skip
-            self.sender.init(
-                AsyncServerClient(args.vllm_server_base_url),
-                facts.world_size,
-                backend=facts.weight_backend or "auto",
-                device=self.args.device,
-            )
+            if not self.adapter_mode:  # merged sync: the weight transfer group
+                self.sender = WeightSender(timeout_s=args.vllm_server_timeout,
+                                           restart_timeout_s=args.vllm_server_restart_timeout)  # fmt: skip
+                self.sender.init(
+                    AsyncServerClient(args.vllm_server_base_url),
+                    facts.world_size,
+                    backend=facts.weight_backend or "auto",
+                    device=self.args.device,
+                )
         cfg = self._causal_lm().config
         self.step_stats.flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
         if torch.cuda.is_available():
@@ -260,14 +284,17 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.stop()
         if self.sender is not None:
             self.sender.close()
-        self.worker = self.source = self.sender = None
+        self.worker = self.source = self.sender = self.adapter_sync = None
 
     def sync_weights(self) -> None:
         """Push the current policy to the server and hand its version to the rollout worker.
 
         Every process must call it (sharded parameters are gathered collectively); rank 0 sends.
+        Adapter mode (T6): the adapter is written and registered instead (``weights/lora_sync.py``).
         """
-        if not self.is_world_process_zero():
+        if self.adapter_mode:
+            self._sync_adapter()
+        elif not self.is_world_process_zero():
             join_policy_gathers(self.model)  # the same gathers, in the same order, as rank 0's
         else:
             if self.sender is None or self.worker is None:
@@ -280,6 +307,20 @@ class AsyncGRPOTrainer(Trainer):
             w.add("perf/weight_sync_pause_s", timings["pause_s"])
             w.add("perf/weight_sync_barrier_s", timings["barrier_s"])
             w.add("perf/weight_sync_transfer_s", timings["transfer_s"])
+
+    def _sync_adapter(self) -> None:
+        state = adapter_state(self.model)  # every rank: gathers are collective under FSDP2
+        self.needs_initial_sync = False
+        if not self.is_world_process_zero():
+            return
+        if self.adapter_sync is None or self.worker is None:
+            raise RuntimeError("sync_weights needs the adapter publisher and rollout worker that train() starts")
+        step = self.state.global_step
+        t = self.adapter_sync.publish(self.model, state, step)
+        self.worker.set_policy_version(step)  # new groups name the new adapter from now on
+        self.window.add("perf/weight_sync_s", t["write_s"] + t["load_s"] + t["retire_s"])
+        self.window.add("perf/weight_sync_pause_s", 0.0)  # adapters load beside the running ones: no pause
+        self.window.add("perf/weight_sync_transfer_s", t["write_s"] + t["load_s"])
 
     def _broadcast_object(self, obj: Any) -> Any:
         if self.args.world_size <= 1:

@@ -43,7 +43,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else t
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a PEFT wrapper (its LoRA layers are merged on the way to the server)."""
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -54,7 +55,7 @@ def _active_adapter(model: torch.nn.Module) -> str:
 
 def _sources(model: torch.nn.Module) -> list[_Source]:
     """The server's weights in send order; nothing is gathered or merged here."""
-    if not _is_peft(model):
+    if not is_peft_model(model):
         return [_Source(name, p) for name, p in model.named_parameters()]
     adapter = _active_adapter(model)
     lora_layers = {
