@@ -45,6 +45,7 @@ from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 from asyncgrpo.rollout.server_poll import poll_server_metrics
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo.vlm import check_no_images
 
 logger = logging.getLogger(__name__)
 
@@ -246,12 +247,19 @@ class AsyncRolloutLoop:
     def _sync_admission(self) -> None:
         self.admission.on_trainer_report(self.channels.tokens_consumed.value, self.channels.tokens_per_step.value)
 
+    def _trainer_wants_samples(self) -> bool:
+        """Always, unless ``sync_rollouts``: then only while the trainer waits for a step's samples."""
+        gate = getattr(self.channels, "trainer_waiting", None)
+        return not self.settings.sync_rollouts or gate is None or gate.is_set()
+
     async def _wait_for_admission(self, tasks: set[asyncio.Task]) -> None:
         t0 = time.perf_counter()
         while True:
             await self._raise_failed(tasks)  # a failed group must stop the run even while generation waits
             self._sync_admission()
-            if self.admission.can_start_group() or self.channels.stop.is_set():
+            if self.channels.stop.is_set():
+                break
+            if self.admission.can_start_group() and self._trainer_wants_samples():
                 break
             await asyncio.sleep(0.01)
         waited = time.perf_counter() - t0
@@ -350,6 +358,7 @@ class AsyncRolloutLoop:
                 f"dataset row {row_index} has prompt={prompt!r}; prompts must be conversational: a list of "
                 '{"role": ..., "content": ...} messages'
             )
+        check_no_images(row, f"dataset row {row_index}")
         version = self.channels.policy_version.value
         _GROUP_VERSION.set(version)  # this task's context: the rollouts gathered below copy it
         G = self.settings.num_generations

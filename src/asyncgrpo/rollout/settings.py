@@ -43,6 +43,7 @@ class RolloutSettings:
             ``vllm_server_restart_timeout``).
         lora_name: adapter sync (T6): requests name the LoRA adapter ``<lora_name>-step-<version>`` of the policy
             version their rollout started under instead of ``model_name`` (None: merged weights, ``model_name``).
+        sync_rollouts: start groups only while the trainer waits for samples (the config's ``sync_rollouts``).
         extra: free-form values for custom loops; the library never reads it.
     """
 
@@ -62,6 +63,7 @@ class RolloutSettings:
     num_epochs: int | None = None
     skip_indices: frozenset[int] = frozenset()
     retry_for_s: float = 0.0
+    sync_rollouts: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None
 
