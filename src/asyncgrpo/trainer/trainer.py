@@ -60,14 +60,7 @@ from asyncgrpo.trainer.server_setup import (
 )
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
-from asyncgrpo.weights.lora_sync import (
-    AdapterPublisher,
-    AdapterSyncSettings,
-    adapter_rank,
-    adapter_state,
-    check_adapter_server,
-    warn_nothing_kept,
-)
+from asyncgrpo.weights.lora_sync import AdapterPublisher, AdapterSyncSettings, adapter_state, start_adapter_sync
 from asyncgrpo.weights.policy import is_peft_model, join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
@@ -190,6 +183,7 @@ class AsyncGRPOTrainer(Trainer):
         self.adapter_mode = False  # T6: chosen at train() start (PEFT model + a server with --enable-lora)
         self.adapter_sync: AdapterPublisher | None = None  # rank 0, adapter mode
         self.needs_initial_sync = False  # adapter mode: register the starting adapter before generation starts
+        self.served_adapter: str | None = None  # adapter mode: the newest adapter registered (rank 0)
 
     # ------------------------------------------------------------------ set-up
 
@@ -224,14 +218,11 @@ class AsyncGRPOTrainer(Trainer):
         facts = self._broadcast_object(self.facts)
         self.facts = facts
         self.adapter_mode = self.needs_initial_sync = facts.lora_enabled and is_peft_model(self.model)
-        if self.adapter_mode and self.is_world_process_zero():
-            check_adapter_server(adapter_rank(self.model), args.max_staleness, facts.max_lora_rank, facts.max_loras,
-                                 [n for n in facts.lora_adapters if not n.startswith(self.lora_prefix + "-step-")])  # fmt: skip
-            warn_nothing_kept(args.save_strategy)
+        if self.adapter_mode and self.is_world_process_zero():  # T6: checks the server's LoRA limits first
             sync = AdapterSyncSettings(args.vllm_server_base_url, args.output_dir, args.max_staleness,
                                        self.lora_prefix, args.vllm_server_timeout)  # fmt: skip
-            self.adapter_sync = AdapterPublisher(sync)
-            self.adapter_sync.clear_leftovers(list(facts.lora_adapters))
+            self.adapter_sync = start_adapter_sync(self.model, sync, facts.max_lora_rank, facts.max_loras,
+                                                   facts.lora_adapters, args.save_strategy)  # fmt: skip
         self.token_budget = args.token_budget or facts.max_model_len
         n_proc = self.args.world_size
         if self.is_world_process_zero():
@@ -320,6 +311,7 @@ class AsyncGRPOTrainer(Trainer):
             raise RuntimeError("sync_weights needs the adapter publisher and rollout worker that train() starts")
         step = self.state.global_step
         t = self.adapter_sync.publish(self.model, state, step)
+        self.served_adapter = self.adapter_sync.live[-1][0]
         self.worker.set_policy_version(step)  # new groups name the new adapter from now on
         self.window.add("perf/weight_sync_s", t["write_s"] + t["load_s"] + t["retire_s"])
         self.window.add("perf/weight_sync_pause_s", 0.0)  # adapters load beside the running ones: no pause
@@ -360,6 +352,8 @@ class AsyncGRPOTrainer(Trainer):
         metrics: dict[str, float] = {}
         if self.is_world_process_zero():
             settings = settings_from_config(self.args)
+            if self.served_adapter is not None:  # adapter sync: the newest adapter holds the trained policy
+                settings = dataclasses.replace(settings, model=self.served_adapter)
             metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
             Trainer.log(self, metrics)  # not self.log: that would flush the training window into this line
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)

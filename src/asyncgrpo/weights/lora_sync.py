@@ -22,6 +22,7 @@ import logging
 import shutil
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,3 +204,22 @@ class AdapterPublisher:
         self._unload(name)
         shutil.rmtree(path, ignore_errors=True)
         logger.debug("retired LoRA adapter %s", name)
+
+
+def start_adapter_sync(
+    model: torch.nn.Module,
+    settings: AdapterSyncSettings,
+    max_lora_rank: int,
+    max_loras: int,
+    loaded: Sequence[str],
+    save_strategy: Any,
+) -> AdapterPublisher:
+    """Rank 0 at ``train()`` start: check the server's LoRA limits, warn when nothing will be kept, unload what an
+    earlier run of this prefix left (``loaded``: the adapters the server lists now) and return the publisher."""
+    mine = settings.prefix + "-step-"
+    others = [n for n in loaded if not n.startswith(mine)]
+    check_adapter_server(adapter_rank(model), settings.max_staleness, max_lora_rank, max_loras, others)
+    warn_nothing_kept(save_strategy)
+    publisher = AdapterPublisher(settings)
+    publisher.clear_leftovers(list(loaded))
+    return publisher
