@@ -131,3 +131,47 @@ def test_start_up_checks_name_the_server_flags(tmp_path, server, tiny_llama_dir)
         trainer.train()
     msg = str(info.value)
     assert "--max-lora-rank 16" in msg and "--max-loras 3" in msg
+
+
+def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tmp_path, server, tiny_llama_dir):
+    """A group started under version 2 asks for adapter t-step-2; once that left the window (404) its rollouts
+    continue on the current version's adapter (their samples are too stale to train anyway)."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from asyncgrpo import AsyncRolloutLoop
+    from asyncgrpo.recipes import smollm2_tokenizer
+    from asyncgrpo.rollout.loop import _GROUP_VERSION
+    from asyncgrpo.rollout.sampling import SamplingSettings
+    from asyncgrpo.rollout.settings import RolloutSettings
+    from asyncgrpo.weights.lora_sync import adapter_state, write_adapter
+    from tests.helpers.reference import hf_model, lora_model
+
+    peft_model = lora_model(hf_model(tiny_llama_dir), seed=5, rank=4)
+    write_adapter(peft_model, adapter_state(peft_model), tmp_path / "t-step-3")
+    settings = RolloutSettings(
+        model_name="base", sampling=SamplingSettings(server.base_url, 256, 6), num_generations=2, max_staleness=0,
+        seed=0, max_concurrent_rollouts=2, initial_tokens_per_step=64, lora_name="t",
+    )  # fmt: skip
+    loop = AsyncRolloutLoop(settings, [], [], smollm2_tokenizer())
+    loop.channels = SimpleNamespace(policy_version=mp.get_context("spawn").Value("q", 3))
+
+    async def go():
+        async with AsyncServerClient(server.base_url, retries=0) as client:
+            loop.client = client
+            await client.load_lora_adapter("t-step-3", str(tmp_path / "t-step-3"))
+            try:
+                outside = loop.request_model()  # no group: the current version
+                _GROUP_VERSION.set(2)
+                asked = loop.request_model()
+                got = await loop._request(PROMPT, GREEDY, asked)
+                direct = await client.generate(PROMPT, GREEDY, model="t-step-3")
+            finally:
+                await client.unload_lora_adapter("t-step-3")
+            return outside, asked, got, direct
+
+    outside, asked, got, direct = asyncio.run(go())
+    assert (outside, asked) == ("t-step-3", "t-step-2")
+    assert got.token_ids == direct.token_ids and got.logprobs == direct.logprobs
+    model = peft_model.eval()
+    check_greedy(model, got)  # and it is the adapter's output, not the base model's
