@@ -140,6 +140,7 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
     from types import SimpleNamespace
 
     from asyncgrpo import AsyncRolloutLoop
+    from asyncgrpo.client.pool import ServerPool
     from asyncgrpo.recipes import smollm2_tokenizer
     from asyncgrpo.rollout.loop import _GROUP_VERSION
     from asyncgrpo.rollout.sampling import SamplingSettings
@@ -157,18 +158,19 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
     loop.channels = SimpleNamespace(policy_version=mp.get_context("spawn").Value("q", 3))
 
     async def go():
-        async with AsyncServerClient(server.base_url, retries=0) as client:
-            loop.client = client
-            await client.load_lora_adapter("t-step-3", str(tmp_path / "t-step-3"))
-            try:
-                outside = loop.request_model()  # no group: the current version
-                _GROUP_VERSION.set(2)
-                asked = loop.request_model()
-                got = await loop._request(PROMPT, GREEDY, asked)
-                direct = await client.generate(PROMPT, GREEDY, model="t-step-3")
-            finally:
-                await client.unload_lora_adapter("t-step-3")
-            return outside, asked, got, direct
+        loop.pool = ServerPool([server.base_url], timeout=60, max_connections=2)
+        client = loop.pool.client(0)
+        await client.load_lora_adapter("t-step-3", str(tmp_path / "t-step-3"))
+        try:
+            outside = loop.request_model()  # no group: the current version
+            _GROUP_VERSION.set(2)
+            asked = loop.request_model()
+            got = await loop._request(PROMPT, GREEDY, asked)
+            direct = await client.generate(PROMPT, GREEDY, model="t-step-3")
+        finally:
+            await client.unload_lora_adapter("t-step-3")
+            await loop.pool.close()
+        return outside, asked, got, direct
 
     outside, asked, got, direct = asyncio.run(go())
     assert (outside, asked) == ("t-step-3", "t-step-2")

@@ -47,14 +47,14 @@ class AdapterSyncSettings:
     """Where adapters go and how many stay registered.
 
     Args:
-        base_url: the generation server.
+        base_urls: the generation servers (every one gets every adapter).
         output_dir: the run's ``output_dir``; adapters go to ``<output_dir>/.vllm_lora/``.
         max_staleness: the config's ``max_staleness``: ``max_staleness + 1`` versions stay registered.
         prefix: adapter names are ``<prefix>-step-<N>`` (the worker builds the same names).
         timeout_s: one HTTP call's limit (load/unload).
     """
 
-    base_url: str
+    base_urls: tuple[str, ...]
     output_dir: str
     max_staleness: int
     prefix: str
@@ -150,17 +150,17 @@ class AdapterPublisher:
         self.cache_dir = Path(settings.output_dir) / LORA_CACHE_DIR
         self.live: deque[tuple[str, Path]] = deque()  # (adapter name, directory), oldest first
 
-    def _call(self, coro_fn: Any, what: str) -> Any:
+    def _call(self, url: str, coro_fn: Any, what: str) -> Any:
         """Run one async client call to completion (the trainer thread has no event loop of its own)."""
 
         async def go() -> Any:
-            async with AsyncServerClient(self.settings.base_url, timeout=self.settings.timeout_s, retries=0) as c:
+            async with AsyncServerClient(url, timeout=self.settings.timeout_s, retries=0) as c:
                 return await asyncio.wait_for(coro_fn(c), self.settings.timeout_s + 5.0)
 
         try:
             return asyncio.run(go())
         except TimeoutError:
-            raise TimeoutError(f"timed out after {self.settings.timeout_s:.0f}s waiting for {what}") from None
+            raise TimeoutError(f"timed out after {self.settings.timeout_s:.0f}s waiting for {what} at {url}") from None
 
     def clear_leftovers(self, loaded: list[str]) -> None:
         """Unload adapters an earlier run of this prefix left on the server and empty the cache directory."""
@@ -180,13 +180,15 @@ class AdapterPublisher:
             self.live = deque((n, p) for n, p in self.live if n != name)
         write_adapter(model, state, path)
         t1 = time.perf_counter()
-        try:
-            self._call(lambda c: c.load_lora_adapter(name, str(path.resolve())), f"POST /v1/load_lora_adapter {name}")
-        except ServerError as exc:
-            if exc.status == 404:
-                raise RuntimeError(f"the server at {self.settings.base_url} has no /v1/load_lora_adapter: "
-                                   f"{RUNTIME_LORA_HINT}") from exc  # fmt: skip
-            raise RuntimeError(f"the server refused LoRA adapter {name} ({path}): {exc}") from exc
+        for url in self.settings.base_urls:
+            try:
+                self._call(url, lambda c: c.load_lora_adapter(name, str(path.resolve())),
+                           f"POST /v1/load_lora_adapter {name}")  # fmt: skip
+            except ServerError as exc:
+                if exc.status == 404:
+                    raise RuntimeError(f"the server at {url} has no /v1/load_lora_adapter: {RUNTIME_LORA_HINT}"
+                                       ) from exc  # fmt: skip
+                raise RuntimeError(f"the server at {url} refused LoRA adapter {name} ({path}): {exc}") from exc
         self.live.append((name, path))
         t2 = time.perf_counter()
         while len(self.live) > self.settings.max_staleness + 1:
@@ -194,11 +196,12 @@ class AdapterPublisher:
         return {"write_s": t1 - t0, "load_s": t2 - t1, "retire_s": time.perf_counter() - t2}
 
     def _unload(self, name: str) -> None:
-        try:
-            self._call(lambda c: c.unload_lora_adapter(name), f"POST /v1/unload_lora_adapter {name}")
-        except ServerError as exc:
-            if exc.status != 404:  # 404: already gone (e.g. the server restarted)
-                raise
+        for url in self.settings.base_urls:
+            try:
+                self._call(url, lambda c: c.unload_lora_adapter(name), f"POST /v1/unload_lora_adapter {name}")
+            except ServerError as exc:
+                if exc.status != 404:  # 404: not there (e.g. the server restarted, or loaded on another server)
+                    raise
 
     def _retire(self, name: str, path: Path) -> None:
         self._unload(name)
