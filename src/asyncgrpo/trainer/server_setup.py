@@ -160,6 +160,7 @@ def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) ->
         raise ValueError("the generation servers of vllm_server_base_url must be replicas of one model: "
                          + "; ".join(problems) + ". Start every server with the same model and flags")  # fmt: skip
     kv = [f.kv_cache_tokens for f in each]
+    lora = all(f.lora_enabled for f in each)
     logprobs = [f.max_logprobs for f in each if f.max_logprobs != -1]  # -1: the vocabulary, no limit
     return dataclasses.replace(
         first,
@@ -171,10 +172,8 @@ def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) ->
         return_sampling_mask=any(f.return_sampling_mask for f in each),
         world_sizes=tuple(f.world_size for f in each),
         # adapter sync only when every server takes adapters, within the smallest limits (T6)
-        max_lora_rank=min(ranks)
-        if (ranks := [f.max_lora_rank for f in each if f.lora_enabled]) and len(ranks) == len(each)
-        else None,
-        max_loras=min(f.max_loras or 0 for f in each) if all(f.lora_enabled for f in each) else None,
+        max_lora_rank=min(f.max_lora_rank or 0 for f in each) if lora else None,
+        max_loras=min(f.max_loras or 0 for f in each) if lora else None,
         lora_adapters=tuple(sorted({a for f in each for a in f.lora_adapters})),
     )
 
