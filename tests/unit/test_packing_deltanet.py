@@ -39,6 +39,15 @@ HYBRID = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small batched triangular solves are far slower with 2 threads on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def hybrid_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A tiny random Qwen3.5 (text) or Qwen3-Next (with 4 experts) hybrid: 3 DeltaNet + 1 attention layer."""
     from transformers import Qwen3_5TextConfig, Qwen3NextConfig

@@ -31,7 +31,7 @@ _COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_k_dim", "head
 
 
 def deltanet_layout(module: torch.nn.Module) -> str | None:
-    """"split" (Qwen3.5: in_proj_qkv/z/b/a), "fused" (Qwen3-Next: in_proj_qkvz/ba), or None if not understood."""
+    """ "split" (Qwen3.5: in_proj_qkv/z/b/a), "fused" (Qwen3-Next: in_proj_qkvz/ba), or None if not understood."""
     if not type(module).__name__.endswith("GatedDeltaNet") or not all(hasattr(module, a) for a in _COMMON):
         return None
     if all(hasattr(module, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")):
@@ -39,12 +39,6 @@ def deltanet_layout(module: torch.nn.Module) -> str | None:
     if all(hasattr(module, a) for a in ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")):
         return "fused"
     return None
-
-
-def is_linear_attention_module(module: torch.nn.Module) -> bool:
-    """True for token mixers with a recurrent state or a short convolution (by class name); see model_support."""
-    name = type(module).__name__.lower()
-    return any(k in name for k in ("deltanet", "delta", "mamba", "mixer", "shortconv", "linearattention", "rwkv"))
 
 
 def _project(module: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -67,7 +61,9 @@ def packed_deltanet_forward(module: Any, hidden_states: torch.Tensor, plan: Any)
         raise RuntimeError("a Gated DeltaNet layer got a packed row without its linear plan; build the plan with "
                            "packing.build_plan(row, linear_attention=True) or call packed_hidden_states")  # fmt: skip
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != lin.num_tokens:
-        raise ValueError(f"packed DeltaNet expects one row of {lin.num_tokens} tokens, got {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"packed DeltaNet expects one row of {lin.num_tokens} tokens, got {tuple(hidden_states.shape)}"
+        )
     x = hidden_states[0]
     n_tok = x.shape[0]
     qkv, z, b, a = _project(module, x)

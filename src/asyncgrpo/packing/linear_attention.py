@@ -160,7 +160,7 @@ def tree_gated_delta_rule(
     Returns:
         [T, H_v, D_v] fp32 outputs in row order.
     """
-    n_tok, h_v = value.shape[0], value.shape[1]
+    h_v = value.shape[1]
     if key.shape[1] != h_v:
         query, key = (t.repeat_interleave(h_v // t.shape[1], dim=1) for t in (query, key))
     query, key, value, g, beta = (t.float() for t in (query, key, value, g, beta))
