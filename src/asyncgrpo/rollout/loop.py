@@ -44,6 +44,7 @@ from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 from asyncgrpo.rollout.server_poll import poll_server_metrics
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo.vlm import check_no_images
 
 logger = logging.getLogger(__name__)
 
@@ -340,6 +341,7 @@ class AsyncRolloutLoop:
                 f"dataset row {row_index} has prompt={prompt!r}; prompts must be conversational: a list of "
                 '{"role": ..., "content": ...} messages'
             )
+        check_no_images(row, f"dataset row {row_index}")
         version = self.channels.policy_version.value
         G = self.settings.num_generations
         results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id) for _ in range(G)))
