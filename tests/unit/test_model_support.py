@@ -25,10 +25,10 @@ def _meta(config) -> torch.nn.Module:
 
 
 def test_attention_and_deltanet_hybrids_are_accepted():
-    from transformers import LlamaConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
+    from transformers import LlamaConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
 
     for cfg in (LlamaConfig(**SMALL), Qwen3Config(**SMALL), Qwen3_5TextConfig(**HYBRID),
-                Qwen3NextConfig(num_experts=0, **HYBRID)):  # fmt: skip
+                Qwen3_5MoeTextConfig(num_experts=2, **HYBRID), Qwen3NextConfig(num_experts=0, **HYBRID)):  # fmt: skip
         model = _meta(cfg)
         assert model_support_problems(model) == [], type(model).__name__
         check_model_support(model)

@@ -49,11 +49,14 @@ def _one_thread():
 
 
 def hybrid_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random Qwen3.5 (text) or Qwen3-Next (with 4 experts) hybrid: 3 DeltaNet + 1 attention layer."""
-    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+    """A tiny random Qwen3.5 (text), Qwen3.5-MoE or Qwen3-Next (4 experts) hybrid: 3 DeltaNet + 1 attention layer."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     if family == "qwen3_5":
         cfg = Qwen3_5TextConfig(**HYBRID)
+    elif family == "qwen3_5_moe":
+        cfg = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=32, **HYBRID)  # fmt: skip
     else:
         cfg = Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=32, **HYBRID)  # fmt: skip
@@ -106,7 +109,7 @@ def _deep_tree_samples(rng):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_packed_hybrid_matches_unpacked(family, chunk):
     rng = np.random.default_rng(3)
@@ -140,6 +143,25 @@ def test_checkpointed_hybrid_matches_unpacked():
     assert (lp - ref_lp).abs().max().item() <= 1e-4
     for name, g in grads.items():
         assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
+
+
+def test_lora_on_deltanet_projections_matches_unpacked():
+    """LoRA adapters on the DeltaNet projections (and attention) change the packed forward as the unpacked one."""
+    from tests.helpers.reference import lora_model
+
+    rng = np.random.default_rng(8)
+    samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=2)
+    row = pack_samples(samples)
+    targets = ("in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj", "q_proj", "down_proj")
+    model = lora_model(hybrid_model("qwen3_5", seed=2), seed=8, targets=targets)
+    weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
+    ref_lp, ref_grads = _reference(model, samples, weights)
+    lp, grads = _packed(model, row, weights, 4)
+    assert (lp - ref_lp).abs().max().item() <= 1e-4
+    lora = [n for n in grads if "lora_" in n]
+    assert any("in_proj_qkv" in n for n in lora) and any("linear_attn.out_proj" in n for n in lora)
+    for name in lora:
+        assert (grads[name] - ref_grads[name]).abs().max().item() <= 1e-4, name
 
 
 def test_ordinary_forward_is_untouched_after_install():

@@ -68,6 +68,11 @@ def packed_deltanet_forward(module: Any, hidden_states: torch.Tensor, plan: Any)
     n_tok = x.shape[0]
     qkv, z, b, a = _project(module, x)
     conv = module.conv1d
+    if not isinstance(conv, torch.nn.Conv1d):  # e.g. a PEFT wrapper: its delta would be ignored below
+        raise TypeError(
+            f"the DeltaNet conv1d of layer {getattr(module, 'layer_idx', '?')} is a {type(conv).__name__}; adapters on "
+            "the short convolution are not supported in packed rows: drop 'conv1d' from the LoRA target_modules"
+        )
     mixed = tree_causal_conv(qkv, conv.weight[:, 0, :], conv.bias, lin)
     act = ACT2FN[module.activation] if isinstance(getattr(module, "activation", None), str) else module.act
     mixed = act(mixed).to(x.dtype)
