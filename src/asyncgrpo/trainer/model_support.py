@@ -30,7 +30,16 @@ def _text_config(model: Any) -> Any:
 
 def _layer_type_problems(model: Any) -> list[str]:
     name = type(model).__name__
-    types = getattr(_text_config(model), "layer_types", None) or []
+    cfg = _text_config(model)
+    types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    if not types and window and getattr(cfg, "use_sliding_window", True):  # Mistral-style: a window in every layer
+        msg = (
+            f"{name} uses sliding-window attention in every layer (sliding_window={window}) and tree attention has "
+            f"no sliding-window mask. If no sample is longer than {window} tokens the window changes nothing: set "
+            "model.config.sliding_window = None before building the trainer; otherwise train a full-attention model"
+        )
+        return [msg]
     where: dict[str, list[int]] = {}
     for i, t in enumerate(types):
         if t not in SUPPORTED_LAYER_TYPES:
