@@ -57,7 +57,7 @@ def test_sliding_window_qwen2_is_refused_with_the_fix():
 def test_mistral_style_window_in_every_layer_is_refused_unless_disabled():
     from transformers import MistralConfig
 
-    with pytest.raises(ValueError, match=r"sliding_window=4096.*sliding_window = None"):
+    with pytest.raises(ValueError, match=r"sliding_window=4096.*'sliding_window': None"):
         check_model_support(_meta(MistralConfig(**SMALL)))  # transformers' default window is 4096
     assert model_support_problems(_meta(MistralConfig(**SMALL, sliding_window=None))) == []
 

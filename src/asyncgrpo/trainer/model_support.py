@@ -37,7 +37,8 @@ def _layer_type_problems(model: Any) -> list[str]:
         msg = (
             f"{name} uses sliding-window attention in every layer (sliding_window={window}) and tree attention has "
             f"no sliding-window mask. If no sample is longer than {window} tokens the window changes nothing: set "
-            "model.config.sliding_window = None before building the trainer; otherwise train a full-attention model"
+            "model_init_kwargs={'sliding_window': None} (or model.config.sliding_window = None on a model you pass); "
+            "otherwise train a full-attention model"
         )
         return [msg]
     where: dict[str, list[int]] = {}
