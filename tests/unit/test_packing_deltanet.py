@@ -217,3 +217,16 @@ def test_kernels_follow_each_token_path():
         xp = torch.nn.functional.pad(x[path].T[None], (3, 0))
         ref_conv = torch.nn.functional.conv1d(xp, w[:, None, :], groups=5)[0].T
         assert (conv[path] - ref_conv).abs().max() <= 1e-5
+
+
+def test_plan_refuses_a_fork_inside_a_parent_segment():
+    """The delta rule hands a segment its parent's *final* state; a row that forks mid-segment is refused."""
+    import dataclasses
+
+    row = pack_samples(_deep_tree_samples(np.random.default_rng(1)))
+    starts, ends, parents = row.seg_start.numpy(), row.seg_end.numpy(), row.seg_parent.numpy()
+    child = next(s for s in range(len(starts)) if parents[s] >= 0 and ends[parents[s]] - starts[parents[s]] >= 2)
+    parent = row.parent.clone()
+    parent[starts[child]] = int(starts[parents[child]])  # now forks after the parent segment's first token
+    with pytest.raises(ValueError, match="forks inside its parent segment"):
+        build_linear_plan(dataclasses.replace(row, parent=parent))

@@ -71,13 +71,23 @@ class LinearTreePlan:
         return self._ancestors[width]
 
 
-def build_linear_plan(row: PackedRow, device: torch.device | str | None = None, chunk: int = DEFAULT_CHUNK):
-    """Chunk layout of ``row``'s segments for :func:`tree_gated_delta_rule` (host-side numpy, once per row)."""
+def build_linear_plan(
+    row: PackedRow, device: torch.device | str | None = None, chunk: int = DEFAULT_CHUNK
+) -> LinearTreePlan:
+    """Chunk layout of ``row``'s segments for :func:`tree_gated_delta_rule` (host-side numpy, once per row).
+
+    Raises:
+        ValueError: for a chunk size below 1, or a row whose segments fork inside a parent segment.
+    """
     if chunk < 1:
         raise ValueError(f"linear attention chunk size must be >= 1, got {chunk}")
     device = torch.device(device) if device is not None else row.input_ids.device
     starts, ends, parents = (t.cpu().numpy().astype(np.int64) for t in (row.seg_start, row.seg_end, row.seg_parent))
     total, n_seg = row.num_tokens, len(starts)
+    forked = parents >= 0
+    token_parent = row.parent.cpu().numpy()[starts[forked]]
+    if not np.array_equal(token_parent, ends[parents[forked]] - 1):  # the state handed over is the parent's final one
+        raise ValueError("a segment forks inside its parent segment; rows must come from packing.row.pack_trie")
     n_chunks = -(-(ends - starts) // chunk)
     chunk_off = np.concatenate([[0], np.cumsum(n_chunks)]).astype(np.int64)
     first_wave = np.zeros(n_seg, dtype=np.int64)
