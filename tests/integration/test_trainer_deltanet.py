@@ -46,6 +46,7 @@ def one_thread():
 
 
 def test_deltanet_hybrid_trains_with_exact_packed_logprobs(tmp_path, server, deltanet_dir, one_thread):
+    # the config's defaults otherwise, gradient checkpointing included (the DeltaNet layers are recomputed)
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"),
         max_steps=1,
@@ -56,7 +57,6 @@ def test_deltanet_hybrid_trains_with_exact_packed_logprobs(tmp_path, server, del
         report_to=[],
         save_strategy="no",
         learning_rate=1e-3,
-        gradient_checkpointing=False,
         vllm_server_timeout=120,
         rollout_worker_timeout=60,
         seed=0,
