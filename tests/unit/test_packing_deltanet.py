@@ -129,6 +129,29 @@ def test_packed_hybrid_matches_unpacked(family, chunk):
         assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
 
 
+def test_qwen3_5_vision_language_text_model_matches_unpacked():
+    """A Qwen3.5 VLM checkpoint trained on text: its DeltaNet text model packs exactly (tower untouched)."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5Config
+
+    text = {k: v for k, v in HYBRID.items() if k != "tie_word_embeddings"}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+              "out_hidden_size": HYBRID["hidden_size"], "num_position_embeddings": 64}  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False), dtype=torch.float32
+    )
+    rng = np.random.default_rng(6)
+    samples = _deep_tree_samples(rng)
+    row = pack_samples(samples)
+    weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
+    ref_lp, ref_grads = _reference(model, samples, weights)
+    lp, grads = _packed(model, row, weights, 4)
+    assert (lp - ref_lp).abs().max().item() <= 1e-4
+    assert grads.keys() == ref_grads.keys() and any("linear_attn" in n for n in grads)
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointed_hybrid_matches_unpacked(reentrant):
     """Gradient checkpointing recomputes the DeltaNet layers with the plan: same log-probs and gradients."""
