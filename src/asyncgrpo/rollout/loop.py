@@ -46,6 +46,7 @@ from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 from asyncgrpo.rollout.server_poll import poll_server_metrics
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo.vlm import check_no_images
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class AsyncRolloutLoop:
         self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]] | None
     ) -> list[int]:
         """Token ids of the whole conversation with the generation prompt (the tools' schemas shown if any)."""
+        check_no_images(messages, "a conversation to render")  # environments and tools may return images too
         kwargs = dict(self.settings.chat_template_kwargs)
         if tool_schemas:
             kwargs["tools"] = tool_schemas
@@ -360,6 +362,7 @@ class AsyncRolloutLoop:
                 f"dataset row {row_index} has prompt={prompt!r}; prompts must be conversational: a list of "
                 '{"role": ..., "content": ...} messages'
             )
+        check_no_images(row, f"dataset row {row_index}")
         version = self.channels.policy_version.value
         G = self.settings.num_generations
         self.pool.drop_flagged(self.channels.dropped_server_mask())

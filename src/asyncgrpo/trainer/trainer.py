@@ -29,8 +29,9 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+from transformers import AutoTokenizer, PreTrainedModel, Trainer
 
+from asyncgrpo import vlm
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
@@ -48,6 +49,7 @@ from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_ch
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
+from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
@@ -129,7 +131,8 @@ class AsyncGRPOTrainer(Trainer):
         if isinstance(model, str):
             init_kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
             init_kwargs.update(args.model_init_kwargs or {})
-            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+            model = vlm.load_pretrained(model, **init_kwargs)  # image-text class for vision-language checkpoints
+        check_model_support(model)  # layers tree packing cannot follow (sliding windows, sinks, unknown recurrences)
         moe = any(getattr(model.config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
         if moe:
             raise ValueError(
@@ -145,6 +148,7 @@ class AsyncGRPOTrainer(Trainer):
             if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
                 raise ValueError("LoRA on lm_head is not supported: drop 'lm_head' from peft_config.target_modules")
             model = get_peft_model(model, peft_config)
+        vlm.freeze_non_text(model)  # T4: tower/projector frozen (no grads, no optimizer state, not synced)
         reward_funcs = (
             [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
         )
