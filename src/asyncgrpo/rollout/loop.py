@@ -196,6 +196,7 @@ class AsyncRolloutLoop:
         self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]] | None
     ) -> list[int]:
         """Token ids of the whole conversation with the generation prompt (the tools' schemas shown if any)."""
+        check_no_images(messages, "a conversation to render")  # environments and tools may return images too
         kwargs = dict(self.settings.chat_template_kwargs)
         if tool_schemas:
             kwargs["tools"] = tool_schemas
