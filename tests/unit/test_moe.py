@@ -41,8 +41,14 @@ def _config(arch: str):
 
 
 def _model(arch: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32, attn_implementation="sdpa")
+    if arch == "qwen3_5_moe":  # Gated DeltaNet hybrid with MoE layers and a shared expert (packing/deltanet.py)
+        from tests.unit.test_packing_deltanet import hybrid_model
+
+        model = hybrid_model("qwen3_5_moe")
+        model.set_attn_implementation("sdpa")
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():  # sharper routers than the 0.02-std init: top-k choices far from ties
         for name, p in model.named_parameters():
             if "gate" in name and p.dim() == 2 and p.shape[0] == COMMON["num_experts"]:
@@ -100,8 +106,10 @@ def _close(got: dict, ref: dict, tol: float = 1e-4) -> None:
         assert (g - ref[name]).abs().max().item() <= tol, name
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(
+    ("arch", "checkpointing"),
+    [("qwen3_moe", False), ("qwen3_moe", True), ("olmoe", False), ("olmoe", True), ("qwen3_5_moe", False)],
+)
 def test_packed_logprobs_router_loss_and_grads_match_unpacked(arch, checkpointing):
     rng = np.random.default_rng(11)
     samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=3)  # forks at several depths, 1-token turns
