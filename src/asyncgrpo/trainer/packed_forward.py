@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from asyncgrpo.packing import PackedRow, TreeAttentionPlan
+from asyncgrpo.packing.deltanet import needs_linear_plan
+from asyncgrpo.packing.linear_attention import build_linear_plan
 
 
 @dataclass
@@ -44,25 +46,34 @@ def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
-def packed_forward(model: torch.nn.Module, row: PackedRow, plan: TreeAttentionPlan) -> PackedForward:
+def packed_forward(
+    model: torch.nn.Module,
+    row: PackedRow,
+    plan: TreeAttentionPlan,
+    router_logits: list[torch.Tensor] | None = None,
+) -> PackedForward:
     """Run ``row`` through ``model``'s root forward (tree attention) and return the hidden states and the head.
 
     Args:
         model: the module the Trainer trains (FSDP2-sharded, DDP-wrapped, PEFT or plain), switched to tree
             attention (``packing.use_tree_attention``).
         row: a packed row on the model's device.
-        plan: its tree-attention plan.
+        plan: its tree-attention plan (a linear-attention plan is added for DeltaNet hybrids).
+        router_logits: a list to receive one [T, experts] tensor per MoE layer (the decoder's router logits).
 
     Raises:
         RuntimeError: the LM head weight is still sharded after the root forward (an FSDP setup that reshards
             the root after forward); say which setting to change.
     """
     lm = causal_lm_of(model)
+    if plan.linear is None and needs_linear_plan(lm):
+        plan.linear = build_linear_plan(row, row.input_ids.device)
     decoder = lm.get_decoder()
-    captured: dict[str, torch.Tensor] = {}
+    captured: dict[str, Any] = {}
 
     def keep_hidden(_module: Any, _args: Any, output: Any) -> None:
         captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        captured["router"] = getattr(output, "router_logits", None)
 
     handle = decoder.register_forward_hook(keep_hidden)
     try:
@@ -73,6 +84,7 @@ def packed_forward(model: torch.nn.Module, row: PackedRow, plan: TreeAttentionPl
             use_cache=False,
             logits_to_keep=1,
             tree_plan=plan,
+            **({"output_router_logits": True} if router_logits is not None else {}),
         )
     finally:
         handle.remove()
@@ -84,6 +96,10 @@ def packed_forward(model: torch.nn.Module, row: PackedRow, plan: TreeAttentionPl
             "the LM head weight is still sharded after the model's forward: FSDP2 must leave the root module "
             "unsharded between forward and backward (do not wrap the LM head in its own fully_shard unit)"
         )
+    if router_logits is not None:
+        if not captured["router"]:
+            raise ValueError(f"{type(decoder).__name__} reported no router logits; is it a mixture-of-experts model?")
+        router_logits.extend(t.reshape(-1, t.shape[-1]) for t in captured["router"])
     hidden = captured["hidden"][0]
     anchor = 0.0 * (hidden.sum() + out.logits.sum())
     return PackedForward(hidden, weight, anchor)
