@@ -197,15 +197,20 @@ class GeneralRunner:
         return torch.stack(rows)  # type: ignore[arg-type]
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
-        """One token per sequence on top of its cohort's cache; logits [B, V]."""
+    def decode(self, seqs: list[Sequence], lora: bool = False, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence on top of its cohort's cache; logits [B, V].
+
+        ``next_tokens`` [B]: decode one step ahead (each sequence's newest token is sampled but not yet appended).
+        """
         self._refuse_lora(lora)
+        ahead = 0 if next_tokens is None else 1
+        feed = {s: s.token_ids[-1] for s in seqs} if next_tokens is None else dict(zip(seqs, next_tokens.tolist()))
         running = set(seqs)
         self._leave(lambda s: s in running)
         cohorts: dict[int, _Cohort] = {}
         for s in seqs:
             cohort, _ = self._where.get(s, (None, 0))
-            if cohort is None or s.num_cached != len(s.token_ids) - 1:
+            if cohort is None or s.num_cached != len(s.token_ids) - 1 + ahead:
                 raise RuntimeError(
                     f"request {s.request_id}: no cache for its {len(s.token_ids) - 1} earlier tokens on the general "
                     "model path (a scheduler/runner mismatch)"
@@ -213,12 +218,12 @@ class GeneralRunner:
             cohorts.setdefault(id(cohort), cohort)
         out: dict[Sequence, torch.Tensor] = {}
         for cohort in cohorts.values():
-            filler = next(m.token_ids[-1] for m in cohort.members if m is not None)
-            ids = [[m.token_ids[-1] if m is not None else filler] for m in cohort.members]
+            filler = next(feed[m] for m in cohort.members if m is not None)
+            ids = [[feed[m] if m is not None else filler] for m in cohort.members]
             logits, cohort.cache = self._forward(ids, cohort.cache)
             for r, m in enumerate(cohort.members):
                 if m is not None:
-                    m.num_cached = len(m.token_ids)
+                    m.num_cached = len(m.token_ids) + ahead
                     out[m] = logits[r]
         return torch.stack([out[s] for s in seqs])
 
