@@ -181,7 +181,8 @@ class GeneralRunner:
     def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
         """Forward all tokens of the new sequences (one batch per length); logits [N, V] of their last positions."""
         self._refuse_lora(lora)
-        self._leave(lambda s: not s.finished and s.num_cached > 0)
+        new = set(seqs)  # a re-admitted (preempted) sequence leaves its old cohort whatever num_cached says
+        self._leave(lambda s: not s.finished and s.num_cached > 0 and s not in new)
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             by_len.setdefault(len(s.token_ids), []).append(i)
