@@ -26,13 +26,9 @@ from torch import nn
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
 from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.vlm import is_vision_language
 
 logger = logging.getLogger(__name__)
-
-
-def is_vlm_config(config: Any) -> bool:
-    """A vision-language checkpoint: its config carries a ``vision_config``."""
-    return getattr(config, "vision_config", None) is not None
 
 
 def architecture_of(hf_model: nn.Module) -> str:
@@ -64,7 +60,7 @@ def load_any_model(model: str | os.PathLike | nn.Module, dtype: str | torch.dtyp
     else:
         config = AutoConfig.from_pretrained(model)
         want = resolve_dtype(dtype, config, dev)
-        auto = AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
         kwargs = {"device_map": str(dev)} if dev.type == "cuda" else {}
         try:
             hf = auto.from_pretrained(model, dtype=want, **kwargs)
