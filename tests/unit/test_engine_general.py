@@ -105,6 +105,7 @@ def test_group_of_one_prompt_decodes_as_one_batch(hybrid_dir):
         for i, n in enumerate(lengths):
             eng.submit(Request(f"g{i}", prompt, SamplingParams(max_tokens=n, temperature=1.0, seed=i)), col)
         outs = col.wait([f"g{i}" for i in range(len(lengths))])
+        assert eng.run_between_steps(lambda: eng._runner.num_cohorts, timeout=30) == 0  # caches freed at finish
     finally:
         eng.shutdown()
         hook.remove()

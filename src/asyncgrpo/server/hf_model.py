@@ -167,6 +167,10 @@ class GeneralRunner:
         """Diagnostics: batched caches alive."""
         return len({id(c) for c, _ in self._where.values()})
 
+    def release_finished(self) -> None:
+        """Drop finished sequences from their cohorts (a cohort whose rows are all gone frees its cache)."""
+        self._leave(lambda s: not s.finished)
+
     def _leave(self, keep) -> None:
         """Drop every sequence for which ``keep(seq)`` is False from its cohort."""
         for seq in [s for s in self._where if not keep(s)]:
