@@ -59,7 +59,9 @@ def load_any_model(model: str | os.PathLike | nn.Module, dtype: str | torch.dtyp
         hf = hf.to(device=dev, dtype=want)
     else:
         config = AutoConfig.from_pretrained(model)
-        want = resolve_dtype(dtype, config, dev)
+        # a vision-language config may keep the checkpoint dtype in its text config only
+        has_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        want = resolve_dtype(dtype, config if has_dtype else _text_config(config), dev)
         auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
         kwargs = {"device_map": str(dev)} if dev.type == "cuda" else {}
         try:
