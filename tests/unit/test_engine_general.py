@@ -123,3 +123,21 @@ def _check_sampled(hf, prompt, out, tol=1e-4):
     ref = torch.log_softmax(hf(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1 :].double(), -1)
     want = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
     assert out.logprobs == pytest.approx(want, abs=tol)
+
+
+def test_qwen3_5_vision_language_checkpoint_serves_text():
+    """The reference's quick-start family: a Qwen3.5 checkpoint with a vision tower (DeltaNet hybrid text model)."""
+    model_dir = tiny_model_dir("qwen3_5_vlm")
+    hf = hf_model(model_dir)
+    assert type(hf).__name__ == "Qwen3_5ForConditionalGeneration"
+    eng = Engine(model_dir, max_model_len=32, max_num_seqs=2)
+    eng.start()
+    try:
+        col = Collector()
+        eng.submit(Request("a", [1, 504, 3032], SamplingParams(max_tokens=6, temperature=1.0, seed=3)), col)
+        eng.submit(Request("b", [1, 504, 3032], greedy(6)), col)
+        outs = col.wait(["a", "b"])
+    finally:
+        eng.shutdown()
+    _check_sampled(hf, [1, 504, 3032], outs["a"])
+    _check(hf, [1, 504, 3032], outs["b"])
