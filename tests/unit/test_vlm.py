@@ -143,3 +143,14 @@ def test_prompts_with_images_are_refused(row, what):
 def test_text_only_rows_pass():
     check_no_images({**ROWS[0], "images": None}, "row")  # an empty image column is fine
     check_no_images({"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "row")
+
+
+def test_qwen3_5_checkpoint_tower_is_frozen_and_not_synced():
+    from asyncgrpo.recipes import tiny_model
+
+    model = tiny_model("qwen3_5_vlm")
+    freeze_non_text(model)
+    tower = [n for n, _ in model.named_parameters() if n.startswith("model.visual.")]
+    assert tower and not any(p.requires_grad for n, p in model.named_parameters() if n in tower)
+    names = [m.name for m in policy_weight_metadata(model)]
+    assert names == [n for n, _ in model.named_parameters() if n not in tower]
