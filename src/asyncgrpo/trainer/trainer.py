@@ -49,6 +49,7 @@ from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_ch
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
+from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
@@ -131,6 +132,7 @@ class AsyncGRPOTrainer(Trainer):
             init_kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
             init_kwargs.update(args.model_init_kwargs or {})
             model = vlm.load_pretrained(model, **init_kwargs)  # image-text class for vision-language checkpoints
+        check_model_support(model)  # layers tree packing cannot follow (sliding windows, sinks, unknown recurrences)
         moe = any(getattr(model.config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
         if moe:
             raise ValueError(
