@@ -294,23 +294,36 @@ def use_tree_attention(model: torch.nn.Module) -> None:
     install_tree_linear_attention(model)
 
 
-def packed_hidden_states(model: torch.nn.Module, row: PackedRow, plan: TreeAttentionPlan | None = None) -> torch.Tensor:
+def packed_hidden_states(
+    model: torch.nn.Module,
+    row: PackedRow,
+    plan: TreeAttentionPlan | None = None,
+    router_logits: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Final hidden states [T, hidden] of ``row`` (the LM head is left to ``trainer.logprobs``).
 
     The model must use tree attention (:func:`use_tree_attention`); ``row`` must be on the
     model's device. Calls the decoder (``model.get_decoder()``, which also reaches through a PEFT
-    wrapper) so no [T, vocab] logits are built.
+    wrapper) so no [T, vocab] logits are built. A mixture-of-experts decoder also reports its
+    routers' logits when ``router_logits`` is a list: one [T, experts] tensor per MoE layer is appended.
     """
     if plan is None:
         plan = build_plan(row)
     if plan.linear is None and needs_linear_plan(model):
         plan.linear = build_linear_plan(row, row.input_ids.device)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    extra = {"output_router_logits": True} if router_logits is not None else {}
     out = decoder(
         input_ids=row.input_ids[None],
         position_ids=row.position_ids[None],
         attention_mask=None,
         use_cache=False,
         tree_plan=plan,
+        **extra,
     )
+    if router_logits is not None:
+        got = getattr(out, "router_logits", None)
+        if not got:
+            raise ValueError(f"{type(decoder).__name__} reported no router logits; is it a mixture-of-experts model?")
+        router_logits.extend(t.reshape(-1, t.shape[-1]) for t in got)
     return out.last_hidden_state[0]

@@ -44,7 +44,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else t
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a PEFT wrapper (its LoRA layers are merged on the way to the server)."""
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -56,7 +57,7 @@ def _active_adapter(model: torch.nn.Module) -> str:
 def _sources(model: torch.nn.Module) -> list[_Source]:
     """The server's weights in send order; nothing is gathered or merged here."""
     tower = non_text_parameter_ids(model)  # a vision-language model syncs its text model only (T4)
-    if not _is_peft(model):
+    if not is_peft_model(model):
         return [_Source(name, p) for name, p in model.named_parameters() if id(p) not in tower]
     adapter = _active_adapter(model)
     lora_layers = {
