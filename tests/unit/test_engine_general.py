@@ -85,3 +85,59 @@ def test_vlm_loads_text_weights_under_either_name_and_refuses_lora():
     finally:
         eng.shutdown()
     _check(hf, [1, 504, 3032], out)
+
+
+def test_group_of_one_prompt_decodes_as_one_batch(hybrid_dir):
+    """A GRPO group (one prompt sampled several times, arriving together) prefills and decodes as one batch; rows
+    whose sequence finished early keep decoding a filler until the last one is done, without disturbing the
+    others. Every sampled token's log-prob equals the cache-free HF forward (temperature 1: raw log-probs)."""
+    hf = hf_model(hybrid_dir)
+    shapes: list[tuple[int, int]] = []
+    hook = hf.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    eng = Engine(hf, max_model_len=48, max_num_seqs=8)
+    eng.start()
+    prompt = [1, 504, 3032, 314]
+    lengths = [10, 3, 10, 6]
+    try:
+        col = Collector()
+        for i, n in enumerate(lengths):
+            eng.submit(Request(f"g{i}", prompt, SamplingParams(max_tokens=n, temperature=1.0, seed=i)), col)
+        outs = col.wait([f"g{i}" for i in range(len(lengths))])
+        assert eng.run_between_steps(lambda: eng._runner.num_cohorts, timeout=30) == 0  # caches freed at finish
+    finally:
+        eng.shutdown()
+        hook.remove()
+    assert shapes[0] == (4, len(prompt))  # one prefill for the group
+    assert all(s == (4, 1) for s in shapes[1:]) and len(shapes) == max(lengths)  # one decode forward per step
+    for i, n in enumerate(lengths):
+        assert len(outs[f"g{i}"].token_ids) == n
+        _check_sampled(hf, prompt, outs[f"g{i}"])
+    assert len({tuple(outs[f"g{i}"].token_ids[:3]) for i in range(4)}) > 1  # the seeds differ
+
+
+@torch.no_grad()
+def _check_sampled(hf, prompt, out, tol=1e-4):
+    ids = list(prompt) + out.token_ids
+    ref = torch.log_softmax(hf(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1 :].double(), -1)
+    want = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
+    assert out.logprobs == pytest.approx(want, abs=tol)
+
+
+def test_qwen3_5_vision_language_checkpoint_serves_text():
+    """The reference's quick-start family: a Qwen3.5 checkpoint with a vision tower (DeltaNet hybrid text model)."""
+    model_dir = tiny_model_dir("qwen3_5_vlm")
+    hf = hf_model(model_dir)
+    assert type(hf).__name__ == "Qwen3_5ForConditionalGeneration"
+    eng = Engine(model_dir, max_model_len=32, max_num_seqs=2)
+    eng.start()
+    try:
+        col = Collector()
+        eng.submit(Request("a", [1, 504, 3032], SamplingParams(max_tokens=6, temperature=1.0, seed=3)), col)
+        eng.submit(Request("b", [1, 504, 3032], greedy(6)), col)
+        outs = col.wait(["a", "b"])
+    finally:
+        eng.shutdown()
+    _check_sampled(hf, [1, 504, 3032], outs["a"])
+    _check(hf, [1, 504, 3032], outs["b"])

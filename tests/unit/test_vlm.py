@@ -41,13 +41,20 @@ def _is_tower(name: str) -> bool:
     return name.startswith("model.visual.")
 
 
-def test_packed_text_forward_matches_unpacked_vlm_forward():
+def _qwen3_5_vlm() -> torch.nn.Module:
+    from asyncgrpo.recipes import tiny_model
+
+    return tiny_model("qwen3_5_vlm", vocab_size=VOCAB)  # DeltaNet hybrid text model behind a vision tower
+
+
+@pytest.mark.parametrize("make", [_vlm, _qwen3_5_vlm], ids=["qwen3_vl", "qwen3_5_vlm"])
+def test_packed_text_forward_matches_unpacked_vlm_forward(make):
     """Trainer path (tree attention over the text model + chunked head) == the full VLM forward per sample."""
     rng = np.random.default_rng(5)
     samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=3)  # forks at several depths, 1-token segments
     row = pack_samples(samples)
     assert row.num_tokens < row.num_flat_tokens
-    model = _vlm()
+    model = make()
     assert freeze_non_text(model) > 0
     weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
 
@@ -143,3 +150,14 @@ def test_prompts_with_images_are_refused(row, what):
 def test_text_only_rows_pass():
     check_no_images({**ROWS[0], "images": None}, "row")  # an empty image column is fine
     check_no_images({"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "row")
+
+
+def test_qwen3_5_checkpoint_tower_is_frozen_and_not_synced():
+    from asyncgrpo.recipes import tiny_model
+
+    model = tiny_model("qwen3_5_vlm")
+    freeze_non_text(model)
+    tower = [n for n, _ in model.named_parameters() if n.startswith("model.visual.")]
+    assert tower and not any(p.requires_grad for n, p in model.named_parameters() if n in tower)
+    names = [m.name for m in policy_weight_metadata(model)]
+    assert names == [n for n, _ in model.named_parameters() if n not in tower]

@@ -2,7 +2,7 @@
 
 They run the real architecture code of transformers (Llama, Qwen2, Qwen3, and
 the families the embedded server serves through its general path: a Qwen3.5
-Gated DeltaNet hybrid, Qwen3-MoE and a Qwen3-VL vision-language checkpoint) in
+Gated DeltaNet hybrid, Qwen3-MoE, a Qwen3-VL and a Qwen3.5 vision-language checkpoint) in
 milliseconds on two CPU cores; only the weights are random.
 """
 
@@ -19,7 +19,7 @@ from filelock import FileLock
 
 from asyncgrpo.recipes.assets import cache_dir, smollm2_tokenizer_dir
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "qwen3_vl")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "qwen3_vl", "qwen3_5_vlm")
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
@@ -50,7 +50,7 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     elif arch == "qwen3":
         cls = Qwen3Config
         base["head_dim"] = 16
-    elif arch in ("qwen3_5", "qwen3_moe", "qwen3_vl"):
+    elif arch in ("qwen3_5", "qwen3_moe", "qwen3_vl", "qwen3_5_vlm"):
         return _family_config(arch, base, overrides)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHS}")
@@ -72,10 +72,22 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any):
 
 def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]):
     """Tiny configs of the general-path families: ``qwen3_5`` (three Gated DeltaNet layers, one attention layer),
-    ``qwen3_moe`` (4 experts, top-2) and ``qwen3_vl`` (a 1-block vision tower in front of a tiny Qwen3 text model;
-    ``overrides`` go to its text config)."""
-    from transformers import Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3VLConfig
+    ``qwen3_moe`` (4 experts, top-2), ``qwen3_vl`` (a 1-block vision tower in front of a tiny Qwen3 text model)
+    and ``qwen3_5_vlm`` (the same in front of the ``qwen3_5`` hybrid: the family of the reference's quick start,
+    Qwen/Qwen3.5-2B). For the two vision-language ones ``overrides`` go to the text config."""
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3VLConfig
 
+    if arch == "qwen3_5_vlm":
+        text = _family_config("qwen3_5", base, {"head_dim": 32}).to_dict()
+        for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype"):
+            text.pop(key, None)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [2, 1, 1], "mrope_interleaved": True}  # fmt: skip
+        text.update(overrides)
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+                  "out_hidden_size": text["hidden_size"], "num_position_embeddings": 64}  # fmt: skip
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                             eos_token_id=base["eos_token_id"])  # fmt: skip
     base = dict(base, head_dim=16)
     if arch == "qwen3_5":
         base.update(

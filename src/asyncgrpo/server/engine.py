@@ -264,6 +264,8 @@ class Engine:
     def _release_id(self, request_id: str) -> None:
         with self._ids_lock:
             self._live_ids.discard(request_id)
+        if self.general_path and self._runner is not None:  # engine thread: free its HF cache now, not next step
+            self._runner.release_finished()
 
     # --------------------------------------------------------- weights & LoRA
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

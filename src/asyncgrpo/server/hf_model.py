@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,13 +26,9 @@ from torch import nn
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
 from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.vlm import is_vision_language
 
 logger = logging.getLogger(__name__)
-
-
-def is_vlm_config(config: Any) -> bool:
-    """A vision-language checkpoint: its config carries a ``vision_config``."""
-    return getattr(config, "vision_config", None) is not None
 
 
 def architecture_of(hf_model: nn.Module) -> str:
@@ -63,8 +59,10 @@ def load_any_model(model: str | os.PathLike | nn.Module, dtype: str | torch.dtyp
         hf = hf.to(device=dev, dtype=want)
     else:
         config = AutoConfig.from_pretrained(model)
-        want = resolve_dtype(dtype, config, dev)
-        auto = AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+        # a vision-language config may keep the checkpoint dtype in its text config only
+        has_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        want = resolve_dtype(dtype, config if has_dtype else _text_config(config), dev)
+        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
         kwargs = {"device_map": str(dev)} if dev.type == "cuda" else {}
         try:
             hf = auto.from_pretrained(model, dtype=want, **kwargs)
@@ -125,12 +123,30 @@ class GeneralLM:
         self.vocab_size = int(out.weight.shape[0] if out is not None else emb.weight.shape[0])
 
 
-class GeneralRunner:
-    """Prefill and decode through the HF model's own forward, one sequence at a time, with a cache per sequence.
+@dataclass(eq=False)
+class _Cohort:
+    """Sequences that share one batched HF cache: prefilled together at one length, decoded in lockstep.
 
-    Same interface as :class:`~asyncgrpo.server.runner.ModelRunner`. Each sequence's cache object is kept
-    while it runs; a preempted sequence (``num_cached`` reset to 0) or a finished one loses it, and its next
-    prefill recomputes from its tokens, exactly as on the native path.
+    ``members[row]`` is None once that row's sequence has finished or been preempted; the row keeps decoding
+    a filler token (rows of a batch never interact) until the whole cohort is gone, so the cache is never
+    re-indexed, whatever cache class the model uses.
+    """
+
+    cache: Any
+    members: list[Sequence | None]
+
+    @property
+    def alive(self) -> bool:
+        return any(m is not None for m in self.members)
+
+
+class GeneralRunner:
+    """Prefill and decode through the HF model's own forward with the model's own cache objects.
+
+    Same interface as :class:`~asyncgrpo.server.runner.ModelRunner`. Sequences prefilled in one step with the
+    same length (a GRPO group: the same prompt sampled several times) form a :class:`_Cohort` and run as one
+    batch ``[B, T]`` / ``[B, 1]`` without padding; others run alone. A preempted sequence (``num_cached`` reset to
+    0) or a finished one leaves its cohort, and its next prefill recomputes from its tokens, as on the native path.
     """
 
     backend = "hf-general"
@@ -139,7 +155,7 @@ class GeneralRunner:
         self.model = model
         self.kv = kv
         self.device = model.device
-        self._caches: weakref.WeakKeyDictionary[Sequence, Any] = weakref.WeakKeyDictionary()
+        self._where: dict[Sequence, tuple[_Cohort, int]] = {}
         params = inspect.signature(model.hf_model.forward).parameters
         # transformers >= 5.2x names the cache argument ``cache``; earlier releases ``past_key_values``
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -148,43 +164,75 @@ class GeneralRunner:
     def capture_graphs(self) -> None:
         """No CUDA graphs on the general path."""
 
-    @torch.no_grad()
-    def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
-        """Forward all tokens of each new sequence from an empty cache; logits [N, V] of their last positions."""
-        self._refuse_lora(lora)
-        for s in [s for s in self._caches if s.finished or s.num_cached == 0]:
-            self._caches.pop(s, None)
-        rows = []
-        for s in seqs:
-            logits, cache = self._forward(s.token_ids, None)
-            self._caches[s] = cache
-            s.num_cached = len(s.token_ids)
-            rows.append(logits)
-        return torch.cat(rows, dim=0)
+    @property
+    def num_cohorts(self) -> int:
+        """Diagnostics: batched caches alive."""
+        return len({id(c) for c, _ in self._where.values()})
+
+    def release_finished(self) -> None:
+        """Drop finished sequences from their cohorts (a cohort whose rows are all gone frees its cache)."""
+        self._leave(lambda s: not s.finished)
+
+    def _leave(self, keep) -> None:
+        """Drop every sequence for which ``keep(seq)`` is False from its cohort."""
+        for seq in [s for s in self._where if not keep(s)]:
+            cohort, row = self._where.pop(seq)
+            cohort.members[row] = None
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
-        """One token per sequence on top of its cache; logits [B, V]."""
+    def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
+        """Forward all tokens of the new sequences (one batch per length); logits [N, V] of their last positions."""
         self._refuse_lora(lora)
+        new = set(seqs)  # a re-admitted (preempted) sequence leaves its old cohort whatever num_cached says
+        self._leave(lambda s: not s.finished and s.num_cached > 0 and s not in new)
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            by_len.setdefault(len(s.token_ids), []).append(i)
+        rows: list[torch.Tensor | None] = [None] * len(seqs)
+        for idx in by_len.values():
+            group = [seqs[i] for i in idx]
+            logits, cache = self._forward([s.token_ids for s in group], None)
+            cohort = _Cohort(cache, list(group))
+            for r, (i, s) in enumerate(zip(idx, group)):
+                self._where[s] = (cohort, r)
+                s.num_cached = len(s.token_ids)
+                rows[i] = logits[r]
+        return torch.stack(rows)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence], lora: bool = False, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence on top of its cohort's cache; logits [B, V].
+
+        ``next_tokens`` [B]: decode one step ahead (each sequence's newest token is sampled but not yet appended).
+        """
+        self._refuse_lora(lora)
+        ahead = 0 if next_tokens is None else 1
+        feed = {s: s.token_ids[-1] for s in seqs} if next_tokens is None else dict(zip(seqs, next_tokens.tolist()))
         running = set(seqs)
-        for s in [s for s in self._caches if s not in running]:
-            self._caches.pop(s, None)
-        rows = []
+        self._leave(lambda s: s in running)
+        cohorts: dict[int, _Cohort] = {}
         for s in seqs:
-            cache = self._caches.get(s)
-            if cache is None or s.num_cached != len(s.token_ids) - 1:
+            cohort, _ = self._where.get(s, (None, 0))
+            if cohort is None or s.num_cached != len(s.token_ids) - 1 + ahead:
                 raise RuntimeError(
                     f"request {s.request_id}: no cache for its {len(s.token_ids) - 1} earlier tokens on the general "
                     "model path (a scheduler/runner mismatch)"
                 )
-            logits, cache = self._forward(s.token_ids[-1:], cache)
-            self._caches[s] = cache
-            s.num_cached = len(s.token_ids)
-            rows.append(logits)
-        return torch.cat(rows, dim=0)
+            cohorts.setdefault(id(cohort), cohort)
+        out: dict[Sequence, torch.Tensor] = {}
+        for cohort in cohorts.values():
+            filler = next(feed[m] for m in cohort.members if m is not None)
+            ids = [[feed[m] if m is not None else filler] for m in cohort.members]
+            logits, cohort.cache = self._forward(ids, cohort.cache)
+            for r, m in enumerate(cohort.members):
+                if m is not None:
+                    m.num_cached = len(m.token_ids) + ahead
+                    out[m] = logits[r]
+        return torch.stack([out[s] for s in seqs])
 
-    def _forward(self, token_ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
-        ids = torch.tensor([token_ids], dtype=torch.int64, device=self.device)
+    def _forward(self, token_ids: list[list[int]], cache: Any) -> tuple[torch.Tensor, Any]:
+        """Logits [B, V] at the last position of equal-length rows, and the updated cache."""
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, self._cache_arg: cache}
         if self._keep_arg is not None:
             kwargs[self._keep_arg] = 1
