@@ -6,8 +6,10 @@ is transformers'. What changes:
 
 * ``get_batch_samples`` pulls one optimizer step of packed micro-batches from the
   rollout worker (``RolloutSource``) instead of reading a DataLoader;
-* ``training_step`` runs the packed forward, the chunked log-probs and the policy
-  loss of ``trainer/loss.py``;
+* ``training_step`` runs the packed forward through the prepared model (FSDP2, DDP
+  or plain: ``trainer/packed_forward.py``), the chunked log-probs and the policy
+  loss of ``trainer/loss.py``; under several processes rank 0 plans each step and
+  scatters each process its own rows (``trainer/ranks.py``);
 * a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights
   to the server, hand the new version to the worker) and logs the step's
   ``StepStats``;
@@ -35,7 +37,7 @@ from asyncgrpo import vlm
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
-from asyncgrpo.packing import TokenBudgetBatcher, batch_metrics, build_plan, packed_hidden_states, use_tree_attention
+from asyncgrpo.packing import TokenBudgetBatcher, batch_metrics, build_plan, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.agents import prepare_tool_template
@@ -48,10 +50,12 @@ from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
-from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
+from asyncgrpo.trainer.loss import policy_loss
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
-from asyncgrpo.trainer.rollout_source import RolloutSource
+from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
+from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
+from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
     check_completion_length,
@@ -191,8 +195,7 @@ class AsyncGRPOTrainer(Trainer):
     # ------------------------------------------------------------------ set-up
 
     def _causal_lm(self) -> torch.nn.Module:
-        model = self.model
-        return model.get_base_model() if hasattr(model, "get_base_model") else model
+        return causal_lm_of(self.model)
 
     def rollout_settings(self, facts: ServerFacts, start_index: int) -> RolloutSettings:
         """The rollout worker's whole view of the run, built once on rank 0 after probing the server.
@@ -297,18 +300,23 @@ class AsyncGRPOTrainer(Trainer):
     def sync_weights(self) -> None:
         """Push the current policy to the server and hand its version to the rollout worker.
 
-        Every process must call it (sharded parameters are gathered collectively); rank 0 sends.
+        Every process must call it (sharded parameters are gathered collectively, one full tensor at a time);
+        rank 0 sends. With several processes they first meet in a barrier, which rank 0 enters once the server
+        is paused: then the gathers start together, and a failed round is never replayed by rank 0 alone.
         Adapter mode (T6): the adapter is written and registered instead (``weights/lora_sync.py``).
         """
+        many = self.args.world_size > 1
         if self.adapter_mode:
             self._sync_adapter()
         elif not self.is_world_process_zero():
+            torch.distributed.barrier()
             join_policy_gathers(self.model)  # the same gathers, in the same order, as rank 0's
         else:
             if self.sender is None or self.worker is None:
                 raise RuntimeError("sync_weights needs the weight sender and rollout worker that train() starts")
             step = self.state.global_step
-            timings = self.sender.update_model(self.model, version=f"step-{step}")  # streamed; merges PEFT
+            barrier = torch.distributed.barrier if many else None
+            timings = self.sender.update_model(self.model, version=f"step-{step}", barrier=barrier)  # streamed
             self.worker.set_policy_version(step)
             w = self.window
             w.add("perf/weight_sync_s", timings["pause_s"] + timings["barrier_s"] + timings["transfer_s"])
@@ -332,11 +340,11 @@ class AsyncGRPOTrainer(Trainer):
         self.window.add("perf/weight_sync_transfer_s", t["write_s"] + t["load_s"])
 
     def _broadcast_object(self, obj: Any) -> Any:
-        if self.args.world_size <= 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_from_zero(obj, self.args.world_size)
+
+    def share_from_rank_zero(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every process (a collective: every process calls it at the same point)."""
+        return broadcast_from_zero(obj, self.args.world_size)
 
     # ------------------------------------------------------------------ Trainer hooks
 
@@ -384,9 +392,14 @@ class AsyncGRPOTrainer(Trainer):
         return _StepSource(self.train_dataset, per_epoch * self.args.gradient_accumulation_steps)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
-        """One step's micro-batches: ``{"rows": [PackedRow per process], "normalizer": float}`` each."""
+        """One step's micro-batches for this process: ``{"row": PackedRow, "normalizer": float}`` each.
+
+        Rank 0 pulls and plans the step (one row per process per micro-batch, balanced by the planner) and
+        scatters each process its own rows; the normalizer counts the trained tokens of the whole micro-batch,
+        every process's row (L5).
+        """
         self.step_stats.begin()  # perf/step_s counts the wait for samples
-        batches: list[dict[str, Any]] | None = None
+        per_rank: list[list[dict[str, Any]]] | None = None
         if self.is_world_process_zero():
             assert self.source is not None
             micro = [] if self.source.finished else self.source.next_step(self.state.global_step)
@@ -396,13 +409,8 @@ class AsyncGRPOTrainer(Trainer):
             dropped = self.source.batcher.take_dropped_count()
             for name, value in batch_metrics(packed, self.token_budget, dropped).items():
                 self.window.add(name, value)
-            ga = self.args.gradient_accumulation_steps
-            batches = []
-            for rows in packed:
-                tokens = sum(r.num_trained for r in rows)
-                norm = loss_normalizer(tokens, ga, self.args.world_size)
-                batches.append({"rows": rows, "normalizer": norm})
-        batches = self._broadcast_object(batches)
+            per_rank = split_rows(packed, self.args.gradient_accumulation_steps, self.args.world_size)
+        batches = scatter_from_zero(per_rank, self.args.world_size)
         if not batches:
             self.control.should_training_stop = True
         return batches, None
@@ -410,18 +418,16 @@ class AsyncGRPOTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
         model.train()
         t0 = time.perf_counter()
-        rank = self.args.process_index
-        row = inputs["rows"][rank] if rank < len(inputs["rows"]) else None
+        row = inputs["row"]
         if row is None or row.num_tokens == 0:  # every process must forward (FSDP collectives): a 1-token row
             row = pack_samples([PackSample([0, 0], [0, 0], [0.0, 0.0], 0.0, -1)])
         row = row.to(self.args.device)
         with self.compute_loss_context_manager():
-            lm = self._causal_lm()
             router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
-            hidden = packed_hidden_states(lm, row, build_plan(row, device=self.args.device), router_logits=router)
-            result = self._policy_loss(lm, hidden, row, inputs["normalizer"]) if row.num_trained else None
-            # A row without trained tokens still joins the graph (FSDP needs every rank's backward).
-            loss = (result.loss if result is not None else 0.0) + 0.0 * hidden.sum()
+            fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
+            result = self._policy_loss(fwd, row, inputs["normalizer"]) if row.num_trained else None
+            # A row without trained tokens still joins every parameter to the graph (FSDP reduces them all).
+            loss = (result.loss if result is not None else 0.0) + fwd.anchor
             aux = router_aux_loss(router, row.path_count, self.router_top_k) if router and row.num_trained else None
             if aux is not None:  # trainer/moe.py: the unpacked batch's balance loss, averaged over micro-batches
                 loss = loss + (self.router_aux_coef / self.args.gradient_accumulation_steps) * aux
@@ -440,14 +446,14 @@ class AsyncGRPOTrainer(Trainer):
                     self.window.add(name, value, weight)
         return loss.detach()
 
-    def _policy_loss(self, lm: torch.nn.Module, hidden: torch.Tensor, row: Any, normalizer: float):
+    def _policy_loss(self, fwd: PackedForward, row: Any, normalizer: float):
         """Chunked log-probs of the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6)."""
         args: AsyncGRPOConfig = self.args
-        h = hidden[row.pred_index]  # [M, hidden]: the position predicting each trained token
+        h = fwd.hidden[row.pred_index]  # [M, hidden]: the position predicting each trained token
         use_top = row.sampler_topn_ids is not None  # the worker sends top-N only with score centering on
         out = selective_logprobs(
             h,
-            lm.get_output_embeddings().weight,
+            fwd.head_weight,
             row.target_ids,
             temperature=args.temperature,
             extra_ids=row.sampler_topn_ids if use_top else None,
@@ -475,8 +481,9 @@ class AsyncGRPOTrainer(Trainer):
         return torch.device(self.args.device).type == "cuda"
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        rows = inputs.get("rows", []) if isinstance(inputs, dict) else []
-        tokens = sum(r.num_tokens for r in rows)
+        """This process's row only: transformers sums ``total_flos`` over processes."""
+        row = inputs.get("row") if isinstance(inputs, dict) else None
+        tokens = row.num_tokens if row is not None else 0
         return int(tokens * (self.step_stats.flops_per_token or 0))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
