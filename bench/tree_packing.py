@@ -96,7 +96,7 @@ def make_samples(shape: tuple, vocab: int, seed: int) -> list:
 
 def plan_rows(samples: list, budget: int, share: bool) -> list:
     """Rows as the trainer plans them (groups kept in one row when they fit)."""
-    batcher = TokenBudgetBatcher(budget, share_prefixes=share, keep_groups=KEEP_GROUPS)
+    batcher = TokenBudgetBatcher(budget, share_prefixes=share, keep_groups=KEEP_GROUPS and share)  # flat: as before
     mbs = [mb for mb in (batcher.add(s) for s in samples) if mb is not None]
     while (last := batcher.flush()) is not None:
         mbs.append(last)

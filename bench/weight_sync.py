@@ -58,8 +58,8 @@ def _peer(uid: bytes, sizes: list[int], iters: int, warmup: int, done) -> None:
         for p in pieces:
             comm.broadcast(p, root=0)
     torch.cuda.synchronize()
+    done.put("ok")  # before destroy: NCCL's destroy may wait for the peer's, which comes after this "ok"
     comm.destroy()
-    done.put("ok")
 
 
 def bare_broadcast(sizes: list[int], iters: int, warmup: int) -> dict:
@@ -89,8 +89,8 @@ def bare_broadcast(sizes: list[int], iters: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - t0)
         out[name] = {"times_s": times, "median_s": statistics.median(times)}
     done.get(timeout=120)
+    comm.destroy()  # both ranks destroy together (the peer right after its "ok")
     proc.join(30)
-    comm.destroy()
     out["bytes"] = sum(sizes)
     out["one_buffer"]["gb_per_s"] = out["bytes"] / out["one_buffer"]["median_s"] / 1e9
     return out
@@ -160,6 +160,7 @@ def main() -> int:
         "warmup": args.warmup,
     }
     report["bare"] = bare_broadcast(sizes, args.iters, args.warmup)
+    write(args.out, report)
     print(f"bare one-buffer broadcast of {sum(sizes) / 1e9:.2f} GB: {report['bare']['one_buffer']['median_s'] * 1e3:.2f} "
           f"ms; per tensor ({len(sizes)}): {report['bare']['per_tensor']['median_s'] * 1e3:.2f} ms")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,12 +175,17 @@ def main() -> int:
             report[f"sync_{mode.replace(':', '_')}"] = r
             med = {k: round(v * 1e3, 2) for k, v in r["median"].items()}
             print(f"sync {mode}: {med} ms -> {r['ratio']:.2f} x bare")
+            write(args.out, report)  # what is measured survives a later failure
     report["wall_s"] = time.perf_counter() - start
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write(args.out, report)
+    print(f"wrote {args.out}")
     return 0
+
+
+def write(path: Path | None, report: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
