@@ -163,6 +163,7 @@ class EngineLoop:
             # vLLM 0.33 (v1/engine/core.py): clearing the caches preempts the frozen requests, so their KV is
             # recomputed on resume, with whatever weights are loaded by then.
             self.scheduler.preempt_all()
+            self.scheduler.kv.reset_prefix_cache()
         if mode == "wait" and self.scheduler.running:
             self._drain_waiters.append(fut)  # answered once the running sequences are done
         else:
@@ -190,6 +191,7 @@ class EngineLoop:
             result = self._forward_and_sample(batch)
         except Exception as exc:  # fail the affected requests, keep the engine alive
             logger.exception("engine step failed for %d requests", len(batch.seqs))
+            self.scheduler.kv.reset_prefix_cache()  # blocks keyed for this step may hold no valid K/V
             for seq in batch.seqs:
                 self._finish(seq, "abort", error=f"engine step failed: {type(exc).__name__}: {exc}")
             return

@@ -59,34 +59,65 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
-        """Forward all tokens of new sequences; returns logits [N, V] of each one's last position."""
+        """Forward the uncached tokens of new sequences; returns logits [N, V] of each one's last position."""
         bs = self.kv.block_size
-        lens = [len(s.token_ids) for s in seqs]
+        lens = [len(s.token_ids) - s.num_cached for s in seqs]  # tokens computed per sequence
         ids, positions, slots = [], [], []
+        fresh_idx, fresh_lens, row_idx, row_seq, row_ctx, reusing = [], [], [], [], [], []
+        start = 0
         for s, n in zip(seqs, lens):
-            ids.extend(s.token_ids)
-            positions.extend(range(n))
+            c, total = s.num_cached, len(s.token_ids)
+            ids.extend(s.token_ids[c:])
+            positions.extend(range(c, total))
             table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, total))
+            if c == 0:
+                fresh_idx.extend(range(start, start + n))
+                fresh_lens.append(n)
+            else:
+                row_idx.extend(range(start, start + n))
+                row_seq.extend([len(reusing)] * n)
+                row_ctx.extend(range(c + 1, total + 1))
+                reusing.append(s)
+            start += n
         cu = [0]
-        for n in lens:
+        for n in fresh_lens:
             cu.append(cu[-1] + n)
         dev = self.device
         batch = ForwardBatch(
             is_prefill=True,
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            max_seqlen=max(lens),
-            seq_lens=lens,
+            max_seqlen=max(fresh_lens, default=0),
+            seq_lens=fresh_lens,
             lora_groups=self._lora_groups(seqs, lens) if lora else None,
         )
+        if reusing:
+            self._add_cached_rows(batch, reusing, fresh_idx, row_idx, row_seq, row_ctx)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         hidden = self.model.forward(input_ids, pos, batch, self.kv.layers)
-        last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64).to(dev, non_blocking=True)
+        ends = [0]
+        for n in lens:
+            ends.append(ends[-1] + n)
+        last = torch.tensor([e - 1 for e in ends[1:]], dtype=torch.int64).to(dev, non_blocking=True)
         for s in seqs:
             s.num_cached = len(s.token_ids)
         return self.model.logits(hidden.index_select(0, last))
+
+    def _add_cached_rows(self, batch: ForwardBatch, reusing: list[Sequence], fresh_idx, row_idx, row_seq, row_ctx):
+        """Decode-style attention metadata for the tokens of sequences that reuse a cached prefix."""
+        dev = self.device
+        width = max(len(s.block_table) for s in reusing)
+        tables = torch.full((len(reusing), width), self.kv.pad_block, dtype=torch.int64)
+        for i, s in enumerate(reusing):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        batch.block_tables = tables[torch.tensor(row_seq)].to(dev, non_blocking=True)
+        batch.context_lens = torch.tensor(row_ctx, dtype=torch.int64).to(dev, non_blocking=True)
+        batch.max_context_len = max(row_ctx)
+        batch.row_idx = torch.tensor(row_idx, dtype=torch.int64).to(dev, non_blocking=True)
+        if fresh_idx:
+            batch.fresh_idx = torch.tensor(fresh_idx, dtype=torch.int64).to(dev, non_blocking=True)
 
     # ------------------------------------------------------------------- decode
     def decode(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:

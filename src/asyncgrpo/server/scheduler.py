@@ -2,7 +2,11 @@
 
 Policy (one kind of step at a time):
 - A *prefill* step admits waiting sequences in arrival order while they fit the
-  per-step token budget, ``max_num_seqs`` and the free KV blocks.
+  per-step token budget, ``max_num_seqs`` and the free KV blocks. With prefix
+  caching, a sequence first reuses the cached blocks of its longest cached
+  prefix (whole blocks, never its last token) and only the rest is computed and
+  counted against the budget; its own full blocks are keyed at admission, so the
+  G requests of a GRPO group admitted in one step share the first one's blocks.
 - A *decode* step advances every running sequence by one token.
 - When both are possible the steps alternate (prefill, decode, prefill, ...), so
   a stream of arrivals can neither starve the running sequences nor wait long.
@@ -95,9 +99,15 @@ class Sequence:
         )
 
 
+def _adapter_key(seq: Sequence) -> int | None:
+    """Prefix-cache key part for the sequence's adapter (loading or unloading any adapter resets the cache,
+    so an adapter object's id is unique among the keys alive at once)."""
+    return None if seq.lora is None else id(seq.lora)
+
+
 @dataclass
 class Batch:
-    """The sequences of one step; prefill sequences have ``num_cached == 0``."""
+    """The sequences of one step; a prefill sequence's first ``num_cached`` tokens are already in the cache."""
 
     is_prefill: bool
     seqs: list[Sequence]
@@ -113,6 +123,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_tokens_computed = 0  # tokens whose K/V prefill steps computed (prompt tokens minus cache hits)
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
+        self.prefix_cache_hits = 0  # of those, tokens whose K/V was reused
         self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
@@ -146,15 +159,30 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         budget = self.max_batched_tokens
+        kv, bs = self.kv, self.kv.block_size
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = len(seq.token_ids)
-            need = self.kv.blocks_needed(n, 0)
-            if (admitted and n > budget) or need > self.kv.num_free:
+            keys: list[int] = []
+            hit: list[int] = []
+            if kv.enable_prefix_caching:
+                keys = kv.block_keys(seq.token_ids, n // bs, _adapter_key(seq))
+                hit = kv.lookup(keys[: (n - 1) // bs])  # the last token is always computed: it yields the logits
+            need = kv.blocks_needed(n, len(hit))
+            todo = n - len(hit) * bs
+            if (admitted and todo > budget) or need > kv.num_free:
+                kv.free(hit)
                 break
             self.waiting.popleft()
-            seq.block_table = self.kv.allocate(need)
-            budget -= n
+            seq.block_table = hit + kv.allocate(need)
+            seq.num_cached = len(hit) * bs
+            # keyed now, computed in this very step: a later sequence of the same step already shares them
+            kv.register(seq.block_table[len(hit) : len(keys)], keys[len(hit) :])
+            budget -= todo
+            self.prefill_tokens_computed += todo
+            if kv.enable_prefix_caching:
+                self.prefix_cache_queries += n
+                self.prefix_cache_hits += len(hit) * bs
             admitted.append(seq)
             self.running.append(seq)
         return admitted
