@@ -6,7 +6,9 @@ A random-init Qwen3-0.6B-shaped model (bf16, built directly on the GPU) answers
 through its public API (submit all, wait for all); the baseline is one HF
 ``model.generate`` call at batch 256 with the same shapes and sampling.
 
-Run (GPU):  python bench/generation.py --out bench/results/generation_h200.json
+Run (GPU):  python bench/generation.py --out bench/results/generation_h200.json [--profile]
+A second run at the GRPO-group shape (64 prompts x 8 equal requests, 32 output tokens) reports the prefill
+tokens computed against the unique prompt tokens (prefix caching).
 Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/generation.py --smoke
 """
 
@@ -76,6 +78,34 @@ def run_engine(engine: Engine, prompts: list[list[int]], output_len: int, tag: s
     if errors:
         raise RuntimeError(f"engine run {tag} failed: {errors[0]}")
     return sum(len(o.token_ids) for o in outs), seconds
+
+
+def run_groups(
+    engine: Engine, shape: dict, num_prompts: int, group: int, prompt_len: int, output_len: int, gen: torch.Generator
+) -> dict:
+    """GRPO-group shape: ``num_prompts`` prompts x ``group`` equal requests, all submitted at once. Reports the
+    prefill tokens computed against the unique prompt tokens (prefix caching shares each group's prompt)."""
+    base = torch.randint(2, shape["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
+    prompts = [p for p in base for _ in range(group)]
+    before = engine.stats()
+    tokens, seconds = run_engine(engine, prompts, output_len, "grpo")
+    after = engine.stats()
+    computed = after.prefill_tokens_computed_total - before.prefill_tokens_computed_total
+    unique = num_prompts * prompt_len
+    return {
+        "num_prompts": num_prompts,
+        "group_size": group,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "unique_prompt_tokens": unique,
+        "prefill_tokens_computed": computed,
+        "computed_over_unique": computed / unique,
+        "prefix_cache_queries": after.prefix_cache_queries_total - before.prefix_cache_queries_total,
+        "prefix_cache_hits": after.prefix_cache_hits_total - before.prefix_cache_hits_total,
+    }
 
 
 def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.device) -> tuple[int, float]:
@@ -181,7 +211,14 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--engine-repeats", type=int, default=3)
     ap.add_argument("--hf-repeats", type=int, default=2)
-    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled eager run")
+    ap.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run a short eager engine under torch.profiler and print/write its top kernels",
+    )
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    ap.add_argument("--groups", type=int, default=None, help="GRPO-group run: number of prompts (default 64)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -214,7 +251,10 @@ def main() -> int:
     engine.start()
     run_engine(engine, prompts, min(o_len, 16), "warmup")
     before = engine.step_timings()
-    engine_runs = [run_engine(engine, prompts, o_len, f"run{r}") for r in range(args.engine_repeats)]
+    engine_runs = []
+    for r in range(args.engine_repeats):
+        engine.reset_prefix_cache()  # each timed run prefills its prompts (the same prompts every run)
+        engine_runs.append(run_engine(engine, prompts, o_len, f"run{r}"))
     after = engine.step_timings()
     steps = {
         k: {"steps": after[k]["steps"] - before[k]["steps"], "seconds": after[k]["seconds"] - before[k]["seconds"]}
@@ -222,6 +262,7 @@ def main() -> int:
     }
     stats = engine.stats()
     kv_tokens = engine.kv_cache_tokens
+    grpo = run_groups(engine, shape, args.groups or (4 if args.smoke else 64), 8, p_len, min(o_len, 32), gen)
     engine.shutdown()
     del engine
     _free(device)
@@ -233,8 +274,10 @@ def main() -> int:
     _free(device)
 
     # -------------------------------------------------------------- baseline
-    run_hf(model, prompts, 4, device)  # warm-up
-    hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
+    hf_runs = [(1, 1.0)]
+    if not args.no_hf:
+        run_hf(model, prompts, 4, device)  # warm-up
+        hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
 
     # ---------------------------------------------------------------- report
     eng_tps = statistics.median(t / s for t, s in engine_runs)
@@ -264,7 +307,12 @@ def main() -> int:
             "kv_cache_tokens": kv_tokens,
             "num_preemptions_total": stats.num_preemptions_total,
             "step_timings_timed_runs": steps,
+            "decode_ms_per_step": 1000 * steps["decode"]["seconds"] / max(steps["decode"]["steps"], 1),
+            "prefill_tokens_computed_total": stats.prefill_tokens_computed_total,
+            "prefix_cache_queries_total": stats.prefix_cache_queries_total,
+            "prefix_cache_hits_total": stats.prefix_cache_hits_total,
         },
+        "grpo_groups": grpo,
         "eager_profile": profile,
         "decode_kernel_sweep": sweep,
         "hf_generate": {
@@ -282,6 +330,11 @@ def main() -> int:
     dec = steps["decode"]
     if dec["steps"]:
         print(f"engine decode steps: {dec['steps']}, {1000 * dec['seconds'] / dec['steps']:.2f} ms each (timed runs)")
+    print(
+        f"GRPO groups {grpo['num_prompts']} x {grpo['group_size']}: prefill computed {grpo['prefill_tokens_computed']} "
+        f"for {grpo['unique_prompt_tokens']} unique prompt tokens ({grpo['computed_over_unique']:.2f}x), "
+        f"hits {grpo['prefix_cache_hits']}, {grpo['tokens_per_s']:.0f} generated tok/s"
+    )
     print(
         f"ratio engine / HF generate: {eng_tps / hf_tps:.1f}x"
         + ("  (smoke run: not a measurement)" if args.smoke else "")
