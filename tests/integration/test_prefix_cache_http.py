@@ -1,9 +1,10 @@
 """Prefix caching through a real ``asyncgrpo serve`` process: GRPO groups over HTTP, counted from /metrics.
 
-8 prompts x G=8 concurrent requests. Each prompt has 65 tokens = 4 full blocks
-of 16 + 1, so by hand: the first request of a group admitted computes all 65
-tokens, each of the other 7 reuses 4 blocks (64 tokens) and computes 1 - in
-whatever order and step the server admits them. A weight update and
+8 prompts x G=8 concurrent requests. Each prompt has 64 tokens = 4 full blocks
+of 16, so by hand: the first request of a group admitted computes all 64
+tokens, each of the other 7 shares 3 blocks, copies the first 15 tokens of the
+4th and computes only the last token (63 reused) - in whatever order and step
+the server admits them. A weight update and
 ``POST /reset_prefix_cache`` each make the next identical request miss.
 """
 
@@ -18,7 +19,7 @@ from asyncgrpo.client.metrics_text import parse_prometheus_text
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import hf_model, perturb
 
-G, NUM_PROMPTS, PROMPT_LEN, BLOCK = 8, 8, 65, 16
+G, NUM_PROMPTS, PROMPT_LEN = 8, 8, 64
 PROMPTS = [[(31 * j + 7 * i) % 4000 + 10 for i in range(PROMPT_LEN)] for j in range(NUM_PROMPTS)]
 PARAMS = {"temperature": 1.0, "max_tokens": 3, "ignore_eos": True}
 COUNTERS = (
@@ -56,7 +57,7 @@ def test_grpo_groups_share_their_prompt_blocks(server):
     queries, hits, computed = _delta(end, start)
     unique = NUM_PROMPTS * PROMPT_LEN
     assert queries == NUM_PROMPTS * G * PROMPT_LEN
-    assert hits == NUM_PROMPTS * (G - 1) * 4 * BLOCK
+    assert hits == NUM_PROMPTS * (G - 1) * (PROMPT_LEN - 1)
     assert computed == queries - hits == unique + NUM_PROMPTS * (G - 1)
     assert computed <= 1.3 * unique
 
@@ -74,7 +75,7 @@ def _one(server, prompt) -> tuple[int, int, int]:
 def test_reset_and_weight_update_make_the_next_request_miss(server, tiny_llama_dir):
     prompt = PROMPTS[0]
     _one(server, prompt)
-    assert _one(server, prompt)[1] == 4 * BLOCK
+    assert _one(server, prompt)[1] == PROMPT_LEN - 1
 
     async def reset():
         async with AsyncServerClient(server.base_url) as c:
@@ -82,7 +83,7 @@ def test_reset_and_weight_update_make_the_next_request_miss(server, tiny_llama_d
 
     assert asyncio.run(reset()) is True
     assert _one(server, prompt)[1] == 0
-    assert _one(server, prompt)[1] == 4 * BLOCK
+    assert _one(server, prompt)[1] == PROMPT_LEN - 1
 
     model = hf_model(tiny_llama_dir)
     perturb(model, seed=5)

@@ -27,11 +27,12 @@ def _pool(num_blocks: int = 6) -> KVCache:
 def test_pool_shares_equal_prefixes_and_evicts_lru_only_when_needed():
     kv = _pool()
     a = list(range(10))
-    keys = kv.block_keys(a, 2, None)
-    assert keys == kv.block_keys(a + [99], 2, None)  # only full blocks count
-    assert kv.block_keys(a, 2, 7) != keys  # another adapter never shares
-    assert kv.block_keys([0, 1, 2, 3, 9, 9, 9, 9], 2, None)[0] == keys[0]  # chained: same first block
-    assert kv.block_keys([0, 1, 2, 3, 9, 9, 9, 9], 2, None)[1] != keys[1]
+    keys = kv.block_keys(a, None)[:2]
+    assert len(kv.block_keys(a, None)) == 3  # the last one covers the partial block
+    assert keys == kv.block_keys(a + [99], None)[:2] and kv.block_keys(a + [99], None)[2] != kv.block_keys(a, None)[2]
+    assert kv.block_keys(a, 7)[:2] != keys  # another adapter never shares
+    assert kv.block_keys([0, 1, 2, 3, 9, 9, 9, 9], None)[0] == keys[0]  # chained: same first block
+    assert kv.block_keys([0, 1, 2, 3, 9, 9, 9, 9], None)[1] != keys[1]
 
     blocks = kv.allocate(3)
     kv.register(blocks[:2], keys)
@@ -50,7 +51,7 @@ def test_pool_shares_equal_prefixes_and_evicts_lru_only_when_needed():
 
 def test_reset_forgets_keys_but_not_owners():
     kv = _pool()
-    keys = kv.block_keys(list(range(8)), 2, None)
+    keys = kv.block_keys(list(range(8)), None)
     blocks = kv.allocate(2)
     kv.register(blocks, keys)
     kv.reset_prefix_cache()
@@ -94,8 +95,8 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, tag: 
 
 GROUP = 4
 BASES = [[(7 * j + 3 * i) % 500 + 2 for i in range(13)] for j in range(3)]  # 13 tokens: 3 full blocks + 1
-# two groups with equal prompts, one prompt that shares only its first two blocks, one of exactly 3 blocks
-PROMPTS = [BASES[0]] * GROUP + [BASES[1]] * GROUP + [BASES[0][:8] + BASES[2][:5], BASES[2][:12]]
+# two groups with equal prompts, one prompt that shares only its first two blocks, two of exactly 3 blocks
+PROMPTS = [BASES[0]] * GROUP + [BASES[1]] * GROUP + [BASES[0][:8] + BASES[2][:5]] + [BASES[2][:12]] * 2
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +126,11 @@ def test_outputs_equal_with_and_without_cache(runs):
 
 def test_hit_counters_match_a_hand_count(runs):
     _, _, first, end = runs[True]
-    # one step admits all: the first of each group misses, each later one reuses 3 blocks (12 tokens), the
-    # mixed prompt reuses BASES[0]'s first 2 blocks, the 12-token prompt reuses nothing of its own (never its
-    # last block: the last token is always computed)
-    hits = (GROUP - 1) * 12 * 2 + 8
+    # one step admits all: the first of each group misses, each later one shares 3 blocks (12 tokens) and copies
+    # the 1-token last block (nothing to reuse there: its only token is computed), the mixed prompt shares
+    # BASES[0]'s first 2 blocks; the second 12-token prompt shares 2 blocks and copies 3 of the 4 tokens of its
+    # last block (the last token is always computed)
+    hits = (GROUP - 1) * 12 * 2 + 8 + 11
     queries = sum(len(p) for p in PROMPTS)
     assert first.prefix_cache_hits_total == hits
     assert first.prefix_cache_queries_total == queries

@@ -32,5 +32,8 @@ class ForwardBatch:
     max_context_len: int = 0
     fresh_idx: torch.Tensor | None = None
     row_idx: torch.Tensor | None = None
+    # prefix caching: per layer, after this step's K/V writes, block copy_src[i] is copied onto copy_dst[i]
+    copy_src: torch.Tensor | None = None
+    copy_dst: torch.Tensor | None = None
     # LoRA: (adapter, token indices [n] int64) per adapter used in this batch; None = base model only.
     lora_groups: list[tuple[object, torch.Tensor]] | None = None

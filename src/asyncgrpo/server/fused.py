@@ -202,7 +202,8 @@ def qkv_rope_write(
     """
     T = qkv.shape[0]
     D = cos.shape[-1]
-    if not _use_triton(qkv, force) or (q_norm is not None and q_norm[0].dtype != qkv.dtype):
+    pow2 = D & (D - 1) == 0
+    if not _use_triton(qkv, force) or not pow2 or (q_norm is not None and q_norm[0].dtype != qkv.dtype):
         q, k, v = qkv.view(T, num_heads + 2 * num_kv_heads, D).split([num_heads, num_kv_heads, num_kv_heads], 1)
         if q_norm is not None and k_norm is not None:
             q, k = rms_norm_torch(q, *q_norm), rms_norm_torch(k, *k_norm)

@@ -81,6 +81,9 @@ class KVCache:
     - :meth:`lookup` takes a reference on the longest run of cached blocks;
     - :meth:`register` keys freshly allocated blocks (their K/V is written by the
       step that scheduled them, before any later attention reads them);
+    - the block holding a prompt's last token is never shared (the last token is
+      recomputed for its logits, and its owner appends there); its K/V can be
+      copied from a cached block with the same key instead (:meth:`take`);
     - a freed keyed block stays cached and is evicted least-recently-freed first,
       only when :meth:`allocate` runs out of never-keyed free blocks;
     - :meth:`reset_prefix_cache` forgets every key (weights changed).
@@ -158,13 +161,22 @@ class KVCache:
         blocks.clear()
 
     # ---------------------------------------------------------- prefix caching
-    def block_keys(self, token_ids: list[int], num_blocks: int, adapter_key: int | None) -> list[int]:
-        """Chained keys of the first ``num_blocks`` full blocks of ``token_ids``."""
+    def block_keys(self, token_ids: list[int], adapter_key: int | None) -> list[int]:
+        """Chained keys of every block of ``token_ids``, the last one possibly partial.
+
+        A partial block's key covers only the tokens it holds now; a full-block lookup (always 16-token tuples)
+        never matches it, so a block its owner still appends to is only ever *copied* (:meth:`take`), never shared.
+        """
         bs, parent, keys = self.block_size, adapter_key, []
-        for i in range(num_blocks):
+        for i in range(-(-len(token_ids) // bs)):
             parent = hash((parent, adapter_key, tuple(token_ids[i * bs : (i + 1) * bs])))
             keys.append(parent)
         return keys
+
+    def take(self, key: int) -> int | None:
+        """The cached block of ``key`` with one more reference (to copy from), or None."""
+        hit = self.lookup([key])
+        return hit[0] if hit else None
 
     def lookup(self, keys: list[int]) -> list[int]:
         """The cached blocks of the longest prefix of ``keys``, each with one more reference."""

@@ -168,6 +168,9 @@ class DecoderLM:
                 qkv, positions, self.cos, self.sin, qn, kn, batch.slot_mapping, k_cache, v_cache,
                 self.num_heads, self.num_kv_heads, need_kv,
             )  # fmt: skip
+            if batch.copy_src is not None:  # last-token blocks start as copies of cached ones (prefix caching)
+                for cache in (k_cache, v_cache):
+                    cache.index_copy_(0, batch.copy_dst, cache.index_select(0, batch.copy_src))
             if batch.is_prefill:
                 o = attention.prefill_attention(q, k, v, batch, self.scale, k_cache, v_cache)
             else:

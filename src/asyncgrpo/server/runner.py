@@ -94,9 +94,20 @@ class ModelRunner:
         )
         if reusing:
             self._add_cached_rows(batch, reusing, fresh_idx, row_idx, row_seq, row_ctx)
+        copies = [(s.copy_src, s.block_table[(len(s.token_ids) - 1) // bs]) for s in seqs if s.copy_src is not None]
+        if copies:
+            src, dst = zip(*copies)
+            batch.copy_src = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
+            batch.copy_dst = torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        hidden = self.model.forward(input_ids, pos, batch, self.kv.layers)
+        try:
+            hidden = self.model.forward(input_ids, pos, batch, self.kv.layers)
+        finally:
+            for s in seqs:  # the copy sources were referenced only for this step
+                if s.copy_src is not None:
+                    self.kv.free([s.copy_src])
+                    s.copy_src = None
         ends = [0]
         for n in lens:
             ends.append(ends[-1] + n)

@@ -44,6 +44,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     prompt_len: int = 0
     num_cached: int = 0
+    copy_src: int | None = None  # prefill only: cached block whose K/V is copied into the last-token block
     block_table: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -165,24 +166,29 @@ class Scheduler:
             n = len(seq.token_ids)
             keys: list[int] = []
             hit: list[int] = []
+            src, last = None, (n - 1) // bs  # the block holding the last token
             if kv.enable_prefix_caching:
-                keys = kv.block_keys(seq.token_ids, n // bs, _adapter_key(seq))
-                hit = kv.lookup(keys[: (n - 1) // bs])  # the last token is always computed: it yields the logits
+                keys = kv.block_keys(seq.token_ids, _adapter_key(seq))
+                hit = kv.lookup(keys[:last])  # shared blocks: never the last token's
+                if len(hit) == last:
+                    src = kv.take(keys[last])  # copy its K/V and compute only the last token
+            reused = len(hit) * bs + (n - 1 - last * bs if src is not None else 0)
             need = kv.blocks_needed(n, len(hit))
-            todo = n - len(hit) * bs
+            todo = n - reused
             if (admitted and todo > budget) or need > kv.num_free:
-                kv.free(hit)
+                kv.free(hit + ([src] if src is not None else []))
                 break
             self.waiting.popleft()
             seq.block_table = hit + kv.allocate(need)
-            seq.num_cached = len(hit) * bs
+            seq.num_cached = reused
+            seq.copy_src = src
             # keyed now, computed in this very step: a later sequence of the same step already shares them
-            kv.register(seq.block_table[len(hit) : len(keys)], keys[len(hit) :])
+            kv.register(seq.block_table[len(hit) :], keys[len(hit) :])
             budget -= todo
             self.prefill_tokens_computed += todo
             if kv.enable_prefix_caching:
                 self.prefix_cache_queries += n
-                self.prefix_cache_hits += len(hit) * bs
+                self.prefix_cache_hits += reused
             admitted.append(seq)
             self.running.append(seq)
         return admitted
