@@ -17,6 +17,10 @@ whatever else shares its batch, on any device, without per-request generator
 state. Unseeded rows use the engine's ``torch.Generator`` (seeded from the
 engine's ``seed``).
 
+Fast path (CUDA): when every row only asks for a temperature (no truncation,
+penalty, ban or mask), :mod:`sample_kernel` does (c), (g) and the race in one
+pass over the logits, with the same seeded noise.
+
 Memory: the batch is one [B, V] fp32 tensor edited in place; row subsets
 (top-k/top-p sorts, noise, top-N, masks) are processed in chunks of
 :data:`ROW_CHUNK` rows (unseeded noise in chunks of :data:`NOISE_ELEMENTS`), and top-N /
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncgrpo.server import sample_kernel
 from asyncgrpo.server.request import SamplingParams
 
 ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries of sorts, hashes, top-N and masks
@@ -89,6 +94,17 @@ def hashed_exponential(seeds: list[int], positions: list[int], vocab: int, devic
     return u.log_().neg_()
 
 
+def _plain(rows: list[SamplerRow], vocab: int) -> bool:
+    """True when every row only asks for a temperature (or greedy): the fused kernel's case."""
+    for r in rows:
+        p = r.params
+        if r.banned or p.repetition_penalty != 1.0 or p.return_sampling_mask:
+            return False
+        if p.temperature != 0.0 and (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0):
+            return False
+    return True
+
+
 def _chunks(items: list[int], size: int = ROW_CHUNK):
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -114,11 +130,63 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # CUDA: rows that only ask for a temperature go through one Triton pass (see sample_kernel)
+        self.use_kernel = device.type == "cuda" and sample_kernel.triton is not None
+
+    def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
+        """The one-pass kernel, top-N from one ``topk`` and a single device->host copy for everything."""
+        B, V = logits.shape
+        params = [r.params for r in rows]
+        temps, meta = [], [[], [], [], []]
+        for r, p in zip(rows, params):
+            greedy, seed = p.temperature == 0.0, p.seed
+            temps.append(1.0 if greedy else p.temperature)
+            mode = sample_kernel.MODE_GREEDY if greedy else sample_kernel.MODE_RANDOM_KEY
+            if not greedy and seed is not None:
+                mode = sample_kernel.MODE_SEEDED
+            meta[0].append(seed & _M32 if seed is not None else 0)
+            meta[1].append((seed >> 32) & _M32 if seed is not None else 0)
+            meta[2].append(r.num_output & _M32)
+            meta[3].append(mode)
+        dev = self.device
+        temps_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
+        meta_t = torch.tensor(meta, dtype=torch.int64).to(dev, non_blocking=True)
+        if sample_kernel.MODE_RANDOM_KEY in meta[3]:
+            rand = torch.randint(0, 1 << 32, (B,), generator=self.generator, device=dev, dtype=torch.int64)
+        else:
+            rand = meta_t[0]
+        x = logits if logits.stride(1) == 1 else logits.contiguous()
+        tokens, chosen, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
+        asked = [i for i, p in enumerate(params) if p.logprobs]
+        parts = [tokens.double(), chosen.double()]
+        n = min(max((params[i].logprobs for i in asked), default=0), V)
+        if asked:
+            idx = None if len(asked) == B else torch.tensor(asked, device=dev)
+            sub = x if idx is None else x.index_select(0, idx)
+            vals, ids = sub.topk(n, dim=1)
+            t, z = (temps_t, lse) if idx is None else (temps_t[idx], lse[idx])
+            vals = vals.float() / t[:, None] - z[:, None]
+            parts += [ids.double().flatten(), vals.double().flatten()]
+        packed = torch.cat(parts).cpu().tolist()  # the one device->host sync of the step
+        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
+        if asked:
+            ids_l, vals_l = packed[2 * B : 2 * B + len(asked) * n], packed[2 * B + len(asked) * n :]
+            for j, i in enumerate(asked):
+                k = params[i].logprobs
+                top[i] = [(int(a), b) for a, b in zip(ids_l[j * n : j * n + k], vals_l[j * n : j * n + k])]
+        return SampleResult(
+            token_ids=[int(t) for t in packed[:B]],
+            logprobs=packed[B : 2 * B],
+            top_logprobs=top,
+            masks=[None] * B,
+        )
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         B, V = logits.shape
         assert B == len(rows)
+        if self.use_kernel and _plain(rows, V):
+            return self._fused(logits, rows)
         x = logits.float()
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()  # never edit the caller's (or a CUDA graph's) buffer
