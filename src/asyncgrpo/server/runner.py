@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from asyncgrpo.server import attention
@@ -47,6 +48,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._staging = self._staging.pin_memory()
         self._staging_np = self._staging.numpy()
+        self._row_owner: list[tuple[list[int], int] | None] = [None] * max_num_seqs  # whose table each row holds
         # The H2D copy of the staging rows is asynchronous: the host must not rewrite them until it has run.
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
 
@@ -157,14 +159,24 @@ class ModelRunner:
         if self._staging_done is not None:
             self._staging_done.synchronize()  # CPU-GPU sync point: the previous step's copy has been read
         st = self._staging_np  # numpy view of the (pinned) staging tensor: cheap per-row writes
-        st[:rows, 4:] = pad
-        st[:rows, 0:4] = (0, 0, pad * bs, 1)  # padding rows: read and write only the sink block
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            p = n - 1
+        B = len(seqs)
+        lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
+        st[:B, 0] = [s.token_ids[-1] for s in seqs]
+        st[:B, 1] = lens - 1
+        st[:B, 2] = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens.tolist())]
+        st[:B, 3] = lens
+        owners = self._row_owner
+        for i, s in enumerate(seqs):  # block-table rows change only when a block is added or the row changes hands
             table = s.block_table
-            st[i, 0:4] = (s.token_ids[-1], p, table[p // bs] * bs + p % bs, n)
-            st[i, 4 : 4 + len(table)] = table
+            o = owners[i]
+            if o is None or o[0] is not table or o[1] != len(table):
+                st[i, 4:] = pad
+                st[i, 4 : 4 + len(table)] = table
+                owners[i] = (table, len(table))  # holding the list keeps its identity unique
+        if rows > B:  # padding rows: read and write only the sink block
+            st[B:rows, 4:] = pad
+            st[B:rows, 0:4] = (0, 0, pad * bs, 1)
+            owners[B:rows] = [None] * (rows - B)
         self._static[:rows].copy_(self._staging[:rows], non_blocking=True)
         if self._staging_done is not None:
             self._staging_done.record()
