@@ -23,6 +23,7 @@ from asyncgrpo.server.scheduler import Batch, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
+_NO_BAN: list[int] = []  # shared, never mutated
 IDLE_WAIT_S = 0.05  # how long the idle engine thread sleeps before re-checking its queue
 
 
@@ -196,17 +197,20 @@ class EngineLoop:
                 self._finish(seq, "abort", error=f"engine step failed: {type(exc).__name__}: {exc}")
             return
         version = self.weight_version
-        for i, seq in enumerate(batch.seqs):
-            token = result.token_ids[i]
-            seq.append(token, result.logprobs[i], version)
+        self.generation_tokens += len(batch.seqs)
+        done = []
+        for seq, token, lp, top, mask in zip(batch.seqs, result.token_ids, result.logprobs, result.top_logprobs,
+                                             result.masks):  # fmt: skip
+            seq.append(token, lp, version)
             if seq.top_logprobs is not None:
-                seq.top_logprobs.append(result.top_logprobs[i] or [])
+                seq.top_logprobs.append(top or [])
             if seq.sampling_mask is not None:
-                seq.sampling_mask.append(result.masks[i] or [])
-            self.generation_tokens += 1
+                seq.sampling_mask.append(mask or [])
             stop = self._stop_reason(seq, token)
             if stop is not None:
-                self._finish(seq, *stop)
+                done.append((seq, stop))
+        for seq, stop in done:
+            self._finish(seq, *stop)
         self.step_counts[kind] += 1
         self.step_seconds[kind] += time.perf_counter() - start
 
@@ -219,24 +223,30 @@ class EngineLoop:
         return self.sampler(logits, [self._sampler_row(s) for s in batch.seqs])
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
-        p = seq.request.params
-        n = seq.num_output
-        banned: list[int] = []
-        if n < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-        ids = seq.token_ids if p.repetition_penalty != 1.0 else []
-        return SamplerRow(params=p, num_output=n, token_ids=ids, banned=banned)
+        """The sequence's sampler row, built once and updated in place each step (cheap at batch 256)."""
+        row = seq.sampler_row
+        n = len(seq.token_ids) - seq.prompt_len
+        if row is None:
+            p = seq.request.params
+            ban = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            ids = seq.token_ids if p.repetition_penalty != 1.0 else []  # the live list: grows with the sequence
+            row = seq.sampler_row = SamplerRow(params=p, num_output=n, token_ids=ids, banned=ban)
+            seq.min_tokens_ban = ban
+        row.num_output = n
+        row.banned = seq.min_tokens_ban if n < row.params.min_tokens else _NO_BAN
+        return row
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
         """vLLM's order: nothing stops before min_tokens; then EOS, stop ids, max_tokens, max_model_len."""
         p = seq.request.params
-        n = seq.num_output
+        total = len(seq.token_ids)
+        n = total - seq.prompt_len
         if n >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return ("stop", None)
             if token in p.stop_token_ids:
                 return ("stop", token)
-        if n >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if n >= p.max_tokens or total >= self.max_model_len:
             return ("length", None)
         return None
 

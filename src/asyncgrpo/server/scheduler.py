@@ -51,6 +51,8 @@ class Sequence:
     sampling_mask: list[list[int]] | None = None
     spans: list[WeightVersionSpan] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
+    sampler_row: object | None = None  # the engine loop's cached SamplerRow
+    min_tokens_ban: list[int] = field(default_factory=list)
     finished: bool = False
 
     def __post_init__(self) -> None:
@@ -76,14 +78,16 @@ class Sequence:
 
     def append(self, token: int, logprob: float, version: str) -> None:
         """Record one generated token and label it with the weight version in force."""
-        index = self.num_output
+        index = len(self.token_ids) - self.prompt_len
         self.token_ids.append(token)
         self.logprobs.append(logprob)
-        last = self.spans[-1] if self.spans else None
-        if last is not None and last.version == version and last.end == index:
-            last.end += 1
-        else:
-            self.spans.append(WeightVersionSpan(version=version, start=index, end=index + 1))
+        spans = self.spans
+        if spans:
+            last = spans[-1]
+            if last.version == version and last.end == index:
+                last.end += 1
+                return
+        spans.append(WeightVersionSpan(version=version, start=index, end=index + 1))
 
     def to_output(self, finish_reason: str, stop_reason: int | None = None, error: str | None = None) -> RequestOutput:
         return RequestOutput(
