@@ -9,7 +9,11 @@ in fp32, cast to the input dtype, then multiply by the weight.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -55,11 +59,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(shape)
 
 
+ENABLED = {"layer": True}  # switched off for the process when the self-check below fails on this machine
+
+
 def _use_triton(x: torch.Tensor, force: bool | None) -> bool:
     """Triton on CUDA; ``force=True`` also on CPU (tests run the kernels under ``TRITON_INTERPRET=1``)."""
     if force is not None:
         return force and triton is not None
-    return triton is not None and x.is_cuda
+    return triton is not None and x.is_cuda and ENABLED["layer"]
+
+
+def check_layer_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        qk_norm: bool) -> bool:  # fmt: skip
+    """Compile and run the layer kernels once against their torch paths; on any failure use torch from now on."""
+    if triton is None or device.type != "cuda":
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        T, D = 3, head_dim
+        qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * D, device=device, generator=g).to(dtype)
+        pos = torch.tensor([0, 5, 2], device=device)
+        cos, sin = torch.rand(8, D, device=device).to(dtype), torch.rand(8, D, device=device).to(dtype)
+        norm = (torch.rand(D, device=device).to(dtype), 1e-6) if qk_norm else None
+        slots = torch.tensor([1, 7, 4], device=device)
+        got = []
+        for force in (True, False):
+            kc = torch.zeros(3, 4, num_kv_heads, D, device=device, dtype=dtype)
+            vc = torch.zeros_like(kc)
+            q, k, v = qkv_rope_write(qkv, pos, cos, sin, norm, norm, slots, kc, vc, num_heads, num_kv_heads, True,
+                                     force=force)  # fmt: skip
+            h, x = add_rms_norm(qkv[:, :D], qkv[:, D : 2 * D], qkv[0, :D], 1e-6, force=force)
+            a = silu_mul(qkv[:, : 2 * D], force=force)
+            got.append([t.float() for t in (q, k, v, kc, vc, h, x, a)])
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        for a, b in zip(*got):
+            err = (a - b).abs().max().item()
+            if not err <= tol * max(1.0, b.abs().max().item()):
+                raise RuntimeError(f"fused layer kernel differs from the torch path by {err}")
+        return True
+    except Exception:  # compile errors come in many types; any of them means "do not use them"
+        logger.exception("the fused Triton layer kernels are unusable here; using the torch ops")
+        ENABLED["layer"] = False
+        return False
 
 
 # ------------------------------------------------------------- residual + RMSNorm

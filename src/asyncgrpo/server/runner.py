@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import torch
 
-from asyncgrpo.server import attention
+from asyncgrpo.server import attention, fused
 from asyncgrpo.server.forward_batch import ForwardBatch
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import DecoderLM
@@ -202,6 +202,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         m = self.model
+        fused.check_layer_kernels(self.device, m.dtype, m.num_heads, m.num_kv_heads, m.head_dim,
+                                  m.layers[0].q_norm is not None)  # fmt: skip
         group = m.num_heads // m.num_kv_heads
         if not attention.check_triton_decode(self.device, m.dtype, m.num_kv_heads, group, m.head_dim):
             self.use_graphs = False  # the torch fallback needs the (host) max context length per step

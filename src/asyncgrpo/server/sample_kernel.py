@@ -16,7 +16,11 @@ way. Runs on CPU under ``TRITON_INTERPRET=1`` for tests.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -106,3 +110,20 @@ def fused_sample(
     _sample_kernel[(B,)](logits, logits.stride(0), temps, meta, rand_keys, tokens, floats, V, B, BLOCK=block,
                          num_warps=8)  # fmt: skip
     return tokens, floats[0], floats[1]
+
+
+def check_kernel(device: torch.device) -> bool:
+    """Compile and run the kernel once on a tiny batch (greedy row must pick the argmax); False on any failure."""
+    if triton is None or device.type != "cuda":
+        return False
+    try:
+        logits = torch.arange(300, dtype=torch.float32, device=device).remainder(97)[None].repeat(2, 1)
+        meta = torch.tensor([[0, 1], [0, 0], [0, 0], [MODE_GREEDY, MODE_SEEDED]], device=device)
+        tok, _, lse = fused_sample(logits, torch.ones(2, device=device), meta, meta[0])
+        ref = torch.logsumexp(logits[0], 0)
+        if tok[0].item() != 96 or abs(lse[0].item() - ref.item()) > 1e-3 or not 0 <= tok[1].item() < 300:
+            raise RuntimeError(f"sampling kernel self-check failed: {tok.tolist()}, {lse.tolist()}")
+        return True
+    except Exception:
+        logger.exception("the Triton sampling kernel is unusable here; using the torch sampler")
+        return False

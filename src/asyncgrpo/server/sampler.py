@@ -131,7 +131,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # CUDA: rows that only ask for a temperature go through one Triton pass (see sample_kernel)
-        self.use_kernel = device.type == "cuda" and sample_kernel.triton is not None
+        self.use_kernel = device.type == "cuda" and sample_kernel.check_kernel(device)
 
     def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         """The one-pass kernel, top-N from one ``topk`` and a single device->host copy for everything."""
