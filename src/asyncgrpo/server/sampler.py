@@ -52,6 +52,7 @@ class SamplerRow:
     num_output: int  # tokens generated so far = output position of the token being sampled
     token_ids: list[int] = field(default_factory=list)  # prompt + output; read only for the repetition penalty
     banned: list[int] = field(default_factory=list)  # ids masked now (min_tokens not reached yet)
+    kernel_args: tuple[float, int, int, int] | None = None  # cached by the fused path (the params never change)
 
 
 @dataclass
@@ -92,6 +93,18 @@ def hashed_exponential(seeds: list[int], positions: list[int], vocab: int, devic
     bits = _mix32(key[:, None] ^ tok[None, :])  # [R, V] in [0, 2**32)
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 exact bits
     return u.log_().neg_()
+
+
+def _kernel_args(row: SamplerRow) -> tuple[float, int, int, int]:
+    """(temperature, seed low 32 bits, seed high 32 bits, mode) of a row, computed once and kept on the row."""
+    p = row.params
+    greedy, seed = p.temperature == 0.0, p.seed
+    mode = sample_kernel.MODE_GREEDY if greedy else sample_kernel.MODE_RANDOM_KEY
+    if not greedy and seed is not None:
+        mode = sample_kernel.MODE_SEEDED
+    lo, hi = (seed & _M32, (seed >> 32) & _M32) if seed is not None else (0, 0)
+    row.kernel_args = (1.0 if greedy else p.temperature, lo, hi, mode)
+    return row.kernel_args
 
 
 def _plain(rows: list[SamplerRow], vocab: int) -> bool:
@@ -137,21 +150,14 @@ class Sampler:
         """The one-pass kernel, top-N from one ``topk`` and a single device->host copy for everything."""
         B, V = logits.shape
         params = [r.params for r in rows]
-        temps, meta = [], [[], [], [], []]
-        for r, p in zip(rows, params):
-            greedy, seed = p.temperature == 0.0, p.seed
-            temps.append(1.0 if greedy else p.temperature)
-            mode = sample_kernel.MODE_GREEDY if greedy else sample_kernel.MODE_RANDOM_KEY
-            if not greedy and seed is not None:
-                mode = sample_kernel.MODE_SEEDED
-            meta[0].append(seed & _M32 if seed is not None else 0)
-            meta[1].append((seed >> 32) & _M32 if seed is not None else 0)
-            meta[2].append(r.num_output & _M32)
-            meta[3].append(mode)
+        static = [r.kernel_args or _kernel_args(r) for r in rows]
+        temps = [a[0] for a in static]
+        modes = [a[3] for a in static]
+        meta = [[a[1] for a in static], [a[2] for a in static], [r.num_output & _M32 for r in rows], modes]
         dev = self.device
         temps_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
         meta_t = torch.tensor(meta, dtype=torch.int64).to(dev, non_blocking=True)
-        if sample_kernel.MODE_RANDOM_KEY in meta[3]:
+        if sample_kernel.MODE_RANDOM_KEY in modes:
             rand = torch.randint(0, 1 << 32, (B,), generator=self.generator, device=dev, dtype=torch.int64)
         else:
             rand = meta_t[0]

@@ -199,9 +199,12 @@ class Scheduler:
 
     def _reserve_decode(self) -> list[Sequence]:
         """Make room for one more token in every running sequence, preempting the newest if needed."""
-        i = 0
+        i, bs = 0, self.kv.block_size
         while i < len(self.running):
             seq = self.running[i]
+            if len(seq.token_ids) <= len(seq.block_table) * bs:  # the common case: room in the last block
+                i += 1
+                continue
             need = self.kv.blocks_needed(len(seq.token_ids), len(seq.block_table))
             while need > self.kv.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
