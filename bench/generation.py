@@ -129,20 +129,26 @@ def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.devic
     return int(out.shape[0] * (out.shape[1] - ids.shape[1])), seconds
 
 
-def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None) -> dict:
-    """A short run of an eager engine (no CUDA graphs) under torch.profiler: where device time goes."""
+def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None, eager: bool = True) -> dict:
+    """A short run under torch.profiler: where device time goes. ``eager``: no CUDA graphs (kernel names per op);
+    otherwise the graph-mode engine, whose summed kernel time per decode step, against the wall time per step,
+    shows how long the GPU waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
+    tag = "eager" if eager else "graphs"
     engine = Engine(
         model, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=max_len,
-        max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * max_len, enforce_eager=True,
+        max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * max_len, enforce_eager=eager,
     )  # fmt: skip
     engine.start()
-    run_engine(engine, prompts, 8, "eager-warmup")
+    run_engine(engine, prompts, 8, f"{tag}-warmup")
+    engine.reset_prefix_cache()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    before = engine.step_timings()
     with profile(activities=activities) as prof:
-        tokens, seconds = run_engine(engine, prompts, 32, "eager-profiled")
-    timings = engine.step_timings()
+        tokens, seconds = run_engine(engine, prompts, 32, f"{tag}-profiled")
+    after = engine.step_timings()
+    timings = {k: {m: after[k][m] - before[k][m] for m in after[k]} for k in after}
     engine.shutdown()
     del engine
     _free(device)
@@ -151,12 +157,23 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None)
         table = prof.key_averages().table(sort_by=key, row_limit=30)
     except (KeyError, AttributeError, RuntimeError):
         table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+    device_us = sum(getattr(e, "self_device_time_total", 0.0) or 0.0 for e in prof.key_averages())
+    steps = sum(t["steps"] for t in timings.values())
     if out is not None:
-        path = out.with_name(out.stem + "_eager_profile.txt")
+        path = out.with_name(out.stem + f"_{tag}_profile.txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(table)
     print(table)
-    return {"tokens": tokens, "seconds_under_profiler": seconds, "step_timings": timings}
+    wall_ms = 1000 * sum(t["seconds"] for t in timings.values()) / max(steps, 1)
+    print(f"{tag}: {steps} steps, wall {wall_ms:.2f} ms/step, device kernels {device_us / 1000 / max(steps, 1):.2f} "
+          "ms/step (under the profiler)")  # fmt: skip
+    return {
+        "tokens": tokens,
+        "seconds_under_profiler": seconds,
+        "step_timings": timings,
+        "device_kernel_ms_per_step": device_us / 1000 / max(steps, 1),
+        "wall_ms_per_step": wall_ms,
+    }
 
 
 def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
@@ -266,9 +283,11 @@ def main() -> int:
     engine.shutdown()
     del engine
     _free(device)
-    profile = None
+    profile = graph_profile = None
     if args.profile:
         profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)
+        _free(device)
+        graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, eager=False)
 
     sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
     _free(device)
@@ -314,6 +333,7 @@ def main() -> int:
         },
         "grpo_groups": grpo,
         "eager_profile": profile,
+        "graph_profile": graph_profile,
         "decode_kernel_sweep": sweep,
         "hf_generate": {
             "runs": [{"tokens": t, "seconds": s, "tokens_per_s": t / s} for t, s in hf_runs],
