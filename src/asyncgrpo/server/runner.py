@@ -133,19 +133,26 @@ class ModelRunner:
             batch.fresh_idx = torch.tensor(fresh_idx, dtype=torch.int64).to(dev, non_blocking=True)
 
     # ------------------------------------------------------------------- decode
-    def decode(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
-        """One token per sequence; returns logits [B, V] (a view of a graph buffer on the graph path)."""
+    def decode(self, seqs: list[Sequence], lora: bool = False, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence; returns logits [B, V] (a view of a graph buffer on the graph path).
+
+        ``next_tokens`` (device [B]): decode one step *ahead*: each sequence's newest token is still on the
+        device (sampled by the step in flight) and has not been appended to ``token_ids`` yet.
+        """
         B = len(seqs)
+        ahead = 0 if next_tokens is None else 1
         bucket = self._bucket(B) if (self.use_graphs and not lora) else B
-        self._fill_static(seqs, bucket)
+        self._fill_static(seqs, bucket, ahead)
+        if next_tokens is not None:
+            self._static[:B, 0].copy_(next_tokens)
         if not lora and bucket in self._graphs:  # graphs hold no adapter: LoRA batches run eagerly
             self._graphs[bucket].replay()
             logits = self._graph_logits[bucket][:B]
         else:
-            max_ctx = max(len(s.token_ids) for s in seqs)
+            max_ctx = max(len(s.token_ids) for s in seqs) + ahead
             logits = self._decode_forward(bucket, max_ctx, self._lora_groups(seqs, [1] * B) if lora else None)[:B]
         for s in seqs:
-            s.num_cached = len(s.token_ids)
+            s.num_cached = len(s.token_ids) + ahead
         return logits
 
     def _bucket(self, n: int) -> int:
@@ -154,14 +161,15 @@ class ModelRunner:
                 return b
         return n
 
-    def _fill_static(self, seqs: list[Sequence], rows: int) -> None:
+    def _fill_static(self, seqs: list[Sequence], rows: int, ahead: int = 0) -> None:
         bs, pad = self.kv.block_size, self.kv.pad_block
         if self._staging_done is not None:
             self._staging_done.synchronize()  # CPU-GPU sync point: the previous step's copy has been read
         st = self._staging_np  # numpy view of the (pinned) staging tensor: cheap per-row writes
         B = len(seqs)
-        lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
-        st[:B, 0] = [s.token_ids[-1] for s in seqs]
+        lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B) + ahead
+        if not ahead:  # ahead: the token column is filled on the device
+            st[:B, 0] = [s.token_ids[-1] for s in seqs]
         st[:B, 1] = lens - 1
         st[:B, 2] = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens.tolist())]
         st[:B, 3] = lens

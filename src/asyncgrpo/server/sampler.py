@@ -65,6 +65,40 @@ class SampleResult:
     masks: list[list[int] | None]
 
 
+class PendingSample:
+    """One step's sampling in flight: ``tokens`` [B] on the device now, the host lists after :meth:`result`."""
+
+    def __init__(self, tokens: torch.Tensor, done: SampleResult | None = None, host: torch.Tensor | None = None,
+                 event=None, params=None, asked=None, n: int = 0) -> None:  # fmt: skip
+        self.tokens = tokens
+        self._done, self._host, self._event = done, host, event
+        self._params, self._asked, self._n = params, asked, n
+
+    @property
+    def deferred(self) -> bool:
+        """True when the host has not waited for the device yet (the kernel path)."""
+        return self._done is None
+
+    def result(self) -> SampleResult:
+        if self._done is not None:
+            return self._done
+        if self._event is not None:
+            self._event.synchronize()
+        packed = self._host.tolist()  # type: ignore[union-attr]
+        params, asked, n = self._params, self._asked, self._n
+        B = len(params)
+        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
+        if asked:
+            ids_l, vals_l = packed[2 * B : 2 * B + len(asked) * n], packed[2 * B + len(asked) * n :]
+            for j, i in enumerate(asked):
+                k = params[i].logprobs
+                top[i] = [(int(a), b) for a, b in zip(ids_l[j * n : j * n + k], vals_l[j * n : j * n + k])]
+        self._done = SampleResult(
+            token_ids=[int(t) for t in packed[:B]], logprobs=packed[B : 2 * B], top_logprobs=top, masks=[None] * B
+        )
+        return self._done
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finaliser (xorshift-multiply rounds) on int64 tensors holding values < 2**32.
 
@@ -145,17 +179,19 @@ class Sampler:
         self.generator.manual_seed(seed)
         # CUDA: rows that only ask for a temperature go through one Triton pass (see sample_kernel)
         self.use_kernel = device.type == "cuda" and sample_kernel.check_kernel(device)
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._flip = 0
 
-    def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
-        """The one-pass kernel, top-N from one ``topk`` and a single device->host copy for everything."""
+    def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
+        """The one-pass kernel and top-N from one ``topk``, packed into one tensor whose device->host copy is
+        started here; :meth:`PendingSample.result` waits for it."""
         B, V = logits.shape
         params = [r.params for r in rows]
         static = [r.kernel_args or _kernel_args(r) for r in rows]
-        temps = [a[0] for a in static]
         modes = [a[3] for a in static]
         meta = [[a[1] for a in static], [a[2] for a in static], [r.num_output & _M32 for r in rows], modes]
         dev = self.device
-        temps_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
+        temps_t = torch.tensor([a[0] for a in static], dtype=torch.float32).to(dev, non_blocking=True)
         meta_t = torch.tensor(meta, dtype=torch.int64).to(dev, non_blocking=True)
         if sample_kernel.MODE_RANDOM_KEY in modes:
             rand = torch.randint(0, 1 << 32, (B,), generator=self.generator, device=dev, dtype=torch.int64)
@@ -173,26 +209,34 @@ class Sampler:
             t, z = (temps_t, lse) if idx is None else (temps_t[idx], lse[idx])
             vals = vals.float() / t[:, None] - z[:, None]
             parts += [ids.double().flatten(), vals.double().flatten()]
-        packed = torch.cat(parts).cpu().tolist()  # the one device->host sync of the step
-        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
-        if asked:
-            ids_l, vals_l = packed[2 * B : 2 * B + len(asked) * n], packed[2 * B + len(asked) * n :]
-            for j, i in enumerate(asked):
-                k = params[i].logprobs
-                top[i] = [(int(a), b) for a, b in zip(ids_l[j * n : j * n + k], vals_l[j * n : j * n + k])]
-        return SampleResult(
-            token_ids=[int(t) for t in packed[:B]],
-            logprobs=packed[B : 2 * B],
-            top_logprobs=top,
-            masks=[None] * B,
-        )
+        packed = torch.cat(parts)
+        self._flip ^= 1  # two pinned buffers: one step's copy may still be read while the next one's starts
+        buf = self._pinned[self._flip]
+        if buf is None or buf.numel() < packed.numel():
+            buf = torch.empty(max(packed.numel(), 4096), dtype=torch.float64, pin_memory=dev.type == "cuda")
+            self._pinned[self._flip] = buf
+        host = buf[: packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event() if dev.type == "cuda" else None
+        if event is not None:
+            event.record()
+        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n)
+
+    @torch.no_grad()
+    def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
+        """Queue the sampling of one step; ``.tokens`` (on the device) can feed the next step before
+        ``.result()`` brings everything to the host. Rows the kernel does not cover are sampled now."""
+        if self.use_kernel and _plain(rows, logits.shape[1]):
+            return self._fused(logits, rows)
+        res = self(logits, rows)
+        return PendingSample(tokens=torch.tensor(res.token_ids, dtype=torch.int64, device=self.device), done=res)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         B, V = logits.shape
         assert B == len(rows)
         if self.use_kernel and _plain(rows, V):
-            return self._fused(logits, rows)
+            return self._fused(logits, rows).result()
         x = logits.float()
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()  # never edit the caller's (or a CUDA graph's) buffer

@@ -215,6 +215,17 @@ class Scheduler:
             i += 1
         return list(self.running)
 
+    def reserve_ahead(self, seqs: list[Sequence]) -> bool:
+        """Room for one more token than ``token_ids`` holds in each sequence (a step decoded ahead), without
+        preempting anyone; False (nothing allocated) when the free blocks do not suffice."""
+        bs = self.kv.block_size
+        short = [s for s in seqs if len(s.token_ids) + 1 > len(s.block_table) * bs]
+        if len(short) > self.kv.num_free:
+            return False
+        for s in short:
+            s.block_table.extend(self.kv.allocate(1))
+        return True
+
     def preempt_all(self) -> None:
         """Send every running sequence back to the front of the queue, in order, freeing its KV blocks."""
         while self.running:
