@@ -55,6 +55,7 @@ class EngineLoop:
         self._drain_waiters: list[Future] = []
         self._stopping = False
         self.look_ahead = True  # decode one step ahead in steady decode phases (see _step)
+        self._last_step_end = 0.0
         self._pending: tuple[Batch, PendingSample, str, float] | None = None
 
     # ----------------------------------------------------------- other threads
@@ -256,7 +257,9 @@ class EngineLoop:
             self._finish(seq, *stop)
         kind = "prefill" if batch.is_prefill else "decode"
         self.step_counts[kind] += 1
-        self.step_seconds[kind] += time.perf_counter() - start
+        now = time.perf_counter()
+        self.step_seconds[kind] += now - max(start, self._last_step_end)  # steps ahead overlap: count wall time once
+        self._last_step_end = now
 
     def _look_ahead_seqs(self, batch: Batch, sample: PendingSample) -> list[Sequence] | None:
         """The sequences to decode one step ahead, or None. Only in a steady decode phase: nothing waiting, no
