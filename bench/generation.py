@@ -235,6 +235,7 @@ def main() -> int:
         help="also run a short eager engine under torch.profiler and print/write its top kernels",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    ap.add_argument("--no-look-ahead", action="store_true", help="step synchronously (no decode step ahead)")
     ap.add_argument("--groups", type=int, default=None, help="GRPO-group run: number of prompts (default 64)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -263,6 +264,7 @@ def main() -> int:
         max_num_seqs=n_req, kv_cache_tokens=n_req * (p_len + o_len),
     )  # fmt: skip
     engine_init_s = time.perf_counter() - t0
+    engine.look_ahead = not args.no_look_ahead
     backend = engine.decode_backend
     print(f"engine decode backend: {backend}")
     engine.start()
@@ -323,6 +325,7 @@ def main() -> int:
             "median_tokens_per_s": eng_tps,
             "init_seconds": engine_init_s,
             "decode_backend": backend,
+            "look_ahead": not args.no_look_ahead,
             "kv_cache_tokens": kv_tokens,
             "num_preemptions_total": stats.num_preemptions_total,
             "step_timings_timed_runs": steps,

@@ -296,6 +296,15 @@ class Engine:
         return self._lora.names
 
     @property
+    def look_ahead(self) -> bool:
+        """Decode one step ahead in steady decode phases (on by default; off = one synchronous step at a time)."""
+        return self._core.look_ahead
+
+    @look_ahead.setter
+    def look_ahead(self, on: bool) -> None:
+        self._core.look_ahead = bool(on)
+
+    @property
     def decode_backend(self) -> str:
         """Diagnostics: 'triton+cuda-graphs', 'triton-eager' or 'torch-eager' (CPU, or a fallback after an error)."""
         return self._runner.backend
