@@ -8,7 +8,8 @@ log-sum-exp and the running winner of the exponential race
 ``argmax(x / T - log E)`` (greedy rows: ``argmax(x)``).
 
 The noise is :func:`asyncgrpo.server.sampler.hashed_exponential`'s counter hash
-computed in the kernel, bit for bit (int64 arithmetic masked to 32 bits), so a
+computed in the kernel, bit for bit (the per-row key in int64 masked to 32 bits,
+the per-token hash in wrapping uint32 arithmetic), so a
 seeded row draws the same ``E`` as on the torch path. Unseeded rows use a
 per-row 32-bit key drawn from the engine's generator each step, hashed the same
 way. Runs on CPU under ``TRITON_INTERPRET=1`` for tests.
@@ -42,6 +43,15 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _mix32_u32(x):
+        """:func:`_mix32` on uint32 lanes: the same bits, with native wrapping 32-bit multiplies (cheap per token)."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
     def _sample_kernel(
         logits_ptr, stride_row, temp_ptr, meta_ptr, rand_ptr, out_tok_ptr, out_f_ptr,
         V, B, BLOCK: tl.constexpr,
@@ -56,6 +66,7 @@ if triton is not None:
         key = _mix32(key ^ _mix32((pos + 0x85EBCA6B) & 0xFFFFFFFF))
         if mode == 1:
             key = tl.load(rand_ptr + row) & 0xFFFFFFFF
+        key32 = key.to(tl.uint32)
         cols0 = tl.arange(0, BLOCK)
         m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max / sum: one reduction at the end
         s = tl.zeros([BLOCK], tl.float32)
@@ -75,8 +86,8 @@ if triton is not None:
             if mode == 0:
                 score = x
             else:
-                tok = _mix32(cols.to(tl.int64) + 0x27D4EB2F)
-                bits = _mix32(key ^ tok)
+                tok = _mix32_u32(cols.to(tl.uint32) + 0x27D4EB2F)
+                bits = _mix32_u32(key32 ^ tok)
                 u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
                 e = tl.maximum(-tl.log(u), 1.1754943508222875e-38)
                 score = tl.where(x == float("-inf"), float("-inf"), x - tl.log(e))
