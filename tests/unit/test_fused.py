@@ -60,8 +60,9 @@ for dtype in (torch.float32, torch.bfloat16):
     c = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in d.items()}
     for force in (True, False):
         kc, vc = torch.zeros_like(c["cache"]), torch.zeros_like(c["cache"])
-        q, k, v = fused.qkv_rope_write(c["qkv"], c["pos"], c["cos"], c["sin"], (c["qn"], 1e-6), (c["kn"], 1e-6),
-                                       c["slots"], kc, vc, 4, 2, True, force=force)
+        static = torch.stack([c["pos"] * 0 + 99, c["pos"], c["slots"], c["pos"] * 0 + 77], 1)  # strided columns
+        q, k, v = fused.qkv_rope_write(c["qkv"], static[:, 1], c["cos"], c["sin"], (c["qn"], 1e-6), (c["kn"], 1e-6),
+                                       static[:, 2], kc, vc, 4, 2, True, force=force)
         h, x = fused.add_rms_norm(c["h"], c["delta"], c["w"], 1e-6, force=force)
         a = fused.silu_mul(c["gu"], force=force)
         out[(str(dtype), force)] = [t.float() for t in (q, k, v, kc, vc, h, x, a)]

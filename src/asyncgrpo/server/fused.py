@@ -78,10 +78,11 @@ def check_layer_kernels(device: torch.device, dtype: torch.dtype, num_heads: int
         g = torch.Generator(device=device).manual_seed(0)
         T, D = 3, head_dim
         qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * D, device=device, generator=g).to(dtype)
-        pos = torch.tensor([0, 5, 2], device=device)
+        static = torch.tensor([[9, 0, 1, 1], [9, 5, 7, 6], [9, 2, 4, 3]], device=device)  # like the decode buffer
+        pos = static[:, 1]  # strided columns, as in a decode step
         cos, sin = torch.rand(8, D, device=device).to(dtype), torch.rand(8, D, device=device).to(dtype)
         norm = (torch.rand(D, device=device).to(dtype), 1e-6) if qk_norm else None
-        slots = torch.tensor([1, 7, 4], device=device)
+        slots = static[:, 2]
         got = []
         for force in (True, False):
             kc = torch.zeros(3, 4, num_kv_heads, D, device=device, dtype=dtype)
@@ -169,7 +170,7 @@ if triton is not None:
     def _qkv_rope_kernel(
         qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
         q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
-        eps, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+        eps, stride_pos, stride_slot, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
         QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
@@ -179,7 +180,7 @@ if triton is not None:
         partner = (d + half) % D
         row = qkv_ptr + t * (NQ + 2 * NKV) * D + head * D
         dt = q_out_ptr.dtype.element_ty
-        slot = tl.load(slot_ptr + t)
+        slot = tl.load(slot_ptr + t * stride_slot)  # decode reads columns of the runner's static [B, 4+n] buffer
         if head >= NQ + NKV:  # V: copy into the cache as is
             v = tl.load(row + d)
             kv_head = head - NQ - NKV
@@ -199,7 +200,7 @@ if triton is not None:
                 rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
                 x = (w * (x * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
                 xp = (wp * (xp * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            pos = tl.load(pos_ptr + t)
+            pos = tl.load(pos_ptr + t * stride_pos)
             c = tl.load(cos_ptr + pos * D + d).to(tl.float32)
             s = tl.load(sin_ptr + pos * D + d).to(tl.float32)
             rot = tl.where(d < half, -xp, xp)
@@ -239,6 +240,7 @@ def qkv_rope_write(
     RoPE (tables cos/sin [L, D] indexed by ``positions``), write K/V into their cache slots.
 
     Returns q [T, Hq, D] and, when ``need_kv`` (prefill of fresh sequences), k and v [T, Hkv, D].
+    ``positions`` and ``slot_mapping`` may be strided (decode passes columns of the runner's static buffer).
     One kernel on CUDA (graph-safe); the same arithmetic in torch ops elsewhere.
     """
     T = qkv.shape[0]
@@ -260,8 +262,10 @@ def qkv_rope_write(
     qn = q_norm[0] if q_norm is not None else cos
     kn = k_norm[0] if k_norm is not None else cos
     eps = q_norm[1] if q_norm is not None else 0.0
-    _qkv_rope_kernel[(T, num_heads + 2 * num_kv_heads)](
+    grid = (T, num_heads + 2 * num_kv_heads)
+    _qkv_rope_kernel[grid](
         qkv, positions, cos, sin, qn, kn, slot_mapping, q, k, v, k_cache, v_cache, eps,
+        positions.stride(0), slot_mapping.stride(0),
         NQ=num_heads, NKV=num_kv_heads, D=D, QK_NORM=q_norm is not None, STORE_KV=need_kv,
     )  # fmt: skip
     return q, (k if need_kv else None), (v if need_kv else None)
