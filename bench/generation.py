@@ -209,6 +209,31 @@ def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: i
     return rows
 
 
+def sampler_bench(device: torch.device, batch: int, vocab: int) -> dict:
+    """ms per call of the sampler on bf16 logits [batch, vocab], temperature 1, seeded rows: the one-pass kernel
+    and the torch path, each with logprobs None and 8 (the worker's top-8)."""
+    from asyncgrpo.server.sampler import Sampler, SamplerRow
+
+    logits = (torch.randn(batch, vocab, device=device) * 3).to(torch.bfloat16)
+    out = {}
+    for kernel in (True, False):
+        sampler = Sampler(device)
+        sampler.use_kernel = sampler.use_kernel and kernel
+        for lp in (None, 8):
+            params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, logprobs=lp)
+            rows = [SamplerRow(params=params, num_output=i % 7) for i in range(batch)]
+            for _ in range(3):
+                sampler(logits, rows)
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(10):
+                sampler(logits, rows)
+            _sync(device)
+            out[f"{'kernel' if sampler.use_kernel else 'torch'}_logprobs_{lp}_ms"] = (time.perf_counter() - start) * 100
+    print("sampler ms/call at", batch, "x", vocab, out)
+    return out
+
+
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -292,6 +317,7 @@ def main() -> int:
         graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, eager=False)
 
     sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
+    sampler_ms = sampler_bench(device, n_req, shape["vocab_size"])
     _free(device)
 
     # -------------------------------------------------------------- baseline
@@ -338,6 +364,7 @@ def main() -> int:
         "eager_profile": profile,
         "graph_profile": graph_profile,
         "decode_kernel_sweep": sweep,
+        "sampler_ms_per_call": sampler_ms,
         "hf_generate": {
             "runs": [{"tokens": t, "seconds": s, "tokens_per_s": t / s} for t, s in hf_runs],
             "median_tokens_per_s": hf_tps,
