@@ -70,9 +70,9 @@ class ModelRunner:
         for s, n in zip(seqs, lens):
             c, total = s.num_cached, len(s.token_ids)
             ids.extend(s.token_ids[c:])
-            positions.extend(range(c, total))
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, total))
+            pos = np.arange(c, total, dtype=np.int64)
+            positions.append(pos)
+            slots.append(np.asarray(s.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
             if c == 0:
                 fresh_idx.extend(range(start, start + n))
                 fresh_lens.append(n)
@@ -88,7 +88,7 @@ class ModelRunner:
         dev = self.device
         batch = ForwardBatch(
             is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
             max_seqlen=max(fresh_lens, default=0),
             seq_lens=fresh_lens,
@@ -102,7 +102,7 @@ class ModelRunner:
             batch.copy_src = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
             batch.copy_dst = torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.from_numpy(np.concatenate(positions)).to(dev, non_blocking=True)
         try:
             hidden = self.model.forward(input_ids, pos, batch, self.kv.layers)
         finally:
