@@ -204,7 +204,7 @@ def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: i
             rows.append({"block_n": block_n, "num_warps": warps, "us": us, "GBps": read_bytes / us / 1e3})
     best = max(rows, key=lambda r: r["GBps"])
     print(f"decode kernel alone (B={batch}, ctx={context}): best block_n={best['block_n']} num_warps={best['num_warps']} "
-          f"{best['us']:.0f} us, {best['GBps']:.0f} GB/s; default (64, 4): "
+          f"{best['us']:.0f} us, {best['GBps']:.0f} GB/s; default (64, 2): "
           f"{next(r for r in rows if r['block_n'] == 64 and r['num_warps'] == 4)['GBps']:.0f} GB/s")  # fmt: skip
     return rows
 
