@@ -38,6 +38,7 @@ class TrainerSeam(Protocol):
     window: MetricsWindow
     step_stats: StepStats
     source: RolloutSource | None  # rank 0 only
+    needs_initial_sync: bool  # adapter sync: the starting adapter must be registered before generation
 
     def is_world_process_zero(self) -> bool: ...
 
@@ -45,13 +46,16 @@ class TrainerSeam(Protocol):
 
     def start_rollout_worker(self) -> None: ...
 
+    def share_from_rank_zero(self, obj: Any) -> Any: ...
+
 
 class AsyncGRPOCallback(TrainerCallback):
     def __init__(self, trainer: TrainerSeam) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step > 0:  # resumed: the server still serves the weights it started with
+        # Resumed: the server still serves the weights it started with. Adapter sync: requests name an adapter.
+        if state.global_step > 0 or self.trainer.needs_initial_sync:
             self.trainer.sync_weights()
         if self.trainer.is_world_process_zero():
             self.trainer.start_rollout_worker()  # only now: its first samples carry the weights just restored
@@ -67,18 +71,24 @@ class AsyncGRPOCallback(TrainerCallback):
         tr = self.trainer
         if state.global_step % args.weight_sync_steps == 0:
             tr.sync_weights()
-        if not tr.is_world_process_zero():
-            return
-        if tr.source is None:
-            raise RuntimeError("AsyncGRPOCallback.on_step_end: the trainer has no rollout source (train() not running)")
-        trained_tokens = tr.source.step_done(tr.step_stats.micro_batches)
-        tr.step_stats.record(tr.window, trained_tokens, args.world_size)
-        n = tr.source.dataset_len
-        if n:
-            state.epoch = tr.source.prompts_consumed / n
-        if tr.source.finished:
+        finished = False
+        if tr.is_world_process_zero():
+            if tr.source is None:
+                raise RuntimeError(
+                    "AsyncGRPOCallback.on_step_end: the trainer has no rollout source (train() not running)"
+                )
+            trained_tokens = tr.source.step_done(tr.step_stats.micro_batches)
+            tr.step_stats.record(tr.window, trained_tokens, args.world_size)
+            n = tr.source.dataset_len
+            if n:
+                state.epoch = tr.source.prompts_consumed / n
+            finished = tr.source.finished
+            self._refresh_progress_total(state)
+        if args.world_size > 1:  # only rank 0 knows; every process must leave the loop at the same step
+            finished, epoch = tr.share_from_rank_zero((finished, state.epoch))
+            state.epoch = epoch
+        if finished:
             control.should_training_stop = True
-        self._refresh_progress_total(state)
 
     def _refresh_progress_total(self, state: Any) -> None:
         """Epoch mode: re-estimate the number of steps from prompts consumed so far (the bar's ETA)."""

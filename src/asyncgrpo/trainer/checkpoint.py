@@ -10,6 +10,11 @@ the checkpoint's weights trained is trained twice, nothing is lost.
 The file is written last, atomically, after transformers wrote the checkpoint's
 model and optimizer: a checkpoint folder without it was cut short by a crash, and
 ``resolve_checkpoint(True)`` passes over it.
+
+Under FSDP2 the model and optimizer state are transformers' and accelerate's
+(``fsdp_config["state_dict_type"]``: ``SHARDED_STATE_DICT`` has every rank write
+and read its own shards through torch distributed checkpoint); this file is rank
+0's alone, since only rank 0 runs the rollout worker.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from asyncgrpo.packing import MicroBatch, PackSample, TokenBudgetBatcher, plan_step
+from asyncgrpo.packing import MicroBatch, PackedRow, PackSample, TokenBudgetBatcher, plan_step
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.trainer.loss import loss_normalizer
 
 logger = logging.getLogger(__name__)
 
@@ -311,3 +312,21 @@ class RolloutSource:
     def take_metrics(self) -> list[tuple[str, float, float]]:
         out, self.metrics = self.metrics, []
         return out
+
+
+def split_rows(
+    packed: list[list[PackedRow]], gradient_accumulation_steps: int, num_processes: int
+) -> list[list[dict[str, object]]]:
+    """Each process's share of a step: ``[{"row": its row or None, "normalizer": float}]`` per micro-batch.
+
+    The planner already gave every micro-batch one row per process, balanced by attention cost; process i
+    trains row i. The normalizer counts the trained tokens of all the micro-batch's rows (the global count of
+    L5), so every process divides by the same number whatever its own row holds.
+    """
+    per_rank: list[list[dict[str, object]]] = [[] for _ in range(num_processes)]
+    for rows in packed:
+        tokens = sum(r.num_trained for r in rows)
+        norm = loss_normalizer(tokens, gradient_accumulation_steps, num_processes)
+        for rank in range(num_processes):
+            per_rank[rank].append({"row": rows[rank] if rank < len(rows) else None, "normalizer": norm})
+    return per_rank
