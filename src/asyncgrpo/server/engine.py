@@ -138,11 +138,13 @@ class Engine:
                 f"KV cache holds {self.kv_cache_tokens} tokens < max_model_len {self.max_model_len}: one sequence "
                 "could never finish; raise kv_cache_tokens or lower max_model_len"
             )
+        if enable_prefix_caching and self.general_path:
+            logger.info("prefix caching is off on the general (HF forward) model path: it keeps its own HF caches")
+        self.enable_prefix_caching = enable_prefix_caching and not self.general_path
         self._kv = KVCache(
             len(m.layers), self.num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
-        self.enable_prefix_caching = enable_prefix_caching
         self._scheduler = Scheduler(self._kv, max_num_seqs, budget)
         if self.general_path:  # KVCache above holds no tensors (m.layers is empty): block accounting only
             self._runner = GeneralRunner(m, self._kv)
