@@ -1,11 +1,13 @@
 """A compact decoder-only forward (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 The weights stay in the Hugging Face model they were loaded into, under their
-checkpoint names and unfused (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``),
-so a weight update can be copied in place by name and CUDA graphs that read
-those tensors stay valid. Only the forward is ours: it works on a flat batch of
-tokens ``[T, hidden]`` (several sequences packed together, no padding) and
-reads/writes K/V through :mod:`attention`.
+checkpoint names (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``), so
+a weight update can be copied in place by name and CUDA graphs that read those
+tensors stay valid. The q/k/v (and gate/up) parameters are views into one fused
+matrix each, so the forward runs one matmul for them. Only the forward is ours:
+it works on a flat batch of tokens ``[T, hidden]`` (several sequences packed
+together, no padding), fuses the small element-wise steps into Triton kernels
+(:mod:`fused`) and reads/writes K/V through :mod:`attention`.
 
 RoPE: the loaded model's own ``model.model.rotary_emb`` module computes cos/sin
 for positions ``0..max_model_len-1`` once, which covers every rope-scaling
