@@ -6,7 +6,9 @@ A random-init Qwen3-0.6B-shaped model (bf16, built directly on the GPU) answers
 through its public API (submit all, wait for all); the baseline is one HF
 ``model.generate`` call at batch 256 with the same shapes and sampling.
 
-Run (GPU):  python bench/generation.py --out bench/results/generation_h200.json
+Run (GPU):  python bench/generation.py --out bench/results/generation_h200.json [--profile]
+A second run at the GRPO-group shape (64 prompts x 8 equal requests, 32 output tokens) reports the prefill
+tokens computed against the unique prompt tokens (prefix caching).
 Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/generation.py --smoke
 """
 
@@ -78,6 +80,34 @@ def run_engine(engine: Engine, prompts: list[list[int]], output_len: int, tag: s
     return sum(len(o.token_ids) for o in outs), seconds
 
 
+def run_groups(
+    engine: Engine, shape: dict, num_prompts: int, group: int, prompt_len: int, output_len: int, gen: torch.Generator
+) -> dict:
+    """GRPO-group shape: ``num_prompts`` prompts x ``group`` equal requests, all submitted at once. Reports the
+    prefill tokens computed against the unique prompt tokens (prefix caching shares each group's prompt)."""
+    base = torch.randint(2, shape["vocab_size"], (num_prompts, prompt_len), generator=gen).tolist()
+    prompts = [p for p in base for _ in range(group)]
+    before = engine.stats()
+    tokens, seconds = run_engine(engine, prompts, output_len, "grpo")
+    after = engine.stats()
+    computed = after.prefill_tokens_computed_total - before.prefill_tokens_computed_total
+    unique = num_prompts * prompt_len
+    return {
+        "num_prompts": num_prompts,
+        "group_size": group,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "unique_prompt_tokens": unique,
+        "prefill_tokens_computed": computed,
+        "computed_over_unique": computed / unique,
+        "prefix_cache_queries": after.prefix_cache_queries_total - before.prefix_cache_queries_total,
+        "prefix_cache_hits": after.prefix_cache_hits_total - before.prefix_cache_hits_total,
+    }
+
+
 def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.device) -> tuple[int, float]:
     ids = torch.tensor(prompts, device=device)
     _sync(device)
@@ -99,20 +129,26 @@ def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.devic
     return int(out.shape[0] * (out.shape[1] - ids.shape[1])), seconds
 
 
-def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None) -> dict:
-    """A short run of an eager engine (no CUDA graphs) under torch.profiler: where device time goes."""
+def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None, eager: bool = True) -> dict:
+    """A short run under torch.profiler: where device time goes. ``eager``: no CUDA graphs (kernel names per op);
+    otherwise the graph-mode engine, whose summed kernel time per decode step, against the wall time per step,
+    shows how long the GPU waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
+    tag = "eager" if eager else "graphs"
     engine = Engine(
         model, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=max_len,
-        max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * max_len, enforce_eager=True,
+        max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * max_len, enforce_eager=eager,
     )  # fmt: skip
     engine.start()
-    run_engine(engine, prompts, 8, "eager-warmup")
+    run_engine(engine, prompts, 8, f"{tag}-warmup")
+    engine.reset_prefix_cache()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    before = engine.step_timings()
     with profile(activities=activities) as prof:
-        tokens, seconds = run_engine(engine, prompts, 32, "eager-profiled")
-    timings = engine.step_timings()
+        tokens, seconds = run_engine(engine, prompts, 32, f"{tag}-profiled")
+    after = engine.step_timings()
+    timings = {k: {m: after[k][m] - before[k][m] for m in after[k]} for k in after}
     engine.shutdown()
     del engine
     _free(device)
@@ -121,12 +157,23 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None)
         table = prof.key_averages().table(sort_by=key, row_limit=30)
     except (KeyError, AttributeError, RuntimeError):
         table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+    device_us = sum(getattr(e, "self_device_time_total", 0.0) or 0.0 for e in prof.key_averages())
+    steps = sum(t["steps"] for t in timings.values())
     if out is not None:
-        path = out.with_name(out.stem + "_eager_profile.txt")
+        path = out.with_name(out.stem + f"_{tag}_profile.txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(table)
     print(table)
-    return {"tokens": tokens, "seconds_under_profiler": seconds, "step_timings": timings}
+    wall_ms = 1000 * sum(t["seconds"] for t in timings.values()) / max(steps, 1)
+    print(f"{tag}: {steps} steps, wall {wall_ms:.2f} ms/step, device kernels {device_us / 1000 / max(steps, 1):.2f} "
+          "ms/step (under the profiler)")  # fmt: skip
+    return {
+        "tokens": tokens,
+        "seconds_under_profiler": seconds,
+        "step_timings": timings,
+        "device_kernel_ms_per_step": device_us / 1000 / max(steps, 1),
+        "wall_ms_per_step": wall_ms,
+    }
 
 
 def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
@@ -157,9 +204,34 @@ def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: i
             rows.append({"block_n": block_n, "num_warps": warps, "us": us, "GBps": read_bytes / us / 1e3})
     best = max(rows, key=lambda r: r["GBps"])
     print(f"decode kernel alone (B={batch}, ctx={context}): best block_n={best['block_n']} num_warps={best['num_warps']} "
-          f"{best['us']:.0f} us, {best['GBps']:.0f} GB/s; default (64, 4): "
-          f"{next(r for r in rows if r['block_n'] == 64 and r['num_warps'] == 4)['GBps']:.0f} GB/s")  # fmt: skip
+          f"{best['us']:.0f} us, {best['GBps']:.0f} GB/s; default (64, 2): "
+          f"{next(r for r in rows if r['block_n'] == 64 and r['num_warps'] == 2)['GBps']:.0f} GB/s")  # fmt: skip
     return rows
+
+
+def sampler_bench(device: torch.device, batch: int, vocab: int) -> dict:
+    """ms per call of the sampler on bf16 logits [batch, vocab], temperature 1, seeded rows: the one-pass kernel
+    and the torch path, each with logprobs None and 8 (the worker's top-8)."""
+    from asyncgrpo.server.sampler import Sampler, SamplerRow
+
+    logits = (torch.randn(batch, vocab, device=device) * 3).to(torch.bfloat16)
+    out = {}
+    for kernel in (True, False):
+        sampler = Sampler(device)
+        sampler.use_kernel = sampler.use_kernel and kernel
+        for lp in (None, 8):
+            params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, logprobs=lp)
+            rows = [SamplerRow(params=params, num_output=i % 7) for i in range(batch)]
+            for _ in range(3):
+                sampler(logits, rows)
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(10):
+                sampler(logits, rows)
+            _sync(device)
+            out[f"{'kernel' if sampler.use_kernel else 'torch'}_logprobs_{lp}_ms"] = (time.perf_counter() - start) * 100
+    print("sampler ms/call at", batch, "x", vocab, out)
+    return out
 
 
 def _free(device: torch.device) -> None:
@@ -181,7 +253,15 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--engine-repeats", type=int, default=3)
     ap.add_argument("--hf-repeats", type=int, default=2)
-    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled eager run")
+    ap.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run a short eager engine under torch.profiler and print/write its top kernels",
+    )
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    ap.add_argument("--no-look-ahead", action="store_true", help="step synchronously (no decode step ahead)")
+    ap.add_argument("--groups", type=int, default=None, help="GRPO-group run: number of prompts (default 64)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -209,12 +289,16 @@ def main() -> int:
         max_num_seqs=n_req, kv_cache_tokens=n_req * (p_len + o_len),
     )  # fmt: skip
     engine_init_s = time.perf_counter() - t0
+    engine.look_ahead = not args.no_look_ahead
     backend = engine.decode_backend
     print(f"engine decode backend: {backend}")
     engine.start()
     run_engine(engine, prompts, min(o_len, 16), "warmup")
     before = engine.step_timings()
-    engine_runs = [run_engine(engine, prompts, o_len, f"run{r}") for r in range(args.engine_repeats)]
+    engine_runs = []
+    for r in range(args.engine_repeats):
+        engine.reset_prefix_cache()  # each timed run prefills its prompts (the same prompts every run)
+        engine_runs.append(run_engine(engine, prompts, o_len, f"run{r}"))
     after = engine.step_timings()
     steps = {
         k: {"steps": after[k]["steps"] - before[k]["steps"], "seconds": after[k]["seconds"] - before[k]["seconds"]}
@@ -222,19 +306,25 @@ def main() -> int:
     }
     stats = engine.stats()
     kv_tokens = engine.kv_cache_tokens
+    grpo = run_groups(engine, shape, args.groups or (4 if args.smoke else 64), 8, p_len, min(o_len, 32), gen)
     engine.shutdown()
     del engine
     _free(device)
-    profile = None
+    profile = graph_profile = None
     if args.profile:
         profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)
+        _free(device)
+        graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, eager=False)
 
     sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
+    sampler_ms = sampler_bench(device, n_req, shape["vocab_size"])
     _free(device)
 
     # -------------------------------------------------------------- baseline
-    run_hf(model, prompts, 4, device)  # warm-up
-    hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
+    hf_runs = [(1, 1.0)]
+    if not args.no_hf:
+        run_hf(model, prompts, 4, device)  # warm-up
+        hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
 
     # ---------------------------------------------------------------- report
     eng_tps = statistics.median(t / s for t, s in engine_runs)
@@ -261,12 +351,20 @@ def main() -> int:
             "median_tokens_per_s": eng_tps,
             "init_seconds": engine_init_s,
             "decode_backend": backend,
+            "look_ahead": not args.no_look_ahead,
             "kv_cache_tokens": kv_tokens,
             "num_preemptions_total": stats.num_preemptions_total,
             "step_timings_timed_runs": steps,
+            "decode_ms_per_step": 1000 * steps["decode"]["seconds"] / max(steps["decode"]["steps"], 1),
+            "prefill_tokens_computed_total": stats.prefill_tokens_computed_total,
+            "prefix_cache_queries_total": stats.prefix_cache_queries_total,
+            "prefix_cache_hits_total": stats.prefix_cache_hits_total,
         },
+        "grpo_groups": grpo,
         "eager_profile": profile,
+        "graph_profile": graph_profile,
         "decode_kernel_sweep": sweep,
+        "sampler_ms_per_call": sampler_ms,
         "hf_generate": {
             "runs": [{"tokens": t, "seconds": s, "tokens_per_s": t / s} for t, s in hf_runs],
             "median_tokens_per_s": hf_tps,
@@ -282,6 +380,11 @@ def main() -> int:
     dec = steps["decode"]
     if dec["steps"]:
         print(f"engine decode steps: {dec['steps']}, {1000 * dec['seconds'] / dec['steps']:.2f} ms each (timed runs)")
+    print(
+        f"GRPO groups {grpo['num_prompts']} x {grpo['group_size']}: prefill computed {grpo['prefill_tokens_computed']} "
+        f"for {grpo['unique_prompt_tokens']} unique prompt tokens ({grpo['computed_over_unique']:.2f}x), "
+        f"hits {grpo['prefix_cache_hits']}, {grpo['tokens_per_s']:.0f} generated tok/s"
+    )
     print(
         f"ratio engine / HF generate: {eng_tps / hf_tps:.1f}x"
         + ("  (smoke run: not a measurement)" if args.smoke else "")

@@ -4,10 +4,10 @@ Cache layout per layer: K and V each ``[num_blocks + 1, block_size, num_kv_heads
 the extra last block is a sink that padded CUDA-graph rows write into and read
 from, never handed to a sequence. A token's *slot* is ``block * block_size + offset``.
 
-Prefill only attends within the new tokens (a preempted sequence is re-prefilled
-whole), so it needs no cache reads: on CUDA ``torch.nn.attention.varlen.varlen_attn``
+Prefill of fresh sequences attends within the new tokens, with no cache reads: on CUDA ``torch.nn.attention.varlen.varlen_attn``
 (FlashAttention inside torch) over the packed batch when present, else one causal
-SDPA per sequence. Decode reads the cache: on CUDA the Triton kernel of
+SDPA per sequence. The uncached tail of a sequence that reuses a cached prefix
+runs as decode queries, one per token. Decode reads the cache: on CUDA the Triton kernel of
 :mod:`decode_kernel`, elsewhere a gather + masked SDPA in torch.
 """
 
@@ -60,9 +60,30 @@ ENABLED = {"varlen": True, "triton": True}
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence. q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+    """Causal attention of a packed prefill batch. q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D].
+
+    Fresh sequences attend within their own tokens; tokens of sequences with a cached prefix
+    (``batch.row_idx``) read their whole context from the cache, where this layer's K/V already is.
+    """
+    if batch.row_idx is None:
+        return _prefill_fresh(q, k, v, batch, scale)
+    out = torch.empty_like(q)
+    if batch.fresh_idx is not None:
+        fi = batch.fresh_idx
+        out[fi] = _prefill_fresh(q[fi], k[fi], v[fi], batch, scale)
+    out[batch.row_idx] = decode_attention(q[batch.row_idx], k_cache, v_cache, batch, scale)
+    return out
+
+
+def _prefill_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float):
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and ENABLED["varlen"]:
         spec = _varlen_kwargs()
         if spec is not None:

@@ -18,11 +18,12 @@ import torch
 
 from asyncgrpo.server.request import PauseMode
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.sampler import Sampler, SampleResult, SamplerRow
+from asyncgrpo.server.sampler import PendingSample, Sampler, SamplerRow
 from asyncgrpo.server.scheduler import Batch, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
+_NO_BAN: list[int] = []  # shared, never mutated
 IDLE_WAIT_S = 0.05  # how long the idle engine thread sleeps before re-checking its queue
 
 
@@ -53,6 +54,9 @@ class EngineLoop:
         self._seqs: dict[str, Sequence] = {}
         self._drain_waiters: list[Future] = []
         self._stopping = False
+        self.look_ahead = True  # decode one step ahead in steady decode phases (see _step)
+        self._last_step_end = 0.0
+        self._pending: tuple[Batch, PendingSample, str, float] | None = None
 
     # ----------------------------------------------------------- other threads
     @property
@@ -99,10 +103,12 @@ class EngineLoop:
         with torch.no_grad():
             while not self._stopping:
                 self._wake.clear()
+                if self._pending is not None and not self._commands.empty():
+                    self._finish_pending()  # commands run between steps: nothing may be in flight
                 self._drain_commands()
                 if self._stopping:
                     break
-                stepped = self._can_step()
+                stepped = self._pending is not None or self._can_step()
                 if stepped:
                     try:
                         self._step()
@@ -163,6 +169,7 @@ class EngineLoop:
             # vLLM 0.33 (v1/engine/core.py): clearing the caches preempts the frozen requests, so their KV is
             # recomputed on resume, with whatever weights are loaded by then.
             self.scheduler.preempt_all()
+            self.scheduler.kv.reset_prefix_cache()
         if mode == "wait" and self.scheduler.running:
             self._drain_waiters.append(fut)  # answered once the running sequences are done
         else:
@@ -181,60 +188,130 @@ class EngineLoop:
         return self.scheduler.has_work(admit=self.pause_mode is None)
 
     def _step(self) -> None:
-        start = time.perf_counter()
-        batch = self.scheduler.schedule(admit=self.pause_mode is None)
-        if batch is None:
-            return
-        kind = "prefill" if batch.is_prefill else "decode"
-        try:
-            result = self._forward_and_sample(batch)
-        except Exception as exc:  # fail the affected requests, keep the engine alive
-            logger.exception("engine step failed for %d requests", len(batch.seqs))
-            for seq in batch.seqs:
-                self._finish(seq, "abort", error=f"engine step failed: {type(exc).__name__}: {exc}")
-            return
-        version = self.weight_version
-        for i, seq in enumerate(batch.seqs):
-            token = result.token_ids[i]
-            seq.append(token, result.logprobs[i], version)
-            if seq.top_logprobs is not None:
-                seq.top_logprobs.append(result.top_logprobs[i] or [])
-            if seq.sampling_mask is not None:
-                seq.sampling_mask.append(result.masks[i] or [])
-            self.generation_tokens += 1
-            stop = self._stop_reason(seq, token)
-            if stop is not None:
-                self._finish(seq, *stop)
-        self.step_counts[kind] += 1
-        self.step_seconds[kind] += time.perf_counter() - start
+        """Run one step. A decode step may launch the next one *before* its own results reach the host (the
+        sampled tokens feed it on the device), so the host bookkeeping of step k overlaps the GPU work of k+1."""
+        if self._pending is None:
+            start = time.perf_counter()
+            batch = self.scheduler.schedule(admit=self.pause_mode is None)
+            if batch is None:
+                return
+            try:
+                sample = self._launch(batch)
+            except Exception as exc:  # fail the affected requests, keep the engine alive
+                logger.exception("engine step failed for %d requests", len(batch.seqs))
+                self._fail(batch, exc)
+                return
+            self._pending = (batch, sample, self.weight_version, start)
+        self._finish_pending(look_ahead=True)
 
-    def _forward_and_sample(self, batch: Batch) -> SampleResult:
+    def _launch(self, batch: Batch, next_tokens: torch.Tensor | None = None) -> PendingSample:
         lora = any(s.lora is not None for s in batch.seqs)
+        ahead = 0 if next_tokens is None else 1
         if batch.is_prefill:
             logits = self.runner.prefill(batch.seqs, lora)
         else:
-            logits = self.runner.decode(batch.seqs, lora)
-        return self.sampler(logits, [self._sampler_row(s) for s in batch.seqs])
+            logits = self.runner.decode(batch.seqs, lora, next_tokens)
+        return self.sampler.launch(logits, [self._sampler_row(s, ahead) for s in batch.seqs])
 
-    def _sampler_row(self, seq: Sequence) -> SamplerRow:
-        p = seq.request.params
-        n = seq.num_output
-        banned: list[int] = []
-        if n < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-        ids = seq.token_ids if p.repetition_penalty != 1.0 else []
-        return SamplerRow(params=p, num_output=n, token_ids=ids, banned=banned)
+    def _finish_pending(self, look_ahead: bool = False) -> None:
+        """Bring the step in flight to the host and apply it; first launch the next decode step when allowed."""
+        batch, sample, version, start = self._pending  # type: ignore[misc]
+        self._pending = None
+        ahead = self._look_ahead_seqs(batch, sample) if look_ahead else None
+        if ahead:
+            t0 = time.perf_counter()
+            try:
+                tokens = sample.tokens
+                if len(ahead) < len(batch.seqs):  # rows of sequences this step finishes by length are dropped
+                    keep = {id(s) for s in ahead}
+                    rows = [i for i, s in enumerate(batch.seqs) if id(s) in keep]
+                    tokens = tokens.index_select(0, torch.tensor(rows, device=tokens.device))
+                nxt = Batch(is_prefill=False, seqs=ahead)
+                self._pending = (nxt, self._launch(nxt, tokens), version, t0)
+            except Exception:
+                logger.exception("decoding one step ahead failed; stepping synchronously from now on")
+                self.look_ahead = False
+                self._pending = None
+        try:
+            result = sample.result()
+        except Exception as exc:
+            logger.exception("engine step failed for %d requests", len(batch.seqs))
+            self._pending = None  # the step ahead read this step's tokens
+            self._fail(batch, exc)
+            return
+        self.generation_tokens += sum(1 for s in batch.seqs if not s.finished)
+        done = []
+        for seq, token, lp, top, mask in zip(batch.seqs, result.token_ids, result.logprobs, result.top_logprobs,
+                                             result.masks):  # fmt: skip
+            if seq.finished:  # finished (or aborted) while this step was in flight: its token is dropped
+                continue
+            seq.append(token, lp, version)
+            if seq.top_logprobs is not None:
+                seq.top_logprobs.append(top or [])
+            if seq.sampling_mask is not None:
+                seq.sampling_mask.append(mask or [])
+            stop = self._stop_reason(seq, token)
+            if stop is not None:
+                done.append((seq, stop))
+        for seq, stop in done:
+            self._finish(seq, *stop)
+        kind = "prefill" if batch.is_prefill else "decode"
+        self.step_counts[kind] += 1
+        now = time.perf_counter()
+        self.step_seconds[kind] += now - max(start, self._last_step_end)  # steps ahead overlap: count wall time once
+        self._last_step_end = now
+
+    def _look_ahead_seqs(self, batch: Batch, sample: PendingSample) -> list[Sequence] | None:
+        """The sequences to decode one step ahead, or None. Only in a steady decode phase: nothing waiting, no
+        command queued, no adapter, no repetition penalty (it reads the token ids). Sequences that this step
+        ends by length are left out; one that stops on EOS wastes its row of the step ahead."""
+        if not self.look_ahead or batch.is_prefill or self.pause_mode is not None or self.scheduler.waiting:
+            return None
+        if not (sample.deferred or self.device.type == "cpu") or not self._commands.empty():
+            return None
+        out = []
+        for s in batch.seqs:
+            p = s.request.params
+            if s.finished or s.lora is not None or p.repetition_penalty != 1.0:
+                return None
+            n = len(s.token_ids) + 1  # after this step's token
+            if n - s.prompt_len < p.max_tokens and n < self.max_model_len:
+                out.append(s)
+        if not out or not self.scheduler.reserve_ahead(out):
+            return None
+        return out
+
+    def _fail(self, batch: Batch, exc: Exception) -> None:
+        self.scheduler.kv.reset_prefix_cache()  # blocks keyed for this step may hold no valid K/V
+        for seq in batch.seqs:
+            self._finish(seq, "abort", error=f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _sampler_row(self, seq: Sequence, ahead: int = 0) -> SamplerRow:
+        """The sequence's sampler row, built once and updated in place each step (cheap at batch 256).
+        ``ahead``: tokens sampled but not yet appended (the row is for the step after them)."""
+        row = seq.sampler_row
+        n = len(seq.token_ids) - seq.prompt_len + ahead
+        if row is None:
+            p = seq.request.params
+            ban = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            ids = seq.token_ids if p.repetition_penalty != 1.0 else []  # the live list: grows with the sequence
+            row = seq.sampler_row = SamplerRow(params=p, num_output=n, token_ids=ids, banned=ban)
+            seq.min_tokens_ban = ban
+        row.num_output = n
+        row.banned = seq.min_tokens_ban if n < row.params.min_tokens else _NO_BAN
+        return row
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
         """vLLM's order: nothing stops before min_tokens; then EOS, stop ids, max_tokens, max_model_len."""
         p = seq.request.params
-        n = seq.num_output
+        total = len(seq.token_ids)
+        n = total - seq.prompt_len
         if n >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return ("stop", None)
             if token in p.stop_token_ids:
                 return ("stop", token)
-        if n >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if n >= p.max_tokens or total >= self.max_model_len:
             return ("length", None)
         return None
 

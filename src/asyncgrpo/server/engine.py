@@ -62,6 +62,8 @@ class Engine:
         enable_lora / max_lora_rank / max_loras: runtime LoRA adapters.
         enforce_eager: no CUDA graphs for decode.
         max_num_batched_tokens: prefill token budget per step (extension; default above).
+        enable_prefix_caching: reuse the KV blocks of equal prompt prefixes (vLLM's default: on); every
+            weight load, LoRA load/unload and :meth:`reset_prefix_cache` empties the cache.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class Engine:
         max_loras: int = 1,
         enforce_eager: bool = False,
         max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if max_num_seqs < 1 or block_size < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
@@ -135,9 +138,13 @@ class Engine:
                 f"KV cache holds {self.kv_cache_tokens} tokens < max_model_len {self.max_model_len}: one sequence "
                 "could never finish; raise kv_cache_tokens or lower max_model_len"
             )
+        if enable_prefix_caching and self.general_path:
+            logger.info("prefix caching is off on the general (HF forward) model path: it keeps its own HF caches")
+        self.enable_prefix_caching = enable_prefix_caching and not self.general_path
         self._kv = KVCache(
-            len(m.layers), self.num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
-        )
+            len(m.layers), self.num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )  # fmt: skip
         self._scheduler = Scheduler(self._kv, max_num_seqs, budget)
         if self.general_path:  # KVCache above holds no tensors (m.layers is empty): block accounting only
             self._runner = GeneralRunner(m, self._kv)
@@ -289,6 +296,8 @@ class Engine:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}; expected {tuple(param.shape)}")
                 param.copy_(tensor)
                 loaded += 1
+        if loaded:
+            self._kv.reset_prefix_cache()  # cached K/V was computed with the old weights
         if unknown:
             raise ValueError(f"unknown weight names {unknown[:10]} ({len(unknown)} total); {loaded} were loaded")
 
@@ -296,19 +305,32 @@ class Engine:
         """Tokens generated from now on are labelled with ``version``."""
         self._core.weight_version = str(version)
 
-    def reset_prefix_cache(self) -> bool:
-        """Nothing to reset: the engine keeps no prefix cache across requests."""
+    def reset_prefix_cache(self, timeout: float | None = 60.0) -> bool:
+        """Forget every cached prefix block (on the engine thread, between steps). Always succeeds: blocks
+        still used by running requests only lose their key."""
+        self.run_between_steps(self._kv.reset_prefix_cache, timeout)
         return True
 
     def load_lora(self, name: str, path: str) -> None:
         self._lora.load(name, path)
+        self.reset_prefix_cache()
 
     def unload_lora(self, name: str) -> None:
         self._lora.unload(name)
+        self.reset_prefix_cache()
 
     @property
     def lora_names(self) -> list[str]:
         return self._lora.names
+
+    @property
+    def look_ahead(self) -> bool:
+        """Decode one step ahead in steady decode phases (on by default; off = one synchronous step at a time)."""
+        return self._core.look_ahead
+
+    @look_ahead.setter
+    def look_ahead(self, on: bool) -> None:
+        self._core.look_ahead = bool(on)
 
     @property
     def decode_backend(self) -> str:
@@ -329,6 +351,9 @@ class Engine:
             num_preemptions_total=s.num_preemptions,
             prompt_tokens_total=self._core.prompt_tokens,
             generation_tokens_total=self._core.generation_tokens,
+            prefix_cache_queries_total=s.prefix_cache_queries,
+            prefix_cache_hits_total=s.prefix_cache_hits,
+            prefill_tokens_computed_total=s.prefill_tokens_computed,
         )
 
 

@@ -11,8 +11,12 @@ import torch
 class ForwardBatch:
     """Attention metadata for one forward over a packed token batch.
 
-    Prefill: ``cu_seqlens`` [N+1] int32 bounds the N new sequences inside the T
-    tokens; every sequence starts at position 0 (no prefix reuse). Decode: one
+    Prefill: ``cu_seqlens`` [N+1] int32 bounds the N *fresh* sequences (nothing
+    cached, start at position 0). When some sequences reuse a cached prefix,
+    ``fresh_idx`` holds the packed indices of the fresh sequences' tokens and
+    ``row_idx`` those of the others; each such token attends like a decode query
+    (its K/V is in the cache before attention runs), with its own row of
+    ``block_tables``/``context_lens`` (context = its position + 1). Decode: one
     token per sequence, ``block_tables`` [B, max_blocks] and ``context_lens`` [B]
     (tokens in cache *including* the one being decoded). ``slot_mapping`` [T]
     int64 says where each token's K/V goes in the flattened cache.
@@ -26,5 +30,10 @@ class ForwardBatch:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_context_len: int = 0
+    fresh_idx: torch.Tensor | None = None
+    row_idx: torch.Tensor | None = None
+    # prefix caching: per layer, after this step's K/V writes, block copy_src[i] is copied onto copy_dst[i]
+    copy_src: torch.Tensor | None = None
+    copy_dst: torch.Tensor | None = None
     # LoRA: (adapter, token indices [n] int64) per adapter used in this batch; None = base model only.
     lora_groups: list[tuple[object, torch.Tensor]] | None = None

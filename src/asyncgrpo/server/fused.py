@@ -9,7 +9,11 @@ in fp32, cast to the input dtype, then multiply by the weight.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -27,8 +31,8 @@ if triton is not None:
         ok = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         var = tl.sum(x * x, axis=0) / n_cols
-        normed = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)  # HF: cast back before scaling
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        normed = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -53,3 +57,215 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2, weight, out, x2.stride(0), out.stride(0), n_cols, eps, BLOCK=triton.next_power_of_2(n_cols)
     )
     return out.view(shape)
+
+
+ENABLED = {"layer": True}  # switched off for the process when the self-check below fails on this machine
+
+
+def _use_triton(x: torch.Tensor, force: bool | None) -> bool:
+    """Triton on CUDA; ``force=True`` also on CPU (tests run the kernels under ``TRITON_INTERPRET=1``)."""
+    if force is not None:
+        return force and triton is not None
+    return triton is not None and x.is_cuda and ENABLED["layer"]
+
+
+def check_layer_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        qk_norm: bool) -> bool:  # fmt: skip
+    """Compile and run the layer kernels once against their torch paths; on any failure use torch from now on."""
+    if triton is None or device.type != "cuda":
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        T, D = 3, head_dim
+        qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * D, device=device, generator=g).to(dtype)
+        static = torch.tensor([[9, 0, 1, 1], [9, 5, 7, 6], [9, 2, 4, 3]], device=device)  # like the decode buffer
+        pos = static[:, 1]  # strided columns, as in a decode step
+        cos, sin = torch.rand(8, D, device=device).to(dtype), torch.rand(8, D, device=device).to(dtype)
+        norm = (torch.rand(D, device=device).to(dtype), 1e-6) if qk_norm else None
+        slots = static[:, 2]
+        got = []
+        for force in (True, False):
+            kc = torch.zeros(3, 4, num_kv_heads, D, device=device, dtype=dtype)
+            vc = torch.zeros_like(kc)
+            q, k, v = qkv_rope_write(qkv, pos, cos, sin, norm, norm, slots, kc, vc, num_heads, num_kv_heads, True,
+                                     force=force)  # fmt: skip
+            h, x = add_rms_norm(qkv[:, :D], qkv[:, D : 2 * D], qkv[0, :D], 1e-6, force=force)
+            a = silu_mul(qkv[:, : 2 * D], force=force)
+            got.append([t.float() for t in (q, k, v, kc, vc, h, x, a)])
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        for a, b in zip(*got):
+            err = (a - b).abs().max().item()
+            if not err <= tol * max(1.0, b.abs().max().item()):
+                raise RuntimeError(f"fused layer kernel differs from the torch path by {err}")
+        return True
+    except Exception:  # compile errors come in many types; any of them means "do not use them"
+        logger.exception("the fused Triton layer kernels are unusable here; using the torch ops")
+        ENABLED["layer"] = False
+        return False
+
+
+# ------------------------------------------------------------- residual + RMSNorm
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        h = tl.load(h_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        s = (h + d).to(h_out_ptr.dtype.element_ty)  # the residual add rounds to the model dtype, as in HF
+        tl.store(h_out_ptr + row * n_cols + cols, s, mask=ok)
+        x = s.to(tl.float32)
+        var = tl.sum(x * x, axis=0) / n_cols
+        normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # product in fp32, rounded once: torch's
+        tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, force: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h + delta`` (the new residual stream) and RMSNorm of it, in one kernel on CUDA. h, delta: [T, H]."""
+    if not _use_triton(h, force) or weight.dtype != h.dtype:
+        s = h + delta
+        return s, rms_norm_torch(s, weight, eps)
+    h, delta = h.contiguous(), delta.contiguous()
+    s, out = torch.empty_like(h), torch.empty_like(h)
+    n = h.shape[-1]
+    _add_rms_norm_kernel[(h.shape[0],)](h, delta, weight, s, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    return s, out
+
+
+# ---------------------------------------------------------------------- SiLU * up
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        g = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # silu rounds, then the product
+        tl.store(out_ptr + row * n_cols + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor, force: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for the fused [T, 2I] gate/up projection output -> [T, I]."""
+    n = gate_up.shape[-1] // 2
+    if not _use_triton(gate_up, force):
+        return torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    return out
+
+
+# --------------------------------------------- q/k norm + RoPE + KV-cache write
+if triton is not None:
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
+        q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
+        eps, stride_pos, stride_slot, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+        QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        half: tl.constexpr = D // 2
+        d = tl.arange(0, D)
+        partner = (d + half) % D
+        row = qkv_ptr + t * (NQ + 2 * NKV) * D + head * D
+        dt = q_out_ptr.dtype.element_ty
+        slot = tl.load(slot_ptr + t * stride_slot)  # decode reads columns of the runner's static [B, 4+n] buffer
+        if head >= NQ + NKV:  # V: copy into the cache as is
+            v = tl.load(row + d)
+            kv_head = head - NQ - NKV
+            tl.store(v_cache_ptr + (slot * NKV + kv_head) * D + d, v.to(v_cache_ptr.dtype.element_ty))
+            if STORE_KV:
+                tl.store(v_out_ptr + (t * NKV + kv_head) * D + d, v)
+        else:
+            x = tl.load(row + d).to(tl.float32)
+            xp = tl.load(row + partner).to(tl.float32)
+            if QK_NORM:  # Qwen3: RMSNorm per head, HF arithmetic (fp32 normalise, cast, scale in dtype)
+                if head < NQ:
+                    w = tl.load(qn_ptr + d).to(tl.float32)
+                    wp = tl.load(qn_ptr + partner).to(tl.float32)
+                else:
+                    w = tl.load(kn_ptr + d).to(tl.float32)
+                    wp = tl.load(kn_ptr + partner).to(tl.float32)
+                rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+                x = (w * (x * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                xp = (wp * (xp * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            pos = tl.load(pos_ptr + t * stride_pos)
+            c = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+            s = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+            rot = tl.where(d < half, -xp, xp)
+            y = ((x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)).to(dt)  # HF: each op rounds
+            if head < NQ:
+                tl.store(q_out_ptr + (t * NQ + head) * D + d, y)
+            else:
+                kv_head = head - NQ
+                tl.store(k_cache_ptr + (slot * NKV + kv_head) * D + d, y.to(k_cache_ptr.dtype.element_ty))
+                if STORE_KV:
+                    tl.store(k_out_ptr + (t * NKV + kv_head) * D + d, y)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout, HF's arithmetic. x: [T, H, D]; cos/sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def qkv_rope_write(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: tuple[torch.Tensor, float] | None,
+    k_norm: tuple[torch.Tensor, float] | None,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    need_kv: bool,
+    force: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Split the fused QKV projection [T, (Hq + 2 Hkv) D], apply the optional per-head q/k RMSNorm (Qwen3) and
+    RoPE (tables cos/sin [L, D] indexed by ``positions``), write K/V into their cache slots.
+
+    Returns q [T, Hq, D] and, when ``need_kv`` (prefill of fresh sequences), k and v [T, Hkv, D].
+    ``positions`` and ``slot_mapping`` may be strided (decode passes columns of the runner's static buffer).
+    One kernel on CUDA (graph-safe); the same arithmetic in torch ops elsewhere.
+    """
+    T = qkv.shape[0]
+    D = cos.shape[-1]
+    pow2 = D & (D - 1) == 0
+    if not _use_triton(qkv, force) or not pow2 or (q_norm is not None and q_norm[0].dtype != qkv.dtype):
+        q, k, v = qkv.view(T, num_heads + 2 * num_kv_heads, D).split([num_heads, num_kv_heads, num_kv_heads], 1)
+        if q_norm is not None and k_norm is not None:
+            q, k = rms_norm_torch(q, *q_norm), rms_norm_torch(k, *k_norm)
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        q, k = _rotate(q, c, s), _rotate(k, c, s)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return q, (k if need_kv else None), (v.contiguous() if need_kv else None)
+    qkv = qkv.contiguous()
+    q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(T, num_kv_heads, D, dtype=qkv.dtype, device=qkv.device) if need_kv else q
+    v = torch.empty(T, num_kv_heads, D, dtype=qkv.dtype, device=qkv.device) if need_kv else q
+    qn = q_norm[0] if q_norm is not None else cos
+    kn = k_norm[0] if k_norm is not None else cos
+    eps = q_norm[1] if q_norm is not None else 0.0
+    grid = (T, num_heads + 2 * num_kv_heads)
+    _qkv_rope_kernel[grid](
+        qkv, positions, cos, sin, qn, kn, slot_mapping, q, k, v, k_cache, v_cache, eps,
+        positions.stride(0), slot_mapping.stride(0),
+        NQ=num_heads, NKV=num_kv_heads, D=D, QK_NORM=q_norm is not None, STORE_KV=need_kv,
+    )  # fmt: skip
+    return q, (k if need_kv else None), (v if need_kv else None)

@@ -98,6 +98,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory this server may use")
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")
     a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+      help="reuse the KV cache of equal prompt prefixes (on by default, like vLLM)")  # fmt: skip
     a("--max-logprobs", type=int, default=20, help="largest logprobs (top-N) a request may ask for")
     a("--logprobs-mode", default="processed_logprobs", choices=["processed_logprobs"],
       help="only processed_logprobs (log-probs after penalties, temperature and top-k/top-p/min-p)")  # fmt: skip
@@ -183,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
             enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-            enforce_eager=args.enforce_eager,
+            enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
         )  # fmt: skip
         config = _serve_config(args, engine)
     except (OSError, ValueError, RuntimeError) as exc:

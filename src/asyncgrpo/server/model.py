@@ -1,11 +1,13 @@
 """A compact decoder-only forward (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 The weights stay in the Hugging Face model they were loaded into, under their
-checkpoint names and unfused (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``),
-so a weight update can be copied in place by name and CUDA graphs that read
-those tensors stay valid. Only the forward is ours: it works on a flat batch of
-tokens ``[T, hidden]`` (several sequences packed together, no padding) and
-reads/writes K/V through :mod:`attention`.
+checkpoint names (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``), so
+a weight update can be copied in place by name and CUDA graphs that read those
+tensors stay valid. The q/k/v (and gate/up) parameters are views into one fused
+matrix each, so the forward runs one matmul for them. Only the forward is ours:
+it works on a flat batch of tokens ``[T, hidden]`` (several sequences packed
+together, no padding), fuses the small element-wise steps into Triton kernels
+(:mod:`fused`) and reads/writes K/V through :mod:`attention`.
 
 RoPE: the loaded model's own ``model.model.rotary_emb`` module computes cos/sin
 for positions ``0..max_model_len-1`` once, which covers every rope-scaling
@@ -31,7 +33,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 
 class _Layer:
-    """Direct references to one decoder layer's HF modules (avoids attribute walks in the hot loop)."""
+    """Direct references to one decoder layer's HF modules (avoids attribute walks in the hot loop).
+
+    The q/k/v and gate/up weights are re-seated as *views* into one fused buffer each (``qkv_w``,
+    ``gate_up_w``): the HF parameters keep their names, shapes and identity, so an in-place weight
+    update by name writes straight into the fused matrix and one matmul serves all three (or both).
+    """
 
     def __init__(self, hf_layer: nn.Module) -> None:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -40,19 +47,44 @@ class _Layer:
         self.k_norm = getattr(attn, "k_norm", None)
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.ln1, self.ln2 = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
+        self.qkv_w, self.qkv_b = _fuse([self.q, self.k, self.v])
+        self.gate_up_w, self.gate_up_b = _fuse([self.gate, self.up])
+        self.qkv_slices = _slices([("q_proj", self.q), ("k_proj", self.k), ("v_proj", self.v)])
+        self.gate_up_slices = _slices([("gate_proj", self.gate), ("up_proj", self.up)])
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) along the output dim and make each parameter a view of its rows."""
+    out = []
+    for attr in ("weight", "bias"):
+        params = [getattr(lin, attr, None) for lin in linears]
+        if any(p is None for p in params):
+            out.append(None)
+            continue
+        fused = torch.cat([p.data for p in params], dim=0)
+        start = 0
+        for p in params:
+            p.data = fused[start : start + p.shape[0]]
+            start += p.shape[0]
+        out.append(fused)
+    return out[0], out[1]
+
+
+def _slices(named: list[tuple[str, nn.Linear]]) -> list[tuple[str, int, int]]:
+    out, start = [], 0
+    for name, lin in named:
+        out.append((name, start, start + lin.weight.shape[0]))
+        start += lin.weight.shape[0]
+    return out
+
+
+def _eps(norm: nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """HF's RMSNorm arithmetic: normalise in fp32, cast back, then scale."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    return fused.rms_norm(x, norm.weight, eps)  # one Triton kernel on CUDA, the same torch ops elsewhere
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE (rotate-half layout). x: [T, H, D]; cos/sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return fused.rms_norm(x, norm.weight, _eps(norm))  # one Triton kernel on CUDA, the same torch ops elsewhere
 
 
 def check_architecture(hf_model: nn.Module) -> str:
@@ -97,6 +129,7 @@ class DecoderLM:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
         self.act = _activation(cfg.hidden_act)
+        self.silu = cfg.hidden_act in ("silu", "swish")
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
         self.vocab_size = self.lm_head.weight.shape[0]
@@ -118,38 +151,69 @@ class DecoderLM:
         batch: ForwardBatch,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Hidden states after the final norm. input_ids/positions: [T]; returns [T, hidden]."""
+        """Hidden states after the final norm. input_ids/positions: [T]; returns [T, hidden].
+
+        Per layer: fused QKV matmul -> one kernel for q/k norm + RoPE + KV write -> attention -> o_proj ->
+        residual add fused with the next RMSNorm -> fused gate/up matmul -> SiLU*up -> down_proj.
+        """
         h = self.embed.weight[input_ids]  # [T, hidden]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
         lora = batch.lora_groups
+        need_kv = batch.is_prefill and (batch.row_idx is None or batch.fresh_idx is not None)
         T = h.shape[0]
+        x = _rms_norm(h, self.layers[0].ln1)
         for i, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer.ln1)
-            q = self._proj(x, layer.q, i, "q_proj", lora).view(T, self.num_heads, self.head_dim)
-            k = self._proj(x, layer.k, i, "k_proj", lora).view(T, self.num_kv_heads, self.head_dim)
-            v = self._proj(x, layer.v, i, "v_proj", lora).view(T, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q = _rms_norm(q, layer.q_norm)
-                k = _rms_norm(k, layer.k_norm)
-            q = _rotate(q, cos, sin)
-            k = _rotate(k, cos, sin)
+            qkv = self._fused_proj(x, layer.qkv_w, layer.qkv_b, layer.qkv_slices, i, lora)
+            qn = (layer.q_norm.weight, _eps(layer.q_norm)) if layer.q_norm is not None else None
+            kn = (layer.k_norm.weight, _eps(layer.k_norm)) if layer.k_norm is not None else None
             k_cache, v_cache = kv_caches[i]
-            attention.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            q, k, v = fused.qkv_rope_write(
+                qkv, positions, self.cos, self.sin, qn, kn, batch.slot_mapping, k_cache, v_cache,
+                self.num_heads, self.num_kv_heads, need_kv,
+            )  # fmt: skip
+            if batch.copy_src is not None:  # last-token blocks start as copies of cached ones (prefix caching)
+                for cache in (k_cache, v_cache):
+                    cache.index_copy_(0, batch.copy_dst, cache.index_select(0, batch.copy_src))
             if batch.is_prefill:
-                o = attention.prefill_attention(q, k, v, batch, self.scale)
+                o = attention.prefill_attention(q, k, v, batch, self.scale, k_cache, v_cache)
             else:
                 o = attention.decode_attention(q, k_cache, v_cache, batch, self.scale)
-            h = h + self._proj(o.reshape(T, -1), layer.o, i, "o_proj", lora)
-            x = _rms_norm(h, layer.ln2)
-            gate = self._proj(x, layer.gate, i, "gate_proj", lora)
-            up = self._proj(x, layer.up, i, "up_proj", lora)
-            h = h + self._proj(self.act(gate) * up, layer.down, i, "down_proj", lora)
-        return _rms_norm(h, self.norm)
+            h, x = fused.add_rms_norm(h, self._proj(o.reshape(T, -1), layer.o, i, "o_proj", lora), layer.ln2.weight,
+                                      _eps(layer.ln2))  # fmt: skip
+            gate_up = self._fused_proj(x, layer.gate_up_w, layer.gate_up_b, layer.gate_up_slices, i, lora)
+            act = fused.silu_mul(gate_up) if self.silu else self._act_mul(gate_up)
+            nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm
+            h, x = fused.add_rms_norm(h, self._proj(act, layer.down, i, "down_proj", lora), nxt.weight, _eps(nxt))
+        return x
+
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        n = gate_up.shape[-1] // 2
+        return self.act(gate_up[:, :n]) * gate_up[:, n:]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model dtype."""
         return F.linear(hidden, self.lm_head.weight, getattr(self.lm_head, "bias", None))
+
+    @staticmethod
+    def _fused_proj(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slices: list[tuple[str, int, int]],
+        layer: int,
+        lora: list[tuple[object, torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """One matmul for several projections; LoRA deltas are added to each one's column slice."""
+        y = F.linear(x, weight, bias)
+        if lora:
+            for adapter, idx in lora:
+                for name, a0, a1 in slices:
+                    ab = adapter.weights.get((layer, name))  # type: ignore[attr-defined]
+                    if ab is None:
+                        continue
+                    a, b, scale = ab
+                    delta = (x.index_select(0, idx) @ a.t()) @ b.t()
+                    y[:, a0:a1].index_add_(0, idx, delta, alpha=scale)
+        return y
 
     @staticmethod
     def _proj(

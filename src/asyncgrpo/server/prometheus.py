@@ -41,8 +41,23 @@ class EngineCollector:
             ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions_total),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
             ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.prefix_cache_queries_total,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                s.prefix_cache_hits_total,
+            ),
+            (
+                "asyncgrpo:prefill_tokens_computed",
+                "Prompt tokens whose K/V prefill steps computed (not cache hits).",
+                s.prefill_tokens_computed_total,
+            ),
         ]
-        for name, doc, value in counters:
+        for name, doc, value in counters:  # fmt: skip
             family = CounterMetricFamily(name, doc, labels=_LABELS)
             family.add_metric(self._labels, float(value))
             yield family

@@ -96,3 +96,6 @@ class EngineStats:
     num_preemptions_total: int
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens whose cached K/V was reused
+    prefill_tokens_computed_total: int = 0  # tokens prefill steps computed (extension, not a vLLM name)

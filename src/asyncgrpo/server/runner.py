@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
-from asyncgrpo.server import attention
+from asyncgrpo.server import attention, fused
 from asyncgrpo.server.forward_batch import ForwardBatch
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import DecoderLM
@@ -47,6 +48,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._staging = self._staging.pin_memory()
         self._staging_np = self._staging.numpy()
+        self._row_owner: list[tuple[list[int], int] | None] = [None] * max_num_seqs  # whose table each row holds
         # The H2D copy of the staging rows is asynchronous: the host must not rewrite them until it has run.
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
 
@@ -59,49 +61,98 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
-        """Forward all tokens of new sequences; returns logits [N, V] of each one's last position."""
+        """Forward the uncached tokens of new sequences; returns logits [N, V] of each one's last position."""
         bs = self.kv.block_size
-        lens = [len(s.token_ids) for s in seqs]
+        lens = [len(s.token_ids) - s.num_cached for s in seqs]  # tokens computed per sequence
         ids, positions, slots = [], [], []
+        fresh_idx, fresh_lens, row_idx, row_seq, row_ctx, reusing = [], [], [], [], [], []
+        start = 0
         for s, n in zip(seqs, lens):
-            ids.extend(s.token_ids)
-            positions.extend(range(n))
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+            c, total = s.num_cached, len(s.token_ids)
+            ids.extend(s.token_ids[c:])
+            pos = np.arange(c, total, dtype=np.int64)
+            positions.append(pos)
+            slots.append(np.asarray(s.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            if c == 0:
+                fresh_idx.extend(range(start, start + n))
+                fresh_lens.append(n)
+            else:
+                row_idx.extend(range(start, start + n))
+                row_seq.extend([len(reusing)] * n)
+                row_ctx.extend(range(c + 1, total + 1))
+                reusing.append(s)
+            start += n
         cu = [0]
-        for n in lens:
+        for n in fresh_lens:
             cu.append(cu[-1] + n)
         dev = self.device
         batch = ForwardBatch(
             is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            max_seqlen=max(lens),
-            seq_lens=lens,
+            max_seqlen=max(fresh_lens, default=0),
+            seq_lens=fresh_lens,
             lora_groups=self._lora_groups(seqs, lens) if lora else None,
         )
+        if reusing:
+            self._add_cached_rows(batch, reusing, fresh_idx, row_idx, row_seq, row_ctx)
+        copies = [(s.copy_src, s.block_table[(len(s.token_ids) - 1) // bs]) for s in seqs if s.copy_src is not None]
+        if copies:
+            src, dst = zip(*copies)
+            batch.copy_src = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
+            batch.copy_dst = torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        hidden = self.model.forward(input_ids, pos, batch, self.kv.layers)
-        last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.from_numpy(np.concatenate(positions)).to(dev, non_blocking=True)
+        try:
+            hidden = self.model.forward(input_ids, pos, batch, self.kv.layers)
+        finally:
+            for s in seqs:  # the copy sources were referenced only for this step
+                if s.copy_src is not None:
+                    self.kv.free([s.copy_src])
+                    s.copy_src = None
+        ends = [0]
+        for n in lens:
+            ends.append(ends[-1] + n)
+        last = torch.tensor([e - 1 for e in ends[1:]], dtype=torch.int64).to(dev, non_blocking=True)
         for s in seqs:
             s.num_cached = len(s.token_ids)
         return self.model.logits(hidden.index_select(0, last))
 
+    def _add_cached_rows(self, batch: ForwardBatch, reusing: list[Sequence], fresh_idx, row_idx, row_seq, row_ctx):
+        """Decode-style attention metadata for the tokens of sequences that reuse a cached prefix."""
+        dev = self.device
+        width = max(len(s.block_table) for s in reusing)
+        tables = torch.full((len(reusing), width), self.kv.pad_block, dtype=torch.int64)
+        for i, s in enumerate(reusing):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        batch.block_tables = tables[torch.tensor(row_seq)].to(dev, non_blocking=True)
+        batch.context_lens = torch.tensor(row_ctx, dtype=torch.int64).to(dev, non_blocking=True)
+        batch.max_context_len = max(row_ctx)
+        batch.row_idx = torch.tensor(row_idx, dtype=torch.int64).to(dev, non_blocking=True)
+        if fresh_idx:
+            batch.fresh_idx = torch.tensor(fresh_idx, dtype=torch.int64).to(dev, non_blocking=True)
+
     # ------------------------------------------------------------------- decode
-    def decode(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
-        """One token per sequence; returns logits [B, V] (a view of a graph buffer on the graph path)."""
+    def decode(self, seqs: list[Sequence], lora: bool = False, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence; returns logits [B, V] (a view of a graph buffer on the graph path).
+
+        ``next_tokens`` (device [B]): decode one step *ahead*: each sequence's newest token is still on the
+        device (sampled by the step in flight) and has not been appended to ``token_ids`` yet.
+        """
         B = len(seqs)
+        ahead = 0 if next_tokens is None else 1
         bucket = self._bucket(B) if (self.use_graphs and not lora) else B
-        self._fill_static(seqs, bucket)
+        self._fill_static(seqs, bucket, ahead)
+        if next_tokens is not None:
+            self._static[:B, 0].copy_(next_tokens)
         if not lora and bucket in self._graphs:  # graphs hold no adapter: LoRA batches run eagerly
             self._graphs[bucket].replay()
             logits = self._graph_logits[bucket][:B]
         else:
-            max_ctx = max(len(s.token_ids) for s in seqs)
+            max_ctx = max(len(s.token_ids) for s in seqs) + ahead
             logits = self._decode_forward(bucket, max_ctx, self._lora_groups(seqs, [1] * B) if lora else None)[:B]
         for s in seqs:
-            s.num_cached = len(s.token_ids)
+            s.num_cached = len(s.token_ids) + ahead
         return logits
 
     def _bucket(self, n: int) -> int:
@@ -110,19 +161,30 @@ class ModelRunner:
                 return b
         return n
 
-    def _fill_static(self, seqs: list[Sequence], rows: int) -> None:
+    def _fill_static(self, seqs: list[Sequence], rows: int, ahead: int = 0) -> None:
         bs, pad = self.kv.block_size, self.kv.pad_block
         if self._staging_done is not None:
             self._staging_done.synchronize()  # CPU-GPU sync point: the previous step's copy has been read
         st = self._staging_np  # numpy view of the (pinned) staging tensor: cheap per-row writes
-        st[:rows, 4:] = pad
-        st[:rows, 0:4] = (0, 0, pad * bs, 1)  # padding rows: read and write only the sink block
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            p = n - 1
+        B = len(seqs)
+        lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B) + ahead
+        if not ahead:  # ahead: the token column is filled on the device
+            st[:B, 0] = [s.token_ids[-1] for s in seqs]
+        st[:B, 1] = lens - 1
+        st[:B, 2] = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens.tolist())]
+        st[:B, 3] = lens
+        owners = self._row_owner
+        for i, s in enumerate(seqs):  # block-table rows change only when a block is added or the row changes hands
             table = s.block_table
-            st[i, 0:4] = (s.token_ids[-1], p, table[p // bs] * bs + p % bs, n)
-            st[i, 4 : 4 + len(table)] = table
+            o = owners[i]
+            if o is None or o[0] is not table or o[1] != len(table):
+                st[i, 4:] = pad
+                st[i, 4 : 4 + len(table)] = table
+                owners[i] = (table, len(table))  # holding the list keeps its identity unique
+        if rows > B:  # padding rows: read and write only the sink block
+            st[B:rows, 4:] = pad
+            st[B:rows, 0:4] = (0, 0, pad * bs, 1)
+            owners[B:rows] = [None] * (rows - B)
         self._static[:rows].copy_(self._staging[:rows], non_blocking=True)
         if self._staging_done is not None:
             self._staging_done.record()
@@ -148,6 +210,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         m = self.model
+        fused.check_layer_kernels(self.device, m.dtype, m.num_heads, m.num_kv_heads, m.head_dim,
+                                  m.layers[0].q_norm is not None)  # fmt: skip
         group = m.num_heads // m.num_kv_heads
         if not attention.check_triton_decode(self.device, m.dtype, m.num_kv_heads, group, m.head_dim):
             self.use_graphs = False  # the torch fallback needs the (host) max context length per step

@@ -17,6 +17,10 @@ whatever else shares its batch, on any device, without per-request generator
 state. Unseeded rows use the engine's ``torch.Generator`` (seeded from the
 engine's ``seed``).
 
+Fast path (CUDA): when every row only asks for a temperature (no truncation,
+penalty, ban or mask), :mod:`sample_kernel` does (c), (g) and the race in one
+pass over the logits, with the same seeded noise.
+
 Memory: the batch is one [B, V] fp32 tensor edited in place; row subsets
 (top-k/top-p sorts, noise, top-N, masks) are processed in chunks of
 :data:`ROW_CHUNK` rows (unseeded noise in chunks of :data:`NOISE_ELEMENTS`), and top-N /
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncgrpo.server import sample_kernel
 from asyncgrpo.server.request import SamplingParams
 
 ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries of sorts, hashes, top-N and masks
@@ -47,6 +52,7 @@ class SamplerRow:
     num_output: int  # tokens generated so far = output position of the token being sampled
     token_ids: list[int] = field(default_factory=list)  # prompt + output; read only for the repetition penalty
     banned: list[int] = field(default_factory=list)  # ids masked now (min_tokens not reached yet)
+    kernel_args: tuple[float, int, int, int] | None = None  # cached by the fused path (the params never change)
 
 
 @dataclass
@@ -57,6 +63,40 @@ class SampleResult:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]] | None]
     masks: list[list[int] | None]
+
+
+class PendingSample:
+    """One step's sampling in flight: ``tokens`` [B] on the device now, the host lists after :meth:`result`."""
+
+    def __init__(self, tokens: torch.Tensor, done: SampleResult | None = None, host: torch.Tensor | None = None,
+                 event=None, params=None, asked=None, n: int = 0) -> None:  # fmt: skip
+        self.tokens = tokens
+        self._done, self._host, self._event = done, host, event
+        self._params, self._asked, self._n = params, asked, n
+
+    @property
+    def deferred(self) -> bool:
+        """True when the host has not waited for the device yet (the kernel path)."""
+        return self._done is None
+
+    def result(self) -> SampleResult:
+        if self._done is not None:
+            return self._done
+        if self._event is not None:
+            self._event.synchronize()
+        packed = self._host.tolist()  # type: ignore[union-attr]
+        params, asked, n = self._params, self._asked, self._n
+        B = len(params)
+        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
+        if asked:
+            ids_l, vals_l = packed[2 * B : 2 * B + len(asked) * n], packed[2 * B + len(asked) * n :]
+            for j, i in enumerate(asked):
+                k = params[i].logprobs
+                top[i] = [(int(a), b) for a, b in zip(ids_l[j * n : j * n + k], vals_l[j * n : j * n + k])]
+        self._done = SampleResult(
+            token_ids=[int(t) for t in packed[:B]], logprobs=packed[B : 2 * B], top_logprobs=top, masks=[None] * B
+        )
+        return self._done
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +129,29 @@ def hashed_exponential(seeds: list[int], positions: list[int], vocab: int, devic
     return u.log_().neg_()
 
 
+def _kernel_args(row: SamplerRow) -> tuple[float, int, int, int]:
+    """(temperature, seed low 32 bits, seed high 32 bits, mode) of a row, computed once and kept on the row."""
+    p = row.params
+    greedy, seed = p.temperature == 0.0, p.seed
+    mode = sample_kernel.MODE_GREEDY if greedy else sample_kernel.MODE_RANDOM_KEY
+    if not greedy and seed is not None:
+        mode = sample_kernel.MODE_SEEDED
+    lo, hi = (seed & _M32, (seed >> 32) & _M32) if seed is not None else (0, 0)
+    row.kernel_args = (1.0 if greedy else p.temperature, lo, hi, mode)
+    return row.kernel_args
+
+
+def _plain(rows: list[SamplerRow], vocab: int) -> bool:
+    """True when every row only asks for a temperature (or greedy): the fused kernel's case."""
+    for r in rows:
+        p = r.params
+        if r.banned or p.repetition_penalty != 1.0 or p.return_sampling_mask:
+            return False
+        if p.temperature != 0.0 and (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0):
+            return False
+    return True
+
+
 def _chunks(items: list[int], size: int = ROW_CHUNK):
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -114,11 +177,66 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # CUDA: rows that only ask for a temperature go through one Triton pass (see sample_kernel)
+        self.use_kernel = device.type == "cuda" and sample_kernel.check_kernel(device)
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._flip = 0
+
+    def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
+        """The one-pass kernel and top-N from one ``topk``, packed into one tensor whose device->host copy is
+        started here; :meth:`PendingSample.result` waits for it."""
+        B, V = logits.shape
+        params = [r.params for r in rows]
+        static = [r.kernel_args or _kernel_args(r) for r in rows]
+        modes = [a[3] for a in static]
+        meta = [[a[1] for a in static], [a[2] for a in static], [r.num_output & _M32 for r in rows], modes]
+        dev = self.device
+        temps_t = torch.tensor([a[0] for a in static], dtype=torch.float32).to(dev, non_blocking=True)
+        meta_t = torch.tensor(meta, dtype=torch.int64).to(dev, non_blocking=True)
+        if sample_kernel.MODE_RANDOM_KEY in modes:
+            rand = torch.randint(0, 1 << 32, (B,), generator=self.generator, device=dev, dtype=torch.int64)
+        else:
+            rand = meta_t[0]
+        x = logits if logits.stride(1) == 1 else logits.contiguous()
+        tokens, chosen, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
+        asked = [i for i, p in enumerate(params) if p.logprobs]
+        parts = [tokens.double(), chosen.double()]
+        n = min(max((params[i].logprobs for i in asked), default=0), V)
+        if asked:
+            idx = None if len(asked) == B else torch.tensor(asked, device=dev)
+            sub = x if idx is None else x.index_select(0, idx)
+            vals, ids = sub.topk(n, dim=1)
+            t, z = (temps_t, lse) if idx is None else (temps_t[idx], lse[idx])
+            vals = vals.float() / t[:, None] - z[:, None]
+            parts += [ids.double().flatten(), vals.double().flatten()]
+        packed = torch.cat(parts)
+        self._flip ^= 1  # two pinned buffers: one step's copy may still be read while the next one's starts
+        buf = self._pinned[self._flip]
+        if buf is None or buf.numel() < packed.numel():
+            buf = torch.empty(max(packed.numel(), 4096), dtype=torch.float64, pin_memory=dev.type == "cuda")
+            self._pinned[self._flip] = buf
+        host = buf[: packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event() if dev.type == "cuda" else None
+        if event is not None:
+            event.record()
+        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n)
+
+    @torch.no_grad()
+    def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
+        """Queue the sampling of one step; ``.tokens`` (on the device) can feed the next step before
+        ``.result()`` brings everything to the host. Rows the kernel does not cover are sampled now."""
+        if self.use_kernel and _plain(rows, logits.shape[1]):
+            return self._fused(logits, rows)
+        res = self(logits, rows)
+        return PendingSample(tokens=torch.tensor(res.token_ids, dtype=torch.int64, device=self.device), done=res)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         B, V = logits.shape
         assert B == len(rows)
+        if self.use_kernel and _plain(rows, V):
+            return self._fused(logits, rows).result()
         x = logits.float()
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()  # never edit the caller's (or a CUDA graph's) buffer

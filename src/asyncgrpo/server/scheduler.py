@@ -2,7 +2,11 @@
 
 Policy (one kind of step at a time):
 - A *prefill* step admits waiting sequences in arrival order while they fit the
-  per-step token budget, ``max_num_seqs`` and the free KV blocks.
+  per-step token budget, ``max_num_seqs`` and the free KV blocks. With prefix
+  caching, a sequence first reuses the cached blocks of its longest cached
+  prefix (whole blocks, never its last token) and only the rest is computed and
+  counted against the budget; its own full blocks are keyed at admission, so the
+  G requests of a GRPO group admitted in one step share the first one's blocks.
 - A *decode* step advances every running sequence by one token.
 - When both are possible the steps alternate (prefill, decode, prefill, ...), so
   a stream of arrivals can neither starve the running sequences nor wait long.
@@ -40,12 +44,15 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     prompt_len: int = 0
     num_cached: int = 0
+    copy_src: int | None = None  # prefill only: cached block whose K/V is copied into the last-token block
     block_table: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     sampling_mask: list[list[int]] | None = None
     spans: list[WeightVersionSpan] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
+    sampler_row: object | None = None  # the engine loop's cached SamplerRow
+    min_tokens_ban: list[int] = field(default_factory=list)
     finished: bool = False
 
     def __post_init__(self) -> None:
@@ -71,14 +78,16 @@ class Sequence:
 
     def append(self, token: int, logprob: float, version: str) -> None:
         """Record one generated token and label it with the weight version in force."""
-        index = self.num_output
+        index = len(self.token_ids) - self.prompt_len
         self.token_ids.append(token)
         self.logprobs.append(logprob)
-        last = self.spans[-1] if self.spans else None
-        if last is not None and last.version == version and last.end == index:
-            last.end += 1
-        else:
-            self.spans.append(WeightVersionSpan(version=version, start=index, end=index + 1))
+        spans = self.spans
+        if spans:
+            last = spans[-1]
+            if last.version == version and last.end == index:
+                last.end += 1
+                return
+        spans.append(WeightVersionSpan(version=version, start=index, end=index + 1))
 
     def to_output(self, finish_reason: str, stop_reason: int | None = None, error: str | None = None) -> RequestOutput:
         return RequestOutput(
@@ -95,9 +104,15 @@ class Sequence:
         )
 
 
+def _adapter_key(seq: Sequence) -> int | None:
+    """Prefix-cache key part for the sequence's adapter (loading or unloading any adapter resets the cache,
+    so an adapter object's id is unique among the keys alive at once)."""
+    return None if seq.lora is None else id(seq.lora)
+
+
 @dataclass
 class Batch:
-    """The sequences of one step; prefill sequences have ``num_cached == 0``."""
+    """The sequences of one step; a prefill sequence's first ``num_cached`` tokens are already in the cache."""
 
     is_prefill: bool
     seqs: list[Sequence]
@@ -113,6 +128,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_tokens_computed = 0  # tokens whose K/V prefill steps computed (prompt tokens minus cache hits)
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
+        self.prefix_cache_hits = 0  # of those, tokens whose K/V was reused
         self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
@@ -146,24 +164,47 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         budget = self.max_batched_tokens
+        kv, bs = self.kv, self.kv.block_size
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = len(seq.token_ids)
-            need = self.kv.blocks_needed(n, 0)
-            if (admitted and n > budget) or need > self.kv.num_free:
+            keys: list[int] = []
+            hit: list[int] = []
+            src, last = None, (n - 1) // bs  # the block holding the last token
+            if kv.enable_prefix_caching:
+                keys = kv.block_keys(seq.token_ids, _adapter_key(seq))
+                hit = kv.lookup(keys[:last])  # shared blocks: never the last token's
+                if len(hit) == last:
+                    src = kv.take(keys[last])  # copy its K/V and compute only the last token
+            reused = len(hit) * bs + (n - 1 - last * bs if src is not None else 0)
+            need = kv.blocks_needed(n, len(hit))
+            todo = n - reused
+            if (admitted and todo > budget) or need > kv.num_free:
+                kv.free(hit + ([src] if src is not None else []))
                 break
             self.waiting.popleft()
-            seq.block_table = self.kv.allocate(need)
-            budget -= n
+            seq.block_table = hit + kv.allocate(need)
+            seq.num_cached = reused
+            seq.copy_src = src
+            # keyed now, computed in this very step: a later sequence of the same step already shares them
+            kv.register(seq.block_table[len(hit) :], keys[len(hit) :])
+            budget -= todo
+            self.prefill_tokens_computed += todo
+            if kv.enable_prefix_caching:
+                self.prefix_cache_queries += n
+                self.prefix_cache_hits += reused
             admitted.append(seq)
             self.running.append(seq)
         return admitted
 
     def _reserve_decode(self) -> list[Sequence]:
         """Make room for one more token in every running sequence, preempting the newest if needed."""
-        i = 0
+        i, bs = 0, self.kv.block_size
         while i < len(self.running):
             seq = self.running[i]
+            if len(seq.token_ids) <= len(seq.block_table) * bs:  # the common case: room in the last block
+                i += 1
+                continue
             need = self.kv.blocks_needed(len(seq.token_ids), len(seq.block_table))
             while need > self.kv.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
@@ -173,6 +214,17 @@ class Scheduler:
             seq.block_table.extend(self.kv.allocate(need))
             i += 1
         return list(self.running)
+
+    def reserve_ahead(self, seqs: list[Sequence]) -> bool:
+        """Room for one more token than ``token_ids`` holds in each sequence (a step decoded ahead), without
+        preempting anyone; False (nothing allocated) when the free blocks do not suffice."""
+        bs = self.kv.block_size
+        short = [s for s in seqs if len(s.token_ids) + 1 > len(s.block_table) * bs]
+        if len(short) > self.kv.num_free:
+            return False
+        for s in short:
+            s.block_table.extend(self.kv.allocate(1))
+        return True
 
     def preempt_all(self) -> None:
         """Send every running sequence back to the front of the queue, in order, freeing its KV blocks."""
