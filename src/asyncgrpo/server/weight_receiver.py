@@ -197,15 +197,19 @@ class WeightReceiver:
             return p is not None and p.data_ptr() == t.data_ptr() and p.shape == t.shape and p.dtype == t.dtype
 
         def receive_and_load() -> None:
+            landed = 0
             # Tensors that travel alone are received straight into their parameter (no staging copy); the
             # others (packed with small neighbours) are copied out of their chunk by the engine.
             with torch.no_grad():
                 for batch in receive_tensors(group, metas, packed=packed, buffer_size_bytes=size,
                                              destination=lambda m: params.get(m.name), num_buffers=nbuf):  # fmt: skip
                     rest = [(n, t) for n, t in batch if not in_place(n, t)]
+                    landed += len(batch) - len(rest)
                     if rest:
                         engine.load_weights(rest)
                 group.synchronize("the weight broadcast from the trainer")
+                if landed:  # as load_weights does: cached K/V was computed with the old weights
+                    engine.reset_prefix_cache()
 
         with self._lock:
             try:
