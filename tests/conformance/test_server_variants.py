@@ -170,21 +170,27 @@ def test_without_weight_transfer_config_the_routes_answer_500_and_the_client_say
 def test_worker_says_shorten_the_prompts_only_for_a_length_400(mask_server):
     """The rollout worker reads the server's message: a rejected sampling setting is not reported as a prompt
     that is too long (before, every 400 was)."""
+    from asyncgrpo.client.pool import ServerPool
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
     from asyncgrpo.rollout.settings import RolloutSettings
+    from asyncgrpo.rollout.worker import RolloutWorker
 
     def loop_with(sampling: SamplingSettings) -> AsyncRolloutLoop:
         settings = RolloutSettings(model_name=None, sampling=sampling, num_generations=2, max_staleness=1, seed=0,
                                    max_concurrent_rollouts=1, initial_tokens_per_step=1)  # fmt: skip
         loop = AsyncRolloutLoop(settings, dataset=[], reward_funcs=[], processing_class=None)
         loop._seed_counter = 0  # what run() sets before the first request
+        loop.channels = RolloutWorker(loop).channels  # the worker's real shared objects (the child is not started)
         return loop
 
     async def turn(settings: SamplingSettings, prompt: list[int]) -> str:
         loop = loop_with(settings)
-        async with AsyncServerClient(mask_server.base_url, retries=0) as loop.client:
+        loop.pool = ServerPool([mask_server.base_url], timeout=60, max_connections=1)
+        try:
             with pytest.raises(ValueError) as info:
                 await loop.generate_one_turn(prompt)
+        finally:
+            await loop.pool.close()
         return str(info.value)
 
     no_top_k = asyncio.run(turn(SamplingSettings(mask_server.base_url, 128, 4, top_k=0), PROMPT))
