@@ -17,7 +17,14 @@ the sampler's top-8 and entropy, as the trainer runs it):
 Trained tokens/s = trained tokens of all samples / fwd+bwd seconds of all their rows (median
 of ``--iters`` synchronised iterations after ``--warmup``). MFU = model FLOPs the method
 needs (6 x matmul params x non-pad tokens + LM head on trained tokens + 12 x layers x heads x
-head_dim x attended (query, key) pairs) / seconds / peak. Gradient checkpointing is off.
+head_dim x attended (query, key) pairs) / seconds / peak: model FLOPs only, so with gradient
+checkpointing (``--checkpointing on``/``both``; methods named ``<method>+ckpt``) the recompute is
+not counted. ``--compile`` compiles each decoder layer (``trainer/compile.py``) as the trainer
+does with ``compile_decoder_layers=True``.
+
+B1 bound: tree and flat do the same LM-head work (it runs on trained tokens, which are never
+shared), so even at equal MFU the speedup over flat is at most ``flop_ratio`` = flat FLOPs / tree
+FLOPs, which is below the packing ratio; both quotients are written.
 """
 
 from __future__ import annotations
@@ -30,13 +37,15 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.planner import TokenBudgetBatcher
-from asyncgrpo.trainer.logprobs import selective_logprobs
+from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers
+from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/helpers
 from tests.helpers.synthetic import grpo_samples
@@ -86,10 +95,12 @@ def make_samples(shape: tuple, vocab: int, seed: int) -> list:
 
 
 def plan_rows(samples: list, budget: int, share: bool) -> list:
-    batcher = TokenBudgetBatcher(budget, share_prefixes=share)
+    """Rows as the trainer plans them (groups kept in one row when they fit)."""
+    batcher = TokenBudgetBatcher(budget, share_prefixes=share, keep_groups=KEEP_GROUPS and share)  # flat: as before
     mbs = [mb for mb in (batcher.add(s) for s in samples) if mb is not None]
-    last = batcher.flush()
-    return [row for mb in mbs + ([last] if last else []) for row in mb.pack()]
+    while (last := batcher.flush()) is not None:
+        mbs.append(last)
+    return [row for mb in mbs for row in mb.pack()]
 
 
 def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
@@ -106,7 +117,7 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
         width = max(len(s) for s in b)
         ids = torch.zeros(len(b), width, dtype=torch.long)
         mask = torch.zeros(len(b), width, dtype=torch.long)
-        rows, pos, tgt, adv, extra = [], [], [], [], []
+        rows, pos, tgt, adv, extra, old, extra_lp = [], [], [], [], [], [], []
         for i, s in enumerate(b):
             ids[i, : len(s)] = torch.from_numpy(s.token_ids)
             mask[i, : len(s)] = 1
@@ -116,6 +127,8 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
             tgt.append(s.token_ids[t])
             adv.append(np.full(len(t), s.advantage, dtype=np.float32))
             extra.append(s.sampler_topn_ids[t])
+            extra_lp.append(s.sampler_topn_logprobs[t])
+            old.append(np.asarray(s.old_logprobs, dtype=np.float32)[t])
 
         def cat(parts, dtype=torch.long):
             return torch.from_numpy(np.concatenate(parts)).to(device=device, dtype=dtype)
@@ -128,7 +141,15 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
                 "pos": cat(pos),
                 "targets": cat(tgt),
                 "adv": cat(adv, torch.float32),
-                "extra": cat(extra),
+                "loss_row": SimpleNamespace(
+                    target_ids=cat(tgt),
+                    advantages=cat(adv, torch.float32),
+                    old_logprobs=cat(old, torch.float32),
+                    sampler_topn_ids=cat(extra),
+                    sampler_topn_logprobs=cat(extra_lp, torch.float32),
+                    candidates=None,
+                    entry_sample=None,
+                ),
                 "tokens": int(mask.sum()),
                 "width": width,
             }
@@ -137,25 +158,22 @@ def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- steps
-def loss_of(hidden, head, targets, extra, adv):
-    """Score-centering-shaped loss over the trained tokens (keeps every output of the log-prob module live)."""
-    out = selective_logprobs(hidden, head, targets, extra_ids=extra, want_entropy=True)
-    m = len(targets)
-    return (
-        -(adv * out.logprobs).sum() + (adv[:, None] * out.extra_logprobs.exp()).sum() - 1e-3 * out.entropy.sum()
-    ) / m
+LOSS = PolicyLossSettings()  # main() sets fused_lm_head from --lm-head
+KEEP_GROUPS = True  # main() sets it from --split-groups
 
 
 def packed_step(model, row, plan):
+    """The trainer's step: packed decoder forward, LM head + score-centering loss on trained tokens, backward."""
     hidden = packed_hidden_states(model, row, plan)
     head = model.get_output_embeddings().weight
-    loss_of(hidden[row.pred_index], head, row.target_ids, row.sampler_topn_ids, row.advantages).backward()
+    packed_policy_loss(hidden[row.pred_index], head, row, row.num_trained, LOSS).loss.backward()
 
 
 def padded_step(model, batch):
     hidden = model.base_model(input_ids=batch["ids"], attention_mask=batch["mask"], use_cache=False).last_hidden_state
     head = model.get_output_embeddings().weight
-    loss_of(hidden[batch["rows"], batch["pos"]], head, batch["targets"], batch["extra"], batch["adv"]).backward()
+    row = batch["loss_row"]
+    packed_policy_loss(hidden[batch["rows"], batch["pos"]], head, row, len(row.target_ids), LOSS).loss.backward()
 
 
 def sync(device: str) -> None:
@@ -180,6 +198,23 @@ def time_method(model, run_all, device: str, warmup: int, iters: int) -> tuple[l
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     return times, peak
+
+
+def profile_once(model, name: str, run_all, path: Path) -> None:
+    """Append the top CUDA kernels of one pass of ``name`` (already warm) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run_all()
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=45, max_name_column_width=70
+    )
+    with path.open("a") as f:
+        f.write(f"\n==== {name} (ckpt={bool(getattr(model, 'is_gradient_checkpointing', False))})\n{table}\n")
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -207,6 +242,14 @@ def measure(model, name: str, run_all, device: str, args, info: dict) -> dict:
     return {**info, "times_s": times, "time_s": t, "peak_mem_gib": peak, "mfu": mfu}
 
 
+def set_checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    model.train()
+
+
 def run_shape(model, samples, budget, device, args, tree_backends, flat_backend) -> dict:
     trained = sum(s.num_trained for s in samples)
     flat_pairs = sum(len(s) * (len(s) + 1) // 2 for s in samples)
@@ -217,7 +260,10 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
     flat_rows = [r.to(device) for r in plan_rows(samples, budget, share=False)]
     use_tree_attention(model)
     runs = [(f"tree_{b}", tree_rows, b) for b in tree_backends] + [(f"flat_{flat_backend}", flat_rows, flat_backend)]
-    for name, rows, backend in runs:
+    ckpt_modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
+    runs = [(n + ("+ckpt" if ck else ""), r, b, ck) for ck in ckpt_modes for n, r, b in runs]
+    for name, rows, backend, ckpt in runs:
+        set_checkpointing(model, ckpt)
         sync(device)
         t0 = time.perf_counter()
         try:
@@ -242,6 +288,12 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
                 packed_step(model, r, p)
 
         methods[name] = measure(model, name, run_all, device, args, info)
+        if args.profile and name.startswith("tree_") and "time_s" in methods[name]:
+            profile_once(model, name, run_all, args.profile)
+    set_checkpointing(model, False)
+    res["methods"] = methods
+    if args.skip_padded:
+        return finish_shape(res, samples, tree_rows, flat_tokens, flat_backend)
     model.set_attn_implementation("sdpa")
     batches = padded_batches(samples, budget, device)
     info = {
@@ -259,22 +311,34 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
             padded_step(model, b)
 
     methods["padded_sdpa"] = measure(model, "padded_sdpa", run_padded, device, args, info)
+    use_tree_attention(model)
+    return finish_shape(res, samples, tree_rows, flat_tokens, flat_backend)
+
+
+def finish_shape(res: dict, samples: list, tree_rows: list, flat_tokens: int, flat_backend: str) -> dict:
+    """Throughput per method and the B1 quotients (best tree method over flat, same checkpointing)."""
+    methods = res["methods"]
     for m in methods.values():
         if "time_s" in m:
-            m["trained_tokens_per_s"] = trained / m["time_s"]
-    res["methods"] = methods
-    flat = methods[f"flat_{flat_backend}"]
+            m["trained_tokens_per_s"] = res["trained_tokens"] / m["time_s"]
     res["tree_tokens"] = sum(r.num_tokens for r in tree_rows)
     res["packing_ratio"] = flat_tokens / res["tree_tokens"]
     ok = {k: m for k, m in methods.items() if "time_s" in m}
-    best_tree = max(
-        (m for k, m in ok.items() if k.startswith("tree_")), key=lambda m: m["trained_tokens_per_s"], default=None
-    )
-    if best_tree is not None and "time_s" in flat:
-        res["speedup_tree_over_flat"] = best_tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
-        res["speedup_over_flat_per_packing_ratio"] = res["speedup_tree_over_flat"] / res["packing_ratio"]
-    if best_tree is not None and "padded_sdpa" in ok:
-        res["speedup_tree_over_padded"] = best_tree["trained_tokens_per_s"] / ok["padded_sdpa"]["trained_tokens_per_s"]
+    for suffix in ("", "+ckpt"):
+        flat = ok.get(f"flat_{flat_backend}{suffix}")
+        trees = [m for k, m in ok.items() if k.startswith("tree_") and k.endswith("+ckpt") == bool(suffix)]
+        best_tree = max(trees, key=lambda m: m["trained_tokens_per_s"], default=None)
+        if best_tree is None or flat is None:
+            continue
+        key = suffix.replace("+", "_")
+        res["flop_ratio" + key] = flat["flops"] / best_tree["flops"]
+        res["speedup_tree_over_flat" + key] = best_tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
+        res["speedup_over_flat_per_packing_ratio" + key] = res["speedup_tree_over_flat" + key] / res["packing_ratio"]
+        res["speedup_over_flat_per_flop_ratio" + key] = res["speedup_tree_over_flat" + key] / res["flop_ratio" + key]
+        if suffix == "" and "padded_sdpa" in ok:
+            res["speedup_tree_over_padded"] = (
+                best_tree["trained_tokens_per_s"] / ok["padded_sdpa"]["trained_tokens_per_s"]
+            )
     return res
 
 
@@ -301,11 +365,23 @@ def main() -> int:
     ap.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
     ap.add_argument("--tree-backends", nargs="*", default=["flex", "varlen"], choices=["flex", "varlen", "sdpa"])
     ap.add_argument("--max-seconds", type=float, default=330, help="skip remaining configs past this wall time")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (trainer/compile.py)")
+    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="off", help="gradient checkpointing")
+    ap.add_argument("--lm-head", choices=["fused", "recompute"], default="fused",
+                    help="fused: gradient formed in the forward (the trainer's default); recompute: logits again in backward")  # fmt: skip
+    ap.add_argument("--split-groups", action="store_true", help="plan sample by sample (groups may span rows)")
+    ap.add_argument("--profile", type=Path, help="append a torch.profiler kernel table of each tree method here")
+    ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
     args = ap.parse_args()
+    global LOSS, KEEP_GROUPS
+    LOSS = PolicyLossSettings(fused_lm_head=args.lm_head == "fused")
+    KEEP_GROUPS = not args.split_groups
     start = time.perf_counter()
     if args.smoke:
         device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
-        args.budget, args.warmup, args.iters, args.tree_backends, flat_backend = 512, 0, 1, ["sdpa"], "sdpa"
+        args.budget, args.iters, args.tree_backends, flat_backend = 512, 1, ["sdpa"], "sdpa"
+        args.warmup = 1 if args.compile else 0
     elif not torch.cuda.is_available():
         print(
             "tree_packing benchmark needs a CUDA device (use --smoke for a CPU check); no numbers made up",
@@ -326,8 +402,14 @@ def main() -> int:
                 continue
             if model is None:
                 model = build_model({**QWEN3_COMMON, **overrides} if args.smoke else overrides, device)
+                if args.compile:
+                    compile_decoder_layers(model, CompileSettings(backend=args.compile_backend))
             samples = make_samples(shape, model.config.vocab_size, seed=0)
             r = run_shape(model, samples, args.budget, device, args, args.tree_backends, flat_backend)
+            if args.compile:  # a compile failure falls back to eager with a warning: say so in the results
+                r["compiled_layers_still_compiled"] = all(
+                    layer._compiled_call_impl is not None for layer in model.model.layers
+                )
             results[f"{mname}/{sname}"] = r
             print_result(f"{mname}/{sname}", r)
         del model
@@ -344,7 +426,11 @@ def main() -> int:
         "token_budget": args.budget,
         "warmup": args.warmup,
         "iters": args.iters,
-        "gradient_checkpointing": False,
+        "gradient_checkpointing": args.checkpointing,
+        "compile_decoder_layers": args.compile,
+        "lm_head": args.lm_head,
+        "keep_groups": not args.split_groups,
+        "compile_backend": args.compile_backend if args.compile else None,
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "shapes": {
             k: {"groups": v[0], "group_size": v[1], "prompt": v[2], "completion": v[3]} for k, v in shapes.items()
@@ -382,11 +468,13 @@ def print_result(name: str, r: dict) -> None:
             f"{k:<14}{m['rows']:>5}{m['forwarded_tokens']:>12}{m['time_s']:>9.3f}{m['trained_tokens_per_s']:>15.0f}"
             f"{mfu:>7}{m['peak_mem_gib'] or 0:>10.1f}"
         )
-    if "speedup_tree_over_flat" in r:
-        print(
-            f"speedup best tree/flat {r['speedup_tree_over_flat']:.2f} = "
-            f"{r['speedup_over_flat_per_packing_ratio']:.2f} x packing ratio"
-        )
+    for key in ("", "_ckpt"):
+        if "speedup_tree_over_flat" + key in r:
+            print(
+                f"speedup best tree/flat{key} {r['speedup_tree_over_flat' + key]:.2f} = "
+                f"{r['speedup_over_flat_per_packing_ratio' + key]:.2f} x packing ratio = "
+                f"{r['speedup_over_flat_per_flop_ratio' + key]:.2f} x FLOP ratio {r['flop_ratio' + key]:.2f}"
+            )
     if "speedup_tree_over_padded" in r:
         print(f"speedup best tree/padded {r['speedup_tree_over_padded']:.2f}")
 

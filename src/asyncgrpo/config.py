@@ -228,6 +228,15 @@ class AsyncGRPOConfig(TrainingArguments):
         },
     )
 
+    compile_decoder_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "Compile each decoder layer with torch.compile (dynamic shapes: packed rows of any length reuse "
+            "one graph), fusing the norm, RoPE and activation kernels of the packed training step. The first step "
+            "pays the compile time; if compiling fails the layers run eager with one warning."
+        },
+    )
+
     # ---- asynchronous pipeline ---------------------------------------------------------------------------------
     max_concurrent_rollouts: int = field(
         default=512,
@@ -438,7 +447,10 @@ class AsyncGRPOConfig(TrainingArguments):
                 "deepspeed is not supported: shard with FSDP2 instead (`fsdp`/`fsdp_config`, or accelerate launch)"
             )
         if self.use_liger_kernel:
-            p.append("use_liger_kernel=True is not supported: the loss computes log-probs in chunks itself; set False")
+            p.append(
+                "use_liger_kernel=True is not supported: the loss computes log-probs in chunks itself; set False "
+                "(compile_decoder_layers=True fuses the norm, RoPE and activation kernels of the packed step instead)"
+            )
         pc = getattr(self, "parallelism_config", None)
         for attr, what in (("cp_size", "context"), ("sp_size", "sequence")):
             size = getattr(pc, attr, 1) if pc is not None else 1

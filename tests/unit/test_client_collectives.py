@@ -155,3 +155,38 @@ def test_nccl_wire_view_keeps_the_bytes_and_fits_the_count(monkeypatch):
     with pytest.raises(WeightTransferError, match="packed_buffer_size_bytes"):
         collectives._nccl_wire(torch.zeros(13, dtype=torch.uint8))  # no width divides 13 bytes
     assert collectives._nccl_wire(torch.zeros(2, dtype=torch.int16)).dtype == torch.uint8  # no NCCL int16
+
+
+@pytest.mark.parametrize("packed,buffer", [(False, 0), (True, 40), (True, 1)])
+def test_tensors_that_travel_alone_land_straight_in_their_destination(packed, buffer):
+    """A receiver that names destinations gets lone tensors written into them (same storage, no staging); tensors
+    packed with neighbours come back as views of the chunk for the caller to copy, as before."""
+    payload = _payload()
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in payload]
+    chunks = [[i] for i in range(len(metas))] if not packed else plan_chunks(metas, buffer)
+    alone = {metas[c[0]].name for c in chunks if len(c) == 1}
+    assert alone and (not packed or buffer == 1 or len(alone) < len(metas))
+    dest = {n: torch.full_like(t, 7) if t.dtype != torch.bool else torch.zeros_like(t) for n, t in payload}
+    dest["b.f32"] = torch.zeros(7, dtype=torch.float64)  # dtype differs: received in a staging tensor instead
+
+    def receiver(group):
+        in_place, got = set(), {}
+        for batch in receive_tensors(group, metas, packed=packed, buffer_size_bytes=buffer or 1 << 30,
+                                     destination=lambda m: dest.get(m.name)):  # fmt: skip
+            for name, t in batch:
+                if t.data_ptr() == dest[name].data_ptr() and t.numel():
+                    in_place.add(name)
+                else:
+                    got[name] = t.clone()
+        return in_place, got
+
+    in_place, got = _run_pair(
+        lambda g: send_tensors(g, (t for _, t in payload), metas, packed=packed, buffer_size_bytes=buffer or 1 << 30),
+        receiver,
+    )
+    expected_in_place = {n for n in alone if n != "b.f32" and dict(payload)[n].numel()}
+    assert in_place == expected_in_place
+    for name, value in payload:
+        target = dest[name] if name in in_place else got[name]
+        assert torch.equal(target, value), name
+    assert torch.equal(dest["b.f32"], torch.zeros(7, dtype=torch.float64))  # untouched

@@ -183,11 +183,13 @@ _compiled_flex: Any = None
 
 def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
     global _compiled_flex
-    if _compiled_flex is None:  # compiled once per process; FlexAttention is only fast compiled
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention)
     gqa = query.shape[1] != key.shape[1]
+    if torch.compiler.is_compiling():  # inside a compiled decoder layer (trainer/compile.py): part of its graph
+        return flex_attention(query, key, value, block_mask=plan.block_mask, scale=scale, enable_gqa=gqa)
+    if _compiled_flex is None:  # compiled once per process; FlexAttention is only fast compiled
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex(query, key, value, block_mask=plan.block_mask, scale=scale, enable_gqa=gqa)
 
 

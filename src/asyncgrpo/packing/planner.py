@@ -14,11 +14,18 @@ are placed one at a time:
 ``token_budget``; the load of a row is its attention cost (sum over tokens of the keys
 each attends to). A sample longer than the budget can never fit and is dropped with a
 warning.
+
+With ``keep_groups=True`` (the trainer's setting) the samples of a group are held until
+the group ends (a sample of another group arrives, or ``flush``) and placed together:
+in the row where the whole group fits with the lowest resulting load, else in a new
+micro-batch, so its prompt is forwarded once. Only a group larger than the budget is
+placed sample by sample with the rules above (and then spans rows).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,12 +58,15 @@ class TokenBudgetBatcher:
         token_budget: forwarded-token limit of a row (shared tokens counted once).
         num_processes: rows per micro-batch.
         share_prefixes: False gives plain padding-free packing (every sample its own chain).
+        keep_groups: place a group's samples together once the group ends (see the module docstring).
 
     Raises:
         ValueError: when ``token_budget`` or ``num_processes`` is not positive.
     """
 
-    def __init__(self, token_budget: int, num_processes: int = 1, share_prefixes: bool = True) -> None:
+    def __init__(
+        self, token_budget: int, num_processes: int = 1, share_prefixes: bool = True, keep_groups: bool = False
+    ) -> None:
         if token_budget <= 0:
             raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget}")
         if num_processes <= 0:
@@ -64,6 +74,9 @@ class TokenBudgetBatcher:
         self.token_budget = token_budget
         self.num_processes = num_processes
         self.share_prefixes = share_prefixes
+        self.keep_groups = keep_groups
+        self._group: list[PackSample] = []  # keep_groups: the incoming group, not placed yet
+        self._closed: deque[MicroBatch] = deque()  # closed by a group placement, not yet returned
         self.dropped_oversize_count = 0  # since the last take_dropped_count()
         self._open = self._new_micro_batch()
         self._placed: list[PackSample] = []  # samples of the open micro-batch, in placement order
@@ -73,8 +86,8 @@ class TokenBudgetBatcher:
 
     @property
     def pending_samples(self) -> int:
-        """Samples placed in the open (not yet returned) micro-batch."""
-        return self._open.num_samples
+        """Samples held by the planner: the open micro-batch, closed ones not yet returned, the incoming group."""
+        return self._open.num_samples + len(self._group) + sum(mb.num_samples for mb in self._closed)
 
     def take_dropped_count(self) -> int:
         """Oversize samples dropped since the last call (``batch/dropped_oversize_count``)."""
@@ -91,6 +104,16 @@ class TokenBudgetBatcher:
                 self.token_budget,
             )
             return None
+        if not self.keep_groups:
+            return self._place(sample)
+        if self._group and sample.group_id != self._group[-1].group_id:
+            self._place_group(self._group)
+            self._group = []
+        self._group.append(sample)
+        return self._closed.popleft() if self._closed else None
+
+    def _place(self, sample: PackSample) -> MicroBatch | None:
+        """Rules 1-4 for one sample; returns the micro-batch it closed, if any."""
         row = self._choose_row(self._open.rows, sample)
         if row is not None:
             row.insert(sample)
@@ -101,17 +124,53 @@ class TokenBudgetBatcher:
         self._placed = [sample]
         return closed
 
+    def _place_group(self, samples: list[PackSample]) -> None:
+        """Place a whole group in one row when it fits in one (closing the micro-batch if needed)."""
+        alone = PrefixTrie(self.share_prefixes)
+        for s in samples:
+            alone.insert(s)
+        if len(samples) == 1 or alone.num_tokens > self.token_budget:
+            for s in samples:
+                closed = self._place(s)
+                if closed is not None:
+                    self._closed.append(closed)
+            return
+        rows = self._open.rows
+        # sharing with what a row holds can only lower the group's cost there: the test is conservative
+        fits = [i for i, r in enumerate(rows) if r.num_tokens + alone.num_tokens <= self.token_budget]
+        if fits:
+            row = rows[min(fits, key=lambda i: rows[i].attention_cost)]
+        else:
+            self._closed.append(self._open)
+            self._open, self._placed = self._new_micro_batch(), []
+            row = self._open.rows[0]
+        for s in samples:
+            row.insert(s)
+            self._placed.append(s)
+
     def take_open_samples(self) -> list[PackSample]:
-        """Empty the open micro-batch and return its samples in placement order (to re-check or re-place them)."""
-        samples = [s for row in self._open.rows for s in row.samples]
+        """Empty the planner (open micro-batch, closed ones not yet returned, the incoming group) and return its
+        samples in placement order (to re-check or re-place them)."""
+        samples = [s for mb in self._closed for row in mb.rows for s in row.samples]
+        open_samples = [s for row in self._open.rows for s in row.samples]
         order = {id(s): i for i, s in enumerate(self._placed)}
-        samples.sort(key=lambda s: order.get(id(s), 0))
+        open_samples.sort(key=lambda s: order.get(id(s), 0))
+        samples += open_samples + self._group
         self._open = self._new_micro_batch()
-        self._placed = []
+        self._placed, self._group = [], []
+        self._closed.clear()
         return samples
 
     def flush(self) -> MicroBatch | None:
-        """Close and return the open micro-batch, or None when it is empty."""
+        """Close and return a micro-batch (a held group is placed first), or None when the planner is empty.
+
+        After a group placement one call may leave another closed micro-batch behind: call until None.
+        """
+        if self._group:
+            self._place_group(self._group)
+            self._group = []
+        if self._closed:
+            return self._closed.popleft()
         if self._open.num_samples == 0:
             return None
         closed, self._open = self._open, self._new_micro_batch()
@@ -151,11 +210,13 @@ def plan_step(
     out: list[MicroBatch] = []
     while len(out) < gradient_accumulation_steps:
         sample = pull()
-        closed = batcher.flush() if sample is None else batcher.add(sample)
+        if sample is None:
+            while len(out) < gradient_accumulation_steps and (closed := batcher.flush()) is not None:
+                out.append(closed)
+            break
+        closed = batcher.add(sample)
         if closed is not None:
             out.append(closed)
-        if sample is None:
-            break
     return out
 
 

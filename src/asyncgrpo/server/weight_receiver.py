@@ -187,14 +187,29 @@ class WeightReceiver:
         if not self.active or self.group is None:
             raise ApiError(409, "no active weight update: call /start_weight_update first")
         metas = self._metas(info)
-        packed, size = self.packed, self.buffer_size
+        packed, size, nbuf = self.packed, self.buffer_size, self.num_buffers
         group, engine = self.group, self.engine
 
+        params = {name: p.detach() for name, p in engine.named_parameters()}
+
+        def in_place(name: str, t: torch.Tensor) -> bool:
+            p = params.get(name)
+            return p is not None and p.data_ptr() == t.data_ptr() and p.shape == t.shape and p.dtype == t.dtype
+
         def receive_and_load() -> None:
+            landed = 0
+            # Tensors that travel alone are received straight into their parameter (no staging copy); the
+            # others (packed with small neighbours) are copied out of their chunk by the engine.
             with torch.no_grad():
-                for batch in receive_tensors(group, metas, packed=packed, buffer_size_bytes=size):
-                    engine.load_weights(batch)
+                for batch in receive_tensors(group, metas, packed=packed, buffer_size_bytes=size,
+                                             destination=lambda m: params.get(m.name), num_buffers=nbuf):  # fmt: skip
+                    rest = [(n, t) for n, t in batch if not in_place(n, t)]
+                    landed += len(batch) - len(rest)
+                    if rest:
+                        engine.load_weights(rest)
                 group.synchronize("the weight broadcast from the trainer")
+                if landed:  # as load_weights does: cached K/V was computed with the old weights
+                    engine.reset_prefix_cache()
 
         with self._lock:
             try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LossOutput", "loss_normalizer", "policy_loss"]
+__all__ = ["LossOutput", "loss_normalizer", "policy_loss", "policy_loss_value"]
 
 
 @dataclass
@@ -112,6 +112,56 @@ def _per_sample_fraction_extreme(
     return _masked_extreme(frac, present, largest)
 
 
+def policy_loss_value(
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    *,
+    clip_min: float = 0.5,
+    clip_max: float = 5.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    score_centering: bool = True,
+    top_logprobs: torch.Tensor | None = None,
+    sampler_top_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss of :func:`policy_loss` alone (no metrics): a sum of per-token terms over the normaliser.
+
+    Each token's term depends only on that token's log-probs, so the loss of a slice of tokens is this
+    function of the slice (``trainer/fused_head.py`` takes the gradient chunk by chunk that way).
+    """
+    mask = loss_mask.bool()
+    logp = _up(logprobs)
+    adv = _up(advantages).detach()
+    # Untrained positions may hold placeholders (e.g. sampler log-prob 0.0): pin their ratio to 1 so that exp()
+    # cannot overflow and turn the zero gradient of a masked-out entry into NaN.
+    log_ratio = torch.where(mask, logp - _up(sampler_logprobs).detach(), 0.0)
+    ratio = torch.exp(log_ratio)  # [N], differentiable
+    r = ratio.detach()
+    in_range = (r >= clip_min) & (r <= clip_max)
+    keep = (mask & in_range).float()  # m_t of the module docstring, detached
+
+    if score_centering:
+        if top_logprobs is None or sampler_top_logprobs is None:
+            raise ValueError("score_centering needs top_logprobs and sampler_top_logprobs ([N, K] tensors)")
+        top_lp = _up(top_logprobs)
+        s_top = _up(sampler_top_logprobs).detach()
+        valid = torch.isfinite(s_top)
+        r_top = torch.exp(top_lp.detach() - torch.where(valid, s_top, 0.0))
+        keep_top = valid & (r_top >= clip_min) & (r_top <= clip_max) & mask[:, None]
+        # sum_v m_v pi(v): its gradient is sum_v mu(v) f(r_v) grad log pi(v). Select before exp() so padding
+        # slots (any value, even NaN) get an exact zero gradient.
+        centering = torch.exp(torch.where(keep_top, top_lp, -math.inf)).sum(dim=-1)  # [N]
+        per_token = -adv * (keep * ratio - centering)
+    else:
+        clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+        per_token = -keep * torch.minimum(ratio * adv, clipped * adv)
+    loss = torch.where(mask, per_token, 0.0).sum() / normalizer
+    return loss
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     sampler_logprobs: torch.Tensor,
@@ -151,34 +201,16 @@ def policy_loss(
     Returns:
         `LossOutput` with the normalised loss and the loss metrics of the document.
     """
+    loss = policy_loss_value(
+        logprobs, sampler_logprobs, advantages, loss_mask, normalizer, clip_min=clip_min, clip_max=clip_max,
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, score_centering=score_centering,
+        top_logprobs=top_logprobs, sampler_top_logprobs=sampler_top_logprobs,
+    )  # fmt: skip
     mask = loss_mask.bool()
     logp = _up(logprobs)
     adv = _up(advantages).detach()
-    # Untrained positions may hold placeholders (e.g. sampler log-prob 0.0): pin their ratio to 1 so that exp()
-    # cannot overflow and turn the zero gradient of a masked-out entry into NaN.
-    log_ratio = torch.where(mask, logp - _up(sampler_logprobs).detach(), 0.0)
-    ratio = torch.exp(log_ratio)  # [N], differentiable
-    r = ratio.detach()
+    r = torch.exp(torch.where(mask, logp.detach() - _up(sampler_logprobs).detach(), 0.0))
     in_range = (r >= clip_min) & (r <= clip_max)
-    keep = (mask & in_range).float()  # m_t of the module docstring, detached
-
-    if score_centering:
-        if top_logprobs is None or sampler_top_logprobs is None:
-            raise ValueError("score_centering needs top_logprobs and sampler_top_logprobs ([N, K] tensors)")
-        top_lp = _up(top_logprobs)
-        s_top = _up(sampler_top_logprobs).detach()
-        valid = torch.isfinite(s_top)
-        r_top = torch.exp(top_lp.detach() - torch.where(valid, s_top, 0.0))
-        keep_top = valid & (r_top >= clip_min) & (r_top <= clip_max) & mask[:, None]
-        # sum_v m_v pi(v): its gradient is sum_v mu(v) f(r_v) grad log pi(v). Select before exp() so padding
-        # slots (any value, even NaN) get an exact zero gradient.
-        centering = torch.exp(torch.where(keep_top, top_lp, -math.inf)).sum(dim=-1)  # [N]
-        per_token = -adv * (keep * ratio - centering)
-    else:
-        clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-        per_token = -keep * torch.minimum(ratio * adv, clipped * adv)
-    loss = torch.where(mask, per_token, 0.0).sum() / normalizer
-
     metrics = _loss_metrics(
         logp.detach(),
         _up(sampler_logprobs),
@@ -193,7 +225,8 @@ def policy_loss(
     )
     count = mask.sum()
     if score_centering:
-        mass = torch.where(valid, torch.exp(s_top), 0.0).sum(dim=-1)
+        s_top = _up(sampler_top_logprobs).detach()
+        mass = torch.where(torch.isfinite(s_top), torch.exp(s_top), 0.0).sum(dim=-1)
         metrics["sampling/sampler_mass"] = _masked_mean(mass, mask, count)
     if entropy is not None:
         metrics["entropy"] = _masked_mean(_up(entropy.detach()), mask, count)

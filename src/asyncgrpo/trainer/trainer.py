@@ -48,12 +48,12 @@ from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
+from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
-from asyncgrpo.trainer.logprobs import selective_logprobs
-from asyncgrpo.trainer.loss import policy_loss
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
 from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
+from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import (
@@ -179,6 +179,8 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
+        if args.compile_decoder_layers:
+            compile_decoder_layers(self._causal_lm())
         self.window = MetricsWindow()
         self.step_stats = StepStats()
         self.add_callback(AsyncGRPOCallback(self))
@@ -247,7 +249,7 @@ class AsyncGRPOTrainer(Trainer):
             total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
             self.source = RolloutSource(
                 self.worker,
-                TokenBudgetBatcher(self.token_budget, n_proc),
+                TokenBudgetBatcher(self.token_budget, n_proc, keep_groups=True),
                 args.gradient_accumulation_steps,
                 args.max_staleness,
                 n or 0,
@@ -447,35 +449,17 @@ class AsyncGRPOTrainer(Trainer):
         return loss.detach()
 
     def _policy_loss(self, fwd: PackedForward, row: Any, normalizer: float):
-        """Chunked log-probs of the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6)."""
+        """LM head on the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6): ``packed_policy_loss``
+        (the gradient of the LM head and the hidden states is formed in the forward, chunk by chunk)."""
         args: AsyncGRPOConfig = self.args
-        h = fwd.hidden[row.pred_index]  # [M, hidden]: the position predicting each trained token
-        use_top = row.sampler_topn_ids is not None  # the worker sends top-N only with score centering on
-        out = selective_logprobs(
-            h,
-            fwd.head_weight,
-            row.target_ids,
+        settings = PolicyLossSettings(
             temperature=args.temperature,
-            extra_ids=row.sampler_topn_ids if use_top else None,
-            candidates=row.candidates,
-            want_entropy=True,
-        )
-        return policy_loss(
-            out.logprobs,
-            row.old_logprobs,
-            row.advantages,
-            torch.ones_like(row.target_ids, dtype=torch.bool),
-            normalizer,
             clip_min=args.vllm_importance_sampling_clip_min,
             clip_max=args.vllm_importance_sampling_clip_max,
             epsilon_low=args.epsilon,
             epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-            score_centering=use_top,
-            top_logprobs=out.extra_logprobs,
-            sampler_top_logprobs=row.sampler_topn_logprobs if use_top else None,
-            sample_index=row.entry_sample,
-            entropy=out.entropy,
         )
+        return packed_policy_loss(fwd.hidden[row.pred_index], fwd.head_weight, row, normalizer, settings)
 
     def _device_is_cuda(self) -> bool:
         return torch.device(self.args.device).type == "cuda"

@@ -9,8 +9,8 @@ transfer). Two backends, neither touching torch.distributed's global default gro
   a TCPStore when ``master_address``/``master_port`` are given).
 * ``gloo``: ``ProcessGroupGloo`` over a ``TCPStore`` whose master is rank 0 (CPU runs).
 
-The wire format (which broadcasts, in which order, of which bytes) is defined here
-once: :func:`send_tensors` and :func:`receive_tensors` are mirror images.
+The wire format (which broadcasts, in which order, of which bytes) is defined once, in
+``weights/wire.py``: :func:`send_tensors` and :func:`receive_tensors` are mirror images.
 """
 
 from __future__ import annotations
@@ -341,57 +341,12 @@ def send_tensors(
     *,
     packed: bool,
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
 ) -> None:
-    """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks.
+    """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks (``weights/wire.py``)."""
+    from asyncgrpo.weights.wire import send_tensors as impl
 
-    Streams: each tensor is taken from ``tensors`` only when it is sent (unpacked) or copied into the
-    current chunk (packed), and dropped before the next is taken, so a lazy source (gathered or merged
-    tensors) costs at most one tensor plus one chunk.
-    """
-    it = iter(tensors)
-
-    def next_tensor(meta: TensorMeta) -> torch.Tensor:
-        try:
-            t = next(it)
-        except StopIteration:
-            raise WeightTransferError(f"the tensors ran out before {meta.name!r}") from None
-        if t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
-            raise WeightTransferError(
-                f"tensor {meta.name!r} is {t.dtype} {tuple(t.shape)} but the update announced {meta.dtype} {meta.shape}"
-            )
-        return t.detach()
-
-    if not packed:
-        for meta in metas:
-            t = next_tensor(meta).to(group.device).contiguous()
-            if t.numel():
-                group.broadcast(t, src=0)
-            del t
-        return
-    for chunk in plan_chunks(metas, buffer_size_bytes):
-        buf = torch.empty(sum(metas[i].nbytes for i in chunk), dtype=torch.uint8, device=group.device)
-        offset = 0
-        for i in chunk:
-            t = next_tensor(metas[i]).contiguous()
-            buf[offset : offset + metas[i].nbytes].copy_(t.reshape(-1).view(torch.uint8))
-            offset += metas[i].nbytes
-            del t
-        if buf.numel():
-            group.broadcast(buf, src=0)
-        del buf
-
-
-def _unpack(buf: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
-    """Views into a received uint8 chunk; a tensor whose offset is misaligned for its dtype is copied."""
-    out = []
-    offset = 0
-    for meta in metas:
-        raw = buf[offset : offset + meta.nbytes]
-        if offset % meta.dtype.itemsize:
-            raw = raw.clone()
-        out.append((meta.name, raw.view(meta.dtype).view(meta.shape)))
-        offset += meta.nbytes
-    return out
+    impl(group, tensors, metas, packed=packed, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
 
 
 def receive_tensors(
@@ -400,21 +355,11 @@ def receive_tensors(
     *,
     packed: bool,
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    destination: Callable[[TensorMeta], torch.Tensor | None] | None = None,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Receivers: yield the tensors of a round in batches (one per tensor, or one per packed chunk).
+    """Receivers: the batches of one round, mirror of :func:`send_tensors` (``weights/wire.py``)."""
+    from asyncgrpo.weights.wire import receive_tensors as impl
 
-    The caller loads each batch before asking for the next, so at most one chunk is held.
-    """
-    if not packed:
-        for meta in metas:
-            t = torch.empty(meta.shape, dtype=meta.dtype, device=group.device)
-            if t.numel():
-                group.broadcast(t, src=0)
-            yield [(meta.name, t)]
-        return
-    for chunk in plan_chunks(metas, buffer_size_bytes):
-        chunk_metas = [metas[i] for i in chunk]
-        buf = torch.empty(sum(m.nbytes for m in chunk_metas), dtype=torch.uint8, device=group.device)
-        if buf.numel():
-            group.broadcast(buf, src=0)
-        yield _unpack(buf, chunk_metas)
+    return impl(group, metas, packed=packed, buffer_size_bytes=buffer_size_bytes, destination=destination,
+                num_buffers=num_buffers)  # fmt: skip

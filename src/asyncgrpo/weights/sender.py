@@ -363,7 +363,8 @@ class WeightSender(RestartRecovery):
         fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
         group.abort_check = _raise_if_failed(fut, "POST /update_weights")
         try:
-            send_tensors(group, tensors, metas, packed=use_packed, buffer_size_bytes=self.packed_buffer_size_bytes)
+            send_tensors(group, tensors, metas, packed=use_packed, buffer_size_bytes=self.packed_buffer_size_bytes,
+                         num_buffers=self.packed_num_buffers)  # fmt: skip
             group.synchronize("the weight broadcast")
         except Exception as exc:
             # Do not wait on the HTTP thread: the server may be stuck inside the collective.

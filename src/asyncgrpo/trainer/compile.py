@@ -1,0 +1,157 @@
+"""Regional ``torch.compile`` of the decoder layers, with a fallback to eager when compiling fails.
+
+Why regional: the packed step calls the decoder directly (``packing.attention.packed_hidden_states``), so
+compiling the whole model would not reach it, and a whole-model graph would recompile for every packed
+length. Compiling each decoder layer instead fuses the elementwise work HF runs as separate kernels (RMSNorm
+in fp32, RoPE, SiLU x up, residual adds) while the matmuls and the tree-attention kernels stay as they are.
+Every layer of a model shares one compiled graph (dynamo inlines the module, parameters are graph inputs),
+and ``dynamic=True`` marks the token count symbolic so a new row length does not recompile.
+
+A compile error (no C compiler, an unsupported op, a backend bug) shows up at the first call: the layer
+that hit it, and every other compiled layer, turn back to eager with one warning, and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompileSettings", "compile_decoder_layers", "decoder_layers", "uncompile_decoder_layers"]
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How to compile the decoder layers.
+
+    Attributes:
+        backend: ``torch.compile`` backend ("inductor" fuses kernels; "aot_eager" only checks tracing).
+        mode: ``torch.compile`` mode (None, "default", "max-autotune-no-cudagraphs", ...).
+        dynamic: symbolic sizes, so rows of new lengths reuse the compiled graph.
+    """
+
+    backend: str | Callable[..., Any] = "inductor"
+    mode: str | None = None
+    dynamic: bool = True
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder-layer list of a transformers causal LM (through a PEFT wrapper too).
+
+    Raises:
+        ValueError: when the model has no ``layers`` list under its decoder (say which model to use instead).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "base_model", base)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(
+            f"{type(base).__name__}: found no decoder layer list at get_decoder().layers to compile; "
+            "set compile_decoder_layers=False for this model"
+        )
+    return layers
+
+
+class _GuardedCall:
+    """A layer's compiled ``__call__`` that turns every guarded layer back to eager on the first failure."""
+
+    def __init__(self, owner: _CompiledLayers, module: torch.nn.Module, compiled: Callable[..., Any]) -> None:
+        self.owner, self.module, self.compiled = owner, module, compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.owner.failed is not None:
+            return self.module._call_impl(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as exc:
+            if not _is_compile_error(exc):
+                raise
+            self.owner.fail(exc)
+            return self.module._call_impl(*args, **kwargs)
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    """Errors raised by dynamo/inductor/a backend, as opposed to errors of the model code itself."""
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
+
+    if isinstance(exc, (BackendCompilerFailed, TorchDynamoException)):
+        return True
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "triton"))
+
+
+class _CompiledLayers:
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        self.layers = list(layers)
+        self.failed: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.failed is not None:
+                return
+            self.failed = exc
+        logger.warning(
+            "torch.compile of the decoder layers failed (%s: %s); running them eager from now on. Set "
+            "compile_decoder_layers=False to skip the attempt.",
+            type(exc).__name__,
+            _first_line(getattr(exc, "inner_exception", None) or exc.__cause__ or exc),
+        )
+        for layer in self.layers:
+            layer._compiled_call_impl = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text.splitlines()[0][:300]
+
+
+def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | None = None) -> int:
+    """Compile each decoder layer's ``__call__`` in place; returns the number of layers compiled.
+
+    Idempotent (already compiled layers are left alone). Works under gradient checkpointing (the recompute
+    runs the compiled layer again) and under FSDP2 (the layer's hooks stay outside the compiled region when
+    transformers checkpoints ``forward``).
+    """
+    settings = settings or CompileSettings()
+    layers = decoder_layers(model)
+    todo = [layer for layer in layers if not isinstance(getattr(layer, "_compiled_call_impl", None), _GuardedCall)]
+    if not todo:
+        return 0
+    _resolve_attention_probes()
+    group = _CompiledLayers(layers)
+    for layer in todo:
+        compiled = torch.compile(
+            layer._call_impl, backend=settings.backend, mode=settings.mode, dynamic=settings.dynamic
+        )
+        layer._compiled_call_impl = _GuardedCall(group, layer, compiled)
+    # one graph serves every layer; leave room for a few specialisations (e.g. with/without gradients)
+    cfg = torch._dynamo.config
+    cfg.cache_size_limit = max(cfg.cache_size_limit, 64, 8 * len(layers))
+    if hasattr(cfg, "accumulated_cache_size_limit"):
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * len(layers) + 64)
+    logger.info("compiled %d decoder layers (backend=%s, dynamic=%s)", len(todo), settings.backend, settings.dynamic)
+    return len(todo)
+
+
+def _resolve_attention_probes() -> None:
+    """Answer tree attention's one-off library probes now, eager, so tracing does not break on them."""
+    from asyncgrpo.packing import attention
+
+    try:
+        attention._varlen_has_gqa_flag()
+    except (ImportError, AttributeError):  # no varlen kernel in this torch: the varlen backend is not used
+        pass
+
+
+def uncompile_decoder_layers(model: torch.nn.Module) -> None:
+    """Undo :func:`compile_decoder_layers` (the layers run eager again)."""
+    for layer in decoder_layers(model):
+        if isinstance(getattr(layer, "_compiled_call_impl", None), _GuardedCall):
+            layer._compiled_call_impl = None

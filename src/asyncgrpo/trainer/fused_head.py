@@ -1,0 +1,241 @@
+"""LM head + per-token loss in one chunked pass: the gradient is formed in the forward, so no logits are recomputed.
+
+:func:`~asyncgrpo.trainer.logprobs.selective_logprobs` keeps only per-token statistics in its forward and
+recomputes every chunk's logits in the backward: two LM-head matmuls of the forward size plus two for the
+gradients, 8 N V H FLOPs. Here the loss is known chunk by chunk (the policy loss of a token depends only on
+that token's log-probs), so while a chunk's logits are live its loss gradient g = dL/dlogp is taken by autograd
+on the [c] / [c, K] log-prob tensors, the logit gradient is formed as in ``logprobs.py``
+
+    dz = g onehot(target) + sum_k g_k onehot(extra_k) - p (g + sum_k g_k)      (divided by the temperature)
+
+and ``dz @ W`` (hidden) and ``dz^T h`` (head weight, accumulated in fp32) are stored: 6 N V H FLOPs, one pass
+over each chunk's [c, V] logits, nothing of size V kept per token. The backward only scales the stored
+gradients by the incoming scalar gradient.
+
+Entropy and the model's own top tokens are returned without gradient (the policy loss uses entropy as a metric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from asyncgrpo.trainer import head_kernels
+from asyncgrpo.trainer.logprobs import CHUNK_BYTES, TokenLogprobs, _Chunk
+
+# chunk_loss(lo, hi, logprobs[c], extra_logprobs[c, K] or None) -> 0-d loss of tokens [lo, hi)
+ChunkLoss = Callable[[int, int, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+__all__ = ["ChunkLoss", "fused_logprobs_loss"]
+
+
+def fused_logprobs_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_loss: ChunkLoss,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    extra_ids: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
+    want_entropy: bool = False,
+    top_n: int = 0,
+) -> tuple[torch.Tensor, TokenLogprobs]:
+    """Loss = sum over chunks of ``chunk_loss`` of the chunk's log-probs, differentiable w.r.t. hidden and weight.
+
+    Args:
+        hidden, weight, targets, temperature, chunk_size, extra_ids, candidates, want_entropy, top_n: as in
+            :func:`~asyncgrpo.trainer.logprobs.selective_logprobs`.
+        chunk_loss: ``(lo, hi, logprobs, extra_logprobs) -> 0-d tensor``, the loss of tokens ``[lo, hi)``; it
+            must depend on those tokens' log-probs only (per-token losses summed, divided by a constant).
+
+    Returns:
+        ``(loss, TokenLogprobs)``: the fp32 0-d loss (its backward gives hidden and weight their gradients) and
+        the per-token results, all detached.
+
+    Raises:
+        ValueError: on mismatched shapes or a non-positive temperature.
+    """
+    n_tok, vocab = hidden.shape[0], weight.shape[0]
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and weight {tuple(weight.shape)} [V, H]")
+    if targets.shape != (n_tok,):
+        raise ValueError(f"targets {tuple(targets.shape)} must be [N={n_tok}]")
+    if extra_ids is not None and (extra_ids.dim() != 2 or extra_ids.shape[0] != n_tok):
+        raise ValueError(f"extra_ids {tuple(extra_ids.shape)} must be [N={n_tok}, K]")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is None:
+        chunk_size = max(16, CHUNK_BYTES // (4 * vocab))
+    dev = hidden.device
+    compute_dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else weight.dtype
+    extra = extra_ids if extra_ids is not None else torch.zeros(n_tok, 0, dtype=torch.long, device=dev)
+    if candidates is not None and candidates.numel():
+        order = torch.argsort(candidates[:, 0], stable=True)
+        cand_rows, cand_cols = candidates[order, 0].contiguous(), candidates[order, 1].contiguous()
+    else:
+        cand_rows = cand_cols = torch.zeros(0, dtype=torch.long, device=dev)
+    opts = _Opts(temperature, chunk_size, compute_dtype, cand_rows, cand_cols, want_entropy, top_n, chunk_loss,
+                 extra_ids is not None, torch.is_grad_enabled())  # fmt: skip
+    loss, lp, extra_lp, ent, top_ids, top_lp = _FusedHeadLoss.apply(hidden, weight, targets, extra, opts)
+    return loss, TokenLogprobs(
+        logprobs=lp,
+        extra_logprobs=extra_lp if extra_ids is not None else None,
+        entropy=ent if want_entropy else None,
+        top_ids=top_ids if top_n else None,
+        top_logprobs=top_lp if top_n else None,
+    )
+
+
+class _Opts:
+    """Non-tensor arguments of the Function (also read by ``_Chunk`` as its ``ctx_like``)."""
+
+    def __init__(self, temperature, chunk, compute_dtype, cand_rows, cand_cols, want_entropy, top_n, chunk_loss,
+                 has_extra, grad_enabled) -> None:  # fmt: skip
+        self.temperature, self.chunk, self.compute_dtype = temperature, chunk, compute_dtype
+        self.cand_rows, self.cand_cols = cand_rows, cand_cols
+        self.want_entropy, self.top_n, self.chunk_loss = want_entropy, top_n, chunk_loss
+        self.has_extra, self.grad_enabled = has_extra, grad_enabled
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, extra, o: _Opts):
+        n_tok, dev = hidden.shape[0], hidden.device
+        need_h = o.grad_enabled and ctx.needs_input_grad[0]
+        need_w = o.grad_enabled and ctx.needs_input_grad[1]
+        lp = torch.empty(n_tok, dtype=torch.float32, device=dev)
+        extra_lp = torch.empty(extra.shape, dtype=torch.float32, device=dev)
+        ent = torch.empty(n_tok if o.want_entropy else 0, dtype=torch.float32, device=dev)
+        top_ids = torch.empty(n_tok, o.top_n, dtype=torch.long, device=dev)
+        top_lp = torch.empty(n_tok, o.top_n, dtype=torch.float32, device=dev)
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        with torch.autocast(dev.type, enabled=False):
+            w = weight.to(o.compute_dtype)
+            for lo in range(0, n_tok, o.chunk):
+                hi = min(lo + o.chunk, n_tok)
+                if not o.cand_rows.numel():  # no candidate sets: the fused elementwise path
+                    total += _plain_chunk(o, hidden, w, targets, extra, lo, hi, need_h, need_w,
+                                          (lp, extra_lp, ent, top_ids, top_lp, d_hidden, d_weight))  # fmt: skip
+                    continue
+                ch = _Chunk(o, hidden, w, lo, hi)
+                s = torch.logsumexp(ch.zm, dim=-1)
+                lp[lo:hi] = ch.zm.gather(1, targets[lo:hi, None])[:, 0] - s
+                ids = extra[lo:hi]
+                if extra.shape[1]:
+                    got = ch.zm.gather(1, ids.clamp(min=0)) - s[:, None]
+                    extra_lp[lo:hi] = got.masked_fill(ids < 0, float("-inf"))
+                p = None
+                if o.want_entropy:
+                    p = (ch.zm - s[:, None]).exp_()
+                    ent[lo:hi] = s - (p[:, None, :] @ ch.z[:, :, None]).view(-1)
+                if o.top_n:
+                    vals, idx = torch.topk(ch.zm, o.top_n, dim=-1)
+                    top_ids[lo:hi], top_lp[lo:hi] = idx, vals - s[:, None]
+                g_lp, g_ex, chunk_total = _chunk_grads(o, lo, hi, lp[lo:hi], extra_lp[lo:hi], need_h or need_w)
+                total += chunk_total
+                if not (need_h or need_w):
+                    continue
+                if p is None:
+                    p = (ch.zm - s[:, None]).exp_()  # 0 outside candidate sets
+                coef = g_lp.clone()
+                ge = None
+                if g_ex is not None and extra.shape[1]:
+                    ge = g_ex.masked_fill(ids < 0, 0.0)
+                    coef += ge.sum(-1)
+                dz = p.mul_(-coef[:, None])
+                dz.scatter_add_(1, targets[lo:hi, None], g_lp[:, None])
+                if ge is not None:
+                    dz.scatter_add_(1, ids.clamp(min=0), ge)
+                if o.temperature != 1.0:
+                    dz /= o.temperature
+                dz = dz.to(w.dtype)
+                if need_h:
+                    d_hidden[lo:hi] = (dz @ w).to(hidden.dtype)
+                if need_w:
+                    d_weight += dz.T @ ch.h
+        ctx.save_for_backward(d_hidden, d_weight.to(weight.dtype) if need_w else None)
+        ctx.mark_non_differentiable(lp, extra_lp, ent, top_ids, top_lp)
+        return total, lp, extra_lp, ent, top_ids, top_lp
+
+    @staticmethod
+    def backward(ctx, g_loss, *_unused):
+        d_hidden, d_weight = ctx.saved_tensors
+        if g_loss is None:
+            return None, None, None, None, None
+        scale = g_loss.to(torch.float32)
+        dh = d_hidden * scale.to(d_hidden.dtype) if d_hidden is not None else None
+        dw = d_weight * scale.to(d_weight.dtype) if d_weight is not None else None
+        return dh, dw, None, None, None
+
+
+def _plain_chunk(
+    o: _Opts, hidden, w, targets, extra, lo: int, hi: int, need_h: bool, need_w: bool, outs
+) -> torch.Tensor:
+    """One chunk without candidate sets: logits stay in the matmul dtype; ``head_kernels`` do the dense work and
+    the one-hot terms go straight into the hidden and weight gradients. Returns the chunk's loss."""
+    lp, extra_lp, ent, top_ids, top_lp, d_hidden, d_weight = outs
+    t_inv = 1.0 / o.temperature
+    h = hidden[lo:hi].to(w.dtype)
+    zb = h @ w.T  # [c, V] in the compute dtype
+    s, mean_z = head_kernels.row_stats(zb, o.temperature, o.want_entropy)
+    t = targets[lo:hi]
+    lp[lo:hi] = zb.gather(1, t[:, None])[:, 0].float() / o.temperature - s
+    ids = extra[lo:hi]
+    safe_ids = ids.clamp(min=0)
+    if extra.shape[1]:
+        got = zb.gather(1, safe_ids).float() / o.temperature - s[:, None]
+        extra_lp[lo:hi] = got.masked_fill(ids < 0, float("-inf"))
+    if o.want_entropy:
+        ent[lo:hi] = s - mean_z
+    if o.top_n:
+        vals, idx = torch.topk(zb, o.top_n, dim=-1)
+        top_ids[lo:hi], top_lp[lo:hi] = idx, vals.float() / o.temperature - s[:, None]
+    g_lp, g_ex, chunk_total = _chunk_grads(o, lo, hi, lp[lo:hi], extra_lp[lo:hi], need_h or need_w)
+    if not (need_h or need_w):
+        return chunk_total
+    coef = g_lp.clone()
+    ge = None
+    if g_ex is not None and extra.shape[1]:
+        ge = g_ex.masked_fill(ids < 0, 0.0)
+        coef += ge.sum(-1)
+    dz = head_kernels.dense_grad(zb, s, coef, o.temperature)  # -p coef / T, [c, V]
+    del zb
+    hf = h.float()
+    if need_h:  # dense part, plus sum over one-hot terms g_k W[id_k] / T
+        sparse = (g_lp * t_inv)[:, None] * w[t].float()
+        if ge is not None:
+            sparse += torch.einsum("ck,ckh->ch", ge * t_inv, w[safe_ids].float())
+        d_hidden[lo:hi] = ((dz @ w).float() + sparse).to(d_hidden.dtype)
+    if need_w:
+        d_weight += dz.T @ h
+        d_weight.index_add_(0, t, (g_lp * t_inv)[:, None] * hf)
+        if ge is not None:
+            rows = (ge * t_inv)[:, :, None] * hf[:, None, :]  # [c, K, H]: small next to [c, V]
+            d_weight.index_add_(0, safe_ids.reshape(-1), rows.reshape(-1, hf.shape[1]))
+    return chunk_total
+
+
+def _chunk_grads(
+    o: _Opts, lo: int, hi: int, lp: torch.Tensor, extra_lp: torch.Tensor, want_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The chunk's loss and its gradient w.r.t. the chunk's log-probs (autograd over [c] and [c, K] tensors)."""
+    with torch.enable_grad():
+        a = lp.detach().requires_grad_(want_grad)
+        b = extra_lp.detach().requires_grad_(want_grad) if o.has_extra else None
+        loss = o.chunk_loss(lo, hi, a, b)
+        if loss.dim() != 0:
+            raise ValueError(f"chunk_loss must return a 0-d tensor, got shape {tuple(loss.shape)}")
+        if not want_grad:
+            return a, None, loss.detach().float()
+        inputs = [a] if b is None else [a, b]
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    g_lp = grads[0] if grads[0] is not None else torch.zeros_like(a)
+    g_ex = grads[1] if b is not None else None
+    if b is not None and g_ex is None:
+        g_ex = torch.zeros_like(b)
+    return g_lp.float(), g_ex.float() if g_ex is not None else None, loss.detach().float()

@@ -1,0 +1,73 @@
+"""Regional compile of the decoder layers (trainer/compile.py): same packed log-probs and gradients as the
+per-sample unpacked HF forward, and a compile failure falls back to eager with one warning."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from asyncgrpo.packing.row import pack_samples
+from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers, decoder_layers
+from tests.helpers.synthetic import random_tree_samples
+from tests.unit.test_packing_attention import COMMON, VOCAB, _packed, _reference
+
+
+def _qwen3() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(head_dim=8, **COMMON)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+
+
+@pytest.mark.slow  # ~40 s on 2 shared cores: dynamo + AOT tracing of forward and backward
+def test_compiled_layers_match_unpacked_reference():
+    """Under gradient checkpointing (the default of real runs): the recompute runs the compiled layer too."""
+    rng = np.random.default_rng(3)
+    samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=2)
+    model = _qwen3()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    row = pack_samples(samples)
+    weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
+    ref_lp, ref_grads = _reference(model, samples, weights)
+    torch._dynamo.reset()
+    # aot_eager traces forward and backward the way inductor does, without a C compiler on 2 shared cores
+    assert compile_decoder_layers(model, CompileSettings(backend="aot_eager")) == COMMON["num_hidden_layers"]
+    assert compile_decoder_layers(model, CompileSettings(backend="aot_eager")) == 0  # idempotent
+    lp, grads = _packed(model, row, weights)
+    assert (lp - ref_lp).abs().max().item() <= 1e-4
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(model))
+
+
+def test_compile_failure_falls_back_to_eager_once(caplog):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded on purpose")
+
+    rng = np.random.default_rng(5)
+    samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=2)
+    row = pack_samples(samples)
+    model = _qwen3().train()
+    weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
+    ref_lp, ref_grads = _reference(model, samples, weights)
+    torch._dynamo.reset()
+    compile_decoder_layers(model, CompileSettings(backend=broken_backend))
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.compile"):
+        lp, grads = _packed(model, row, weights)
+        _packed(model, row, weights)
+    warnings = [r for r in caplog.records if "running them eager" in r.getMessage()]
+    assert len(warnings) == 1 and "backend exploded" in warnings[0].getMessage()
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(model))
+    assert torch.equal(lp, ref_lp) or (lp - ref_lp).abs().max().item() <= 1e-4
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
+
+
+def test_model_without_layer_list_is_refused():
+    with pytest.raises(ValueError, match="compile_decoder_layers=False"):
+        compile_decoder_layers(torch.nn.Linear(2, 2))
