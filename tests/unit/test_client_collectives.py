@@ -15,9 +15,8 @@ from asyncgrpo.weights.collectives import (
     join_group,
     make_store,
     plan_chunks,
-    receive_tensors,
-    send_tensors,
 )
+from asyncgrpo.weights.wire import receive_tensors, send_tensors
 
 
 def _metas(sizes_bytes):

@@ -7,7 +7,8 @@ import torch
 
 from asyncgrpo.server.request import SamplingParams
 from asyncgrpo.server.weight_receiver import WeightReceiver
-from asyncgrpo.weights.collectives import TensorMeta, dtype_name, send_tensors
+from asyncgrpo.weights.collectives import TensorMeta, dtype_name
+from asyncgrpo.weights.wire import send_tensors
 from tests.unit.test_client_collectives import _run_pair
 from tests.unit.test_prefix_cache import BASES, _engine, _run
 

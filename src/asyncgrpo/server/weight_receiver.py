@@ -31,8 +31,8 @@ from asyncgrpo.weights.collectives import (
     dtype_from_name,
     join_group,
     make_store,
-    receive_tensors,
 )
+from asyncgrpo.weights.wire import receive_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ transfer). Two backends, neither touching torch.distributed's global default gro
 * ``gloo``: ``ProcessGroupGloo`` over a ``TCPStore`` whose master is rank 0 (CPU runs).
 
 The wire format (which broadcasts, in which order, of which bytes) is defined once, in
-``weights/wire.py``: :func:`send_tensors` and :func:`receive_tensors` are mirror images.
+``weights/wire.py``: ``send_tensors`` and ``receive_tensors`` there are mirror images.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -329,37 +329,3 @@ def warm_up(group: TransferGroup) -> float:
     group.all_reduce_sum(probe)
     group.synchronize("the warm-up all-reduce")
     return float(probe.item())
-
-
-# ---------------------------------------------------------------------- the wire format of one round
-
-
-def send_tensors(
-    group: TransferGroup,
-    tensors: Iterable[torch.Tensor],
-    metas: list[TensorMeta],
-    *,
-    packed: bool,
-    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
-) -> None:
-    """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks (``weights/wire.py``)."""
-    from asyncgrpo.weights.wire import send_tensors as impl
-
-    impl(group, tensors, metas, packed=packed, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
-
-
-def receive_tensors(
-    group: TransferGroup,
-    metas: list[TensorMeta],
-    *,
-    packed: bool,
-    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    destination: Callable[[TensorMeta], torch.Tensor | None] | None = None,
-    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Receivers: the batches of one round, mirror of :func:`send_tensors` (``weights/wire.py``)."""
-    from asyncgrpo.weights.wire import receive_tensors as impl
-
-    return impl(group, metas, packed=packed, buffer_size_bytes=buffer_size_bytes, destination=destination,
-                num_buffers=num_buffers)  # fmt: skip

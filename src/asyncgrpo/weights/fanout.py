@@ -47,11 +47,11 @@ from asyncgrpo.weights.collectives import (
     TransferGroup,
     dtype_name,
     make_store,
-    send_tensors,
 )
 from asyncgrpo.weights.fanout_group import FanoutGroup, join_watching
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from asyncgrpo.weights.sender import DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S, _local_address_towards, _LoopThread
+from asyncgrpo.weights.wire import send_tensors
 
 logger = logging.getLogger(__name__)
 

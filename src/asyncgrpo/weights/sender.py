@@ -43,10 +43,10 @@ from asyncgrpo.weights.collectives import (
     dtype_name,
     join_group,
     make_store,
-    send_tensors,
 )
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from asyncgrpo.weights.restart import DEFAULT_RESTART_TIMEOUT_S, RestartRecovery
+from asyncgrpo.weights.wire import send_tensors
 
 logger = logging.getLogger(__name__)
 

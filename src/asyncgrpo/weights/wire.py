@@ -24,7 +24,13 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from asyncgrpo.client.errors import WeightTransferError
-from asyncgrpo.weights.collectives import TensorMeta, TransferGroup, plan_chunks
+from asyncgrpo.weights.collectives import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    TensorMeta,
+    TransferGroup,
+    plan_chunks,
+)
 
 Destination = Callable[[TensorMeta], "torch.Tensor | None"]
 
@@ -138,8 +144,8 @@ def send_tensors(
     metas: list[TensorMeta],
     *,
     packed: bool,
-    buffer_size_bytes: int,
-    num_buffers: int = 2,
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
 ) -> None:
     """Rank 0: broadcast ``tensors`` (in ``metas`` order) unpacked or in packed uint8 chunks.
 
@@ -197,9 +203,9 @@ def receive_tensors(
     metas: list[TensorMeta],
     *,
     packed: bool,
-    buffer_size_bytes: int,
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     destination: Destination | None = None,
-    num_buffers: int = 2,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Receivers: yield the tensors of a round in batches (one per tensor, or one per packed chunk).
 
