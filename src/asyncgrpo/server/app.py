@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from asyncgrpo.server.http_protocol import (
     ParsedRequest,
     ServerLimits,
     completion_response,
+    encode_json,
     error_body,
     generate_response,
     parse_completion,
@@ -87,6 +89,8 @@ class ServerState:
         )
         self.registry = prometheus.make_registry(engine.stats, config.served_model_name)
         self.receiver = WeightReceiver(engine, config.weight_transfer_backend, config.weight_transfer_timeout_s)
+        # Diagnostics (bench/rollout_path.py): generation answers sent and seconds spent building + encoding them.
+        self.http_stats = {"responses": 0, "response_build_s": 0.0}
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -183,14 +187,23 @@ async def generate(request: web.Request) -> web.Response:
         raise ApiError(403, "/inference/v1/generate needs --enable-scale-out")
     parsed = parse_generate(await _json(request), state.limits)
     outputs = await _run(state, parsed)
-    return web.json_response(generate_response(parsed, outputs))
+    return _timed_json(state, lambda: generate_response(parsed, outputs))
 
 
 async def completions(request: web.Request) -> web.Response:
     state = _state(request)
     parsed = parse_completion(await _json(request), state.limits, state.encode)
     outputs = await _run(state, parsed)
-    return web.json_response(completion_response(parsed, outputs, state.decode))
+    return _timed_json(state, lambda: completion_response(parsed, outputs, state.decode))
+
+
+def _timed_json(state: ServerState, build: Callable[[], Any]) -> web.Response:
+    """A JSON answer whose build and encoding time is counted in ``state.http_stats`` (bench diagnostics)."""
+    t0 = time.perf_counter()
+    body = encode_json(build())
+    state.http_stats["responses"] += 1
+    state.http_stats["response_build_s"] += time.perf_counter() - t0
+    return web.Response(body=body, content_type="application/json")
 
 
 # ---------------------------------------------------------------------- basic endpoints
@@ -250,7 +263,9 @@ async def server_info(request: web.Request) -> web.Response:
     ours = {"kv_cache_tokens": e.kv_cache_tokens, "weight_transfer_backend": cfg.weight_transfer_backend,
             "return_sampling_mask": cfg.return_sampling_mask, "enable_scale_out": cfg.enable_scale_out,
             "enable_lora": cfg.enable_lora, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
-            "weight_version": e.weight_version}  # fmt: skip
+            "weight_version": e.weight_version, "http_stats": dict(state.http_stats)}  # fmt: skip
+    if hasattr(e, "step_timings"):
+        ours["engine_step_timings"] = e.step_timings()
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},
                               "asyncgrpo": ours})  # fmt: skip
 

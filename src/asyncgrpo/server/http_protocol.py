@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import math
 import time
@@ -75,6 +76,11 @@ class ApiError(Exception):
 def error_body(status: int, message: str, *, param: str | None = None, type_: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "Error"), "param": param,
                       "code": status}}  # fmt: skip
+
+
+def encode_json(data: Any) -> bytes:
+    """UTF-8 JSON of an answer body (compact separators: fewer bytes for long log-prob lists)."""
+    return json.dumps(data, separators=(",", ":")).encode()
 
 
 def wire_float(x: float) -> float | None:
