@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.wire_json import RawJSON, completion_logprobs_json, encode_with_raw, generate_content_json
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ def error_body(status: int, message: str, *, param: str | None = None, type_: st
 
 
 def encode_json(data: Any) -> bytes:
-    """UTF-8 JSON of an answer body (compact separators: fewer bytes for long log-prob lists)."""
-    return json.dumps(data, separators=(",", ":")).encode()
+    """UTF-8 JSON of an answer body (compact; pre-encoded per-token parts spliced in, see ``wire_json``)."""
+    return encode_with_raw(data)
 
 
 def wire_float(x: float) -> float | None:
@@ -293,9 +293,13 @@ def _content_entry(out: RequestOutput, i: int) -> dict[str, Any]:
 def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> dict[str, Any]:
     choices = []
     for index, out in enumerate(outputs):
-        logprobs = None
+        logprobs: Any = None
         if parsed.logprobs is not None:
-            logprobs = {"content": [_content_entry(out, i) for i in range(len(out.token_ids))]}
+            raw = generate_content_json(out.token_ids, out.logprobs, out.top_logprobs)
+            if raw is not None:
+                logprobs = RawJSON(raw)
+            else:  # -inf / NaN log-probs: the dict path writes vLLM's -9999.0 / null
+                logprobs = {"content": [_content_entry(out, i) for i in range(len(out.token_ids))]}
         choices.append({
             "index": index,
             "finish_reason": out.finish_reason,
@@ -370,8 +374,13 @@ def completion_response(
 
     choices = []
     for index, out in enumerate(outputs):
-        logprobs = None
-        if parsed.logprobs is not None:
+        logprobs: Any = None
+        raw = None
+        if parsed.logprobs is not None and parsed.return_tokens_as_token_ids:
+            raw = completion_logprobs_json(out.token_ids, out.logprobs, out.top_logprobs)
+        if raw is not None:
+            logprobs = RawJSON(raw)
+        elif parsed.logprobs is not None:
             tokens = [token_str(t) for t in out.token_ids]
             offsets = list(itertools.accumulate((len(s) for s in tokens[:-1]), initial=0)) if tokens else []
             tops = []
