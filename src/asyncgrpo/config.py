@@ -239,6 +239,15 @@ class AsyncGRPOConfig(TrainingArguments):
             "trainer consumes in max(max_staleness, 1) steps."
         },
     )
+    sync_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Synchronous baseline: the worker starts groups only while the trainer is waiting for samples, so "
+            "generation and training never overlap (as in a synchronous GRPO trainer). For comparisons and debugging; "
+            "slower by design. Groups still in flight when a step starts training land one update behind: keep "
+            "max_staleness >= 1 to train them rather than drop them."
+        },
+    )
     weight_sync_steps: int = field(
         default=1, metadata={"help": "Push the policy weights to the server every this many optimizer steps."}
     )

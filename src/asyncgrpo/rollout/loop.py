@@ -229,12 +229,19 @@ class AsyncRolloutLoop:
     def _sync_admission(self) -> None:
         self.admission.on_trainer_report(self.channels.tokens_consumed.value, self.channels.tokens_per_step.value)
 
+    def _trainer_wants_samples(self) -> bool:
+        """Always, unless ``sync_rollouts``: then only while the trainer waits for a step's samples."""
+        gate = getattr(self.channels, "trainer_waiting", None)
+        return not self.settings.sync_rollouts or gate is None or gate.is_set()
+
     async def _wait_for_admission(self, tasks: set[asyncio.Task]) -> None:
         t0 = time.perf_counter()
         while True:
             await self._raise_failed(tasks)  # a failed group must stop the run even while generation waits
             self._sync_admission()
-            if self.admission.can_start_group() or self.channels.stop.is_set():
+            if self.channels.stop.is_set():
+                break
+            if self.admission.can_start_group() and self._trainer_wants_samples():
                 break
             await asyncio.sleep(0.01)
         waited = time.perf_counter() - t0

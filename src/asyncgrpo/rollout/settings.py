@@ -41,6 +41,7 @@ class RolloutSettings:
         skip_indices: flat prompt indices past ``dataset_start_index`` a checkpoint settled: not generated (X3).
         retry_for_s: how long a request to a server that stopped answering is retried (the config's
             ``vllm_server_restart_timeout``).
+        sync_rollouts: start groups only while the trainer waits for samples (the config's ``sync_rollouts``).
         extra: free-form values for custom loops; the library never reads it.
     """
 
@@ -60,6 +61,7 @@ class RolloutSettings:
     num_epochs: int | None = None
     skip_indices: frozenset[int] = frozenset()
     retry_for_s: float = 0.0
+    sync_rollouts: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

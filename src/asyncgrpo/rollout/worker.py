@@ -65,6 +65,7 @@ class WorkerChannels:
     tokens_consumed: Any  # mp.Value("q"), total tokens the trainer pulled from `samples`
     heartbeat: Any  # mp.Value("d")
     samples_queued: Any = None  # mp.Value("q"): samples put in `samples` minus samples the trainer pulled
+    trainer_waiting: Any = None  # mp.Event: set while the trainer waits for a step's samples (sync_rollouts)
 
     def count_queued(self, delta: int) -> None:
         if self.samples_queued is not None:
@@ -148,6 +149,7 @@ class RolloutWorker:
             tokens_consumed=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", 0.0),
             samples_queued=ctx.Value("q", 0),
+            trainer_waiting=ctx.Event(),
         )
         self.loop_obj = loop_obj
         self.heartbeat_timeout = heartbeat_timeout
@@ -238,6 +240,11 @@ class RolloutWorker:
     # ---- trainer -> worker
     def set_policy_version(self, version: int) -> None:
         self.channels.policy_version.value = version
+
+    def set_trainer_waiting(self, waiting: bool) -> None:
+        """Open (True) or close the gate a ``sync_rollouts`` worker starts groups through."""
+        if self.channels.trainer_waiting is not None:
+            (self.channels.trainer_waiting.set if waiting else self.channels.trainer_waiting.clear)()
 
     def report_step(self, tokens_used: int) -> None:
         self.channels.tokens_per_step.value = int(tokens_used)

@@ -275,7 +275,11 @@ class RolloutSource:
             else:
                 self._buffer.appendleft(sample)
         self.metrics.append(("rollout/queue_size", float(self.worker.queue_size()), 1.0))
-        return plan_step(self.batcher, self._pull, self.ga)
+        self.worker.set_trainer_waiting(True)  # a sync_rollouts worker generates only while this is open
+        try:
+            return plan_step(self.batcher, self._pull, self.ga)
+        finally:
+            self.worker.set_trainer_waiting(False)
 
     def step_done(self, micro_batches: list[MicroBatch]) -> int:
         """Account for a finished optimizer step; returns the flat tokens it trained (G3's per-step report)."""

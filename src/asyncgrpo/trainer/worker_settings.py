@@ -63,5 +63,6 @@ def build_rollout_settings(
         log_completions=args.log_completions,
         dataset_start_index=start_index,
         num_epochs=math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None,
+        sync_rollouts=args.sync_rollouts,
         extra=config_extra_fields(args),
     )
