@@ -178,3 +178,30 @@ def test_client_parse_and_reconcile_keep_the_sampler_top_n():
     for i, top in enumerate(out.top_logprobs):
         assert seq.sampler_top_ids[3 + i] == [t for t, _ in top]
         assert seq.sampler_top_logprobs[3 + i] == [v for _, v in top]
+
+
+def test_validate_whole_list_checks_agree_with_the_position_loop():
+    """TrainingSequence.validate checks whole lists first; a bad value still gets its position named."""
+    from asyncgrpo.types import TrainingSequence
+
+    def seq(**kw):
+        base = {
+            "input_ids": [1, 2, 3, 4],
+            "loss_mask": [0, 0, 1, 1],
+            "sampler_logprobs": [math.nan, 0.0, -0.5, -1.0],
+            "advantage": 1.0,
+            "model_version": 0,
+            "group_id": 0,
+            "row_index": 0,
+            "sampler_top_ids": [[], [], [2, 3], [4]],
+            "sampler_top_logprobs": [[], [], [-0.1, -0.5], [-1.0]],
+        }
+        return TrainingSequence(**{**base, **kw})
+
+    seq().validate()  # untrained positions may hold anything (the NaN at 0 is context)
+    with pytest.raises(ValueError, match=r"sampler_logprobs\[3\]=0.5 is not a log-probability"):
+        seq(sampler_logprobs=[0.0, 0.0, -0.5, 0.5]).validate()
+    with pytest.raises(ValueError, match=r"sampler_top_logprobs\[2\] holds a value"):
+        seq(sampler_top_logprobs=[[], [], [-0.1, math.inf], [-1.0]]).validate()
+    with pytest.raises(ValueError, match=r"sampler_top_ids\[3\] and sampler_top_logprobs\[3\] differ"):
+        seq(sampler_top_logprobs=[[], [], [-0.1, -0.5], [-1.0, -2.0]]).validate()
