@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import random
 import sys
 import tempfile
 import threading
@@ -39,8 +40,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
@@ -57,7 +56,7 @@ TINY = {**QWEN3_06B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_h
         "head_dim": 16, "intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
 # name -> (groups, G, prompt_len range, output_len range, distinct prompts within a group)
 SHAPES = {"b5": (32, 8, (128, 128), (256, 256), True), "grpo": (64, 8, (128, 512), (8, 256), False)}
-TINY_SHAPES = {"b5": (4, 4, (16, 16), (16, 16), True), "grpo": (3, 4, (8, 32), (2, 16), False)}
+TINY_SHAPES = {"b5": (2, 4, (16, 16), (16, 16), True), "grpo": (2, 4, (8, 32), (2, 16), False)}
 SERVED_NAME = "bench"
 
 
@@ -71,28 +70,27 @@ class Req:
 def make_workload(shape: tuple, vocab: int, seed: int) -> list[Req]:
     """Requests of one shape; GRPO groups share their prompt, B5's 'groups' hold distinct prompts."""
     groups, g, (p_lo, p_hi), (o_lo, o_hi), distinct = shape
-    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
 
-    def rand(lo: int, hi: int) -> int:
-        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    def prompt() -> list[int]:
+        return [rng.randrange(2, vocab) for _ in range(rng.randint(p_lo, p_hi))]
 
     reqs = []
     for grp in range(groups):
-        shared = torch.randint(2, vocab, (rand(p_lo, p_hi),), generator=gen).tolist()
-        for _ in range(g):
-            prompt = torch.randint(2, vocab, (rand(p_lo, p_hi),), generator=gen).tolist() if distinct else shared
-            reqs.append(Req(prompt, rand(o_lo, o_hi), grp))
+        shared = prompt()
+        reqs += [Req(prompt() if distinct else shared, rng.randint(o_lo, o_hi), grp) for _ in range(g)]
     return reqs
 
 
-def build_model_dir(shape: dict, device: str, dtype: torch.dtype, path: Path) -> Path:
+def build_model_dir(shape: dict, device: str, dtype: str, path: Path) -> Path:
     """Random-init Qwen3 model saved to ``path`` (built on ``device`` directly; no tokenizer)."""
+    import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
     cfg = Qwen3Config(**shape, bos_token_id=0, eos_token_id=1, pad_token_id=1)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.save_pretrained(path)
     del model
     _free()
@@ -100,12 +98,16 @@ def build_model_dir(shape: dict, device: str, dtype: torch.dtype, path: Path) ->
 
 
 def _free() -> None:
+    import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def _sync() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -185,8 +187,14 @@ def _row(reqs: list[Req], tokens: int, seconds: float, stages: dict[str, float])
     expected = sum(r.out_len for r in reqs)
     if tokens != expected:
         raise RuntimeError(f"generated {tokens} tokens but the requests fix {expected}")
+    derived = {}
+    if stages.get("decode_steps"):
+        derived["decode_ms_per_step"] = 1e3 * stages["decode_s"] / stages["decode_steps"]
+        derived["decode_tokens_per_step"] = tokens / stages["decode_steps"]
+    if "decode_s" in stages:  # the share of the wall time the engine spent in steps (the rest: idle or waiting)
+        derived["engine_busy_frac"] = (stages["decode_s"] + stages.get("prefill_s", 0.0)) / seconds
     return {"requests": len(reqs), "prompt_tokens": sum(len(r.prompt) for r in reqs), "generated_tokens": tokens,
-            "seconds": seconds, "generated_tok_per_s": tokens / seconds, "stages": stages}  # fmt: skip
+            "seconds": seconds, "generated_tok_per_s": tokens / seconds, "stages": stages, "derived": derived}  # fmt: skip
 
 
 # ---------------------------------------------------------------------- variant 2: server over HTTP
@@ -383,13 +391,15 @@ def main() -> int:
                                file=sys.stderr, flush=True), os._exit(124)))  # fmt: skip
     watchdog.daemon = True
     watchdog.start()
+    import torch  # here, not at the top: the spawned rollout worker re-imports this file and needs no torch
+
     if opts.tiny:
-        model_shape, shapes, device, dtype = TINY, TINY_SHAPES, "cpu", torch.float32
+        model_shape, shapes, device, dtype = TINY, TINY_SHAPES, "cpu", "float32"
     elif not torch.cuda.is_available():
         print("rollout_path needs a CUDA GPU (use --tiny for the CPU smoke run); nothing was measured.")
         return 2
     else:
-        model_shape, shapes, device, dtype = QWEN3_06B, SHAPES, "cuda:0", torch.bfloat16
+        model_shape, shapes, device, dtype = QWEN3_06B, SHAPES, "cuda:0", "bfloat16"
     names = [s for s in opts.shapes.split(",") if s]
     unknown = [s for s in names if s not in shapes]
     if unknown:
@@ -399,7 +409,7 @@ def main() -> int:
     opts.max_model_len = -(-longest // 16) * 16
     opts.max_num_seqs = 256 if not opts.tiny else 64
     opts.kv_cache_tokens = opts.max_num_seqs * opts.max_model_len
-    opts.device, opts.dtype = device, str(dtype).removeprefix("torch.")
+    opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
                                "inputs": {s: {"requests": len(w), "shape": shapes[s]} for s, w in workloads.items()},
@@ -411,6 +421,7 @@ def main() -> int:
         model_dir = build_model_dir(model_shape, device, dtype, Path(tmp) / "model")
         if "in_process" in variants:
             try:
+                _remaining()
                 results["in_process"] = run_in_process(model_dir, opts, workloads)
             except Exception as exc:
                 logger.exception("in-process variant failed")
@@ -451,6 +462,7 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
             if name not in variants:
                 continue
             try:
+                _remaining()
                 results[name] = fn(server.base_url, opts, workloads)
             except Exception as exc:
                 logger.exception("%s variant failed; server log tail:\n%s", name, server.log_tail())
@@ -466,8 +478,9 @@ def _report(results: dict[str, Any]) -> None:
             row = results.get(v, {}).get(shape)
             if row:
                 stages = ", ".join(f"{k}={x:.3f}" for k, x in row["stages"].items() if k.endswith("_s") or "sum" in k)
+                derived = ", ".join(f"{k}={x:.3f}" for k, x in row["derived"].items())
                 print(f"{v:11} {row['generated_tokens']:>8} tok {row['seconds']:>8.2f} s "
-                      f"{row['generated_tok_per_s']:>10.0f} tok/s   {stages}")  # fmt: skip
+                      f"{row['generated_tok_per_s']:>10.0f} tok/s   {stages}; {derived}")  # fmt: skip
         print(f"ratios: {results['ratios'].get(shape)}")
 
 
