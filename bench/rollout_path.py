@@ -233,7 +233,9 @@ async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req]) ->
         t0 = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
         seconds = time.perf_counter() - t0
-        stages = _server_delta(before, await _server_stages(client)) | {"client_parse_s": client.parse_seconds}
+        stages = _server_delta(before, await _server_stages(client)) | {
+            "client_parse_s": getattr(client, "parse_seconds", 0.0)
+        }
     return tokens, seconds, stages
 
 
