@@ -33,6 +33,7 @@ import logging
 import os
 import platform
 import random
+import shlex
 import sys
 import tempfile
 import threading
@@ -386,6 +387,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="b5,grpo", help="comma list of shapes: b5, grpo")
     ap.add_argument("--variants", default="in_process,http,worker", help="comma list: in_process, http, worker")
     ap.add_argument("--max-seconds", type=float, default=400.0, help="give up (non-zero exit) after this long")
+    ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     _DEADLINE[0] = time.monotonic() + opts.max_seconds
@@ -414,6 +416,7 @@ def main() -> int:
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
+                               "server_args": opts.server_args,
                                "inputs": {s: {"requests": len(w), "shape": shapes[s]} for s, w in workloads.items()},
                                "model_shape": model_shape, "max_model_len": opts.max_model_len,
                                "machine": {"gpu": torch.cuda.get_device_name(0) if device != "cpu" else None,
@@ -452,7 +455,8 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
     failures = []
     flags = ["--device", opts.device, "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len),
              "--max-num-seqs", str(opts.max_num_seqs), "--kv-cache-tokens", str(opts.kv_cache_tokens),
-             "--served-model-name", SERVED_NAME, "--max-logprobs", str(max(opts.logprobs, 20))]  # fmt: skip
+             "--served-model-name", SERVED_NAME, "--max-logprobs", str(max(opts.logprobs, 20)),
+             *shlex.split(opts.server_args)]  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None
     try:
         server = launch_server(model_dir, extra_args=flags, env=env, log_path=tmp / "server.log",

@@ -7,6 +7,7 @@ for the same numbers, the least any encoder of these answers pays.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -205,3 +206,34 @@ def test_validate_whole_list_checks_agree_with_the_position_loop():
         seq(sampler_top_logprobs=[[], [], [-0.1, math.inf], [-1.0]]).validate()
     with pytest.raises(ValueError, match=r"sampler_top_ids\[3\] and sampler_top_logprobs\[3\] differ"):
         seq(sampler_top_logprobs=[[], [], [-0.1, -0.5], [-1.0, -2.0]]).validate()
+
+
+def test_answers_built_in_a_helper_process_equal_the_inline_ones():
+    """--answer-workers: the same bytes' JSON from a spawned helper as from the handler itself, both endpoints."""
+    from asyncgrpo.server.answer_pool import AnswerEncoder
+
+    rng = random.Random(5)
+    outs = [_output(rng, 64, 8), _output(rng, 3, 8)]
+    completion = ParsedCompletion("c", "m", None, [1, 2, 3], [], 8, return_token_ids=True,
+                                  return_tokens_as_token_ids=True, return_weight_versions=True)  # fmt: skip
+    generate = ParsedRequest("g", "m", None, [1, 2, 3], [], 8)
+
+    def decode(ids: list[int]) -> str:
+        return "text-" + "-".join(map(str, ids[:3]))
+
+    async def main() -> tuple[list[bytes], list[bytes]]:
+        inline, pooled = AnswerEncoder(0), AnswerEncoder(1, min_numbers=0)
+        try:
+            a = [await inline.completion(completion, outs, decode), await inline.generate(generate, outs)]
+            b = [await pooled.completion(completion, outs, decode), await pooled.generate(generate, outs)]
+            assert pooled._pool is not None  # it really went to a helper
+        finally:
+            pooled.close()
+        return a, b
+
+    inline, pooled = asyncio.run(main())
+    for x, y in zip(inline, pooled):
+        dx, dy = json.loads(x), json.loads(y)
+        dx.pop("created"), dy.pop("created")
+        assert dx == dy
+    assert json.loads(pooled[0])["choices"][0]["text"] == decode(outs[0].token_ids)
