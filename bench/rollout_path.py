@@ -341,12 +341,24 @@ async def _stages_once(base_url: str) -> dict[str, Any]:
 
 
 def _worker_stages(metrics: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per-group scoring and admission waits summed (wall seconds; groups overlap, so sums can pass the run's
+    time), and the mean rollout latency (a rollout's request-to-answer time, not a stage of the run)."""
+    wanted = ("rollout/score_s", "rollout/backpressure_s", "rollout/score_wait_s", "rollout/duration_s")
     sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for name, value, _ in metrics:
-        if name in ("rollout/score_s", "rollout/backpressure_s", "rollout/score_wait_s", "rollout/duration_s"):
-            key = "worker_" + name.split("/")[1] + "_sum"
-            sums[key] = sums.get(key, 0.0) + value
-    return sums
+        if name in wanted:
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    out = {}
+    for name, total in sums.items():
+        short = name.split("/")[1]
+        if name == "rollout/duration_s":
+            out["worker_rollout_latency_s_mean"] = total / counts[name]
+        else:
+            out[f"worker_{short}_sum"] = total
+            out[f"worker_{short}_mean"] = total / counts[name]
+    return out
 
 
 # ---------------------------------------------------------------------- main
@@ -483,7 +495,7 @@ def _report(results: dict[str, Any]) -> None:
         for v in ("in_process", "http", "worker"):
             row = results.get(v, {}).get(shape)
             if row:
-                stages = ", ".join(f"{k}={x:.3f}" for k, x in row["stages"].items() if k.endswith("_s") or "sum" in k)
+                stages = ", ".join(f"{k}={x:.3f}" for k, x in row["stages"].items() if "steps" not in k)
                 derived = ", ".join(f"{k}={x:.3f}" for k, x in row["derived"].items())
                 print(f"{v:11} {row['generated_tokens']:>8} tok {row['seconds']:>8.2f} s "
                       f"{row['generated_tok_per_s']:>10.0f} tok/s   {stages}; {derived}")  # fmt: skip
