@@ -104,7 +104,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     a("--answer-workers", type=int, default=-1,
       help="processes that build large generation answers (top-N log-probs) outside the engine's process lock; "
-           "-1: 2 on CUDA, 0 on CPU")  # fmt: skip
+           "-1: 4 on CUDA, 0 on CPU")  # fmt: skip
     a("--max-logprobs", type=int, default=20, help="largest logprobs (top-N) a request may ask for")
     a("--logprobs-mode", default="processed_logprobs", choices=["processed_logprobs"],
       help="only processed_logprobs (log-probs after penalties, temperature and top-k/top-p/min-p)")  # fmt: skip
@@ -145,7 +145,7 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         generation_config=args.generation_config,
         generation_defaults=gen.sampling,
         default_max_new_tokens=gen.max_new_tokens,
-        answer_workers=args.answer_workers if args.answer_workers >= 0 else (2 if engine.device.type == "cuda" else 0),
+        answer_workers=args.answer_workers if args.answer_workers >= 0 else (4 if engine.device.type == "cuda" else 0),
     )
 
 
