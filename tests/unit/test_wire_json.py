@@ -237,3 +237,47 @@ def test_answers_built_in_a_helper_process_equal_the_inline_ones():
         dx.pop("created"), dy.pop("created")
         assert dx == dy
     assert json.loads(pooled[0])["choices"][0]["text"] == decode(outs[0].token_ids)
+
+
+def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
+    """A SIGKILLed server leaves no helper process behind (they watch their parent)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import asyncio\n"
+        "from asyncgrpo.server.answer_pool import AnswerEncoder\n"
+        "from asyncgrpo.server.http_protocol import ParsedRequest\n"
+        "from asyncgrpo.server.request import RequestOutput\n"
+        "async def main():\n"
+        "    enc = AnswerEncoder(2, min_numbers=0)\n"
+        "    out = RequestOutput('r', [1], [5], [-0.5], 'length', None, [[(5, -0.5)]])\n"
+        "    for _ in range(4):\n"
+        "        await enc.generate(ParsedRequest('g', 'm', None, [1], [], 1), [out])\n"
+        "    print(*enc._pool._processes, flush=True)\n"
+        "    await asyncio.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert pids
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(alive, pids)), f"helpers {pids} outlived their server"

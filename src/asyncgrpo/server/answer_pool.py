@@ -16,6 +16,8 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -45,6 +47,19 @@ class _Texts:
         return self.texts[tuple(ids)]
 
 
+def _exit_with_parent() -> None:
+    """Helper-process initializer: exit when the server process is gone (even SIGKILLed), never linger."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's sentinel closes
+        os._exit(0)
+
+    threading.Thread(target=watch, name="watch-server", daemon=True).start()
+
+
 def _encode_generate(parsed: ParsedRequest, outputs: list[RequestOutput]) -> bytes:
     return encode_json(generate_response(parsed, outputs))
 
@@ -72,7 +87,9 @@ class AnswerEncoder:
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # spawn, never fork: the server process holds CUDA state and engine threads
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=mp.get_context("spawn"), initializer=_exit_with_parent
+            )
             logger.info("answer encoding in %d helper processes", self.workers)
         return self._pool
 
