@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SERVER_URL = "http://localhost:8000"  # vllm serve's default port
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 # transformers >= 5.2x renamed gradient_checkpointing -> activation_checkpointing (old name kept as an alias).
 _HAS_ACTIVATION_CHECKPOINTING = any(f.name == "activation_checkpointing" for f in dataclasses.fields(TrainingArguments))
@@ -161,9 +162,14 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # ---- generation server -------------------------------------------------------------------------------------
-    vllm_server_base_url: str = field(
-        default="http://localhost:8000",
-        metadata={"help": "Base URL of the generation server (vLLM or `asyncgrpo serve`)."},
+    vllm_server_base_url: str | list[str] = field(
+        default=DEFAULT_SERVER_URL,
+        metadata={
+            "help": "Base URL of the generation server (vLLM or `asyncgrpo serve`), or several (a list, or one "
+            "comma-separated string): each GRPO group goes to the least loaded server, every weight sync reaches "
+            "all of them, and a server that stops answering is dropped with a warning naming it (the run goes on "
+            "with the rest; it stops when none is left)."
+        },
     )
     vllm_server_timeout: float = field(
         default=1800.0,
@@ -251,6 +257,14 @@ class AsyncGRPOConfig(TrainingArguments):
     weight_sync_steps: int = field(
         default=1, metadata={"help": "Push the policy weights to the server every this many optimizer steps."}
     )
+    weight_sync_topology: str = field(
+        default="per_server",
+        metadata={
+            "help": "With several generation servers: 'per_server' gives each server its own NCCL group with the "
+            "trainer (each tensor sent once per server), 'shared' one group of the trainer and every server worker "
+            "(each tensor sent once; every rank needs its own GPU). One server: unused."
+        },
+    )
     rollout_worker_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds since the rollout worker's last heartbeat after which the trainer stops the run."},
@@ -273,6 +287,8 @@ class AsyncGRPOConfig(TrainingArguments):
         self.chat_template_kwargs = _parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.vllm_server_base_url is None:  # HfArgumentParser gives None for an omitted list-typed flag
+            self.vllm_server_base_url = DEFAULT_SERVER_URL
         self._resolve_changed_defaults()
         problems = self._collect_problems()
         if problems:
@@ -322,8 +338,7 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"repetition_penalty={self.repetition_penalty}: must be > 0; 1.0 disables it")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             p.append(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 1 or None")
-        if not self.vllm_server_base_url.startswith(("http://", "https://")):
-            p.append(f"vllm_server_base_url={self.vllm_server_base_url!r}: must start with http:// or https://")
+        p += self._server_url_problems()
         for name in ("vllm_server_timeout", "rollout_worker_timeout"):
             if not getattr(self, name) > 0:
                 p.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
@@ -332,6 +347,26 @@ class AsyncGRPOConfig(TrainingArguments):
         p += self._loss_problems()
         p += self._pipeline_problems()
         p += self._unsupported_problems()
+        return p
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """``vllm_server_base_url`` as a tuple of URLs (a list, or a comma-separated string, split)."""
+        value = self.vllm_server_base_url
+        items = [value] if isinstance(value, str) else list(value)  # the CLI parser gives a list either way
+        return tuple(u.strip().rstrip("/") for item in items for u in str(item).split(",") if u.strip())
+
+    def _server_url_problems(self) -> list[str]:
+        value = self.vllm_server_base_url
+        if not isinstance(value, str | list | tuple):
+            return [f"vllm_server_base_url={value!r}: must be a URL string or a list of URLs"]
+        urls = self.server_urls
+        p = [f"vllm_server_base_url: {u!r} must start with http:// or https://" for u in urls
+             if not u.startswith(("http://", "https://"))]  # fmt: skip
+        if not urls:
+            p.append(f"vllm_server_base_url={value!r}: give at least one URL, e.g. 'http://localhost:8000'")
+        if len(set(urls)) != len(urls):
+            p.append(f"vllm_server_base_url={value!r}: lists a server twice; list each server once")
         return p
 
     def _loss_problems(self) -> list[str]:
@@ -372,6 +407,8 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"max_concurrent_rollouts={self.max_concurrent_rollouts}: must be >= 1")
         if self.max_staleness < 0:
             p.append(f"max_staleness={self.max_staleness}: must be >= 0")
+        if self.weight_sync_topology not in ("per_server", "shared"):
+            p.append(f"weight_sync_topology={self.weight_sync_topology!r}: must be 'per_server' or 'shared'")
         if self.weight_sync_steps < 1:
             p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
         if self.eval_temperature < 0 or self.eval_num_generations < 1:

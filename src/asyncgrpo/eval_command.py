@@ -39,7 +39,7 @@ def run_eval(argv: list[str]) -> int:
         if spec.server.get("embedded"):
             base_url = start_embedded(stack, model, spec.server)
         else:
-            base_url = spec.args.vllm_server_base_url
+            base_url = spec.args.server_urls[0]  # evaluation uses the first server
             wait_for_server(base_url, float(spec.server.get("wait_s", 60)))
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=spec.args.trust_remote_code)
         s = settings_from_config(spec.args, base_url)

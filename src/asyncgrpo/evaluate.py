@@ -131,7 +131,7 @@ def evaluate_sync(
 def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings:
     """The eval sampling settings an ``AsyncGRPOConfig`` asks for."""
     return EvalSettings(
-        base_url=base_url or args.vllm_server_base_url,
+        base_url=base_url or args.server_urls[0],
         max_tokens=args.max_completion_length,
         temperature=args.eval_temperature,
         num_samples=args.eval_num_generations,

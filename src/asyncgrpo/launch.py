@@ -236,7 +236,8 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
 
     args, server_cfg = spec.args, spec.server
     if not server_cfg.get("embedded"):
-        wait_for_server(args.vllm_server_base_url, float(server_cfg.get("wait_s", 60)))
+        for url in args.server_urls:
+            wait_for_server(url, float(server_cfg.get("wait_s", 60)))
     model = resolve_model(spec.model)
     dataset = build_dataset(spec.dataset)
     eval_dataset = build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None

@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "METRICS",
+    "SERVER_METRICS",
     "MetricEvent",
     "MetricsWindow",
     "aggregation_rule",
@@ -138,15 +139,33 @@ METRICS: dict[str, str] = {
     "perf/wall_clock_mfu": "model FLOPs utilisation over whole steps",
 }
 
-_TEMPLATES = [
-    re.compile("^" + re.escape(n).replace(r"\{reward_func_name\}", "[^/]+").replace(r"\{tool_name\}", "[^/]+") + "$")
-    for n in METRICS
-    if "{" in n
-]
+# Ours, beyond the document: one set per generation server when the run has several (X5). `{server_index}` is the
+# server's place in `vllm_server_base_url` (0, 1, ...); sent by the rollout worker's metrics poll.
+SERVER_METRICS: dict[str, str] = {
+    "rollout/server/{server_index}/request_count": "generation requests sent to this server",
+    "rollout/server/{server_index}/error_count": "generation requests to this server that failed",
+    "rollout/server/{server_index}/outstanding": "generation requests in flight on this server, averaged over polls",
+    "rollout/server/{server_index}/kv_cache_usage_frac": "this server's KV-cache usage, averaged over polls",
+    "rollout/server/{server_index}/weight_version": "the step whose weights this server reports on /weight_info",
+    "rollout/server/{server_index}/alive": "1 while the run uses this server, 0 once it stopped answering and was "
+    "dropped (its work moved to the others)",
+}
+
+_PLACEHOLDERS = {r"\{reward_func_name\}": "[^/]+", r"\{tool_name\}": "[^/]+", r"\{server_index\}": "[0-9]+"}
+
+
+def _template(name: str) -> re.Pattern[str]:
+    pattern = re.escape(name)
+    for placeholder, part in _PLACEHOLDERS.items():
+        pattern = pattern.replace(placeholder, part)
+    return re.compile("^" + pattern + "$")
+
+
+_TEMPLATES = [_template(n) for n in (*METRICS, *SERVER_METRICS) if "{" in n]
 
 
 def is_documented_metric(name: str) -> bool:
-    """Whether `name` is one of the document's metric names (templates filled with any single path part)."""
+    """Whether `name` is in the glossary: the document's names or ours (templates filled with one path part)."""
     return name in METRICS or any(t.match(name) for t in _TEMPLATES)
 
 

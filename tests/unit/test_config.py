@@ -171,3 +171,23 @@ def test_subclass_may_add_fields():
 
     cfg = CurriculumConfig(output_dir="/tmp/asyncgrpo-test-config", pass_rate_cap=0.5)
     assert cfg.pass_rate_cap == 0.5 and cfg.num_generations == 8
+
+
+def test_several_server_urls_as_list_comma_string_or_cli_words():
+    assert _config().server_urls == ("http://localhost:8000",)  # one URL: as before
+    urls = ("http://a:8000", "http://b:8001")
+    assert _config(vllm_server_base_url=list(urls)).server_urls == urls
+    assert _config(vllm_server_base_url=" http://a:8000/, http://b:8001 ").server_urls == urls
+    parser = HfArgumentParser(AsyncGRPOConfig)
+    for words in (["http://a:8000,http://b:8001"], ["http://a:8000", "http://b:8001"]):
+        (cfg,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/x", "--vllm_server_base_url", *words])
+        assert cfg.server_urls == urls
+
+
+def test_bad_server_url_lists_say_what_to_change():
+    with pytest.raises(ValueError) as err:
+        _config(vllm_server_base_url=["http://a:8000", "b:8001", "http://a:8000/"])
+    assert "'b:8001' must start with http" in str(err.value)
+    assert "lists a server twice" in str(err.value)
+    with pytest.raises(ValueError, match="at least one URL"):
+        _config(vllm_server_base_url=" , ")

@@ -159,3 +159,14 @@ def test_peak_flops_and_mfu():
     from transformers import GPT2Config
 
     assert flops_per_token(GPT2Config(), 10) is None  # unsupported architecture: MFU not logged
+
+
+def test_per_server_metrics_are_documented_with_a_numeric_index():
+    from asyncgrpo.metrics import SERVER_METRICS
+
+    assert is_documented_metric("rollout/server/0/request_count")
+    assert is_documented_metric("rollout/server/12/weight_version")
+    assert not is_documented_metric("rollout/server/a/request_count")
+    assert aggregation_rule("rollout/server/1/request_count") == "sum"
+    assert aggregation_rule("rollout/server/1/outstanding") == "mean"
+    assert len(SERVER_METRICS) == 6

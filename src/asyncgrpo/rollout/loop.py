@@ -22,6 +22,7 @@ ways: fields your ``AsyncGRPOConfig`` subclass adds are copied into
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ import numpy as np
 
 from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
 from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode
@@ -48,6 +50,8 @@ from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 logger = logging.getLogger(__name__)
 
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
+# The server a group was routed to (X5); set in the group's task, inherited by its rollouts' tasks.
+_GROUP_SERVER: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_server", default=None)
 
 
 class AsyncRolloutLoop:
@@ -130,11 +134,13 @@ class AsyncRolloutLoop:
         sampling = self.settings.sampling
         params = sampling.request_params(len(prompt_ids), seed=self._next_seed())
         t0 = time.perf_counter()
+        model = self.settings.model_name
+        self.pool.drop_flagged(self.channels.dropped_server_mask())
         try:
             if sampling.use_generate_endpoint:
-                res = await self.client.generate(prompt_ids, params, model=self.settings.model_name)
+                res = await self.pool.call(self.server_index, lambda c: c.generate(prompt_ids, params, model=model))
             else:
-                res = await self.client.complete(prompt_ids, params, model=self.settings.model_name)
+                res = await self.pool.call(self.server_index, lambda c: c.complete(prompt_ids, params, model=model))
         except ServerError as e:
             if e.status == 400 and is_length_error(e.message):
                 raise ValueError(
@@ -176,6 +182,17 @@ class AsyncRolloutLoop:
             ids = ids["input_ids"]
         return list(ids)
 
+    @property
+    def server_index(self) -> int:
+        """The server this rollout's group was routed to (X5: a group and all its turns stay on one server)."""
+        i = _GROUP_SERVER.get()
+        return self.pool.least_loaded() if i is None else i
+
+    @property
+    def client(self) -> AsyncServerClient:
+        """The client of this rollout's server (a live one if it died); hooks may call it directly."""
+        return self.pool.client(_GROUP_SERVER.get())
+
     def _next_seed(self) -> int:
         # Unique per request (G7): data-parallel engines never decode identical text for one prompt.
         self._seed_counter += 1
@@ -199,8 +216,8 @@ class AsyncRolloutLoop:
         self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
         self._tool_stats: dict[str, ToolLoopStats] = {}
         self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)
-        self.client = AsyncServerClient(
-            st.sampling.base_url,
+        self.pool = ServerPool(
+            st.sampling.urls,
             timeout=st.request_timeout_s,
             max_connections=st.max_concurrent_rollouts,
             retry_for_s=st.retry_for_s,
@@ -223,7 +240,7 @@ class AsyncRolloutLoop:
             try:
                 await self.close()
             finally:
-                await self.client.close()
+                await self.pool.close()
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _sync_admission(self) -> None:
@@ -322,19 +339,22 @@ class AsyncRolloutLoop:
             self._slot_freed.notify(1)
 
     async def _one_rollout(
-        self, row: dict[str, Any], prompt: list[dict[str, Any]] | None, group_id: int
+        self, row: dict[str, Any], prompt: list[dict[str, Any]] | None, group_id: int, server: int
     ) -> tuple[Rollout, str, Episode]:
-        await self._acquire_slot()
-        t0 = time.perf_counter()
-        episode: Episode | None = None
         try:
-            episode = await self.agents.start(row, prompt)  # an environment instance, reset (A4)
-            rollout = await self.generate_one(episode.prompt, episode.tools, group_id)
-            episode.env_reward = await self.agents.finish(episode)
+            await self._acquire_slot()
+            t0 = time.perf_counter()
+            episode: Episode | None = None
+            try:
+                episode = await self.agents.start(row, prompt)  # an environment instance, reset (A4)
+                rollout = await self.generate_one(episode.prompt, episode.tools, group_id)
+                episode.env_reward = await self.agents.finish(episode)
+            finally:
+                if episode is not None:
+                    self.agents.release(episode)
+                await self._release_slot()
         finally:
-            if episode is not None:
-                self.agents.release(episode)
-            await self._release_slot()
+            self.pool.finish(server)  # the routing load counts the rollout until it is done
         self.channels.put_metric("rollout/duration_s", time.perf_counter() - t0)
         finish = self._last_finish.pop(id(asyncio.current_task()), "stop")
         return rollout, finish, episode
@@ -351,7 +371,10 @@ class AsyncRolloutLoop:
             )
         version = self.channels.policy_version.value
         G = self.settings.num_generations
-        results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id) for _ in range(G)))
+        self.pool.drop_flagged(self.channels.dropped_server_mask())
+        server = self.pool.assign(G)  # the G requests meet on one server: its prefix cache shares the prompt
+        _GROUP_SERVER.set(server)  # this task's context; gather's tasks copy it
+        results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id, server) for _ in range(G)))
         # Finished groups queue for a reward thread; generation never waits on that queue (score_block_s = 0).
         t_done = time.perf_counter()
         self._score_waiting += 1
@@ -465,5 +488,5 @@ class AsyncRolloutLoop:
 
     async def _poll_server_metrics(self) -> None:
         """G5: read the server's /metrics every few seconds and move the concurrency cap (``server_poll.py``)."""
-        await poll_server_metrics(self.settings.sampling.has_metrics, self.client, self.cap, self.channels,
+        await poll_server_metrics(self.settings.sampling.has_metrics, self.pool, self.cap, self.channels,
                                   lambda: self._generated_tokens)  # fmt: skip

@@ -21,8 +21,8 @@ def truncates_distribution(top_k: int, top_p: float, min_p: float | None) -> boo
 class SamplingSettings:
     """Plain values the rollout loop needs to build requests (picklable)."""
 
-    base_url: str
-    max_model_len: int
+    base_url: str  # the first server (X5: ``base_urls`` lists them all when there are several)
+    max_model_len: int  # the smallest of the servers'
     max_completion_length: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -34,6 +34,12 @@ class SamplingSettings:
     has_metrics: bool = True
     masks_supported: bool = False  # the server returns sampling masks (checked at start)
     initial_tokens_per_step: int = 1  # token_budget × rows per step (G3's first-step assumption)
+    base_urls: tuple[str, ...] = ()  # every server of the run, when there are several (X5)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every generation server of the run, in the config's order."""
+        return self.base_urls or (self.base_url,)
 
     @property
     def wants_masks(self) -> bool:

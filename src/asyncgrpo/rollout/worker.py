@@ -66,6 +66,10 @@ class WorkerChannels:
     heartbeat: Any  # mp.Value("d")
     samples_queued: Any = None  # mp.Value("q"): samples put in `samples` minus samples the trainer pulled
     trainer_waiting: Any = None  # mp.Event: set while the trainer waits for a step's samples (sync_rollouts)
+    dropped_servers: Any = None  # mp.Value("q"): bit i set = the trainer dropped server i from the weight sync (X5)
+
+    def dropped_server_mask(self) -> int:
+        return int(self.dropped_servers.value) if self.dropped_servers is not None else 0
 
     def count_queued(self, delta: int) -> None:
         if self.samples_queued is not None:
@@ -150,6 +154,7 @@ class RolloutWorker:
             heartbeat=ctx.Value("d", 0.0),
             samples_queued=ctx.Value("q", 0),
             trainer_waiting=ctx.Event(),
+            dropped_servers=ctx.Value("q", 0),
         )
         self.loop_obj = loop_obj
         self.heartbeat_timeout = heartbeat_timeout
@@ -245,6 +250,11 @@ class RolloutWorker:
         """Open (True) or close the gate a ``sync_rollouts`` worker starts groups through."""
         if self.channels.trainer_waiting is not None:
             (self.channels.trainer_waiting.set if waiting else self.channels.trainer_waiting.clear)()
+
+    def drop_server(self, index: int) -> None:
+        """Tell the loop to stop routing to server ``index``: the weight sync no longer reaches it (X5)."""
+        with self.channels.dropped_servers.get_lock():
+            self.channels.dropped_servers.value |= 1 << index
 
     def report_step(self, tokens_used: int) -> None:
         self.channels.tokens_per_step.value = int(tokens_used)

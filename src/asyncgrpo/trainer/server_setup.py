@@ -8,7 +8,9 @@ starts and with a message that says what to change.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,7 @@ class ServerFacts:
     weight_backend: str | None  # vllm_config.weight_transfer_config.backend ("nccl"; the embedded server: or "gloo")
     max_logprobs: int = 20  # --max-logprobs; -1 means the vocabulary size
     return_sampling_mask: bool = False  # --return-sampling-mask: every request needs temperature > 0, top_k > 0
+    world_sizes: tuple[int, ...] = ()  # each server's world size, in the config's order (several servers, X5)
 
 
 async def _server_info(client: AsyncServerClient) -> dict:
@@ -121,6 +124,41 @@ def probe_server(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
             base_url,
         )
     return facts
+
+
+def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) -> ServerFacts:
+    """:func:`probe_server` for every server of the run, combined into the facts the run must respect.
+
+    Limits are the tightest (``max_model_len``, ``max_logprobs``), capabilities the common ones (metrics,
+    masks), KV capacity the sum (the worker's concurrency cap covers all servers); ``world_sizes`` lists each
+    server's for the weight sync.
+
+    Raises:
+        ValueError: the servers serve different models or use different weight-transfer backends.
+    """
+    each = [probe_server(url, timeout, want_masks) for url in base_urls]
+    first = each[0]
+    if len(each) == 1:
+        return dataclasses.replace(first, world_sizes=(first.world_size,))
+    problems = [f"{url} serves {f.model_name!r} but {base_urls[0]} serves {first.model_name!r}"
+                for url, f in zip(base_urls, each) if f.model_name != first.model_name]  # fmt: skip
+    problems += [f"{url} transfers weights over {f.weight_backend!r} but {base_urls[0]} over {first.weight_backend!r}"
+                 for url, f in zip(base_urls, each) if f.weight_backend != first.weight_backend]  # fmt: skip
+    if problems:
+        raise ValueError("the generation servers of vllm_server_base_url must be replicas of one model: "
+                         + "; ".join(problems) + ". Start every server with the same model and flags")  # fmt: skip
+    kv = [f.kv_cache_tokens for f in each]
+    logprobs = [f.max_logprobs for f in each if f.max_logprobs != -1]  # -1: the vocabulary, no limit
+    return dataclasses.replace(
+        first,
+        max_model_len=min(f.max_model_len for f in each),
+        kv_cache_tokens=sum(kv) if all(k is not None for k in kv) else None,  # type: ignore[arg-type]
+        has_metrics=all(f.has_metrics for f in each),
+        masks_supported=all(f.masks_supported for f in each),
+        max_logprobs=min(logprobs) if logprobs else -1,
+        return_sampling_mask=any(f.return_sampling_mask for f in each),
+        world_sizes=tuple(f.world_size for f in each),
+    )
 
 
 def check_dtype(trainer_dtype: torch.dtype, server_dtype: str | None) -> None:

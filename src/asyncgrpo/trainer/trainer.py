@@ -54,10 +54,11 @@ from asyncgrpo.trainer.server_setup import (
     check_completion_length,
     check_dtype,
     check_sampling_limits,
-    probe_server,
+    probe_servers,
 )
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
+from asyncgrpo.weights.fanout import FanoutSender
 from asyncgrpo.weights.policy import join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
@@ -175,7 +176,7 @@ class AsyncGRPOTrainer(Trainer):
         self.add_callback(MetricsFileCallback(self))
         self.worker: RolloutWorker | None = None
         self.source: RolloutSource | None = None
-        self.sender: WeightSender | None = None
+        self.sender: WeightSender | FanoutSender | None = None
         self.facts: ServerFacts | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -200,8 +201,8 @@ class AsyncGRPOTrainer(Trainer):
         start_index = resume.start_index
         if self.is_world_process_zero():
             want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
-            self.facts = probe_server(args.vllm_server_base_url, args.vllm_server_timeout, want_masks)
-            check_completion_length(args.max_completion_length, self.facts.max_model_len, args.vllm_server_base_url)
+            self.facts = probe_servers(args.server_urls, args.vllm_server_timeout, want_masks)
+            check_completion_length(args.max_completion_length, self.facts.max_model_len, ", ".join(args.server_urls))
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
             n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
             check_sampling_limits(
@@ -237,19 +238,30 @@ class AsyncGRPOTrainer(Trainer):
                 weight_sync_steps=args.weight_sync_steps,
                 settled=resume.settled,
             )
-            self.sender = WeightSender(timeout_s=args.vllm_server_timeout,
-                                       restart_timeout_s=args.vllm_server_restart_timeout)  # fmt: skip
-            self.sender.init(
-                AsyncServerClient(args.vllm_server_base_url),
-                facts.world_size,
-                backend=facts.weight_backend or "auto",
-                device=self.args.device,
-            )
+            self.sender = self._make_sender(facts)
         cfg = self._causal_lm().config
         self.step_stats.flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
         if torch.cuda.is_available():
             precision = "bfloat16" if args.bf16 else "float32"
             self.step_stats.peak_flops = peak_flops(torch.cuda.get_device_name(), precision)
+
+    def _make_sender(self, facts: ServerFacts) -> WeightSender | FanoutSender:
+        """One server: ``WeightSender`` (it survives a restart of its server). Several: ``FanoutSender``, one group
+        per server; a server that stops answering is dropped and the worker told to stop routing there (X5)."""
+        args, urls = self.args, self.args.server_urls
+        backend = facts.weight_backend or "auto"
+        if len(urls) == 1:
+            sender = WeightSender(
+                timeout_s=args.vllm_server_timeout, restart_timeout_s=args.vllm_server_restart_timeout
+            )
+            sender.init(AsyncServerClient(urls[0]), facts.world_size, backend=backend, device=args.device)
+            return sender
+        worker = self.worker
+        assert worker is not None
+        fanout = FanoutSender(timeout_s=args.vllm_server_timeout, topology=args.weight_sync_topology,
+                              on_drop=worker.drop_server)  # fmt: skip
+        fanout.init([AsyncServerClient(u) for u in urls], facts.world_sizes, backend=backend, device=args.device)
+        return fanout
 
     def start_rollout_worker(self) -> None:
         """Start generating (rank 0), once the server holds the weights of ``global_step``: after a resume, that

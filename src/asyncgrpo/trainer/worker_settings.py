@@ -34,7 +34,8 @@ def build_rollout_settings(
         eos_token_id: the tokenizer's end-of-sequence id, if any.
     """
     sampling = SamplingSettings(
-        base_url=args.vllm_server_base_url,
+        base_url=args.server_urls[0],
+        base_urls=args.server_urls if len(args.server_urls) > 1 else (),
         max_model_len=facts.max_model_len,
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,

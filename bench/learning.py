@@ -1,0 +1,269 @@
+"""B6 and B8: asynchronous against synchronous GRPO on two GPUs, and held-out accuracy against wall-clock.
+
+    python bench/learning.py --out bench/results/learning_h200.json [--train-seconds 180]
+    python bench/learning.py --make-data bench/data     # where reasoning-gym is installed (CPU machine)
+
+The same run twice, one after the other, each in its own process: the embedded server (bf16) on GPU 0, the
+trainer on GPU 1, NCCL weight sync.
+- ``async``: as shipped (``max_staleness=2``).
+- ``sync``: ``sync_rollouts=True`` (the worker starts groups only while the trainer waits for samples, so
+  generation and training never overlap) with ``max_staleness=1`` (the few groups still in flight when a step
+  starts training are trained one update behind rather than thrown away).
+
+Task: reasoning-gym ``basic_arithmetic`` (two one-digit terms, + and -), SmolLM2-135M-Instruct. Held-out problems
+are generated with another seed and any question that also appears in the training set is removed. Held-out
+accuracy is greedy decoding on the server, scored by ``numeric_answer_reward``, every ``--eval-every`` seconds of
+training. The training clock excludes the evaluations (the worker of the async run keeps generating during an
+evaluation, bounded by its staleness window; the note in the JSON says so).
+
+Reported per mode: optimizer steps per minute, ``perf/rollout_wait_s`` as a share of the training clock, the
+accuracy curve, the gain over the base model; and the ratios B6 (async steps/min over sync) and B8 (sync's
+training time over the time async needed to reach sync's final accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TASK = "basic_arithmetic"
+TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
+DATA_DIR = Path(__file__).parent / "data"
+MODES = {
+    "async": {"max_staleness": 2},
+    "sync": {"max_staleness": 1, "sync_rollouts": True},
+}
+
+
+def make_data(out: Path, train_size: int = 1024, heldout_size: int = 200) -> None:
+    """Train and held-out JSONL (``{"prompt": messages, "answer": str}``); held-out questions never trained on."""
+    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+
+    out.mkdir(parents=True, exist_ok=True)
+    train = reasoning_gym_dataset(TASK, size=train_size, seed=0, **TASK_CONFIG)
+    seen = {p[-1]["content"] for p in train["prompt"]}
+    held = reasoning_gym_dataset(TASK, size=heldout_size * 20, seed=1, **TASK_CONFIG)
+    held_rows = [r for r in held if r["prompt"][-1]["content"] not in seen]
+    unique: dict[str, dict] = {}
+    for r in held_rows:
+        unique.setdefault(r["prompt"][-1]["content"], r)
+    held_rows = list(unique.values())[:heldout_size]
+    if len(held_rows) < heldout_size:
+        raise SystemExit(f"only {len(held_rows)} held-out questions are not in the training set; lower the size")
+    for name, rows in (("train", train), ("heldout", held_rows)):
+        with open(out / f"{TASK}_{name}.jsonl", "w") as fh:
+            fh.writelines(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows)
+    print(f"wrote {len(train)} training and {len(held_rows)} held-out problems to {out}")
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_mode(mode: str, a: argparse.Namespace) -> dict:
+    """One run (child process): train for ``train_seconds`` of training clock, evaluating as it goes."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = a.trainer_gpu
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.evaluate import EvalSettings, evaluate_sync
+    from asyncgrpo.recipes import demo_model_dir
+    from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+    from asyncgrpo.server.launcher import launch_server
+
+    train_rows = _read(Path(a.data) / f"{TASK}_train.jsonl")
+    held_rows = _read(Path(a.data) / f"{TASK}_heldout.jsonl")[: a.heldout_limit]
+    model = demo_model_dir()
+    tok = AutoTokenizer.from_pretrained(model)
+    out_dir = Path(a.work_dir) / mode
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    class Clock(TrainerCallback):
+        """Training clock without the evaluations; evaluates every ``eval_every`` s and stops at the budget."""
+
+        def __init__(self, base_url: str) -> None:
+            self.settings = EvalSettings(base_url=base_url, max_tokens=a.max_completion_length, temperature=0.0)
+            self.t0 = time.perf_counter()
+            self.eval_s = 0.0
+            self.curve: list[dict] = []
+            self.next_eval = 0.0
+
+        def train_s(self) -> float:
+            return time.perf_counter() - self.t0 - self.eval_s
+
+        def evaluate(self, step: int) -> None:
+            t = time.perf_counter()
+            clock = self.train_s()
+            got = evaluate_sync(tok, held_rows, [numeric_answer_reward], self.settings)
+            acc = got["eval/rewards/numeric_answer_reward/mean"]
+            self.curve.append({"train_s": round(clock, 2), "step": step, "accuracy": acc})
+            self.eval_s += time.perf_counter() - t
+            print(f"[{mode}] step {step:4d}  train {clock:6.1f}s  held-out accuracy {acc:.3f}", flush=True)
+            self.next_eval = clock + a.eval_every
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+            self.evaluate(0)
+
+        def on_step_end(self, args, state, control, **kw):
+            clock = self.train_s()
+            if clock >= a.train_seconds:
+                control.should_training_stop = True
+            elif clock >= self.next_eval:
+                self.evaluate(state.global_step)
+
+    server_log = out_dir / "server.log"
+    t_start = time.time()
+    with launch_server(
+        model, extra_args=["--device", a.device, "--dtype", "bfloat16" if a.device == "cuda" else "float32",
+                           "--max-model-len", "1024"],
+        env={"CUDA_VISIBLE_DEVICES": a.server_gpu}, log_path=str(server_log), timeout=600,
+    ) as server:  # fmt: skip
+        args = AsyncGRPOConfig(
+            output_dir=str(out_dir),
+            max_steps=100_000,  # the clock stops the run
+            num_generations=8,
+            max_completion_length=a.max_completion_length,
+            token_budget=a.token_budget,
+            learning_rate=a.learning_rate,
+            vllm_server_base_url=server.base_url,
+            report_to=[],
+            save_strategy="no",
+            gradient_checkpointing=False,
+            bf16=a.device == "cuda",
+            use_cpu=a.device == "cpu",
+            logging_steps=1,
+            seed=0,
+            disable_tqdm=True,
+            **MODES[mode],
+        )
+        clock = Clock(server.base_url)
+        trainer = AsyncGRPOTrainer(
+            str(model), reward_funcs=[numeric_answer_reward, format_reward], args=args, train_dataset=train_rows,
+            callbacks=[clock],
+        )  # fmt: skip
+        trainer.train()
+        trained_s = clock.train_s()
+        clock.evaluate(trainer.state.global_step)  # the final weights were synced after the last step
+        steps = trainer.state.global_step
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    per_step = [m for m in metrics if "perf/rollout_wait_s" in m]
+    wait = sum(m["perf/rollout_wait_s"] for m in per_step)
+
+    def median(name: str) -> float | None:
+        xs = sorted(m[name] for m in per_step if name in m)
+        return xs[len(xs) // 2] if xs else None
+
+    return {
+        "mode": mode,
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "max_staleness",
+                "sync_rollouts",
+                "num_generations",
+                "max_completion_length",
+                "token_budget",
+                "learning_rate",
+            )
+        },
+        "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (smoke run)",
+        "steps": steps,
+        "train_s": trained_s,
+        "eval_s": clock.eval_s,
+        "wall_s": time.time() - t_start,
+        "steps_per_min": 60.0 * steps / trained_s,
+        "rollout_wait_share": wait / trained_s,
+        "step_s_median": median("perf/step_s"),
+        "rollout_wait_s_median": median("perf/rollout_wait_s"),
+        "weight_sync_s_median": median("perf/weight_sync_s"),
+        "staleness_mean_median": median("sample/staleness_mean"),
+        "generated_tokens_per_s_median": median("rollout/generated_tokens_per_s"),
+        "completion_mean_length_median": median("completions/mean_length"),
+        "curve": clock.curve,
+        "accuracy_before": clock.curve[0]["accuracy"],
+        "accuracy_after": clock.curve[-1]["accuracy"],
+    }
+
+
+def time_to_reach(curve: list[dict], target: float) -> float | None:
+    """Training seconds at the first evaluation whose accuracy is at least ``target``."""
+    return next((p["train_s"] for p in curve if p["accuracy"] >= target), None)
+
+
+def compare(runs: dict[str, dict]) -> dict:
+    a, s = runs["async"], runs["sync"]
+    target = s["accuracy_after"]
+    reach = time_to_reach(a["curve"], target)
+    return {
+        "b6_steps_per_min_ratio": a["steps_per_min"] / s["steps_per_min"],
+        "async_rollout_wait_share": a["rollout_wait_share"],
+        "sync_rollout_wait_share": s["rollout_wait_share"],
+        "sync_final_accuracy": target,
+        "async_s_to_sync_final_accuracy": reach,
+        # None when async never reached it; a target met by the base model (reach 0) says nothing either.
+        "b8_sooner_ratio": (s["train_s"] / reach) if reach else None,
+        "base_model_meets_sync_final": reach == 0,
+        "async_gain_points": 100 * (a["accuracy_after"] - a["accuracy_before"]),
+        "sync_gain_points": 100 * (s["accuracy_after"] - s["accuracy_before"]),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/learning_h200.json")
+    p.add_argument("--make-data", help="write the task's JSONL files into this folder and exit")
+    p.add_argument("--data", default=str(DATA_DIR))
+    p.add_argument("--work-dir", default=None, help="run folders (default: beside --out)")
+    p.add_argument("--modes", default="async,sync")
+    p.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
+    p.add_argument("--train-seconds", type=float, default=180.0)
+    p.add_argument("--eval-every", type=float, default=30.0)
+    p.add_argument("--max-completion-length", type=int, default=128)
+    p.add_argument("--token-budget", type=int, default=4096)
+    p.add_argument("--learning-rate", type=float, default=5e-6)
+    p.add_argument("--heldout-limit", type=int, default=None, help="evaluate on the first N held-out problems")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
+    p.add_argument("--server-gpu", default="0")
+    p.add_argument("--trainer-gpu", default="1")
+    a = p.parse_args()
+    if a.make_data:
+        make_data(Path(a.make_data))
+        return 0
+    a.work_dir = a.work_dir or str(Path(a.out).with_suffix(""))
+    if a.mode:
+        result = run_mode(a.mode, a)
+        Path(a.work_dir, f"{a.mode}.json").write_text(json.dumps(result, indent=2))
+        return 0
+    runs: dict[str, dict] = {}
+    for mode in a.modes.split(","):
+        cmd = [sys.executable, __file__, "--mode", mode, *sys.argv[1:]]
+        print(f"=== {mode}: {' '.join(cmd[2:])}", flush=True)
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            print(f"the {mode} run failed (exit {rc}); see {a.work_dir}/{mode}/", file=sys.stderr)
+            return rc
+        runs[mode] = json.loads(Path(a.work_dir, f"{mode}.json").read_text())
+    summary = {
+        "what": "B6/B8: SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (2 one-digit terms, +/-), server "
+        "bf16 on GPU 0, trainer on GPU 1, NCCL sync; held-out greedy accuracy against the training clock",
+        "note": "the training clock excludes evaluations; during one, the async worker may keep generating up to "
+        "its staleness window, the sync worker does not",
+        "runs": runs,
+    }
+    if {"async", "sync"} <= runs.keys():
+        summary["compare"] = compare(runs)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary.get("compare", {}), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
