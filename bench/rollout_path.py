@@ -15,9 +15,10 @@ Two shapes: ``b5`` (256 requests, prompt 128, output 256) and ``grpo`` (64 promp
 128-512 tokens, outputs 8-256). Model: random-init Qwen3-0.6B-shaped bf16, saved once to a temporary
 folder (no tokenizer: token ids in and out). Each variant's time is split into stages: engine prefill
 and decode (engine timers), sampler (in process only), server response build + JSON encode, client
-JSON parse, worker scoring/queueing (the worker's own metrics).
+JSON parse, worker scoring/queueing (the worker's own metrics). The in-process and HTTP variants report the
+median of ``--repeats`` timed runs (after a warm-up); the worker runs once per shape (one spawn each).
 
-GPU:  python bench/rollout_path.py --out bench/results/rollout_path_h200.json --max-seconds 400
+GPU:  python bench/rollout_path.py --out bench/results/rollout_path_h200.json --max-seconds 420
 CPU smoke (tiny model, seconds; checks the script, not speed):  python bench/rollout_path.py --tiny
 Exits non-zero when any variant fails or the run passes ``--max-seconds``.
 """
@@ -168,15 +169,26 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
         run(_warmup(workloads), "warmup")
         results = {}
         for name, reqs in workloads.items():
-            before, s0 = engine.step_timings(), sampler_s[0]
-            tokens, seconds = run(reqs, name)
-            stages = _timing_delta(before, engine.step_timings()) | {"sampler_s": sampler_s[0] - s0}
-            results[name] = _row(reqs, tokens, seconds, stages)
+            rows = []
+            for rep in range(opts.repeats):
+                before, s0 = engine.step_timings(), sampler_s[0]
+                tokens, seconds = run(reqs, f"{name}-{rep}")
+                stages = _timing_delta(before, engine.step_timings()) | {"sampler_s": sampler_s[0] - s0}
+                rows.append(_row(reqs, tokens, seconds, stages))
+            results[name] = _median_row(rows)
         results["decode_backend"] = engine.decode_backend
         return results
     finally:
         engine.shutdown()
         core.sampler = inner
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput (its stages with it), plus every run's tokens and seconds."""
+    ordered = sorted(rows, key=lambda r: r["generated_tok_per_s"])
+    median = dict(ordered[len(ordered) // 2])
+    median["runs"] = [{"generated_tokens": r["generated_tokens"], "seconds": r["seconds"]} for r in rows]
+    return median
 
 
 def _warmup(workloads: dict[str, list[Req]]) -> list[Req]:
@@ -244,8 +256,8 @@ def run_http(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[
     asyncio.run(_http_run(base_url, opts, _warmup(workloads)))
     results = {}
     for name, reqs in workloads.items():
-        tokens, seconds, stages = asyncio.run(_http_run(base_url, opts, reqs))
-        results[name] = _row(reqs, tokens, seconds, stages)
+        rows = [_row(reqs, *asyncio.run(_http_run(base_url, opts, reqs))) for _ in range(opts.repeats)]
+        results[name] = _median_row(rows)
     return results
 
 
@@ -398,7 +410,8 @@ def main() -> int:
     ap.add_argument("--logprobs", type=int, default=8, help="top-N log-probs per token (num_sampler_logprobs)")
     ap.add_argument("--shapes", default="b5,grpo", help="comma list of shapes: b5, grpo")
     ap.add_argument("--variants", default="in_process,http,worker", help="comma list: in_process, http, worker")
-    ap.add_argument("--max-seconds", type=float, default=400.0, help="give up (non-zero exit) after this long")
+    ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (in process, HTTP); the median")
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
