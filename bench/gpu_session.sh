@@ -4,6 +4,7 @@
 #   bash bench/gpu_session.sh model-a              # first half of the demo GGUF (see ../shared/tools/device-model-parts)
 #   bash bench/gpu_session.sh model-b train packing
 #   bash bench/gpu_session.sh model-b agent        # issue 8: calculator agent, warm-up + RL, before/after (one H200)
+#   bash bench/gpu_session.sh deltanet             # issue 11: Gated DeltaNet hybrids in the trie (one H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -33,6 +34,12 @@ for stage in "$@"; do
     agent)
       timeout 560 python3 bench/agent_learning.py --out "$OUT/agent_learning_h200.json" 2>&1 \
         | tee "$OUT/agent_learning.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
+    deltanet)  # issue 11 (P6): DeltaNet hybrids in the trie, CUDA parity + packed-vs-padded speed (one H200, ~3 min)
+      export PYTHONPATH=$PYTHONPATH:$PWD
+      timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_deltanet_gpu.py 2>&1 \
+        | tee "$OUT/deltanet_gpu_tests.log" | grep -E "PARITY|passed|failed|Error" | tail -20
+      timeout 300 python3 bench/deltanet_packing.py --out "$OUT/deltanet_packing_h200.json" 2>&1 \
+        | tee "$OUT/deltanet_packing.log" | grep -v "falling back" | tail -60 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

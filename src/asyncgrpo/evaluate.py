@@ -45,6 +45,7 @@ class EvalSettings:
     seed: int = 0
     chat_template_kwargs: dict[str, Any] | None = None
     top_k: int = 0  # sampled evaluation keeps the training top_k (a --return-sampling-mask server requires one)
+    model: str | None = None  # the request's ``model``: None = the served model; adapter sync: the newest adapter
 
 
 def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None) -> list[int]:
@@ -61,7 +62,7 @@ async def _score_row(
     if s.temperature > 0 and s.top_k > 0:
         params["top_k"] = s.top_k
     results = await client.complete_n(
-        render(tokenizer, row["prompt"], s.chat_template_kwargs), params, timeout=s.timeout
+        render(tokenizer, row["prompt"], s.chat_template_kwargs), params, timeout=s.timeout, model=s.model
     )
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
     completions = [[{"role": "assistant", "content": t}] for t in texts]

@@ -21,10 +21,13 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The checkpoint in ``model_dir`` as a plain HF model (eval mode, CPU)."""
-    from transformers import AutoModelForCausalLM
+    """The checkpoint in ``model_dir`` as a plain HF model (eval mode, CPU); a vision-language checkpoint (its
+    config has ``vision_config``) as the ``AutoModelForImageTextToText`` model the trainer loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    vlm = getattr(AutoConfig.from_pretrained(model_dir), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    return auto.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def write_tiny_llama(path: str | Path, seed: int = 0, **overrides: Any) -> Path:

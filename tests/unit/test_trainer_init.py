@@ -64,3 +64,13 @@ def test_lora_on_lm_head_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="lm_head"):
         _make(tmp_path, peft_config=LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+
+
+def test_router_aux_loss_coef_needs_a_moe_model(tmp_path):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], router_aux_loss_coef=0.01)
+    with pytest.raises(ValueError, match="not a mixture-of-experts model"):
+        _make(tmp_path, args=args)
+    trainer = _make(tmp_path, model=tiny_model("qwen3_moe"), args=args)  # an MoE model trains with it (L6)
+    assert trainer.router_aux_coef == 0.01 and trainer.router_top_k == 2
+    default = _make(tmp_path, model=tiny_model("qwen3_moe"))  # None: the model config's own coefficient
+    assert default.router_aux_coef == default.model.config.router_aux_loss_coef > 0

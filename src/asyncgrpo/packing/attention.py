@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncgrpo.packing.deltanet import install_tree_linear_attention, needs_linear_plan
+from asyncgrpo.packing.linear_attention import DEFAULT_CHUNK, LinearTreePlan, build_linear_plan
 from asyncgrpo.packing.row import PackedRow
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class TreeAttentionPlan:
         kv_index: varlen: [sum of path lengths] row index of each gathered key/value.
         cu_seq_q, cu_seq_k: varlen: [S + 1] int32 offsets of each segment's queries / keys.
         max_q, max_k: varlen: longest segment / longest path.
+        linear: the trie layout for Gated DeltaNet layers (``linear_attention.py``); None for attention-only models.
     """
 
     backend: str
@@ -65,15 +68,25 @@ class TreeAttentionPlan:
     cu_seq_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
+    linear: LinearTreePlan | None = None
 
 
-def build_plan(row: PackedRow, backend: str = "auto", device: torch.device | str | None = None) -> TreeAttentionPlan:
+def build_plan(
+    row: PackedRow,
+    backend: str = "auto",
+    device: torch.device | str | None = None,
+    linear_attention: bool = False,
+    linear_chunk: int = DEFAULT_CHUNK,
+) -> TreeAttentionPlan:
     """Prepare the attention structure of ``row`` for ``backend`` on ``device``.
 
     Args:
         row: the packed row (its tensors may live on any device).
         backend: "auto" (flex on CUDA, sdpa elsewhere), "sdpa", "flex" or "varlen".
         device: where the model runs; defaults to the row's device.
+        linear_attention: also lay the row out for Gated DeltaNet layers (``packed_hidden_states`` does this
+            by itself for models that have them).
+        linear_chunk: tokens per chunk of the delta rule.
 
     Raises:
         ValueError: for an unknown backend, or a CUDA-only backend on another device.
@@ -88,10 +101,14 @@ def build_plan(row: PackedRow, backend: str = "auto", device: torch.device | str
     total = row.num_tokens
     end = row.subtree_end.to(device)
     if backend == "sdpa":
-        return TreeAttentionPlan("sdpa", total, dense_mask=_dense_mask(end))
-    if backend == "flex":
-        return TreeAttentionPlan("flex", total, block_mask=_flex_block_mask(end))
-    return _varlen_plan(row, device)
+        plan = TreeAttentionPlan("sdpa", total, dense_mask=_dense_mask(end))
+    elif backend == "flex":
+        plan = TreeAttentionPlan("flex", total, block_mask=_flex_block_mask(end))
+    else:
+        plan = _varlen_plan(row, device)
+    if linear_attention:
+        plan.linear = build_linear_plan(row, device, linear_chunk)
+    return plan
 
 
 def _dense_mask(end: torch.Tensor) -> torch.Tensor:
@@ -271,26 +288,42 @@ def register_tree_attention() -> str:
 
 
 def use_tree_attention(model: torch.nn.Module) -> None:
-    """Switch ``model`` (a transformers ``PreTrainedModel``) to tree attention."""
+    """Switch ``model`` (a transformers ``PreTrainedModel``) to tree attention; Gated DeltaNet layers follow the trie."""
     register_tree_attention()
     model.set_attn_implementation(TREE_ATTENTION)
+    install_tree_linear_attention(model)
 
 
-def packed_hidden_states(model: torch.nn.Module, row: PackedRow, plan: TreeAttentionPlan | None = None) -> torch.Tensor:
+def packed_hidden_states(
+    model: torch.nn.Module,
+    row: PackedRow,
+    plan: TreeAttentionPlan | None = None,
+    router_logits: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Final hidden states [T, hidden] of ``row`` (the LM head is left to ``trainer.logprobs``).
 
     The model must use tree attention (:func:`use_tree_attention`); ``row`` must be on the
     model's device. Calls the decoder (``model.get_decoder()``, which also reaches through a PEFT
-    wrapper) so no [T, vocab] logits are built.
+    wrapper) so no [T, vocab] logits are built. A mixture-of-experts decoder also reports its
+    routers' logits when ``router_logits`` is a list: one [T, experts] tensor per MoE layer is appended.
     """
     if plan is None:
         plan = build_plan(row)
+    if plan.linear is None and needs_linear_plan(model):
+        plan.linear = build_linear_plan(row, row.input_ids.device)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    extra = {"output_router_logits": True} if router_logits is not None else {}
     out = decoder(
         input_ids=row.input_ids[None],
         position_ids=row.position_ids[None],
         attention_mask=None,
         use_cache=False,
         tree_plan=plan,
+        **extra,
     )
+    if router_logits is not None:
+        got = getattr(out, "router_logits", None)
+        if not got:
+            raise ValueError(f"{type(decoder).__name__} reported no router logits; is it a mixture-of-experts model?")
+        router_logits.extend(t.reshape(-1, t.shape[-1]) for t in got)
     return out.last_hidden_state[0]

@@ -40,6 +40,8 @@ class PackedRow:
         num_flat_tokens: tokens flat packing would forward (sum of sample lengths).
         attention_cost: sum over forwarded tokens of the keys each attends to.
         num_trained_positions: distinct row positions holding a trained token (``batch/masked_token_frac``).
+        path_count: [T] how many samples' paths hold each row token: the weight an unpacked batch of the same
+            samples gives it (the MoE router loss counts tokens this way).
     """
 
     input_ids: torch.Tensor
@@ -62,6 +64,7 @@ class PackedRow:
     num_flat_tokens: int
     attention_cost: int
     num_trained_positions: int
+    path_count: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +164,9 @@ def pack_trie(trie: PrefixTrie) -> PackedRow:
         num_flat_tokens=trie.num_flat_tokens,
         attention_cost=trie.attention_cost,
         num_trained_positions=len(np.unique(np.concatenate(trained_rows))),
+        path_count=torch.from_numpy(np.bincount(np.concatenate(lay.sample_index), minlength=total).astype(np.int64))
+        if lay.sample_index
+        else torch.zeros(total, dtype=torch.long),
     )
 
 

@@ -1,6 +1,8 @@
 """Tiny random-init models with the real SmolLM2 tokenizer, for tests and CPU smoke runs.
 
-They run the real architecture code of transformers (Llama, Qwen2, Qwen3) in
+They run the real architecture code of transformers (Llama, Qwen2, Qwen3, and
+the families the embedded server serves through its general path: a Qwen3.5
+Gated DeltaNet hybrid, Qwen3-MoE, a Qwen3-VL and a Qwen3.5 vision-language checkpoint) in
 milliseconds on two CPU cores; only the weights are random.
 """
 
@@ -17,7 +19,7 @@ from filelock import FileLock
 
 from asyncgrpo.recipes.assets import cache_dir, smollm2_tokenizer_dir
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "qwen3_vl", "qwen3_5_vlm")
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
@@ -48,6 +50,8 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     elif arch == "qwen3":
         cls = Qwen3Config
         base["head_dim"] = 16
+    elif arch in ("qwen3_5", "qwen3_moe", "qwen3_vl", "qwen3_5_vlm"):
+        return _family_config(arch, base, overrides)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHS}")
     base.update(overrides)
@@ -57,11 +61,65 @@ def tiny_config(arch: str = "llama", **overrides: Any):
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any):
     """A random-init fp32 model of the tiny config (deterministic for a given seed)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    config = tiny_config(arch, **overrides)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]):
+    """Tiny configs of the general-path families: ``qwen3_5`` (three Gated DeltaNet layers, one attention layer),
+    ``qwen3_moe`` (4 experts, top-2), ``qwen3_vl`` (a 1-block vision tower in front of a tiny Qwen3 text model)
+    and ``qwen3_5_vlm`` (the same in front of the ``qwen3_5`` hybrid: the family of the reference's quick start,
+    Qwen/Qwen3.5-2B). For the two vision-language ones ``overrides`` go to the text config."""
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3VLConfig
+
+    if arch == "qwen3_5_vlm":
+        text = _family_config("qwen3_5", base, {"head_dim": 32}).to_dict()
+        for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype"):
+            text.pop(key, None)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [2, 1, 1], "mrope_interleaved": True}  # fmt: skip
+        text.update(overrides)
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+                  "out_hidden_size": text["hidden_size"], "num_position_embeddings": 64}  # fmt: skip
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                             eos_token_id=base["eos_token_id"])  # fmt: skip
+    base = dict(base, head_dim=16)
+    if arch == "qwen3_5":
+        base.update(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+        base.update(overrides)
+        return Qwen3_5TextConfig(**base)
+    if arch == "qwen3_moe":
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        base.update(overrides)
+        return Qwen3MoeConfig(**base)
+    text = dict(base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text.update(overrides)
+    vision = dict(  # noqa: C408 - keyword arguments of the vision config
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+        temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        bos_token_id=base["bos_token_id"],
+        eos_token_id=base["eos_token_id"],
+        pad_token_id=base["pad_token_id"],
+    )
 
 
 def tiny_model_dir(arch: str = "llama", tmp_dir: str | Path | None = None, seed: int = 0, **overrides: Any) -> Path:

@@ -46,10 +46,13 @@ from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 from asyncgrpo.rollout.server_poll import poll_server_metrics
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo.vlm import check_no_images
 
 logger = logging.getLogger(__name__)
 
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
+# The policy version a group started under; its rollouts' tasks inherit it (adapter sync: the adapter they name).
+_GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_version", default=None)
 # The server a group was routed to (X5); set in the group's task, inherited by its rollouts' tasks.
 _GROUP_SERVER: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_server", default=None)
 
@@ -134,13 +137,9 @@ class AsyncRolloutLoop:
         sampling = self.settings.sampling
         params = sampling.request_params(len(prompt_ids), seed=self._next_seed())
         t0 = time.perf_counter()
-        model = self.settings.model_name
         self.pool.drop_flagged(self.channels.dropped_server_mask())
         try:
-            if sampling.use_generate_endpoint:
-                res = await self.pool.call(self.server_index, lambda c: c.generate(prompt_ids, params, model=model))
-            else:
-                res = await self.pool.call(self.server_index, lambda c: c.complete(prompt_ids, params, model=model))
+            res = await self._request(prompt_ids, params, self.request_model())
         except ServerError as e:
             if e.status == 400 and is_length_error(e.message):
                 raise ValueError(
@@ -161,6 +160,29 @@ class AsyncRolloutLoop:
             output_sampler_logprobs=res.top_logprobs if sampling.num_sampler_logprobs is not None else None,
         )
 
+    def request_model(self) -> str:
+        """The ``model`` of this rollout's requests: the served model, or under adapter sync (T6) the LoRA adapter
+        of the policy version the rollout's group started under (it finishes under that policy)."""
+        version = _GROUP_VERSION.get()
+        return self.settings.request_model(self.channels.policy_version.value if version is None else version)
+
+    async def _request(self, prompt_ids: list[int], params: dict[str, Any], model: str) -> Any:
+        """One request to this rollout's server (X5) naming ``model``."""
+        generate = self.settings.sampling.use_generate_endpoint
+
+        def call(m: str) -> Any:
+            return self.pool.call(self.server_index, lambda c: (c.generate if generate else c.complete)(
+                prompt_ids, params, model=m))  # fmt: skip
+
+        try:
+            return await call(model)
+        except ServerError as e:
+            current = self.settings.request_model(self.channels.policy_version.value)
+            if e.status != 404 or self.settings.lora_name is None or model == current:
+                raise
+            # The group's adapter left the staleness window: its samples will be dropped as stale anyway.
+            return await call(current)
+
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group; 0 for unscored rollouts."""
         return group_advantages(group.rewards)
@@ -174,6 +196,7 @@ class AsyncRolloutLoop:
         self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]] | None
     ) -> list[int]:
         """Token ids of the whole conversation with the generation prompt (the tools' schemas shown if any)."""
+        check_no_images(messages, "a conversation to render")  # environments and tools may return images too
         kwargs = dict(self.settings.chat_template_kwargs)
         if tool_schemas:
             kwargs["tools"] = tool_schemas
@@ -369,7 +392,9 @@ class AsyncRolloutLoop:
                 f"dataset row {row_index} has prompt={prompt!r}; prompts must be conversational: a list of "
                 '{"role": ..., "content": ...} messages'
             )
+        check_no_images(row, f"dataset row {row_index}")
         version = self.channels.policy_version.value
+        _GROUP_VERSION.set(version)  # this task's context: the rollouts gathered below copy it
         G = self.settings.num_generations
         self.pool.drop_flagged(self.channels.dropped_server_mask())
         server = self.pool.assign(G)  # the G requests meet on one server: its prefix cache shares the prompt

@@ -41,6 +41,8 @@ class RolloutSettings:
         skip_indices: flat prompt indices past ``dataset_start_index`` a checkpoint settled: not generated (X3).
         retry_for_s: how long a request to a server that stopped answering is retried (the config's
             ``vllm_server_restart_timeout``).
+        lora_name: adapter sync (T6): requests name the LoRA adapter ``<lora_name>-step-<version>`` of the policy
+            version their rollout started under instead of ``model_name`` (None: merged weights, ``model_name``).
         sync_rollouts: start groups only while the trainer waits for samples (the config's ``sync_rollouts``).
         extra: free-form values for custom loops; the library never reads it.
     """
@@ -63,6 +65,7 @@ class RolloutSettings:
     retry_for_s: float = 0.0
     sync_rollouts: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -81,10 +84,19 @@ class RolloutSettings:
         if problems:
             raise ValueError("invalid RolloutSettings: " + "; ".join(problems))
 
+    def request_model(self, policy_version: int) -> str:
+        """The ``model`` field of a request generated under ``policy_version``."""
+        return self.model_name if self.lora_name is None else lora_adapter_name(self.lora_name, policy_version)
+
     @property
     def num_sampler_logprobs(self) -> int | None:
         """Sampler top-N log-probs kept per trained token; None when score centering is off."""
         return self.sampling.num_sampler_logprobs
+
+
+def lora_adapter_name(prefix: str, policy_version: int) -> str:
+    """The adapter name of a policy version under adapter sync; the trainer registers it under this name."""
+    return f"{prefix}-step-{policy_version}"
 
 
 class ConfigView:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncgrpo.server.core import EngineLoop
+from asyncgrpo.server.hf_model import GeneralLM, GeneralRunner, is_native, load_any_model, text_model_aliases
 from asyncgrpo.server.kv_cache import (
     KVCache,
     activation_headroom_bytes,
@@ -30,7 +31,7 @@ from asyncgrpo.server.kv_cache import (
     plan_num_blocks,
 )
 from asyncgrpo.server.lora import LoRAManager
-from asyncgrpo.server.model import DecoderLM, load_hf_model
+from asyncgrpo.server.model import DecoderLM
 from asyncgrpo.server.request import EngineStats, PauseMode, Request, RequestOutput
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.sampler import Sampler
@@ -47,8 +48,9 @@ class Engine:
     """Continuous-batching generation over a paged KV cache (see the module docstring).
 
     Args:
-        model: HF checkpoint directory of a Llama/Mistral/Qwen2/Qwen3 causal LM, or an
-            already-built ``PreTrainedModel`` of one (its weights are used in place).
+        model: HF checkpoint directory of a causal LM or a vision-language checkpoint (served text-only), or an
+            already-built ``PreTrainedModel`` (its weights are used in place). Llama/Mistral/Qwen2/Qwen3 run
+            our own forward (:mod:`model`); every other family runs its HF forward (:mod:`hf_model`).
         dtype: "auto" (checkpoint dtype on CUDA, float32 on CPU), "bfloat16", "float16", "float32".
         device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
         max_model_len: longest prompt + output; default min(max_position_embeddings, 4096).
@@ -82,14 +84,21 @@ class Engine:
     ) -> None:
         if max_num_seqs < 1 or block_size < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
-        hf = load_hf_model(model, dtype, device)
-        cfg = hf.config
-        self.hf_config = cfg
+        hf = load_any_model(model, dtype, device)
+        self.hf_config = hf.config
+        cfg = hf.config.get_text_config()  # a vision-language config keeps its sizes in text_config
+        self.general_path = not is_native(hf)
+        if self.general_path and enable_lora:
+            raise ValueError(
+                f"--enable-lora is not supported for {type(hf).__name__}: the embedded server runs it through the "
+                "general (HF forward) path, which has no runtime adapters; sync merged weights instead (no "
+                "--enable-lora), or use a vLLM server"
+            )
         limit = getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
         self.max_model_len = int(max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN))
         if self.max_model_len > limit:
             logger.warning("max_model_len %d exceeds max_position_embeddings %d", self.max_model_len, limit)
-        self._model = DecoderLM(hf, self.max_model_len)
+        self._model = GeneralLM(hf) if self.general_path else DecoderLM(hf, self.max_model_len)
         self.dtype = self._model.dtype
         self.device = self._model.device
         self.vocab_size = self._model.vocab_size
@@ -103,14 +112,21 @@ class Engine:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.num_blocks = plan_num_blocks(
             block_size=block_size,
-            bytes_per_token=kv_bytes_per_token(len(m.layers), m.num_kv_heads, m.head_dim, self.dtype),
+            bytes_per_token=kv_bytes_per_token(
+                m.num_kv_layers if self.general_path else len(m.layers), m.num_kv_heads, m.head_dim, self.dtype
+            ),
             device=self.device,
             kv_cache_tokens=kv_cache_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
             headroom_bytes=activation_headroom_bytes(
-                cfg.hidden_size, cfg.intermediate_size, self.vocab_size, budget, max_num_seqs, elem
+                cfg.hidden_size,
+                getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+                self.vocab_size,
+                budget,
+                max_num_seqs,
+                elem,
             ),
         )
         self.kv_cache_tokens = self.num_blocks * block_size
@@ -123,11 +139,15 @@ class Engine:
             len(m.layers), self.num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
         )
         self._scheduler = Scheduler(self._kv, max_num_seqs, budget)
-        self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager)
+        if self.general_path:  # KVCache above holds no tensors (m.layers is empty): block accounting only
+            self._runner = GeneralRunner(m, self._kv)
+        else:
+            self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager)
         sampler = Sampler(self.device, seed)
         self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)
         self._runner.capture_graphs()
         self._params = dict(hf.named_parameters(remove_duplicate=False))  # tied lm_head.weight listed too
+        self._params.update(text_model_aliases(self._params))  # a VLM's text weights under causal-LM names too
 
         self._core = EngineLoop(self._scheduler, self._runner, sampler, self.eos_token_ids, self.max_model_len)
         self._core.on_release = self._release_id
@@ -244,11 +264,17 @@ class Engine:
     def _release_id(self, request_id: str) -> None:
         with self._ids_lock:
             self._live_ids.discard(request_id)
+        if self.general_path and self._runner is not None:  # engine thread: free its HF cache now, not next step
+            self._runner.release_finished()
 
     # --------------------------------------------------------- weights & LoRA
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters under their HF checkpoint names (unfused; a tied lm_head is not listed)."""
         yield from self._model.hf_model.named_parameters()
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every name :meth:`load_weights` accepts (HF names, tied and text-model aliases included)."""
+        return {name: tuple(p.shape) for name, p in self._params.items()}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the parameters by HF name, in place. Call via :meth:`run_between_steps`."""
@@ -309,7 +335,7 @@ class Engine:
 def _eos_ids(hf) -> list[int]:
     """EOS ids of the config and of the generation config, deduplicated, in order."""
     found: list[int] = []
-    for src in (hf.config, getattr(hf, "generation_config", None)):
+    for src in (hf.config, hf.config.get_text_config(), getattr(hf, "generation_config", None)):
         eos = getattr(src, "eos_token_id", None) if src is not None else None
         for t in [eos] if isinstance(eos, int) else list(eos or []):
             if t not in found:

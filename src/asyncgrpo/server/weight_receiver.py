@@ -164,7 +164,7 @@ class WeightReceiver:
         if not names:
             _require(self._last_metas is not None, "empty update_info lists reuse the last round, but there was none")
             return self._last_metas
-        params = {n: tuple(p.shape) for n, p in self.engine.named_parameters()}
+        params = self.engine.parameter_shapes()
         metas = []
         for name, dname, shape in zip(names, dtypes, shapes):
             _require(isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape), f"bad shape {shape!r} for {name!r}")  # fmt: skip

@@ -15,6 +15,7 @@ from asyncgrpo.rollout.agents import (
     check_tool,
     tool_names,
 )
+from asyncgrpo.vlm import check_no_images
 
 __all__ = ["check_dataset", "check_train_inputs"]
 
@@ -58,6 +59,7 @@ def check_dataset(dataset: Any, factories: dict[str, Any] | None = None) -> None
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty")
     row = dataset[0]
+    check_no_images(row, "train_dataset row 0")  # the worker checks every row again
     if factories is not None and list(factories) != [""] and row.get(ENVIRONMENT_COLUMN) not in factories:
         raise ValueError(
             f"train_dataset row 0 has {ENVIRONMENT_COLUMN}={row.get(ENVIRONMENT_COLUMN)!r}; with environment_factory "

@@ -37,6 +37,14 @@ class ServerFacts:
     max_logprobs: int = 20  # --max-logprobs; -1 means the vocabulary size
     return_sampling_mask: bool = False  # --return-sampling-mask: every request needs temperature > 0, top_k > 0
     world_sizes: tuple[int, ...] = ()  # each server's world size, in the config's order (several servers, X5)
+    max_lora_rank: int | None = None  # --max-lora-rank when the server runs with --enable-lora, else None
+    max_loras: int | None = None  # --max-loras (with --enable-lora)
+    lora_adapters: tuple[str, ...] = ()  # adapters already registered (their /v1/models cards have a parent)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The server was started with ``--enable-lora`` (``vllm_config.lora_config`` is set): adapter sync (T6)."""
+        return self.max_lora_rank is not None
 
 
 async def _server_info(client: AsyncServerClient) -> dict:
@@ -74,6 +82,7 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
         masks = await client.supports_sampling_mask() if want_masks else False
         world = await client.world_size()
         max_logprobs = model_cfg.get("max_logprobs", 20)
+        lora = config_section(info, "vllm_config", "lora_config")
         return ServerFacts(
             model_name=base["id"],
             max_model_len=int(max_len),
@@ -85,6 +94,9 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
             weight_backend=transfer.get("backend"),
             max_logprobs=int(max_logprobs) if isinstance(max_logprobs, int) else 20,
             return_sampling_mask=bool(model_cfg.get("return_sampling_mask", False)),
+            max_lora_rank=int(lora.get("max_lora_rank") or 16) if lora else None,  # vLLM's default rank: 16
+            max_loras=int(lora.get("max_loras") or 1) if lora else None,
+            lora_adapters=tuple(m["id"] for m in models if m.get("parent") not in (None, "")),
         )
 
 
@@ -148,6 +160,7 @@ def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) ->
         raise ValueError("the generation servers of vllm_server_base_url must be replicas of one model: "
                          + "; ".join(problems) + ". Start every server with the same model and flags")  # fmt: skip
     kv = [f.kv_cache_tokens for f in each]
+    lora = all(f.lora_enabled for f in each)
     logprobs = [f.max_logprobs for f in each if f.max_logprobs != -1]  # -1: the vocabulary, no limit
     return dataclasses.replace(
         first,
@@ -158,6 +171,10 @@ def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) ->
         max_logprobs=min(logprobs) if logprobs else -1,
         return_sampling_mask=any(f.return_sampling_mask for f in each),
         world_sizes=tuple(f.world_size for f in each),
+        # adapter sync only when every server takes adapters, within the smallest limits (T6)
+        max_lora_rank=min(f.max_lora_rank or 0 for f in each) if lora else None,
+        max_loras=min(f.max_loras or 0 for f in each) if lora else None,
+        lora_adapters=tuple(sorted({a for f in each for a in f.lora_adapters})),
     )
 
 

@@ -29,8 +29,9 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+from transformers import AutoTokenizer, PreTrainedModel, Trainer
 
+from asyncgrpo import vlm
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
@@ -48,6 +49,8 @@ from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_ch
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.loss import loss_normalizer, policy_loss
+from asyncgrpo.trainer.model_support import check_model_support
+from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
@@ -59,7 +62,8 @@ from asyncgrpo.trainer.server_setup import (
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.fanout import FanoutSender
-from asyncgrpo.weights.policy import join_policy_gathers
+from asyncgrpo.weights.lora_sync import AdapterPublisher, AdapterSyncSettings, adapter_state, start_adapter_sync
+from asyncgrpo.weights.policy import is_peft_model, join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
 logger = logging.getLogger(__name__)
@@ -95,7 +99,8 @@ class AsyncGRPOTrainer(Trainer):
         train_dataset: rows with a conversational ``prompt`` column; other columns reach the reward functions.
         processing_class: the tokenizer (default: loaded from ``model``).
         callbacks, optimizers: as in ``transformers.Trainer``.
-        peft_config: a PEFT config; the server then receives merged weights.
+        peft_config: a PEFT config; the server receives merged weights, or only the adapter when it runs with
+            ``--enable-lora`` (adapter sync, ``weights/lora_sync.py``).
         tools: module-level functions (sync or ``async def``, typed, Google-style docstrings) the model may call.
         environment_factory: a class/callable making an environment (``reset``, optional ``get_reward``, public
             methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
@@ -105,6 +110,7 @@ class AsyncGRPOTrainer(Trainer):
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    lora_prefix: str = "asyncgrpo-lora"  # adapter sync: the server gets adapters <lora_prefix>-step-<N>
 
     def __init__(
         self,
@@ -129,13 +135,11 @@ class AsyncGRPOTrainer(Trainer):
         if isinstance(model, str):
             init_kwargs = {"dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
             init_kwargs.update(args.model_init_kwargs or {})
-            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
-        moe = any(getattr(model.config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-        if moe:
-            raise ValueError(
-                f"{type(model).__name__} is a mixture-of-experts model; this version's packed trainer does not add "
-                "the router load-balancing loss (router_aux_loss_coef, SPEC L6) yet: train a dense model"
-            )
+            model = vlm.load_pretrained(model, **init_kwargs)  # image-text class for vision-language checkpoints
+        check_model_support(model)  # layers tree packing cannot follow (sliding windows, sinks, unknown recurrences)
+        text_config = getattr(model.config, "text_config", None) or model.config  # a VLM's MoE lives in its text model
+        self.router_aux_coef = resolve_router_aux_coef(text_config, args.router_aux_loss_coef)  # L6; 0 = off
+        self.router_top_k = experts_per_token(text_config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if peft_config is not None:
@@ -145,6 +149,7 @@ class AsyncGRPOTrainer(Trainer):
             if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
                 raise ValueError("LoRA on lm_head is not supported: drop 'lm_head' from peft_config.target_modules")
             model = get_peft_model(model, peft_config)
+        vlm.freeze_non_text(model)  # T4: tower/projector frozen (no grads, no optimizer state, not synced)
         reward_funcs = (
             [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
         )
@@ -178,6 +183,10 @@ class AsyncGRPOTrainer(Trainer):
         self.source: RolloutSource | None = None
         self.sender: WeightSender | FanoutSender | None = None
         self.facts: ServerFacts | None = None
+        self.adapter_mode = False  # T6: chosen at train() start (PEFT model + a server with --enable-lora)
+        self.adapter_sync: AdapterPublisher | None = None  # rank 0, adapter mode
+        self.needs_initial_sync = False  # adapter mode: register the starting adapter before generation starts
+        self.served_adapter: str | None = None  # adapter mode: the newest adapter registered (rank 0)
 
     # ------------------------------------------------------------------ set-up
 
@@ -193,7 +202,8 @@ class AsyncGRPOTrainer(Trainer):
         method to add other values: ``dataclasses.replace(super().rollout_settings(...), extra={...})``.
         """
         eos = self.processing_class.eos_token_id
-        return build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
+        settings = build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
+        return dataclasses.replace(settings, lora_name=self.lora_prefix) if self.adapter_mode else settings
 
     def _start_rollout(self, resume: ResumePoint) -> None:
         """Probe the server; build the loop, source and sender. The worker starts in ``start_rollout_worker``."""
@@ -210,6 +220,12 @@ class AsyncGRPOTrainer(Trainer):
             )
         facts = self._broadcast_object(self.facts)
         self.facts = facts
+        self.adapter_mode = self.needs_initial_sync = facts.lora_enabled and is_peft_model(self.model)
+        if self.adapter_mode and self.is_world_process_zero():  # T6: checks the server's LoRA limits first
+            sync = AdapterSyncSettings(tuple(args.server_urls), args.output_dir, args.max_staleness,
+                                       self.lora_prefix, args.vllm_server_timeout)  # fmt: skip
+            self.adapter_sync = start_adapter_sync(self.model, sync, facts.max_lora_rank, facts.max_loras,
+                                                   facts.lora_adapters, args.save_strategy)  # fmt: skip
         self.token_budget = args.token_budget or facts.max_model_len
         n_proc = self.args.world_size
         if self.is_world_process_zero():
@@ -238,7 +254,8 @@ class AsyncGRPOTrainer(Trainer):
                 weight_sync_steps=args.weight_sync_steps,
                 settled=resume.settled,
             )
-            self.sender = self._make_sender(facts)
+            if not self.adapter_mode:  # merged sync: the weight transfer group(s)
+                self.sender = self._make_sender(facts)
         cfg = self._causal_lm().config
         self.step_stats.flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
         if torch.cuda.is_available():
@@ -275,14 +292,17 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.stop()
         if self.sender is not None:
             self.sender.close()
-        self.worker = self.source = self.sender = None
+        self.worker = self.source = self.sender = self.adapter_sync = None
 
     def sync_weights(self) -> None:
         """Push the current policy to the server and hand its version to the rollout worker.
 
         Every process must call it (sharded parameters are gathered collectively); rank 0 sends.
+        Adapter mode (T6): the adapter is written and registered instead (``weights/lora_sync.py``).
         """
-        if not self.is_world_process_zero():
+        if self.adapter_mode:
+            self._sync_adapter()
+        elif not self.is_world_process_zero():
             join_policy_gathers(self.model)  # the same gathers, in the same order, as rank 0's
         else:
             if self.sender is None or self.worker is None:
@@ -295,6 +315,21 @@ class AsyncGRPOTrainer(Trainer):
             w.add("perf/weight_sync_pause_s", timings["pause_s"])
             w.add("perf/weight_sync_barrier_s", timings["barrier_s"])
             w.add("perf/weight_sync_transfer_s", timings["transfer_s"])
+
+    def _sync_adapter(self) -> None:
+        state = adapter_state(self.model)  # every rank: gathers are collective under FSDP2
+        self.needs_initial_sync = False
+        if not self.is_world_process_zero():
+            return
+        if self.adapter_sync is None or self.worker is None:
+            raise RuntimeError("sync_weights needs the adapter publisher and rollout worker that train() starts")
+        step = self.state.global_step
+        t = self.adapter_sync.publish(self.model, state, step)
+        self.served_adapter = self.adapter_sync.live[-1][0]
+        self.worker.set_policy_version(step)  # new groups name the new adapter from now on
+        self.window.add("perf/weight_sync_s", t["write_s"] + t["load_s"] + t["retire_s"])
+        self.window.add("perf/weight_sync_pause_s", 0.0)  # adapters load beside the running ones: no pause
+        self.window.add("perf/weight_sync_transfer_s", t["write_s"] + t["load_s"])
 
     def _broadcast_object(self, obj: Any) -> Any:
         if self.args.world_size <= 1:
@@ -331,6 +366,8 @@ class AsyncGRPOTrainer(Trainer):
         metrics: dict[str, float] = {}
         if self.is_world_process_zero():
             settings = settings_from_config(self.args)
+            if self.served_adapter is not None:  # adapter sync: the newest adapter holds the trained policy
+                settings = dataclasses.replace(settings, model=self.served_adapter)
             metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
             Trainer.log(self, metrics)  # not self.log: that would flush the training window into this line
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
@@ -380,10 +417,14 @@ class AsyncGRPOTrainer(Trainer):
         row = row.to(self.args.device)
         with self.compute_loss_context_manager():
             lm = self._causal_lm()
-            hidden = packed_hidden_states(lm, row, build_plan(row, device=self.args.device))
+            router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
+            hidden = packed_hidden_states(lm, row, build_plan(row, device=self.args.device), router_logits=router)
             result = self._policy_loss(lm, hidden, row, inputs["normalizer"]) if row.num_trained else None
             # A row without trained tokens still joins the graph (FSDP needs every rank's backward).
             loss = (result.loss if result is not None else 0.0) + 0.0 * hidden.sum()
+            aux = router_aux_loss(router, row.path_count, self.router_top_k) if router and row.num_trained else None
+            if aux is not None:  # trainer/moe.py: the unpacked batch's balance loss, averaged over micro-batches
+                loss = loss + (self.router_aux_coef / self.args.gradient_accumulation_steps) * aux
         if self._device_is_cuda():
             torch.cuda.synchronize()  # CPU-GPU sync points: only for honest perf/fwd_s and perf/fwd_bwd_s
         forward_s = time.perf_counter() - t0
@@ -391,6 +432,8 @@ class AsyncGRPOTrainer(Trainer):
         if self._device_is_cuda():
             torch.cuda.synchronize()
         self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens, forward_s)
+        if aux is not None:
+            self.window.add("aux_loss", float(aux.detach()))
         if result is not None:
             for name, value, weight in result.metric_events():
                 if math.isfinite(value):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.vlm import non_text_parameter_ids
 from asyncgrpo.weights.collectives import TensorMeta
 
 _PEFT_PREFIX = "base_model.model."
@@ -43,7 +44,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else t
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a PEFT wrapper (its LoRA layers are merged on the way to the server)."""
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -54,8 +56,9 @@ def _active_adapter(model: torch.nn.Module) -> str:
 
 def _sources(model: torch.nn.Module) -> list[_Source]:
     """The server's weights in send order; nothing is gathered or merged here."""
-    if not _is_peft(model):
-        return [_Source(name, p) for name, p in model.named_parameters()]
+    tower = non_text_parameter_ids(model)  # a vision-language model syncs its text model only (T4)
+    if not is_peft_model(model):
+        return [_Source(name, p) for name, p in model.named_parameters() if id(p) not in tower]
     adapter = _active_adapter(model)
     lora_layers = {
         name: module
@@ -64,6 +67,8 @@ def _sources(model: torch.nn.Module) -> list[_Source]:
     }
     out = []
     for name, p in model.named_parameters():
+        if id(p) in tower:
+            continue
         # LoRA factors travel merged; a modules_to_save wrapper sends its trained copy, not the frozen original.
         if "lora_" in name or ".original_module." in name:
             continue

@@ -1,0 +1,228 @@
+"""LoRA adapter sync (SPEC T6): a server started with ``--enable-lora`` gets each policy version as a PEFT adapter.
+
+Instead of merged weights over NCCL, each sync writes the trained adapter (PEFT ``save_pretrained`` layout:
+``adapter_config.json`` + ``adapter_model.safetensors``) to ``<output_dir>/.vllm_lora/<prefix>-step-<N>/`` and
+registers it with ``POST /v1/load_lora_adapter``; the rollout worker then names that adapter in each request's
+``model`` field (``RolloutSettings.request_model``). vLLM reads adapters from disk, so a remote server needs
+``output_dir`` on a filesystem both machines see.
+
+Staleness window: a rollout keeps the adapter of the version it started under until it ends, and the trainer
+drops samples more than ``max_staleness`` versions old, so ``max_staleness + 1`` versions stay registered. Each
+sync loads the new version *before* it unloads the oldest and deletes its directory, so at most
+``max_staleness + 2`` adapters are live at once: the server needs ``--max-loras >= max_staleness + 2`` and
+``--max-lora-rank >=`` the adapter's rank (checked at start by :func:`check_adapter_server`).
+
+``.vllm_lora`` is a serving cache, not where the trained adapter is kept: checkpoints keep it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncgrpo.client.errors import ServerError
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.rollout.settings import lora_adapter_name
+
+logger = logging.getLogger(__name__)
+
+LORA_CACHE_DIR = ".vllm_lora"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for --max-lora-rank
+RUNTIME_LORA_HINT = (
+    "start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (and --api-server-count 1), or `asyncgrpo serve --enable-lora`"
+)
+
+
+@dataclass(frozen=True)
+class AdapterSyncSettings:
+    """Where adapters go and how many stay registered.
+
+    Args:
+        base_urls: the generation servers (every one gets every adapter).
+        output_dir: the run's ``output_dir``; adapters go to ``<output_dir>/.vllm_lora/``.
+        max_staleness: the config's ``max_staleness``: ``max_staleness + 1`` versions stay registered.
+        prefix: adapter names are ``<prefix>-step-<N>`` (the worker builds the same names).
+        timeout_s: one HTTP call's limit (load/unload).
+    """
+
+    base_urls: tuple[str, ...]
+    output_dir: str
+    max_staleness: int
+    prefix: str
+    timeout_s: float = 300.0
+
+
+def _peft_config(model: torch.nn.Module) -> Any:
+    adapter = getattr(model, "active_adapter", "default")
+    adapter = adapter[0] if isinstance(adapter, list) else adapter
+    return model.peft_config[adapter], adapter
+
+
+def adapter_rank(model: torch.nn.Module) -> int:
+    """The largest LoRA rank of the model's active adapter (``r`` and any ``rank_pattern`` value)."""
+    cfg, _ = _peft_config(model)
+    return max([int(cfg.r), *(int(v) for v in (getattr(cfg, "rank_pattern", None) or {}).values())])
+
+
+def check_adapter_server(
+    rank: int, max_staleness: int, max_lora_rank: int, max_loras: int, other_adapters: list[str]
+) -> None:
+    """Fail at start when the server cannot hold the run's adapters; say which server flag to raise.
+
+    Raises:
+        ValueError: the adapter rank exceeds ``--max-lora-rank``, or ``--max-loras`` (less adapters someone else
+            loaded) is below ``max_staleness + 2``.
+    """
+    problems = []
+    if rank > max_lora_rank:
+        fit = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+        problems.append(
+            f"the LoRA adapter has rank {rank} but the server was started with --max-lora-rank {max_lora_rank}: "
+            f"restart it with --max-lora-rank {fit} (or lower peft_config.r)"
+        )
+    need = max_staleness + 2 + len(other_adapters)
+    if max_loras < need:
+        others = f" plus the {len(other_adapters)} adapters already loaded ({other_adapters})" if other_adapters else ""
+        problems.append(
+            f"the trainer keeps max_staleness + 1 = {max_staleness + 1} adapter versions registered and loads the next "
+            f"before releasing the oldest, so it needs {max_staleness + 2} adapter slots{others}; the server was "
+            f"started with --max-loras {max_loras}: restart it with --max-loras {need} (or lower max_staleness)"
+        )
+    if problems:
+        raise ValueError("adapter sync (the server runs with --enable-lora):\n  - " + "\n  - ".join(problems))
+
+
+def warn_nothing_kept(save_strategy: Any) -> None:
+    """``.vllm_lora`` holds only the live versions: without checkpoints the trained adapter is lost at the end."""
+    if str(getattr(save_strategy, "value", save_strategy)) == "no":
+        logger.warning(
+            "save_strategy='no' with adapter sync: <output_dir>/%s is only a serving cache that keeps the newest "
+            "adapter versions and deletes each one as it leaves the staleness window, so nothing of the trained "
+            "adapter will be left when the run ends. Keep checkpoints (save_strategy='steps') or save the model "
+            "yourself after train().",
+            LORA_CACHE_DIR,
+        )
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The active adapter's tensors under PEFT's saved names, whole and on the CPU.
+
+    Collective under FSDP2 (a sharded tensor is gathered): every rank must call it, in step.
+    """
+    from peft import get_peft_model_state_dict
+
+    _, adapter = _peft_config(model)
+    out = {}
+    for name, t in get_peft_model_state_dict(model, adapter_name=adapter).items():
+        full = getattr(t, "full_tensor", None)
+        out[name] = (full() if callable(full) else t).detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def write_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``state`` as a PEFT adapter directory (written beside ``path`` first, then renamed into place)."""
+    from safetensors.torch import save_file
+
+    cfg, _ = _peft_config(model)
+    staging = path.with_name(path.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    cfg.save_pretrained(str(staging))
+    save_file(state, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(path, ignore_errors=True)
+    staging.rename(path)
+
+
+class AdapterPublisher:
+    """Rank 0's side of adapter sync: write, register and retire adapter versions (see the module docstring)."""
+
+    def __init__(self, settings: AdapterSyncSettings) -> None:
+        self.settings = settings
+        self.cache_dir = Path(settings.output_dir) / LORA_CACHE_DIR
+        self.live: deque[tuple[str, Path]] = deque()  # (adapter name, directory), oldest first
+
+    def _call(self, url: str, coro_fn: Any, what: str) -> Any:
+        """Run one async client call to completion (the trainer thread has no event loop of its own)."""
+
+        async def go() -> Any:
+            async with AsyncServerClient(url, timeout=self.settings.timeout_s, retries=0) as c:
+                return await asyncio.wait_for(coro_fn(c), self.settings.timeout_s + 5.0)
+
+        try:
+            return asyncio.run(go())
+        except TimeoutError:
+            raise TimeoutError(f"timed out after {self.settings.timeout_s:.0f}s waiting for {what} at {url}") from None
+
+    def clear_leftovers(self, loaded: list[str]) -> None:
+        """Unload adapters an earlier run of this prefix left on the server and empty the cache directory."""
+        mine = [n for n in loaded if n.startswith(self.settings.prefix + "-step-")]
+        for name in mine:
+            logger.info("unloading LoRA adapter %r left on the server by an earlier run", name)
+            self._unload(name)
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    def publish(self, model: torch.nn.Module, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Write and register version ``version``, then retire versions outside the window; returns timings."""
+        t0 = time.perf_counter()
+        name = lora_adapter_name(self.settings.prefix, version)
+        path = self.cache_dir / name
+        if any(n == name for n, _ in self.live):  # the same version again (e.g. re-sync after resume)
+            self._retire(name, path)
+            self.live = deque((n, p) for n, p in self.live if n != name)
+        write_adapter(model, state, path)
+        t1 = time.perf_counter()
+        for url in self.settings.base_urls:
+            try:
+                self._call(url, lambda c: c.load_lora_adapter(name, str(path.resolve())),
+                           f"POST /v1/load_lora_adapter {name}")  # fmt: skip
+            except ServerError as exc:
+                if exc.status == 404:
+                    raise RuntimeError(f"the server at {url} has no /v1/load_lora_adapter: {RUNTIME_LORA_HINT}"
+                                       ) from exc  # fmt: skip
+                raise RuntimeError(f"the server at {url} refused LoRA adapter {name} ({path}): {exc}") from exc
+        self.live.append((name, path))
+        t2 = time.perf_counter()
+        while len(self.live) > self.settings.max_staleness + 1:
+            self._retire(*self.live.popleft())
+        return {"write_s": t1 - t0, "load_s": t2 - t1, "retire_s": time.perf_counter() - t2}
+
+    def _unload(self, name: str) -> None:
+        for url in self.settings.base_urls:
+            try:
+                self._call(url, lambda c: c.unload_lora_adapter(name), f"POST /v1/unload_lora_adapter {name}")
+            except ServerError as exc:
+                if exc.status != 404:  # 404: not there (e.g. the server restarted, or loaded on another server)
+                    raise
+
+    def _retire(self, name: str, path: Path) -> None:
+        self._unload(name)
+        shutil.rmtree(path, ignore_errors=True)
+        logger.debug("retired LoRA adapter %s", name)
+
+
+def start_adapter_sync(
+    model: torch.nn.Module,
+    settings: AdapterSyncSettings,
+    max_lora_rank: int,
+    max_loras: int,
+    loaded: Sequence[str],
+    save_strategy: Any,
+) -> AdapterPublisher:
+    """Rank 0 at ``train()`` start: check the server's LoRA limits, warn when nothing will be kept, unload what an
+    earlier run of this prefix left (``loaded``: the adapters the server lists now) and return the publisher."""
+    mine = settings.prefix + "-step-"
+    others = [n for n in loaded if not n.startswith(mine)]
+    check_adapter_server(adapter_rank(model), settings.max_staleness, max_lora_rank, max_loras, others)
+    warn_nothing_kept(save_strategy)
+    publisher = AdapterPublisher(settings)
+    publisher.clear_leftovers(list(loaded))
+    return publisher
