@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
+from itertools import chain, compress
 from typing import Any
 
 import numpy as np
@@ -206,6 +207,8 @@ class TrainingSequence:
             problems.append(f"advantage must be finite, got {self.advantage}")
         if problems:  # the per-position checks below assume aligned lengths
             _raise("TrainingSequence", problems)
+        if self._positions_look_valid():
+            return
         for i, trained in enumerate(self.loss_mask):
             if trained and not (math.isfinite(self.sampler_logprobs[i]) and self.sampler_logprobs[i] <= _LOGPROB_SLACK):
                 problems.append(f"sampler_logprobs[{i}]={self.sampler_logprobs[i]} is not a log-probability")
@@ -224,6 +227,20 @@ class TrainingSequence:
                     problems.append(f"candidate_sets[{i}] does not contain the token {self.input_ids[i]}")
                     break
         _raise("TrainingSequence", problems)
+
+    def _positions_look_valid(self) -> bool:
+        """The per-position checks of ``validate`` as whole-list passes in C (the rollout worker runs this on
+        every sample); False sends ``validate`` through its position loop, which names the first bad index."""
+        trained = list(compress(self.sampler_logprobs, self.loss_mask))
+        if not (all(map(math.isfinite, trained)) and max(trained, default=0.0) <= _LOGPROB_SLACK):
+            return False
+        if self.sampler_top_ids is not None and self.sampler_top_logprobs is not None:
+            if list(map(len, self.sampler_top_ids)) != list(map(len, self.sampler_top_logprobs)):
+                return False
+            top = list(chain.from_iterable(self.sampler_top_logprobs))
+            if not (all(map(math.isfinite, top)) and max(top, default=0.0) <= _LOGPROB_SLACK):
+                return False
+        return self.candidate_sets is None or not any(self.candidate_sets)
 
 
 @dataclass

@@ -98,6 +98,7 @@ class AsyncServerClient:
         self.backoff = backoff
         self.retry_for_s = max(float(retry_for_s), 0.0)
         self.retry_count = 0
+        self.parse_seconds = 0.0  # diagnostics: time spent decoding JSON answers and parsing choices
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -197,10 +198,13 @@ class AsyncServerClient:
                     continue
                 raise last
             if parse == "json":
+                t_parse = time.perf_counter()
                 try:
                     return json.loads(body) if body else None
                 except ValueError as exc:
                     raise ServerError(endpoint, status, f"answer is not JSON: {body[:200]!r}") from exc
+                finally:
+                    self.parse_seconds += time.perf_counter() - t_parse
             if parse == "text":
                 return body.decode("utf-8", errors="replace")
             return None
@@ -364,9 +368,12 @@ class AsyncServerClient:
         if model is not None:
             body["model"] = model
         data = await self.request("POST", path, json_body=body, timeout=timeout)
+        t_parse = time.perf_counter()
         choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
         rid = data.get("request_id", data.get("id", request_id))
-        return [parse(c, rid) for c in choices]
+        results = [parse(c, rid) for c in choices]
+        self.parse_seconds += time.perf_counter() - t_parse
+        return results
 
     async def complete(
         self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any

@@ -15,6 +15,7 @@ from typing import Any
 from asyncgrpo.client.errors import ServerError
 
 _NEG_INF_WIRE = -9999.0  # vLLM sends -inf log-probs as this number
+_TOKEN_KEY = "token_id:"  # top_logprobs keys with return_tokens_as_token_ids
 
 
 @dataclass
@@ -76,14 +77,28 @@ def error_message(body: bytes) -> str:
     return text[:2000]
 
 
+# The per-token loops below inline the common case (a finite float) and call _lp only for -9999.0, null or an
+# int: a GRPO run parses ~10 numbers per generated token here, so a function call per number is most of the cost.
+
+
+def _lps(values: list[Any]) -> list[float]:
+    return [v if type(v) is float and v > _NEG_INF_WIRE else _lp(v) for v in values]
+
+
 def parse_generate_choice(choice: Mapping[str, Any], request_id: str | None = None) -> GenerationResult:
     """Parse one choice of ``POST /inference/v1/generate``."""
-    token_ids = [int(t) for t in choice.get("token_ids") or []]
+    token_ids = list(map(int, choice.get("token_ids") or []))
     content = (choice.get("logprobs") or {}).get("content") or []
-    logprobs = [_lp(e.get("logprob")) for e in content]
+    logprobs = _lps([e.get("logprob") for e in content])
     top = None
     if content and any(e.get("top_logprobs") is not None for e in content):
-        top = [{int(t["token_id"]): _lp(t["logprob"]) for t in e.get("top_logprobs") or []} for e in content]
+        top = [
+            {
+                int(t["token_id"]): v if type(v := t["logprob"]) is float and v > _NEG_INF_WIRE else _lp(v)
+                for t in e.get("top_logprobs") or []
+            }
+            for e in content
+        ]
     spans = _spans(choice)
     mask = choice.get("sampling_mask")
     return GenerationResult(
@@ -99,11 +114,34 @@ def parse_generate_choice(choice: Mapping[str, Any], request_id: str | None = No
 
 
 def _token_id_key(key: str) -> int:
-    if not key.startswith("token_id:"):
+    if not key.startswith(_TOKEN_KEY):
         raise ServerError(
             "POST /v1/completions", 200, f"top_logprobs key {key!r} is not 'token_id:<id>' (return_tokens_as_token_ids)"
         )
     return int(key.split(":", 1)[1])
+
+
+_KEY_LEN = len(_TOKEN_KEY)
+
+
+def _completion_tops(top_raw: list[Any]) -> list[dict[int, float]]:
+    """``top_logprobs`` of a completions choice: ``{"token_id:<id>": logprob}`` dicts -> ``{id: logprob}``."""
+    tops = []
+    for d in top_raw:
+        if not d:
+            tops.append({})
+            continue
+        row = {
+            int(k[_KEY_LEN:]): v if type(v) is float and v > _NEG_INF_WIRE else _lp(v)
+            for k, v in d.items()
+            if k[:_KEY_LEN] == _TOKEN_KEY
+        }
+        if len(row) != len(d):  # a key without the prefix (or two spellings of one id): name it
+            for k in d:
+                _token_id_key(k)
+            raise ServerError("POST /v1/completions", 200, f"top_logprobs keys {list(d)} name one token id twice")
+        tops.append(row)
+    return tops
 
 
 def _spans(choice: Mapping[str, Any]) -> list[VersionSpan]:
@@ -118,12 +156,10 @@ def parse_completion_choice(choice: Mapping[str, Any], request_id: str | None = 
     if token_ids is None:  # a server that ignores return_token_ids: recover ids from the token strings
         token_ids = [_token_id_key(t) for t in lp.get("tokens") or []]
     top_raw = lp.get("top_logprobs")
-    top = None
-    if top_raw is not None:
-        top = [{_token_id_key(k): _lp(v) for k, v in (d or {}).items()} for d in top_raw]
+    top = None if top_raw is None else _completion_tops(top_raw)
     return GenerationResult(
-        token_ids=[int(t) for t in token_ids],
-        logprobs=[_lp(v) for v in lp.get("token_logprobs") or []],
+        token_ids=list(map(int, token_ids)),
+        logprobs=_lps(lp.get("token_logprobs") or []),
         finish_reason=str(choice.get("finish_reason")),
         stop_reason=choice.get("stop_reason"),
         top_logprobs=top,

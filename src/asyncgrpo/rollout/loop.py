@@ -342,15 +342,24 @@ class AsyncRolloutLoop:
     async def _acquire_slot(self) -> None:
         async with self._slot_freed:
             while self._running >= self.cap.cap:
-                await self._slot_freed.wait()
+                try:
+                    await self._slot_freed.wait()
+                except asyncio.CancelledError:  # pass on a wake-up this waiter may have taken (it holds the lock)
+                    if self._running < self.cap.cap:
+                        self._slot_freed.notify(1)
+                    raise
             self._running += 1
+            if self._running < self.cap.cap:  # room left (the cap grew): pass the wake-up on to the next one
+                self._slot_freed.notify(1)
         self.channels.put_metric("rollout/concurrency", self._running)
 
     async def _release_slot(self) -> None:
         async with self._slot_freed:
             self._running -= 1
             self.cap.on_rollout_completed()
-            self._slot_freed.notify_all()
+            # One slot freed, one waiter woken (it wakes the next if the cap grew): notify_all would wake every
+            # queued rollout on each completion, work that grows with concurrency.
+            self._slot_freed.notify(1)
 
     async def _one_rollout(
         self, row: dict[str, Any], prompt: list[dict[str, Any]] | None, group_id: int, server: int

@@ -12,9 +12,12 @@ is trained in exactly one sequence; a single-turn rollout yields one sequence,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from asyncgrpo.metrics import MetricEvent
 from asyncgrpo.types import Rollout, TrainingSequence, TurnRecord
+
+_first, _by_logprob = itemgetter(0), itemgetter(1)  # C key functions: this runs once per generated token
 
 
 @dataclass
@@ -36,17 +39,21 @@ class _Held:
         self.candidates += [[] for _ in range(n)]
 
     def add_output(self, turn: TurnRecord, top_n: int | None) -> None:
+        """Append a turn's sampled tokens; whole-list comprehensions, no per-token method calls."""
         n = len(turn.output_ids)
         self.ids += turn.output_ids
         self.mask += list(turn.output_mask) if turn.output_mask is not None else [1] * n
         self.logprobs += list(turn.output_log_probs) if turn.output_log_probs else [0.0] * n
-        for i in range(n):
-            top = turn.output_sampler_logprobs[i] if turn.output_sampler_logprobs is not None else {}
-            best = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:top_n] if top_n else []
-            self.top_ids.append([t for t, _ in best])
-            self.top_logprobs.append([lp for _, lp in best])
-            cand = turn.output_sampling_mask[i] if turn.output_sampling_mask is not None else None
-            self.candidates.append(list(cand) if cand else [])
+        tops = turn.output_sampler_logprobs
+        if top_n and tops is not None:
+            bests = [sorted(t.items(), key=_by_logprob, reverse=True)[:top_n] for t in tops]
+            self.top_ids += [list(map(_first, b)) for b in bests]
+            self.top_logprobs += [list(map(_by_logprob, b)) for b in bests]
+        else:
+            self.top_ids += [[] for _ in range(n)]
+            self.top_logprobs += [[] for _ in range(n)]
+        masks = turn.output_sampling_mask
+        self.candidates += [list(c) if c else [] for c in masks] if masks is not None else [[] for _ in range(n)]
 
 
 @dataclass

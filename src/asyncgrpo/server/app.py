@@ -14,19 +14,19 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from asyncgrpo.server import prometheus
+from asyncgrpo.server.answer_pool import AnswerEncoder
 from asyncgrpo.server.http_protocol import (
     ApiError,
     ParsedRequest,
     ServerLimits,
-    completion_response,
     error_body,
-    generate_response,
     parse_completion,
     parse_generate,
 )
@@ -62,6 +62,7 @@ class ServerConfig:
     generation_config: str = "auto"  # --generation-config, reported in /server_info
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # omitted completion fields
     default_max_new_tokens: int | None = None  # generation_config.json max_new_tokens
+    answer_workers: int = 0  # processes that build large generation answers off the engine's GIL (0: inline)
 
 
 class ServerState:
@@ -87,6 +88,9 @@ class ServerState:
         )
         self.registry = prometheus.make_registry(engine.stats, config.served_model_name)
         self.receiver = WeightReceiver(engine, config.weight_transfer_backend, config.weight_transfer_timeout_s)
+        # Diagnostics (bench/rollout_path.py): generation answers sent and seconds spent building + encoding them.
+        self.http_stats = {"responses": 0, "response_build_s": 0.0}
+        self.answers = AnswerEncoder(config.answer_workers)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -183,14 +187,23 @@ async def generate(request: web.Request) -> web.Response:
         raise ApiError(403, "/inference/v1/generate needs --enable-scale-out")
     parsed = parse_generate(await _json(request), state.limits)
     outputs = await _run(state, parsed)
-    return web.json_response(generate_response(parsed, outputs))
+    return await _timed_json(state, state.answers.generate(parsed, outputs))
 
 
 async def completions(request: web.Request) -> web.Response:
     state = _state(request)
     parsed = parse_completion(await _json(request), state.limits, state.encode)
     outputs = await _run(state, parsed)
-    return web.json_response(completion_response(parsed, outputs, state.decode))
+    return await _timed_json(state, state.answers.completion(parsed, outputs, state.decode))
+
+
+async def _timed_json(state: ServerState, build: Awaitable[bytes]) -> web.Response:
+    """A JSON answer whose build and encoding time is counted in ``state.http_stats`` (bench diagnostics)."""
+    t0 = time.perf_counter()
+    body = await build
+    state.http_stats["responses"] += 1
+    state.http_stats["response_build_s"] += time.perf_counter() - t0
+    return web.Response(body=body, content_type="application/json")
 
 
 # ---------------------------------------------------------------------- basic endpoints
@@ -250,7 +263,9 @@ async def server_info(request: web.Request) -> web.Response:
     ours = {"kv_cache_tokens": e.kv_cache_tokens, "weight_transfer_backend": cfg.weight_transfer_backend,
             "return_sampling_mask": cfg.return_sampling_mask, "enable_scale_out": cfg.enable_scale_out,
             "enable_lora": cfg.enable_lora, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
-            "weight_version": e.weight_version}  # fmt: skip
+            "weight_version": e.weight_version, "http_stats": dict(state.http_stats)}  # fmt: skip
+    if hasattr(e, "step_timings"):
+        ours["engine_step_timings"] = e.step_timings()
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},
                               "asyncgrpo": ours})  # fmt: skip
 
@@ -344,6 +359,11 @@ def create_app(engine: Any, tokenizer: Any, config: ServerConfig) -> web.Applica
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024**2)
     state = ServerState(engine, tokenizer, config)
     app[_STATE] = state
+
+    async def close_answer_helpers(app: web.Application) -> None:
+        state.answers.close()
+
+    app.on_cleanup.append(close_answer_helpers)
     r = app.router
     r.add_get("/health", health)
     r.add_get("/version", version)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.wire_json import RawJSON, completion_logprobs_json, encode_with_raw, generate_content_json
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ def error_body(status: int, message: str, *, param: str | None = None, type_: st
                       "code": status}}  # fmt: skip
 
 
+def encode_json(data: Any) -> bytes:
+    """UTF-8 JSON of an answer body (compact; pre-encoded per-token parts spliced in, see ``wire_json``)."""
+    return encode_with_raw(data)
+
+
 def wire_float(x: float) -> float | None:
     """JSON-safe log-prob: -inf -> -9999.0 (vLLM's convention), NaN -> null."""
     if math.isnan(x):
@@ -129,12 +135,13 @@ def _get(src: Mapping[str, Any], key: str, kind: type | tuple[type, ...], defaul
 
 
 def _token_list(value: Any, key: str, vocab_size: int, *, allow_empty: bool = False) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    # whole-list checks in C (a GRPO prompt is hundreds of ids, hundreds of requests at once)
+    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
         raise ApiError(400, f"{key} must be a list of token ids (integers)", param=key)
     if not value and not allow_empty:
         raise ApiError(400, f"{key} must not be empty", param=key)
-    bad = [t for t in value if not 0 <= t < vocab_size]
-    if bad:
+    if value and (min(value) < 0 or max(value) >= vocab_size):
+        bad = [t for t in value if not 0 <= t < vocab_size]
         raise ApiError(400, f"{key} holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})", param=key)
     return value
 
@@ -287,9 +294,13 @@ def _content_entry(out: RequestOutput, i: int) -> dict[str, Any]:
 def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> dict[str, Any]:
     choices = []
     for index, out in enumerate(outputs):
-        logprobs = None
+        logprobs: Any = None
         if parsed.logprobs is not None:
-            logprobs = {"content": [_content_entry(out, i) for i in range(len(out.token_ids))]}
+            raw = generate_content_json(out.token_ids, out.logprobs, out.top_logprobs)
+            if raw is not None:
+                logprobs = RawJSON(raw)
+            else:  # -inf / NaN log-probs: the dict path writes vLLM's -9999.0 / null
+                logprobs = {"content": [_content_entry(out, i) for i in range(len(out.token_ids))]}
         choices.append({
             "index": index,
             "finish_reason": out.finish_reason,
@@ -364,8 +375,13 @@ def completion_response(
 
     choices = []
     for index, out in enumerate(outputs):
-        logprobs = None
-        if parsed.logprobs is not None:
+        logprobs: Any = None
+        raw = None
+        if parsed.logprobs is not None and parsed.return_tokens_as_token_ids:
+            raw = completion_logprobs_json(out.token_ids, out.logprobs, out.top_logprobs)
+        if raw is not None:
+            logprobs = RawJSON(raw)
+        elif parsed.logprobs is not None:
             tokens = [token_str(t) for t in out.token_ids]
             offsets = list(itertools.accumulate((len(s) for s in tokens[:-1]), initial=0)) if tokens else []
             tops = []

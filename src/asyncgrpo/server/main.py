@@ -29,6 +29,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
+# The engine thread gives up the GIL while it waits for the GPU and needs it back the moment a step ends; while the
+# HTTP thread runs Python (request parsing, answer building) it gets it only after this interval (CPython's default
+# is 5 ms, most of a decode step). A short interval bounds that wait; the extra switches cost microseconds.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def _device(text: str) -> str:
@@ -100,6 +104,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
       help="reuse the KV cache of equal prompt prefixes (on by default, like vLLM)")  # fmt: skip
+    a("--answer-workers", type=int, default=-1,
+      help="processes that build large generation answers (top-N log-probs) outside the engine's process lock; "
+           "-1: 4 on CUDA, 0 on CPU")  # fmt: skip
     a("--max-logprobs", type=int, default=20, help="largest logprobs (top-N) a request may ask for")
     a("--logprobs-mode", default="processed_logprobs", choices=["processed_logprobs"],
       help="only processed_logprobs (log-probs after penalties, temperature and top-k/top-p/min-p)")  # fmt: skip
@@ -140,6 +147,7 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         generation_config=args.generation_config,
         generation_defaults=gen.sampling,
         default_max_new_tokens=gen.max_new_tokens,
+        answer_workers=args.answer_workers if args.answer_workers >= 0 else (4 if engine.device.type == "cuda" else 0),
     )
 
 
@@ -198,6 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", args.model, exc)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine.start()
     try:
         asyncio.run(_serve(create_app(engine, tokenizer, config), args.host, args.port))

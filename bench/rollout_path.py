@@ -1,0 +1,519 @@
+"""B5-HTTP: the rollout path the trainer really uses, against the same engine in process.
+
+Three variants in one process run, on the same model and the same requests (top-``--logprobs``
+log-probs, fixed lengths through ``min_tokens`` + ``ignore_eos``, one seed per request, as the
+worker sends them):
+
+1. ``in_process``: the engine class in this process (submit all, wait for all);
+2. ``http``: ``asyncgrpo serve`` in a subprocess (after the in-process engine is freed), every request
+   sent at once through the project's client with the worker's request shape (``/v1/completions``,
+   token ids in and out, ``logprobs=num_sampler_logprobs``);
+3. ``worker``: the real ``AsyncRolloutLoop`` spawned like the trainer spawns it (``RolloutWorker``),
+   a trivial reward, against the same server.
+
+Two shapes: ``b5`` (256 requests, prompt 128, output 256) and ``grpo`` (64 prompts x G=8, prompts
+128-512 tokens, outputs 8-256). Model: random-init Qwen3-0.6B-shaped bf16, saved once to a temporary
+folder (no tokenizer: token ids in and out). Each variant's time is split into stages: engine prefill
+and decode (engine timers), sampler (in process only), server response build + JSON encode, client
+JSON parse, worker scoring/queueing (the worker's own metrics). The in-process and HTTP variants report the
+median of ``--repeats`` timed runs (after a warm-up); the worker runs once per shape (one spawn each).
+
+GPU:  python bench/rollout_path.py --out bench/results/rollout_path_h200.json --max-seconds 420
+CPU smoke (tiny model, seconds; checks the script, not speed):  python bench/rollout_path.py --tiny
+Exits non-zero when any variant fails or the run passes ``--max-seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import gc
+import json
+import logging
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.sampling import SamplingSettings
+from asyncgrpo.rollout.settings import RolloutSettings
+from asyncgrpo.types import Rollout
+
+logger = logging.getLogger("rollout_path")
+
+QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+             "max_position_embeddings": 40960}  # fmt: skip
+TINY = {**QWEN3_06B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
+# name -> (groups, G, prompt_len range, output_len range, distinct prompts within a group)
+SHAPES = {"b5": (32, 8, (128, 128), (256, 256), True), "grpo": (64, 8, (128, 512), (8, 256), False)}
+TINY_SHAPES = {"b5": (2, 4, (16, 16), (16, 16), True), "grpo": (2, 4, (8, 32), (2, 16), False)}
+SERVED_NAME = "bench"
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    out_len: int
+    group: int
+
+
+def make_workload(shape: tuple, vocab: int, seed: int) -> list[Req]:
+    """Requests of one shape; GRPO groups share their prompt, B5's 'groups' hold distinct prompts."""
+    groups, g, (p_lo, p_hi), (o_lo, o_hi), distinct = shape
+    rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(2, vocab) for _ in range(rng.randint(p_lo, p_hi))]
+
+    reqs = []
+    for grp in range(groups):
+        shared = prompt()
+        reqs += [Req(prompt() if distinct else shared, rng.randint(o_lo, o_hi), grp) for _ in range(g)]
+    return reqs
+
+
+def build_model_dir(shape: dict, device: str, dtype: str, path: Path) -> Path:
+    """Random-init Qwen3 model saved to ``path`` (built on ``device`` directly; no tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**shape, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.save_pretrained(path)
+    del model
+    _free()
+    return path
+
+
+def _free() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timing_delta(before: dict, after: dict) -> dict[str, float]:
+    return {f"{k}_s": after[k]["seconds"] - before.get(k, {}).get("seconds", 0.0) for k in after} | {
+        f"{k}_steps": after[k]["steps"] - before.get(k, {}).get("steps", 0) for k in after
+    }
+
+
+# ---------------------------------------------------------------------- variant 1: engine in process
+
+
+def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
+    from asyncgrpo.server.engine import Engine
+    from asyncgrpo.server.request import Request, SamplingParams
+
+    engine = Engine(model_dir, dtype=opts.dtype, device=opts.device, max_model_len=opts.max_model_len,
+                    max_num_seqs=opts.max_num_seqs, kv_cache_tokens=opts.kv_cache_tokens)  # fmt: skip
+    core = engine._core
+    sampler_s = [0.0]
+    inner = core.sampler
+
+    def timed_sampler(logits: Any, rows: Any) -> Any:
+        _sync()  # the forward's kernels finish first, so the timer holds only the sampler
+        t0 = time.perf_counter()
+        out = inner(logits, rows)
+        sampler_s[0] += time.perf_counter() - t0
+        return out
+
+    core.sampler = timed_sampler
+    engine.start()
+
+    def run(reqs: list[Req], tag: str) -> tuple[int, float]:
+        done, lock, outs = threading.Event(), threading.Lock(), []
+
+        def on_finish(out: Any) -> None:
+            with lock:
+                outs.append(out)
+                if len(outs) == len(reqs):
+                    done.set()
+
+        t0 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            p = SamplingParams(max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True, temperature=1.0,
+                               logprobs=opts.logprobs, seed=i)  # fmt: skip
+            engine.submit(Request(f"{tag}-{i}", list(r.prompt), p), on_finish)
+        if not done.wait(timeout=_remaining()):
+            raise TimeoutError(f"in-process {tag}: {len(outs)}/{len(reqs)} requests finished before the deadline")
+        seconds = time.perf_counter() - t0
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"in-process {tag}: {errors[0]}")
+        return sum(len(o.token_ids) for o in outs), seconds
+
+    try:
+        run(_warmup(workloads), "warmup")
+        results = {}
+        for name, reqs in workloads.items():
+            rows = []
+            for rep in range(opts.repeats):
+                before, s0 = engine.step_timings(), sampler_s[0]
+                tokens, seconds = run(reqs, f"{name}-{rep}")
+                stages = _timing_delta(before, engine.step_timings()) | {"sampler_s": sampler_s[0] - s0}
+                rows.append(_row(reqs, tokens, seconds, stages))
+            results[name] = _median_row(rows)
+        results["decode_backend"] = engine.decode_backend
+        return results
+    finally:
+        engine.shutdown()
+        core.sampler = inner
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput (its stages with it), plus every run's tokens and seconds."""
+    ordered = sorted(rows, key=lambda r: r["generated_tok_per_s"])
+    median = dict(ordered[len(ordered) // 2])
+    median["runs"] = [{"generated_tokens": r["generated_tokens"], "seconds": r["seconds"]} for r in rows]
+    return median
+
+
+def _warmup(workloads: dict[str, list[Req]]) -> list[Req]:
+    first = next(iter(workloads.values()))
+    return [Req(r.prompt, min(r.out_len, 8), r.group) for r in first[:16]]
+
+
+def _row(reqs: list[Req], tokens: int, seconds: float, stages: dict[str, float]) -> dict[str, Any]:
+    expected = sum(r.out_len for r in reqs)
+    if tokens != expected:
+        raise RuntimeError(f"generated {tokens} tokens but the requests fix {expected}")
+    derived = {}
+    if stages.get("decode_steps"):
+        derived["decode_ms_per_step"] = 1e3 * stages["decode_s"] / stages["decode_steps"]
+        derived["decode_tokens_per_step"] = tokens / stages["decode_steps"]
+    if "decode_s" in stages:  # the share of the wall time the engine spent in steps (the rest: idle or waiting)
+        derived["engine_busy_frac"] = (stages["decode_s"] + stages.get("prefill_s", 0.0)) / seconds
+    return {"requests": len(reqs), "prompt_tokens": sum(len(r.prompt) for r in reqs), "generated_tokens": tokens,
+            "seconds": seconds, "generated_tok_per_s": tokens / seconds, "stages": stages, "derived": derived}  # fmt: skip
+
+
+# ---------------------------------------------------------------------- variant 2: server over HTTP
+
+
+def _sampling(base_url: str, opts: argparse.Namespace, cls: type = SamplingSettings) -> SamplingSettings:
+    return cls(base_url=base_url, max_model_len=opts.max_model_len, max_completion_length=opts.max_model_len,
+               temperature=1.0, num_sampler_logprobs=opts.logprobs, kv_cache_tokens=opts.kv_cache_tokens,
+               has_metrics=True, initial_tokens_per_step=10**12)  # fmt: skip
+
+
+async def _server_stages(client: AsyncServerClient) -> dict[str, Any]:
+    ours = (await client.server_info())["asyncgrpo"]
+    gen = (await client.metrics()).get("vllm:generation_tokens_total", 0.0)
+    return {"timings": ours.get("engine_step_timings", {}), "http": ours.get("http_stats", {}), "gen_tokens": gen}
+
+
+def _server_delta(before: dict, after: dict) -> dict[str, float]:
+    out = _timing_delta(before["timings"], after["timings"])
+    out["server_response_build_s"] = after["http"].get("response_build_s", 0.0) - before["http"].get(
+        "response_build_s", 0.0
+    )
+    return out
+
+
+async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req]) -> tuple[int, float, dict]:
+    sampling = _sampling(base_url, opts)
+    async with AsyncServerClient(base_url, max_connections=len(reqs) + 4, timeout=_remaining()) as client:
+        before = await _server_stages(client)
+
+        async def one(i: int, r: Req) -> int:
+            params = sampling.request_params(len(r.prompt), seed=i)
+            params.update(max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True)
+            return len((await client.complete(r.prompt, params, model=SERVED_NAME)).token_ids)
+
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
+        seconds = time.perf_counter() - t0
+        stages = _server_delta(before, await _server_stages(client)) | {
+            "client_parse_s": getattr(client, "parse_seconds", 0.0)
+        }
+    return tokens, seconds, stages
+
+
+def run_http(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
+    asyncio.run(_http_run(base_url, opts, _warmup(workloads)))
+    results = {}
+    for name, reqs in workloads.items():
+        rows = [_row(reqs, *asyncio.run(_http_run(base_url, opts, reqs))) for _ in range(opts.repeats)]
+        results[name] = _median_row(rows)
+    return results
+
+
+# ---------------------------------------------------------------------- variant 3: the rollout worker
+
+_OUT_LEN: contextvars.ContextVar[int] = contextvars.ContextVar("bench_out_len")
+
+
+class FixedLengthSampling(SamplingSettings):
+    """The worker's request parameters, with this request's fixed output length (``min_tokens`` + ``ignore_eos``)."""
+
+    def request_params(self, prompt_len: int, seed: int) -> dict[str, Any]:
+        params = super().request_params(prompt_len, seed)
+        n = _OUT_LEN.get()
+        params.update(max_tokens=n, min_tokens=n, ignore_eos=True)
+        return params
+
+
+class BenchLoop(AsyncRolloutLoop):
+    """The real loop; only ``generate_one`` picks this request's prompt ids and length (no tokenizer)."""
+
+    async def setup(self) -> None:
+        self._taken: dict[int, int] = {}
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Any], group_id: int = 0) -> Rollout:
+        k = self._taken.get(group_id, 0)
+        self._taken[group_id] = k + 1
+        msg = prompt[0]
+        token = _OUT_LEN.set(msg["out_lens"][k])
+        try:
+            turn = await self.generate_one_turn(msg["ids"][k])
+        finally:
+            _OUT_LEN.reset(token)
+        return Rollout(completion=[{"role": "assistant", "content": ""}], completion_ids=turn.output_ids, turns=[turn])
+
+
+def last_token_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+    """Trivial and cheap, but not constant (a constant reward would drop every group as zero-std)."""
+    return [float(ids[-1] % 3) if ids else 0.0 for ids in completion_ids]
+
+
+def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
+    from asyncgrpo.rollout.worker import RolloutWorker
+
+    results = {}
+    for name, reqs in workloads.items():
+        g = sum(1 for r in reqs if r.group == 0)
+        rows = []
+        for grp in sorted({r.group for r in reqs}):
+            mine = [r for r in reqs if r.group == grp]
+            rows.append({"prompt": [{"role": "user", "content": f"group {grp}", "ids": [r.prompt for r in mine],
+                                     "out_lens": [r.out_len for r in mine]}]})  # fmt: skip
+        settings = RolloutSettings(model_name=SERVED_NAME, sampling=_sampling(base_url, opts, FixedLengthSampling),
+                                   num_generations=g, max_staleness=1000, seed=0, max_concurrent_rollouts=len(reqs),
+                                   initial_tokens_per_step=10**12, num_epochs=1)  # fmt: skip
+        loop = BenchLoop(settings, rows, [last_token_reward], None)
+        before = asyncio.run(_stages_once(base_url))
+        worker = RolloutWorker(loop, heartbeat_timeout=max(_remaining(), 1.0))
+        worker.start(timeout=_remaining())
+        t0 = time.perf_counter()
+        metrics: list[tuple[str, float, float]] = []
+        first_s, groups, trained_tokens = None, 0, 0
+        try:
+            while True:
+                sample = worker.get_sample(timeout=_remaining())
+                metrics += worker.drain_metrics()
+                if sample.end:
+                    break
+                groups += 1
+                trained_tokens += sum(sum(s.loss_mask) for s in sample.sequences)
+                first_s = first_s if first_s is not None else time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+        finally:
+            worker.stop()
+        metrics += worker.drain_metrics()
+        after = asyncio.run(_stages_once(base_url))
+        tokens = int(after["gen_tokens"] - before["gen_tokens"])
+        if groups != len(rows):
+            raise RuntimeError(f"worker {name}: {groups}/{len(rows)} groups came back")
+        stages = _server_delta(before, after) | _worker_stages(metrics)
+        row = _row(reqs, tokens, seconds, stages)
+        first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
+        row["first_group_s"] = first_s
+        row["steady_generated_tok_per_s"] = (tokens - first_group_tokens) / max(seconds - first_s, 1e-9)
+        row["trained_tokens_queued"] = trained_tokens
+        results[name] = row
+    return results
+
+
+async def _stages_once(base_url: str) -> dict[str, Any]:
+    async with AsyncServerClient(base_url) as client:
+        return await _server_stages(client)
+
+
+def _worker_stages(metrics: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per-group scoring and admission waits summed (wall seconds; groups overlap, so sums can pass the run's
+    time), and the mean rollout latency (a rollout's request-to-answer time, not a stage of the run)."""
+    wanted = ("rollout/score_s", "rollout/backpressure_s", "rollout/score_wait_s", "rollout/duration_s")
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for name, value, _ in metrics:
+        if name in wanted:
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    out = {}
+    for name, total in sums.items():
+        short = name.split("/")[1]
+        if name == "rollout/duration_s":
+            out["worker_rollout_latency_s_mean"] = total / counts[name]
+        else:
+            out[f"worker_{short}_sum"] = total
+            out[f"worker_{short}_mean"] = total / counts[name]
+    return out
+
+
+# ---------------------------------------------------------------------- main
+
+_DEADLINE = [float("inf")]
+
+
+def _remaining() -> float:
+    left = _DEADLINE[0] - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the run passed --max-seconds")
+    return left
+
+
+def _ratios(results: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for shape in results.get("in_process", {}):
+        base = results["in_process"][shape]
+        if not isinstance(base, dict):
+            continue
+        r = {}
+        for v in ("http", "worker"):
+            if shape in results.get(v, {}):
+                r[f"{v}_over_in_process"] = results[v][shape]["generated_tok_per_s"] / base["generated_tok_per_s"]
+        if shape in results.get("worker", {}):
+            r["worker_steady_over_in_process"] = (
+                results["worker"][shape]["steady_generated_tok_per_s"] / base["generated_tok_per_s"]
+            )
+        out[shape] = r
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks the script, not speed")
+    ap.add_argument("--logprobs", type=int, default=8, help="top-N log-probs per token (num_sampler_logprobs)")
+    ap.add_argument("--shapes", default="b5,grpo", help="comma list of shapes: b5, grpo")
+    ap.add_argument("--variants", default="in_process,http,worker", help="comma list: in_process, http, worker")
+    ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (in process, HTTP); the median")
+    ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
+    opts = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _DEADLINE[0] = time.monotonic() + opts.max_seconds
+    watchdog = threading.Timer(opts.max_seconds + 60, lambda: (print("rollout_path: hung past --max-seconds",
+                               file=sys.stderr, flush=True), os._exit(124)))  # fmt: skip
+    watchdog.daemon = True
+    watchdog.start()
+    import torch  # here, not at the top: the spawned rollout worker re-imports this file and needs no torch
+
+    if opts.tiny:
+        model_shape, shapes, device, dtype = TINY, TINY_SHAPES, "cpu", "float32"
+    elif not torch.cuda.is_available():
+        print("rollout_path needs a CUDA GPU (use --tiny for the CPU smoke run); nothing was measured.")
+        return 2
+    else:
+        model_shape, shapes, device, dtype = QWEN3_06B, SHAPES, "cuda:0", "bfloat16"
+    names = [s for s in opts.shapes.split(",") if s]
+    unknown = [s for s in names if s not in shapes]
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; choose from {sorted(shapes)}")
+    workloads = {s: make_workload(shapes[s], model_shape["vocab_size"], seed=i) for i, s in enumerate(names)}
+    longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
+    opts.max_model_len = -(-longest // 16) * 16
+    opts.max_num_seqs = 256 if not opts.tiny else 64
+    opts.kv_cache_tokens = opts.max_num_seqs * opts.max_model_len
+    opts.device, opts.dtype = device, dtype
+    variants = [v for v in opts.variants.split(",") if v]
+    results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
+                               "server_args": opts.server_args,
+                               "inputs": {s: {"requests": len(w), "shape": shapes[s]} for s, w in workloads.items()},
+                               "model_shape": model_shape, "max_model_len": opts.max_model_len,
+                               "machine": {"gpu": torch.cuda.get_device_name(0) if device != "cpu" else None,
+                                           "python": platform.python_version(), "torch": torch.__version__}}  # fmt: skip
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="rollout_path_") as tmp:
+        model_dir = build_model_dir(model_shape, device, dtype, Path(tmp) / "model")
+        if "in_process" in variants:
+            try:
+                _remaining()
+                results["in_process"] = run_in_process(model_dir, opts, workloads)
+            except Exception as exc:
+                logger.exception("in-process variant failed")
+                failures.append(f"in_process: {type(exc).__name__}: {exc}")
+            _free()  # the engine's KV cache and graphs go before the server takes the same GPU
+        if {"http", "worker"} & set(variants):
+            failures += _server_variants(model_dir, opts, workloads, variants, results, Path(tmp))
+    results["ratios"] = _ratios(results)
+    results["failures"] = failures
+    _report(results)
+    if opts.out:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {opts.out}")
+    watchdog.cancel()
+    if failures:
+        print("FAILED: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict, variants: list[str],
+                     results: dict, tmp: Path) -> list[str]:  # fmt: skip
+    from asyncgrpo.server.launcher import launch_server
+
+    failures = []
+    flags = ["--device", opts.device, "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len),
+             "--max-num-seqs", str(opts.max_num_seqs), "--kv-cache-tokens", str(opts.kv_cache_tokens),
+             "--served-model-name", SERVED_NAME, "--max-logprobs", str(max(opts.logprobs, 20)),
+             *shlex.split(opts.server_args)]  # fmt: skip
+    env = {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None
+    try:
+        server = launch_server(model_dir, extra_args=flags, env=env, log_path=tmp / "server.log",
+                               timeout=min(_remaining(), 600))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001
+        return [f"server start: {type(exc).__name__}: {exc}"]
+    with server:
+        for name, fn in (("http", run_http), ("worker", run_worker)):
+            if name not in variants:
+                continue
+            try:
+                _remaining()
+                results[name] = fn(server.base_url, opts, workloads)
+            except Exception as exc:
+                logger.exception("%s variant failed; server log tail:\n%s", name, server.log_tail())
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failures
+
+
+def _report(results: dict[str, Any]) -> None:
+    print(f"\nB5-HTTP rollout path, logprobs={results['logprobs']}, {results['machine']['gpu'] or 'CPU (tiny)'}")
+    for shape in results["inputs"]:
+        print(f"-- {shape}")
+        for v in ("in_process", "http", "worker"):
+            row = results.get(v, {}).get(shape)
+            if row:
+                stages = ", ".join(f"{k}={x:.3f}" for k, x in row["stages"].items() if "steps" not in k)
+                derived = ", ".join(f"{k}={x:.3f}" for k, x in row["derived"].items())
+                print(f"{v:11} {row['generated_tokens']:>8} tok {row['seconds']:>8.2f} s "
+                      f"{row['generated_tok_per_s']:>10.0f} tok/s   {stages}; {derived}")  # fmt: skip
+        print(f"ratios: {results['ratios'].get(shape)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""bench/rollout_path.py on the CPU (``--tiny``): all three variants run and report what they generated.
+
+The numbers are not speed measurements here; the test checks the script end to end (the engine in process,
+a real ``asyncgrpo serve`` subprocess, the spawned rollout worker) and that a failing run exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "rollout_path.py"
+
+
+def _run(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    return subprocess.run([sys.executable, str(SCRIPT), "--tiny", *args], cwd=tmp_path, env=env, capture_output=True, check=False,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def test_tiny_run_reports_every_variant_and_shape(tmp_path):
+    out = tmp_path / "result.json"
+    proc = _run(tmp_path, "--out", str(out), "--max-seconds", "240", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["failures"] == [] and result["logprobs"] == 8
+    for shape, info in result["inputs"].items():
+        groups, g, _, (o_lo, o_hi), _ = info["shape"]
+        expected_requests = groups * g
+        rows = [result[v][shape] for v in ("in_process", "http", "worker")]
+        assert {r["requests"] for r in rows} == {expected_requests}
+        # fixed lengths: every variant generated exactly the same number of tokens, within the shape's range
+        assert len({r["generated_tokens"] for r in rows}) == 1
+        assert o_lo * expected_requests <= rows[0]["generated_tokens"] <= o_hi * expected_requests
+        assert rows[0]["stages"]["decode_steps"] > 0 and rows[1]["stages"]["server_response_build_s"] > 0
+        assert rows[2]["trained_tokens_queued"] > 0  # the worker scored groups and queued training samples
+        assert set(result["ratios"][shape]) == {"http_over_in_process", "worker_over_in_process",
+                                                "worker_steady_over_in_process"}  # fmt: skip
+
+
+def test_a_variant_that_fails_makes_the_run_fail(tmp_path):
+    """Past --max-seconds the running variant raises: the script says so and exits non-zero."""
+    proc = _run(tmp_path, "--variants", "in_process", "--max-seconds", "0.01", timeout=120)
+    assert proc.returncode != 0
+    assert "FAILED: in_process: TimeoutError" in proc.stderr

@@ -1,0 +1,74 @@
+"""The rollout loop's concurrency slots (G5): a completion wakes as many queued rollouts as there are free slots.
+
+Waking every queued rollout on each completion (notify_all) costs work proportional to the queue on every
+completion, which grows with concurrency; the count of wake-ups here is the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncgrpo.rollout.admission import ConcurrencyCap
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+
+
+class _Channels:
+    def put_metric(self, name: str, value: float, weight: float = 1.0) -> None:
+        pass
+
+
+def _slots(cap: int) -> AsyncRolloutLoop:
+    """The loop's slot state alone (what run() sets up before any rollout starts)."""
+    loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)
+    loop.channels = _Channels()
+    loop.cap = ConcurrencyCap(cap, kv_cache_tokens=None, max_model_len=1, has_metrics=False)
+    loop._running = 0
+    loop._slot_freed = asyncio.Condition()
+    return loop
+
+
+def test_each_completion_wakes_only_the_rollouts_it_frees_a_slot_for():
+    async def main() -> tuple[int, int]:
+        loop = _slots(cap=8)
+        wakeups, peak = 0, 0
+        inner = loop._slot_freed.wait
+
+        async def counted_wait() -> bool:
+            nonlocal wakeups
+            result = await inner()
+            wakeups += 1
+            return result
+
+        loop._slot_freed.wait = counted_wait  # type: ignore[method-assign]
+
+        async def rollout() -> None:
+            nonlocal peak
+            await loop._acquire_slot()
+            peak = max(peak, loop._running)
+            await asyncio.sleep(0)
+            await loop._release_slot()
+
+        await asyncio.wait_for(asyncio.gather(*(rollout() for _ in range(400))), timeout=30)
+        return wakeups, peak
+
+    wakeups, peak = asyncio.run(main())
+    assert peak == 8  # the cap holds
+    # 392 rollouts had to queue; about one wake-up each is needed (notify_all on every completion: 9,800 here)
+    assert wakeups <= 2 * 400, f"{wakeups} wake-ups for 400 rollouts"
+
+
+def test_a_cancelled_waiter_passes_its_wake_up_on():
+    """The rollout woken for a freed slot is cancelled before it runs: the next queued one gets the slot."""
+
+    async def main() -> None:
+        loop = _slots(cap=1)
+        await loop._acquire_slot()  # the one running rollout
+        first = asyncio.create_task(loop._acquire_slot())
+        second = asyncio.create_task(loop._acquire_slot())
+        await asyncio.sleep(0.01)  # both queued
+        await loop._release_slot()  # wakes `first` only
+        first.cancel()
+        await asyncio.wait_for(second, timeout=5)  # would hang if the wake-up died with `first`
+        assert loop._running == 1
+
+    asyncio.run(main())
