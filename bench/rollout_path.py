@@ -133,14 +133,36 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
     sampler_s = [0.0]
     inner = core.sampler
 
-    def timed_sampler(logits: Any, rows: Any) -> Any:
-        _sync()  # the forward's kernels finish first, so the timer holds only the sampler
-        t0 = time.perf_counter()
-        out = inner(logits, rows)
-        sampler_s[0] += time.perf_counter() - t0
-        return out
+    class TimedSampler:
+        """The engine's sampler with a timer: a blocking call, or a launch plus its later ``result()``."""
 
-    core.sampler = timed_sampler
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def __call__(self, logits: Any, rows: Any) -> Any:
+            _sync()  # the forward's kernels finish first, so the timer holds only the sampler
+            t0 = time.perf_counter()
+            out = inner(logits, rows)
+            sampler_s[0] += time.perf_counter() - t0
+            return out
+
+        def launch(self, logits: Any, rows: Any) -> Any:
+            _sync()
+            t0 = time.perf_counter()
+            pending = inner.launch(logits, rows)
+            sampler_s[0] += time.perf_counter() - t0
+            result = pending.result
+
+            def timed_result() -> Any:
+                t1 = time.perf_counter()
+                out = result()
+                sampler_s[0] += time.perf_counter() - t1
+                return out
+
+            pending.result = timed_result
+            return pending
+
+    core.sampler = TimedSampler()
     engine.start()
 
     def run(reqs: list[Req], tag: str) -> tuple[int, float]:
