@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from asyncgrpo.trainer import head_kernels
-from asyncgrpo.trainer.logprobs import CHUNK_BYTES, TokenLogprobs, _Chunk
+from asyncgrpo.trainer.logprobs import TokenLogprobs, _Chunk, prepare_head_inputs, token_logprobs
 
 # chunk_loss(lo, hi, logprobs[c], extra_logprobs[c, K] or None) -> 0-d loss of tokens [lo, hi)
 ChunkLoss = Callable[[int, int, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -58,35 +58,11 @@ def fused_logprobs_loss(
     Raises:
         ValueError: on mismatched shapes or a non-positive temperature.
     """
-    n_tok, vocab = hidden.shape[0], weight.shape[0]
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and weight {tuple(weight.shape)} [V, H]")
-    if targets.shape != (n_tok,):
-        raise ValueError(f"targets {tuple(targets.shape)} must be [N={n_tok}]")
-    if extra_ids is not None and (extra_ids.dim() != 2 or extra_ids.shape[0] != n_tok):
-        raise ValueError(f"extra_ids {tuple(extra_ids.shape)} must be [N={n_tok}, K]")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk_size is None:
-        chunk_size = max(16, CHUNK_BYTES // (4 * vocab))
-    dev = hidden.device
-    compute_dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else weight.dtype
-    extra = extra_ids if extra_ids is not None else torch.zeros(n_tok, 0, dtype=torch.long, device=dev)
-    if candidates is not None and candidates.numel():
-        order = torch.argsort(candidates[:, 0], stable=True)
-        cand_rows, cand_cols = candidates[order, 0].contiguous(), candidates[order, 1].contiguous()
-    else:
-        cand_rows = cand_cols = torch.zeros(0, dtype=torch.long, device=dev)
-    opts = _Opts(temperature, chunk_size, compute_dtype, cand_rows, cand_cols, want_entropy, top_n, chunk_loss,
-                 extra_ids is not None, torch.is_grad_enabled())  # fmt: skip
-    loss, lp, extra_lp, ent, top_ids, top_lp = _FusedHeadLoss.apply(hidden, weight, targets, extra, opts)
-    return loss, TokenLogprobs(
-        logprobs=lp,
-        extra_logprobs=extra_lp if extra_ids is not None else None,
-        entropy=ent if want_entropy else None,
-        top_ids=top_ids if top_n else None,
-        top_logprobs=top_lp if top_n else None,
-    )
+    h = prepare_head_inputs(hidden, weight, targets, extra_ids, candidates, temperature, chunk_size)
+    opts = _Opts(temperature, h.chunk_size, h.compute_dtype, h.cand_rows, h.cand_cols, want_entropy, top_n,
+                 chunk_loss, extra_ids is not None, torch.is_grad_enabled())  # fmt: skip
+    loss, lp, extra_lp, ent, top_ids, top_lp = _FusedHeadLoss.apply(hidden, weight, targets, h.extra, opts)
+    return loss, token_logprobs(lp, extra_lp, ent, top_ids, top_lp, extra_ids is not None, want_entropy, top_n)
 
 
 class _Opts:

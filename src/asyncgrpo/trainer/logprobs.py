@@ -74,6 +74,39 @@ def selective_logprobs(
     Raises:
         ValueError: on mismatched shapes or a non-positive temperature.
     """
+    h = prepare_head_inputs(hidden, weight, targets, extra_ids, candidates, temperature, chunk_size)
+    lp, extra_lp, ent, top_ids, top_lp = _ChunkedLogprobs.apply(
+        hidden, weight, targets, h.extra, h.cand_rows, h.cand_cols, temperature, h.chunk_size, want_entropy, top_n,
+        h.compute_dtype,
+    )  # fmt: skip
+    return token_logprobs(lp, extra_lp, ent, top_ids, top_lp, extra_ids is not None, want_entropy, top_n)
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """The LM-head arguments resolved once, shared by :func:`selective_logprobs` and the fused head loss."""
+
+    chunk_size: int
+    compute_dtype: torch.dtype
+    extra: torch.Tensor  # [N, K] (K = 0 without extra ids)
+    cand_rows: torch.Tensor  # candidate pairs sorted by token index (empty without candidate sets)
+    cand_cols: torch.Tensor
+
+
+def prepare_head_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    extra_ids: torch.Tensor | None,
+    candidates: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int | None,
+) -> HeadInputs:
+    """Check the shapes and temperature, and resolve the chunk size, compute dtype and candidate order.
+
+    Raises:
+        ValueError: on mismatched shapes or a non-positive temperature.
+    """
     n_tok, vocab = hidden.shape[0], weight.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and weight {tuple(weight.shape)} [V, H]")
@@ -96,13 +129,23 @@ def selective_logprobs(
         cand_rows, cand_cols = candidates[order, 0].contiguous(), candidates[order, 1].contiguous()
     else:
         cand_rows = cand_cols = torch.zeros(0, dtype=torch.long, device=dev)
-    lp, extra_lp, ent, top_ids, top_lp = _ChunkedLogprobs.apply(
-        hidden, weight, targets, extra, cand_rows, cand_cols, temperature, chunk_size, want_entropy, top_n,
-        compute_dtype,
-    )  # fmt: skip
+    return HeadInputs(chunk_size, compute_dtype, extra, cand_rows, cand_cols)
+
+
+def token_logprobs(
+    lp: torch.Tensor,
+    extra_lp: torch.Tensor,
+    ent: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_lp: torch.Tensor,
+    has_extra: bool,
+    want_entropy: bool,
+    top_n: int,
+) -> TokenLogprobs:
+    """The per-token results, with the parts that were not asked for as None."""
     return TokenLogprobs(
         logprobs=lp,
-        extra_logprobs=extra_lp if extra_ids is not None else None,
+        extra_logprobs=extra_lp if has_extra else None,
         entropy=ent if want_entropy else None,
         top_ids=top_ids if top_n else None,
         top_logprobs=top_lp if top_n else None,
