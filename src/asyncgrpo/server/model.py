@@ -275,30 +275,3 @@ def resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> tor
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def load_hf_model(model, dtype: str | torch.dtype, device: str | torch.device) -> nn.Module:
-    """A supported HF causal LM on ``device`` in the resolved dtype, from a directory or an instance.
-
-    Passing an already-built ``PreTrainedModel`` (e.g. a random-init model for benchmarks)
-    avoids a save/load round trip; its weights are then shared, not copied.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dev = resolve_device(device)
-    if isinstance(model, nn.Module):
-        hf = model
-        want = resolve_dtype(dtype, hf.config, dev) if dtype != "auto" else hf.dtype
-        if dev.type == "cpu" and dtype == "auto":
-            want = torch.float32
-        hf = hf.to(device=dev, dtype=want)
-    else:
-        config = AutoConfig.from_pretrained(model)
-        want = resolve_dtype(dtype, config, dev)
-        kwargs = {"device_map": str(dev)} if dev.type == "cuda" else {}
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=want, **kwargs)
-        hf = hf.to(dev)
-    check_architecture(hf)
-    hf.eval()
-    hf.requires_grad_(False)
-    return hf
