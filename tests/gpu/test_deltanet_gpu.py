@@ -14,6 +14,7 @@ import torch
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
+from tests.helpers.reference import unpacked_logprobs_and_grads
 from tests.helpers.synthetic import grpo_samples
 from tests.unit.test_packing_deltanet import VOCAB, _deep_tree_samples, hybrid_model
 
@@ -29,23 +30,13 @@ def test_packed_hybrid_matches_unpacked_on_cuda(family, backend):
     row = pack_samples(samples).to("cuda")
     model = hybrid_model(family).cuda()
     weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32)).cuda()
-    model.zero_grad()
-    ref, start = [], 0
-    for s in samples:
-        ids = torch.from_numpy(s.token_ids)[None].cuda()
-        logp = model(input_ids=ids, use_cache=False).logits[0].log_softmax(-1)
-        t = torch.from_numpy(np.flatnonzero(s.loss_mask)).cuda()
-        lp = logp[t - 1].gather(1, ids[0, t][:, None])[:, 0]
-        (lp * weights[start : start + len(t)]).sum().backward()
-        ref.append(lp.detach())
-        start += len(t)
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref_lp, ref_grads = unpacked_logprobs_and_grads(model, samples, weights)
     use_tree_attention(model)
     model.zero_grad()
     hidden = packed_hidden_states(model, row, build_plan(row, backend, device="cuda", linear_attention=True))
     lp = selective_logprobs(hidden[row.pred_index], model.get_output_embeddings().weight, row.target_ids).logprobs
     (lp * weights).sum().backward()
-    lp_diff = (lp.detach() - torch.cat(ref)).abs().max().item()
+    lp_diff = (lp.detach() - ref_lp).abs().max().item()
     grad_diff = max((p.grad - ref_grads[n]).abs().max().item() for n, p in model.named_parameters() if n in ref_grads)
     print("PARITY", json.dumps({"family": family, "backend": backend, "lp": lp_diff, "grad": grad_diff}))
     assert lp_diff <= 1e-4 and grad_diff <= 1e-4

@@ -30,6 +30,30 @@ def hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch
     return auto.from_pretrained(model_dir, dtype=dtype).eval()
 
 
+def unpacked_logprobs_and_grads(
+    model: torch.nn.Module, samples: Sequence[Any], weights: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The packed-training reference: each sample alone through the model's own forward.
+
+    Returns the trained tokens' log-probs (samples in order, ``loss_mask`` positions) and the parameter gradients
+    of ``sum(weights * logp)``; inputs go to ``weights``' device.
+    """
+    import numpy as np
+
+    dev = weights.device
+    model.zero_grad()
+    out, start = [], 0
+    for s in samples:
+        ids = torch.from_numpy(s.token_ids)[None].to(dev)
+        logp = model(input_ids=ids, use_cache=False).logits[0].log_softmax(-1)
+        t = torch.from_numpy(np.flatnonzero(s.loss_mask)).to(dev)
+        lp = logp[t - 1].gather(1, ids[0, t][:, None])[:, 0]
+        (lp * weights[start : start + len(t)]).sum().backward()
+        out.append(lp.detach())
+        start += len(t)
+    return torch.cat(out), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def write_tiny_llama(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Save a random-init fp32 Llama (default: hidden 64, 2 layers, vocab 4096) without a tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -17,6 +17,7 @@ from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tr
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
+from tests.helpers.reference import unpacked_logprobs_and_grads
 from tests.helpers.synthetic import random_tree_samples
 
 VOCAB = 97
@@ -59,17 +60,7 @@ def _model(arch: str) -> torch.nn.Module:
 def _unpacked(model, samples, weights):
     """Per-sample log-probs; the model's aux loss over the padded batch; grads of each part separately."""
     model.set_attn_implementation("sdpa")
-    model.zero_grad()
-    lps, start = [], 0
-    for s in samples:
-        ids = torch.from_numpy(s.token_ids)[None]
-        logp = model(input_ids=ids).logits[0].log_softmax(-1)
-        t = torch.from_numpy(np.flatnonzero(s.loss_mask))
-        lp = logp[t - 1].gather(1, ids[0, t][:, None])[:, 0]
-        (lp * weights[start : start + len(t)]).sum().backward()
-        lps.append(lp.detach())
-        start += len(t)
-    lp_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    lp, lp_grads = unpacked_logprobs_and_grads(model, samples, weights)
     model.zero_grad()
     longest = max(len(s.token_ids) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
@@ -80,7 +71,7 @@ def _unpacked(model, samples, weights):
     aux = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
     aux.backward()
     aux_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return torch.cat(lps), lp_grads, aux.detach(), aux_grads
+    return lp, lp_grads, aux.detach(), aux_grads
 
 
 def _packed(model, row, weights):

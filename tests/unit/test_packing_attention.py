@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from asyncgrpo.packing.attention import _flex_block_mask, build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
-from tests.helpers.reference import lora_model
+from tests.helpers.reference import lora_model, unpacked_logprobs_and_grads
 from tests.helpers.synthetic import random_tree_samples
 
 VOCAB = 97
@@ -40,20 +40,9 @@ def _model(arch: str) -> torch.nn.Module:
 
 
 def _reference(model, samples, weights):
-    """Per-sample unpacked HF forward: trained-token log-probs and grads of sum(weights * logp)."""
+    """Per-sample unpacked HF forward (sdpa): trained-token log-probs and grads of sum(weights * logp)."""
     model.set_attn_implementation("sdpa")
-    model.zero_grad()
-    out, start = [], 0
-    for s in samples:
-        ids = torch.from_numpy(s.token_ids)[None]
-        logp = model(input_ids=ids).logits[0].log_softmax(-1)
-        t = torch.from_numpy(np.flatnonzero(s.loss_mask))
-        lp = logp[t - 1].gather(1, ids[0, t][:, None])[:, 0]
-        (lp * weights[start : start + len(t)]).sum().backward()
-        out.append(lp.detach())
-        start += len(t)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return torch.cat(out), grads
+    return unpacked_logprobs_and_grads(model, samples, weights)
 
 
 def _packed(model, row, weights):

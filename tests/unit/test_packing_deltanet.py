@@ -17,6 +17,7 @@ from asyncgrpo.packing.linear_attention import build_linear_plan, tree_causal_co
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.trainer.logprobs import selective_logprobs
+from tests.helpers.reference import unpacked_logprobs_and_grads
 from tests.helpers.synthetic import random_tree_samples
 
 VOCAB = 97
@@ -73,17 +74,7 @@ def hybrid_model(family: str, seed: int = 0) -> torch.nn.Module:
 
 def _reference(model, samples, weights):
     """Per-sample unpacked HF forward: trained-token log-probs and grads of sum(weights * logp)."""
-    model.zero_grad()
-    out, start = [], 0
-    for s in samples:
-        ids = torch.from_numpy(s.token_ids)[None]
-        logp = model(input_ids=ids, use_cache=False).logits[0].log_softmax(-1)
-        t = torch.from_numpy(np.flatnonzero(s.loss_mask))
-        lp = logp[t - 1].gather(1, ids[0, t][:, None])[:, 0]
-        (lp * weights[start : start + len(t)]).sum().backward()
-        out.append(lp.detach())
-        start += len(t)
-    return torch.cat(out), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return unpacked_logprobs_and_grads(model, samples, weights)
 
 
 def _packed(model, row, weights, chunk):

@@ -16,6 +16,7 @@ from asyncgrpo.trainer.inputs import check_dataset
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.vlm import check_no_images, freeze_non_text, non_text_parameter_ids
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
+from tests.helpers.reference import unpacked_logprobs_and_grads
 from tests.helpers.synthetic import random_tree_samples
 
 VOCAB = 97
@@ -58,17 +59,8 @@ def test_packed_text_forward_matches_unpacked_vlm_forward(make):
     assert freeze_non_text(model) > 0
     weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
 
-    ref, start = [], 0  # reference: the image-text model's own forward on each sample alone, sdpa
-    for s in samples:
-        ids = torch.from_numpy(s.token_ids)[None]
-        logp = model(input_ids=ids).logits[0].log_softmax(-1)
-        t = torch.from_numpy(np.flatnonzero(s.loss_mask))
-        lp = logp[t - 1].gather(1, ids[0, t][:, None])[:, 0]
-        (lp * weights[start : start + len(t)]).sum().backward()
-        ref.append(lp.detach())
-        start += len(t)
-    ref_lp = torch.cat(ref)
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # reference: the image-text model's own forward on each sample alone, sdpa
+    ref_lp, ref_grads = unpacked_logprobs_and_grads(model, samples, weights)
 
     model.zero_grad()
     use_tree_attention(model)
