@@ -18,10 +18,12 @@ Shared state (all created here, never by the child):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -127,7 +129,31 @@ def _child_main(loop_conn: Any, channels: WorkerChannels, parent_pid: int) -> No
         asyncio.run(_run_child(loop_obj, channels))
     except BaseException:  # noqa: BLE001 - process boundary: everything goes back to the trainer
         channels.errors.put(traceback.format_exc())
+        _drop_unread_when_stopped(channels)
         raise SystemExit(1) from None
+    if channels.stop.is_set():
+        _drop_unread_when_stopped(channels)
+        # Nothing is left to hand over: run the exit hooks (the user's included, logging's flush) but skip the
+        # interpreter's teardown (seconds of garbage collection of the imported modules) that the trainer would
+        # otherwise wait for at the end of every run.
+        atexit._run_exitfuncs()  # the hooks a normal exit runs, without the teardown that follows them
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _drop_unread_when_stopped(channels: WorkerChannels) -> None:
+    """Once the trainer asked us to stop it reads no more samples or metrics: do not wait to flush them.
+
+    A queue's feeder thread writes into a pipe; at exit the process waits for it to push everything out. With
+    the trainer gone from the other end and more than a pipe's worth left (samples generated ahead of the last
+    step), that wait never ends and ``RolloutWorker.stop`` had to time out and terminate the child (10 s at the
+    end of every run). The error queue is kept: a traceback must still reach the trainer.
+    """
+    if channels.stop.is_set():
+        channels.samples.cancel_join_thread()
+        channels.metrics.cancel_join_thread()
 
 
 class RolloutWorker:
@@ -322,5 +348,7 @@ class RolloutWorker:
         if self.process is not None and self.process.is_alive():
             self.process.join(timeout)
             if self.process.is_alive():
+                logger.warning("the rollout worker (pid %d) did not exit within %.0fs of the stop signal; terminating it",
+                               self.process.pid, timeout)  # fmt: skip
                 self.process.terminate()
                 self.process.join(timeout)
