@@ -303,10 +303,12 @@ def test_sparse_weight_syncs_do_not_stall(tmp_path, server, tiny_llama_dir):
 
 
 def test_tied_rewards_stop_with_a_diagnosis(tmp_path, server, tiny_llama_dir):
-    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, reward="tied", config={"max_steps": 3})
+    # The bound lowered from 256 to 32 groups (more than the 24 prompts: the streak crosses an epoch's end).
+    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, reward="tied", config={"max_steps": 3},
+                               zero_std_patience=32)  # fmt: skip
     assert rc != 0 and took < 300
     assert "NoTrainableSamplesError" in log and "equal rewards" in log and "saturated" in log, log[-3000:]
-    assert "groups in a row tied" in log
+    assert "32 groups in a row tied" in log
 
 
 def test_tied_rewards_in_epoch_mode_say_so(tmp_path, server, tiny_llama_dir):

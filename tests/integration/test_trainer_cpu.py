@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -151,27 +152,38 @@ def test_slow_trainer_drops_stale_samples_and_backpressures(tmp_path, server, ti
 
 
 def test_raising_reward_function_stops_the_run_with_its_name(tmp_path, server, tiny_llama_dir, dataset):
+    """Also covers the fault matrix's kept item (a raising reward is named, the run stops within 120 s)."""
     args = _config(tmp_path, server)
+    t0 = time.monotonic()
     trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[exploding_reward], args=args, train_dataset=dataset)
     with pytest.raises(RolloutWorkerError, match="exploding_reward.*the judge is offline"):
         trainer.train()
+    assert time.monotonic() - t0 < 120
 
 
 def test_killed_worker_stops_the_trainer(tmp_path, server, tiny_llama_dir, dataset):
+    """A SIGKILLed worker after step 1: the trainer stops within 30 s, naming the exit code (fault matrix, kept)."""
     from transformers import TrainerCallback
+
+    from tests.integration.test_fault_matrix import _pid_alive
+
+    killed: dict[str, float] = {}
 
     class KillWorker(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step == 1:
-                trainer.worker.process.kill()
+                killed["pid"] = trainer.worker.process.pid
+                os.kill(killed["pid"], signal.SIGKILL)
+                killed["at"] = time.monotonic()
 
     args = _config(tmp_path, server, max_steps=50)
     trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset)
     trainer.add_callback(KillWorker())
     t0 = time.monotonic()
-    with pytest.raises(RolloutWorkerError, match="exited unexpectedly"):
+    with pytest.raises(RolloutWorkerError, match=r"exited unexpectedly \(exit code -9\)"):
         trainer.train()
     assert time.monotonic() - t0 < 60
+    assert time.monotonic() - killed["at"] < 30 and not _pid_alive(int(killed["pid"]))
 
 
 def test_resume_restarts_at_the_first_untrained_prompt(tmp_path, server, tiny_llama_dir, dataset, monkeypatch):

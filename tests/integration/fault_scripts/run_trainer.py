@@ -2,8 +2,9 @@
 
     python run_trainer.py SETTINGS.json
 
-SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``resume`` (bool) and ``config``
-(extra ``AsyncGRPOConfig`` keywords). It writes, next to the output dir:
+SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``resume`` (bool), ``config``
+(extra ``AsyncGRPOConfig`` keywords) and ``zero_std_patience`` (the tied-groups bound, lowered so that a test
+reaches it in a few dozen groups instead of 256). It writes, next to the output dir:
 
 * ``worker.pid``: the rollout worker's pid once step 1 ended;
 * ``steps.jsonl``: ``{"begin": step}`` when a run starts (the step it resumed at), then one line per optimizer
@@ -24,6 +25,7 @@ from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.trainer import rollout_source
 
 
 def parity_reward(completion_ids, **kwargs):
@@ -64,6 +66,8 @@ class Record(TrainerCallback):
 
 def main(settings_path: str) -> None:
     s = json.loads(Path(settings_path).read_text())
+    if "zero_std_patience" in s:
+        rollout_source.ZERO_STD_PATIENCE_GROUPS = int(s["zero_std_patience"])
     where = Path(settings_path).parent
     dataset = reasoning_gym_dataset("chain_sum", size=s.get("dataset_size", 24), seed=0, system_prompt=None)
     cfg = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
