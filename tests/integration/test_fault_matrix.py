@@ -1,12 +1,14 @@
 """The fault matrix (issue 9, SPEC X3/X4/G4/G11/M1): real server, real trainer processes, real faults.
 
 Every scenario runs the public API against a real ``asyncgrpo serve`` process on the tiny Llama and checks
-what a user would see: how soon the run stops or recovers, and what it says. Scripts that must be killed run
-in their own process (``fault_scripts/run_trainer.py``).
+what a user would see: how soon the run stops or recovers, and what it says. Runs that are killed or whose server
+is killed run in their own process (``fault_scripts/run_trainer.py``); the others build the same trainer in the
+test process (``run_here``: no interpreter and imports to pay for each).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +25,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).parent / "fault_scripts"
+sys.path.insert(0, str(SCRIPTS))  # run_trainer by name, here and in the rollout workers spawned from here
+import run_trainer
+
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.trainer import rollout_source
 
 
 @pytest.fixture(scope="module")
@@ -264,21 +272,23 @@ def test_dtype_warning_reads_vllms_own_field(server, caplog):
     assert lines and "float32" in lines[0] and "bfloat16" in lines[0], lines
 
 
-# ---------------------------------------------------------------------------------------------- runs in a subprocess
+# ---------------------------------------------------------------------------------------------- runs in this process
 
 
-def run_to_end(tmp_path: Path, server_url: str, model_dir: Path, timeout: float, name: str = "run", **settings):
-    """Run ``run_trainer.py`` to its end; (return code, seconds, log text). A hang fails the test at ``timeout``."""
+def run_here(tmp_path: Path, server_url: str, model_dir: Path, **settings) -> tuple[BaseException | None, float, str]:
+    """``run_trainer.py``'s run in this process, for scenarios that kill nothing (no interpreter to start).
+
+    Returns (the exception the run ended with, or None; seconds; that exception as a user's script would print it).
+    """
+    where = tmp_path / "run"
+    where.mkdir(parents=True, exist_ok=True)
+    s = {"server_url": server_url, "model_dir": str(model_dir), "output_dir": str(tmp_path / "out"), **settings}
     t0 = time.monotonic()
-    proc = start_run(tmp_path, server_url, model_dir, name=name, **settings)
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        log = (tmp_path / name / "log.txt").read_text()
-        pytest.fail(f"the run did not end within {timeout:.0f}s; log tail:\n{log[-3000:]}")
-    return proc.returncode, time.monotonic() - t0, (tmp_path / name / "log.txt").read_text()
+        run_trainer.build(s, where).train()
+    except Exception as e:  # noqa: BLE001 - the scenarios check which error a user gets
+        return e, time.monotonic() - t0, "".join(traceback.format_exception(e))
+    return None, time.monotonic() - t0, ""
 
 
 def _metric_rows(tmp_path: Path) -> list[dict]:
@@ -293,8 +303,8 @@ def test_sparse_weight_syncs_do_not_stall(tmp_path, server, tiny_llama_dir):
     """weight_sync_steps=4 > max_staleness + 1: staleness counts pushes, so the run reaches max_steps (two pushes;
     counted in steps, samples 3 steps old would be dropped and the run would stall after its first push)."""
     cfg = {"max_steps": 8, "weight_sync_steps": 4, "max_staleness": 2}
-    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, config=cfg)
-    assert rc == 0 and took < 420, log[-3000:]
+    err, took, log = run_here(tmp_path, server.base_url, tiny_llama_dir, config=cfg)
+    assert err is None and took < 420, log[-3000:]
     rows = [r for r in _metric_rows(tmp_path) if "sample/staleness_max" in r]
     assert [r["step"] for r in rows][-1] == 8
     assert max(r["sample/staleness_max"] for r in rows) <= 1  # at most one push behind: a sync every 4 steps
@@ -303,20 +313,19 @@ def test_sparse_weight_syncs_do_not_stall(tmp_path, server, tiny_llama_dir):
 # ---------------------------------------------------------------------------------------------- item 2
 
 
-def test_tied_rewards_stop_with_a_diagnosis(tmp_path, server, tiny_llama_dir):
+def test_tied_rewards_stop_with_a_diagnosis(tmp_path, server, tiny_llama_dir, monkeypatch):
     # The bound lowered from 256 to 32 groups (more than the 24 prompts: the streak crosses an epoch's end).
-    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, reward="tied", config={"max_steps": 3},
-                               zero_std_patience=32)  # fmt: skip
-    assert rc != 0 and took < 300
+    monkeypatch.setattr(rollout_source, "ZERO_STD_PATIENCE_GROUPS", 32)
+    err, took, log = run_here(tmp_path, server.base_url, tiny_llama_dir, reward="tied", config={"max_steps": 3})
+    assert isinstance(err, rollout_source.NoTrainableSamplesError) and took < 300, log
     assert "NoTrainableSamplesError" in log and "equal rewards" in log and "saturated" in log, log[-3000:]
     assert "32 groups in a row tied" in log
 
 
 def test_tied_rewards_in_epoch_mode_say_so(tmp_path, server, tiny_llama_dir):
     cfg = {"max_steps": -1, "num_train_epochs": 1.0}
-    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, reward="tied", dataset_size=8,
-                               config=cfg)  # fmt: skip
-    assert rc != 0 and took < 300
+    err, took, log = run_here(tmp_path, server.base_url, tiny_llama_dir, reward="tied", dataset_size=8, config=cfg)
+    assert isinstance(err, rollout_source.NoTrainableSamplesError) and took < 300, log
     assert "equal rewards" in log and "the epochs ended without a trainable group" in log, log[-3000:]
 
 
@@ -324,9 +333,9 @@ def test_tied_rewards_in_epoch_mode_say_so(tmp_path, server, tiny_llama_dir):
 
 
 def test_completion_longer_than_the_server_context_is_refused(tmp_path, server, tiny_llama_dir):
-    rc, took, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 300, config={"max_steps": 1,
-                               "max_completion_length": 300})  # fmt: skip
-    assert rc != 0 and took < 120
+    err, took, log = run_here(tmp_path, server.base_url, tiny_llama_dir, config={"max_steps": 1,
+                              "max_completion_length": 300})  # fmt: skip
+    assert isinstance(err, ValueError) and took < 120, log
     assert "max_completion_length=300 does not fit" in log and "max_model_len" in log, log[-3000:]
 
 
@@ -334,8 +343,8 @@ def test_completion_longer_than_the_server_context_is_refused(tmp_path, server, 
 
 
 def test_iterable_dataset_trains(tmp_path, server, tiny_llama_dir):
-    rc, _, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 300, iterable=True, config={"max_steps": 2})
-    assert rc == 0, log[-3000:]
+    err, _, log = run_here(tmp_path, server.base_url, tiny_llama_dir, iterable=True, config={"max_steps": 2})
+    assert err is None, log
     steps = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "step" in s] == [1, 2]
 
@@ -535,8 +544,8 @@ EVERY_WINDOW = ["sample/dropped_stale_count", "batch/dropped_oversize_count"]
 
 def test_every_documented_metric_is_emitted(tmp_path, server, tiny_llama_dir):
     assert len(DOCUMENTED_METRICS) == len(set(DOCUMENTED_METRICS)) == 97
-    rc, _, log = run_to_end(tmp_path, server.base_url, tiny_llama_dir, 420, config={"max_steps": 6})
-    assert rc == 0, log[-3000:]
+    err, _, log = run_here(tmp_path, server.base_url, tiny_llama_dir, config={"max_steps": 6})
+    assert err is None, log
     rows = [r for r in _metric_rows(tmp_path) if "train_runtime" not in r]
     seen = set().union(*rows)
     names = {n.replace("{reward_func_name}", "parity_reward") for n in DOCUMENTED_METRICS if "{tool_name}" not in n}
@@ -553,3 +562,53 @@ def test_every_documented_metric_is_emitted(tmp_path, server, tiny_llama_dir):
     assert all(
         0.0 <= r["rollout/vllm_kv_cache_usage_frac"] <= 1.0 for r in rows if "rollout/vllm_kv_cache_usage_frac" in r
     )
+
+
+# ---------------------------------------------------------------------------------------------- kept (before issue 9)
+# Behaviours that held before issue 9, kept as regression tests (they were test_fault_matrix_kept.py, on a server of
+# the same flags). Its killed-worker and raising-reward runs are covered by test_trainer_cpu.py's
+# test_killed_worker_stops_the_trainer and test_raising_reward_function_stops_the_run_with_its_name.
+
+MALFORMED = [
+    b"", b"{", b"null", b"[]", b"42", b'"x"', b"{}",
+    {"token_ids": []}, {"token_ids": "abc"}, {"token_ids": [1.5]}, {"token_ids": [-1]}, {"token_ids": [10**9]},
+    {"token_ids": [True]}, {"token_ids": [1], "sampling_params": []}, {"token_ids": [1], "sampling_params": "x"},
+    {"token_ids": [1], "sampling_params": {"max_tokens": 0}}, {"token_ids": [1], "sampling_params": {"max_tokens": -5}},
+    {"token_ids": [1], "sampling_params": {"max_tokens": "8"}}, {"token_ids": [1], "sampling_params": {"temperature": -1}},
+    {"token_ids": [1], "sampling_params": {"temperature": "hot"}}, {"token_ids": [1], "sampling_params": {"top_p": 0}},
+    {"token_ids": [1], "sampling_params": {"top_p": 1.5}}, {"token_ids": [1], "sampling_params": {"top_k": -2}},
+    {"token_ids": [1], "sampling_params": {"min_p": 2}}, {"token_ids": [1], "sampling_params": {"n": 0}},
+    {"token_ids": [1], "sampling_params": {"n": 10**6}}, {"token_ids": [1], "sampling_params": {"logprobs": 10**6}},
+    {"token_ids": [1], "sampling_params": {"repetition_penalty": 0}},
+    {"token_ids": [1], "sampling_params": {"stop_token_ids": [-3]}},
+    {"token_ids": [1], "sampling_params": {"min_tokens": 99, "max_tokens": 2}},
+    {"token_ids": [1], "sampling_params": {"presence_penalty": 1.0}}, {"token_ids": [1], "model": 7},
+    {"token_ids": [1], "model": "no-such-model"}, {"token_ids": list(range(300))},
+]  # fmt: skip
+
+
+def test_malformed_requests_leave_the_server_healthy_and_reproducible(server):
+    url = server.base_url + "/inference/v1/generate"
+    good = {"token_ids": [3, 4, 5], "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 11}}
+    status, before = _post(url, good)
+    assert status == 200
+    for body in MALFORMED:
+        status, reply = _post(url, body)
+        assert 400 <= status < 500, (body, status, reply)
+        assert reply["error"]["message"], body
+    assert urllib.request.urlopen(server.base_url + "/health", timeout=10).status == 200
+    status, after = _post(url, good)
+    assert status == 200 and after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+
+
+def test_300_concurrent_requests_are_all_answered(server):
+    async def main():
+        async with AsyncServerClient(server.base_url, max_connections=300) as client:
+            params = {"max_tokens": 2, "temperature": 1.0}
+            return await asyncio.gather(*(client.generate([1, 2, i % 50 + 3], {**params, "seed": i})
+                                          for i in range(300)))  # fmt: skip
+
+    results = asyncio.run(main())
+    assert len(results) == 300 and all(len(r.token_ids) >= 1 for r in results)
+    info = json.loads(urllib.request.urlopen(server.base_url + "/load", timeout=10).read())
+    assert info["server_load"] == 0
