@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,30 @@ sys.path.insert(0, str(SCRIPTS))  # run_trainer by name, here and in the rollout
 import run_trainer
 
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.trainer import rollout_source
+
+SERVER_FLAGS = ("--max-model-len", "256", "--kv-cache-tokens", "16384")
 
 
 @pytest.fixture(scope="module")
-def server(serve, tiny_llama_dir):
-    return serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384")
+def servers(serve, tiny_llama_dir) -> dict[str, ServerProcess]:
+    """Every server the module needs, started side by side (one wait instead of four): the shared one, the
+    stray-init test's (gloo, a short timeout), and one each for the restart and gone-for-good tests (they kill it)."""
+    flags = {
+        "shared": SERVER_FLAGS,
+        "stray": ("--max-model-len", "64", "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 12}'),
+        "restart": SERVER_FLAGS,
+        "gone": SERVER_FLAGS,
+    }
+    with ThreadPoolExecutor(len(flags)) as pool:
+        started = {name: pool.submit(serve, tiny_llama_dir, *f) for name, f in flags.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> ServerProcess:
+    return servers["shared"]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -185,14 +204,13 @@ def test_tiny_repetition_penalty_and_out_of_vocab_stop_ids_are_refused(server):
     assert re.search(r"outside the vocabulary \[0, \d+\)", reply["error"]["message"]), (reply, vocab.keys())
 
 
-def test_stray_init_does_not_silently_block_the_next_one(serve, tiny_llama_dir):
+def test_stray_init_does_not_silently_block_the_next_one(servers):
     """A stray init joins a group at an address nobody serves; the next init is answered at once, naming it."""
     import threading
 
     from asyncgrpo.server.launcher import free_port
 
-    srv = serve(tiny_llama_dir, "--max-model-len", "64", "--weight-transfer-config",
-                '{"backend": "gloo", "timeout_s": 12}')  # fmt: skip
+    srv = servers["stray"]  # gloo, timeout_s 12
     dead_port = free_port()
     stray = {"init_info": {"master_address": "127.0.0.1", "master_port": dead_port, "world_size": 2, "rank_offset": 1}}
     stray_reply: list = []
@@ -427,13 +445,13 @@ def test_random_sigkills_lose_and_duplicate_no_prompt_slow(tmp_path, server, tin
 # ---------------------------------------------------------------------------------------------- item 6
 
 
-def test_server_restart_is_survived(tmp_path, tiny_llama_dir):
+def test_server_restart_is_survived(tmp_path, servers, tiny_llama_dir):
     """The server is killed after step 2 and comes back on its port: the run re-forms the group, pushes, goes on."""
-    from asyncgrpo.server.launcher import free_port, launch_server
+    from asyncgrpo.server.launcher import launch_server
 
-    port = free_port()
-    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "16384"]
-    srv = launch_server(tiny_llama_dir, port=port, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+    srv = servers["restart"]
+    port = int(srv.base_url.rsplit(":", 1)[1])
+    flags = ["--device", "cpu", *SERVER_FLAGS]
     proc = start_run(
         tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 6, "vllm_server_restart_timeout": 180}
     )
@@ -458,11 +476,8 @@ def test_server_restart_is_survived(tmp_path, tiny_llama_dir):
         srv.stop()
 
 
-def test_server_gone_for_good_stops_the_run_saying_so(tmp_path, tiny_llama_dir):
-    from asyncgrpo.server.launcher import launch_server
-
-    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "16384"]
-    srv = launch_server(tiny_llama_dir, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+def test_server_gone_for_good_stops_the_run_saying_so(tmp_path, servers, tiny_llama_dir):
+    srv = servers["gone"]
     proc = start_run(
         tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 50, "vllm_server_restart_timeout": 20}
     )
