@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,16 @@ class SlowTrainer(AsyncGRPOTrainer):
 
 
 @pytest.fixture(scope="module")
-def server(serve, tiny_llama_dir):
-    return serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384")
+def servers(serve, tiny_llama_dir):
+    """The module's server and the top-k test's --return-sampling-mask one, started side by side."""
+    flags = ("--max-model-len", "256", "--kv-cache-tokens", "16384")
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda extra: serve(tiny_llama_dir, *flags, *extra), [(), ("--return-sampling-mask",)]))
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +221,11 @@ def test_epochs_count_distinct_prompts(tmp_path, server, tiny_llama_dir):
     assert not math.isnan(_metrics(tmp_path)[-1].get("epoch", math.nan))
 
 
-def test_top_k_renormalises_over_the_sampling_masks(tmp_path, serve, tiny_llama_dir, dataset):
+def test_top_k_renormalises_over_the_sampling_masks(tmp_path, servers, tiny_llama_dir, dataset):
     """G9: with top_k the server returns candidate sets and the trainer renormalises over them, so on-policy
     log-probs agree; without the renormalisation they would differ by log(mass of the top-k set) (> 1 nat here).
     """
-    masked = serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384", "--return-sampling-mask")
+    masked = servers[1]  # --return-sampling-mask
     args = _config(tmp_path, masked, max_steps=1, top_k=20, temperature=0.9, log_completions=True,
                    num_completions_to_print=2)  # fmt: skip
     AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()
