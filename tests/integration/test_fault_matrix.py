@@ -1,20 +1,22 @@
 """The fault matrix (issue 9, SPEC X3/X4/G4/G11/M1): real server, real trainer processes, real faults.
 
 Every scenario runs the public API against a real ``asyncgrpo serve`` process on the tiny Llama and checks
-what a user would see: how soon the run stops or recovers, and what it says. Runs that are killed or whose server
-is killed run in their own process (``fault_scripts/run_trainer.py``); the others build the same trainer in the
-test process (``run_here``: no interpreter and imports to pay for each).
+what a user would see: how soon the run stops or recovers, and what it says. Runs whose trainer is killed run in
+their own process (``fault_scripts/run_trainer.py``); the others build the same trainer in the test process
+(``run_here``: no interpreter and imports to pay for each).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import urllib.request
@@ -22,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from transformers import TrainerCallback
 
 pytestmark = pytest.mark.slow
 
@@ -293,20 +296,43 @@ def test_dtype_warning_reads_vllms_own_field(server, caplog):
 # ---------------------------------------------------------------------------------------------- runs in this process
 
 
-def run_here(tmp_path: Path, server_url: str, model_dir: Path, **settings) -> tuple[BaseException | None, float, str]:
-    """``run_trainer.py``'s run in this process, for scenarios that kill nothing (no interpreter to start).
+class _Lines(logging.Handler):
+    """Collects what the run logs (its warnings reach a user's console), for the assertions on what it says."""
 
-    Returns (the exception the run ended with, or None; seconds; that exception as a user's script would print it).
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_here(
+    tmp_path: Path, server_url: str, model_dir: Path, callbacks: tuple = (), **settings
+) -> tuple[BaseException | None, float, str]:
+    """``run_trainer.py``'s run in this process, for scenarios that kill no trainer (no interpreter to start).
+
+    Returns (the exception the run ended with, or None; seconds; what it logged and the exception as a user's
+    script would print it).
     """
     where = tmp_path / "run"
     where.mkdir(parents=True, exist_ok=True)
     s = {"server_url": server_url, "model_dir": str(model_dir), "output_dir": str(tmp_path / "out"), **settings}
+    said = _Lines()
+    logging.getLogger("asyncgrpo").addHandler(said)
     t0 = time.monotonic()
+    err: BaseException | None = None
     try:
-        run_trainer.build(s, where).train()
+        trainer = run_trainer.build(s, where)
+        for callback in callbacks:
+            trainer.add_callback(callback)
+        trainer.train()
     except Exception as e:  # noqa: BLE001 - the scenarios check which error a user gets
-        return e, time.monotonic() - t0, "".join(traceback.format_exception(e))
-    return None, time.monotonic() - t0, ""
+        err = e
+        said.lines.append("".join(traceback.format_exception(e)))
+    finally:
+        logging.getLogger("asyncgrpo").removeHandler(said)
+    return err, time.monotonic() - t0, "\n".join(said.lines)
 
 
 def _metric_rows(tmp_path: Path) -> list[dict]:
@@ -445,6 +471,24 @@ def test_random_sigkills_lose_and_duplicate_no_prompt_slow(tmp_path, server, tin
 # ---------------------------------------------------------------------------------------------- item 6
 
 
+class _KillServerAfter(TrainerCallback):
+    """Kills ``server`` when step ``step`` ends, then runs ``then`` (in a thread: the run goes on meanwhile)."""
+
+    def __init__(self, server: ServerProcess, step: int, then=None) -> None:
+        self.server, self.step, self.then = server, step, then
+        self.killed_at: float | None = None
+        self.thread: threading.Thread | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.killed_at is None:
+            self.server.proc.kill()
+            self.server.proc.wait()
+            self.killed_at = time.monotonic()
+            if self.then is not None:
+                self.thread = threading.Thread(target=self.then, name="restart-server", daemon=True)
+                self.thread.start()
+
+
 def test_server_restart_is_survived(tmp_path, servers, tiny_llama_dir):
     """The server is killed after step 2 and comes back on its port: the run re-forms the group, pushes, goes on."""
     from asyncgrpo.server.launcher import launch_server
@@ -452,51 +496,37 @@ def test_server_restart_is_survived(tmp_path, servers, tiny_llama_dir):
     srv = servers["restart"]
     port = int(srv.base_url.rsplit(":", 1)[1])
     flags = ["--device", "cpu", *SERVER_FLAGS]
-    proc = start_run(
-        tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 6, "vllm_server_restart_timeout": 180}
-    )
-    try:
-        steps = tmp_path / "run" / "steps.jsonl"
-        _wait_for(lambda: proc.poll() is not None or (steps.exists() and '"step": 2' in steps.read_text()), 300,
-                  "step 2")  # fmt: skip
-        assert proc.poll() is None, (tmp_path / "run" / "log.txt").read_text()[-3000:]
-        srv.proc.kill()
-        srv.proc.wait()
+    back: list[ServerProcess] = []
+
+    def relaunch() -> None:
         time.sleep(2.0)
-        srv = launch_server(tiny_llama_dir, port=port, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
-        proc.wait(timeout=400)
-        log = (tmp_path / "run" / "log.txt").read_text()
-        assert proc.returncode == 0, log[-4000:]
+        back.append(launch_server(tiny_llama_dir, port=port, extra_args=flags, env={"CUDA_VISIBLE_DEVICES": ""},
+                                  timeout=240))  # fmt: skip
+
+    kill = _KillServerAfter(srv, 2, then=relaunch)
+    try:
+        err, _, log = run_here(tmp_path, srv.base_url, tiny_llama_dir, callbacks=(kill,),
+                               config={"max_steps": 6, "vllm_server_restart_timeout": 180})  # fmt: skip
+        assert kill.thread is not None
+        kill.thread.join(timeout=240)
+        assert err is None, log[-4000:]
         assert "weight transfer re-established" in log
-        info = json.loads(urllib.request.urlopen(srv.base_url + "/weight_info", timeout=10).read())
+        info = json.loads(urllib.request.urlopen(back[0].base_url + "/weight_info", timeout=10).read())
         assert info["weight_version"] == "step-6"  # the new server got the run's weights
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        srv.stop()
+        for server in back:
+            server.stop()
 
 
 def test_server_gone_for_good_stops_the_run_saying_so(tmp_path, servers, tiny_llama_dir):
-    srv = servers["gone"]
-    proc = start_run(
-        tmp_path, srv.base_url, tiny_llama_dir, config={"max_steps": 50, "vllm_server_restart_timeout": 20}
-    )
-    try:
-        steps = tmp_path / "run" / "steps.jsonl"
-        _wait_for(lambda: proc.poll() is not None or (steps.exists() and '"step": 1' in steps.read_text()), 300,
-                  "step 1")  # fmt: skip
-        srv.proc.kill()
-        t0 = time.monotonic()
-        proc.wait(timeout=200)
-        took = time.monotonic() - t0
-        log = (tmp_path / "run" / "log.txt").read_text()
-        assert proc.returncode != 0
-        assert "gone since" in log, log[-4000:]
-        assert took < 90  # the 20 s window plus the last attempts and the shutdown
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        srv.stop()
+    kill = _KillServerAfter(servers["gone"], 1)
+    err, _, log = run_here(tmp_path, servers["gone"].base_url, tiny_llama_dir, callbacks=(kill,),
+                           config={"max_steps": 50, "vllm_server_restart_timeout": 20})  # fmt: skip
+    assert kill.killed_at is not None, log[-4000:]
+    took = time.monotonic() - kill.killed_at
+    assert err is not None
+    assert "gone since" in log, log[-4000:]
+    assert took < 90  # the 20 s window plus the last attempts and the shutdown
 
 
 # ---------------------------------------------------------------------------------------------- item 9 (M1)
