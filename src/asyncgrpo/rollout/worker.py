@@ -18,12 +18,10 @@ Shared state (all created here, never by the child):
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import multiprocessing as mp
 import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -31,6 +29,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
+
+from asyncgrpo.process_exit import exit_without_teardown
 
 logger = logging.getLogger(__name__)
 
@@ -133,14 +133,7 @@ def _child_main(loop_conn: Any, channels: WorkerChannels, parent_pid: int) -> No
         raise SystemExit(1) from None
     if channels.stop.is_set():
         _drop_unread_when_stopped(channels)
-        # Nothing is left to hand over: run the exit hooks (the user's included, logging's flush) but skip the
-        # interpreter's teardown (seconds of garbage collection of the imported modules) that the trainer would
-        # otherwise wait for at the end of every run.
-        atexit._run_exitfuncs()  # the hooks a normal exit runs, without the teardown that follows them
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_without_teardown(0)  # nothing is left to hand over; the trainer waits for this exit
 
 
 def _drop_unread_when_stopped(channels: WorkerChannels) -> None:

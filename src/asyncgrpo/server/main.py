@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
 import logging
 import os
 import re
 import signal
 import sys
-from typing import Any, NoReturn
+from typing import Any
+
+from asyncgrpo.process_exit import exit_without_teardown
 
 logger = logging.getLogger(__name__)
 
@@ -252,18 +253,7 @@ def run_serve(args: argparse.Namespace) -> int:
         asyncio.run(_serve(create_app(engine, tokenizer, config), args.host, args.port))
     finally:
         engine.shutdown()
-    _exit_without_teardown(0)
-
-
-def _exit_without_teardown(code: int) -> NoReturn:
-    """End the process once the server has shut down: the exit hooks run and the logs are flushed, but the
-    interpreter's teardown (a second or more of garbage collection of torch's modules, which whoever stopped the
-    server waits for) is skipped; it would only free memory the operating system takes back anyway."""
-    atexit._run_exitfuncs()  # the hooks a normal exit runs, without the teardown that follows them
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(0)  # skips seconds of interpreter teardown that whoever stopped the server waits for
 
 
 def main(argv: list[str] | None = None) -> int:
