@@ -521,12 +521,12 @@ def test_server_restart_is_survived(tmp_path, servers, tiny_llama_dir):
 def test_server_gone_for_good_stops_the_run_saying_so(tmp_path, servers, tiny_llama_dir):
     kill = _KillServerAfter(servers["gone"], 1)
     err, _, log = run_here(tmp_path, servers["gone"].base_url, tiny_llama_dir, callbacks=(kill,),
-                           config={"max_steps": 50, "vllm_server_restart_timeout": 20})  # fmt: skip
+                           config={"max_steps": 50, "vllm_server_restart_timeout": 10})  # fmt: skip
     assert kill.killed_at is not None, log[-4000:]
     took = time.monotonic() - kill.killed_at
     assert err is not None
     assert "gone since" in log, log[-4000:]
-    assert took < 90  # the 20 s window plus the last attempts and the shutdown
+    assert took < 80  # the 10 s window plus the last attempts and the shutdown
 
 
 # ---------------------------------------------------------------------------------------------- item 9 (M1)
