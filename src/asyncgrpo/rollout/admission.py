@@ -6,7 +6,7 @@ Two independent limits gate generation:
   completion length, so the worker bounds *tokens*: after each optimizer step the
   trainer reports the tokens that step used, and the worker keeps at most
   ``max(max_staleness, 1) ×`` that many tokens queued or in flight. A group
-  starts only if it keeps the total under the limit (its size estimated from the
+  starts only if it keeps the total within the limit (its size estimated from the
   groups so far), or when nothing is outstanding at all (a group larger than the
   whole allowance still runs, alone); starting whenever the total is below the
   limit would put one group past it, and at the queue's tail that group lands a
