@@ -13,6 +13,7 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 
 from asyncgrpo.client.results import parse_completion_choice, parse_generate_choice
@@ -175,10 +176,13 @@ def test_client_parse_and_reconcile_keep_the_sampler_top_n():
                       output_sampler_logprobs=result.top_logprobs)  # fmt: skip
     (seq,) = rollout_to_sequences(Rollout(completion=[], completion_ids=result.token_ids, turns=[turn]), group_id=0,
                                   row_index=0, model_version=0, num_sampler_logprobs=8)  # fmt: skip
-    assert seq.sampler_top_ids[:3] == [[], [], []]  # prompt positions
+    # [L, 8] arrays (the client's answers are array-backed): prompt positions are padding (id -1, log-prob -inf)
+    assert seq.sampler_top_ids.shape == seq.sampler_top_logprobs.shape == (3 + len(out.token_ids), 8)
+    assert (seq.sampler_top_ids[:3] == -1).all() and (seq.sampler_top_logprobs[:3] == -np.inf).all()
     for i, top in enumerate(out.top_logprobs):
-        assert seq.sampler_top_ids[3 + i] == [t for t, _ in top]
-        assert seq.sampler_top_logprobs[3 + i] == [v for _, v in top]
+        assert seq.sampler_top_ids[3 + i].tolist() == [t for t, _ in top]
+        assert seq.sampler_top_logprobs[3 + i].tolist() == [float(np.float32(v)) for _, v in top]  # float32 as trained
+    seq.validate()
 
 
 def test_validate_whole_list_checks_agree_with_the_position_loop():

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
+
+import numpy as np
 
 from asyncgrpo.client.errors import ServerError
 
@@ -44,7 +47,7 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: str
     stop_reason: int | str | None = None
-    top_logprobs: list[dict[int, float]] | None = None
+    top_logprobs: Sequence[dict[int, float]] | None = None
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[VersionSpan] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
@@ -144,6 +147,90 @@ def _completion_tops(top_raw: list[Any]) -> list[dict[int, float]]:
     return tops
 
 
+class TopLogprobs(Sequence[dict[int, float]]):
+    """Per position the top-N ``{token id: log-prob}``, held as two ``[L, W]`` arrays instead of L dicts.
+
+    A GRPO answer has ~10 of these numbers per generated token; as dicts they are most of what the
+    rollout worker holds, pickles and garbage-collects, and the trainer wants arrays anyway. Row ``i``
+    holds ``counts[i]`` entries in the answer's order (top-N best first, then the sampled token when
+    it is not among them); the rest of the row is padding (id -1, log-prob -inf). Reads like the list
+    of dicts it stands for (``len``, indexing, iteration, ``==`` with a list).
+    """
+
+    __slots__ = ("counts", "ids", "values")
+
+    def __init__(self, ids: np.ndarray, values: np.ndarray, counts: np.ndarray) -> None:
+        self.ids, self.values, self.counts = ids, values, counts
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def _row(self, ids: list[int], values: list[float], k: int) -> dict[int, float]:
+        return dict(zip(ids[:k], values[:k]))
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        k = int(self.counts[i])
+        return self._row(self.ids[i].tolist(), self.values[i].tolist(), k)
+
+    def __iter__(self) -> Iterator[dict[int, float]]:
+        return map(self._row, self.ids.tolist(), self.values.tolist(), self.counts.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TopLogprobs({list(self)!r})"
+
+    def best(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's ``n`` best entries, best first (ties keep the answer's order): ``[L, n]`` ids and log-probs,
+        padded with -1 / -inf where a row has fewer."""
+        L, W = self.ids.shape
+        order = np.argsort(-self.values, axis=1, kind="stable")[:, :n]
+        ids = np.take_along_axis(self.ids, order, axis=1)
+        values = np.take_along_axis(self.values, order, axis=1)
+        if W < n:
+            ids = np.concatenate([ids, np.full((L, n - W), -1, dtype=ids.dtype)], axis=1)
+            values = np.concatenate([values, np.full((L, n - W), -np.inf, dtype=values.dtype)], axis=1)
+        return ids, values
+
+
+def _completion_top_arrays(top_raw: list[Any]) -> TopLogprobs | None:
+    """:class:`TopLogprobs` of well-formed ``{"token_id:<id>": logprob}`` rows in whole-array passes (C), or None
+    for anything unusual (a null row, a key without the prefix), which the per-key path reads or names."""
+    if not all(type(d) is dict for d in top_raw):
+        return None
+    counts = np.fromiter(map(len, top_raw), dtype=np.int64, count=len(top_raw))
+    keys = list(chain.from_iterable(top_raw))
+    joined = ",".join(keys)
+    if joined.count(_TOKEN_KEY) != len(keys):
+        return None
+    try:
+        flat_ids = np.fromstring(joined.replace(_TOKEN_KEY, ""), dtype=np.int64, sep=",") if keys else (
+            np.zeros(0, dtype=np.int64))  # fmt: skip
+        flat_values = np.array(list(chain.from_iterable(map(dict.values, top_raw))), dtype=np.float64)
+    except (ValueError, TypeError):
+        return None
+    if flat_ids.shape != (len(keys),) or flat_values.shape != (len(keys),):
+        return None
+    flat_values[flat_values <= _NEG_INF_WIRE] = -np.inf  # vLLM's -inf; null came in as NaN
+    width = int(counts.max(initial=0))
+    filled = np.arange(width) < counts[:, None]
+    ids = np.full((len(top_raw), width), -1, dtype=np.int64)
+    values = np.full((len(top_raw), width), -np.inf, dtype=np.float64)
+    ids[filled] = flat_ids
+    ordered = np.sort(ids, axis=1)
+    if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any():
+        return None  # two spellings of one id ("token_id:7", "token_id:07"): the per-key path names them
+    values[filled] = flat_values
+    return TopLogprobs(ids, values, counts)
+
+
 def _spans(choice: Mapping[str, Any]) -> list[VersionSpan]:
     """``weight_versions`` (null on vLLM's completions unless ``return_weight_versions`` was sent)."""
     return [VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
@@ -156,7 +243,10 @@ def parse_completion_choice(choice: Mapping[str, Any], request_id: str | None = 
     if token_ids is None:  # a server that ignores return_token_ids: recover ids from the token strings
         token_ids = [_token_id_key(t) for t in lp.get("tokens") or []]
     top_raw = lp.get("top_logprobs")
-    top = None if top_raw is None else _completion_tops(top_raw)
+    top: Sequence[dict[int, float]] | None = None
+    if top_raw is not None:
+        arrays = _completion_top_arrays(top_raw)
+        top = arrays if arrays is not None else _completion_tops(top_raw)
     return GenerationResult(
         token_ids=list(map(int, token_ids)),
         logprobs=_lps(lp.get("token_logprobs") or []),
