@@ -18,6 +18,9 @@ try:
     if os.environ.get("ASYNCGRPO_JSON", "").lower() == "stdlib":
         raise ImportError("ASYNCGRPO_JSON=stdlib")
     import orjson
+
+    if not hasattr(orjson, "Fragment"):  # before 3.9: no way to splice pre-encoded text
+        raise ImportError("orjson < 3.9")
 except ImportError:
     orjson = None  # type: ignore[assignment]
 
