@@ -285,3 +285,95 @@ def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(alive, pids)), f"helpers {pids} outlived their server"
+
+
+def _float32_output(seed: int, n_tokens: int, k: int) -> RequestOutput:
+    """Like the engine's: every log-prob a float32 value (some short ones: 0.0, -0.5, a denormal)."""
+    out = _output(random.Random(seed), n_tokens, k)
+    f32 = [float(np.float32(v)) for v in out.logprobs]
+    f32[:3] = [0.0, -0.5, -float(np.float32(1e-45))]
+    tops = [[(t, float(np.float32(v))) for t, v in top] for top in out.top_logprobs]
+    return RequestOutput("r", [1, 2, 3], out.token_ids, f32, "length", None, tops)
+
+
+@pytest.mark.parametrize("library", ["orjson", "stdlib"])
+def test_float32_log_probs_go_out_short_and_read_back_as_the_same_float32(library, monkeypatch):
+    """The engine's float32 values: fewer bytes than 17 digits, and each reads back (as float32) bit for bit;
+    with orjson its shortest float32 digits, without it C's 9 significant digits (FLT_DECIMAL_DIG)."""
+    from asyncgrpo import json_codec
+
+    if library == "orjson" and json_codec.orjson is None:
+        pytest.skip("orjson is not installed")
+    if library == "stdlib":
+        monkeypatch.setattr(json_codec, "orjson", None)
+    out = _float32_output(7, 60, 8)
+    parsed = ParsedCompletion("c", "m", None, [1, 2, 3], [], 8, return_token_ids=True, return_tokens_as_token_ids=True)
+    wire = encode_json(completion_response(parsed, [out], lambda ids: ""))
+    body = json.loads(wire)
+    (choice,) = body["choices"]
+    ref = _reference_completion_logprobs(out)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ref["tokens"] and lp["text_offset"] == ref["text_offset"]
+    assert np.float32(lp["token_logprobs"]).tolist() == out.logprobs  # bit for bit at float32
+    for got, want in zip(lp["top_logprobs"], ref["top_logprobs"]):
+        assert list(got) == list(want) and np.float32(list(got.values())).tolist() == list(want.values())
+    doubles = completion_response(parsed, [_output(random.Random(7), 60, 8)], lambda ids: "")  # not float32
+    assert len(wire) < 0.85 * len(encode_json(doubles))
+    if library == "orjson":  # shortest: 0.0 and -0.5 need no padding digits
+        assert lp["token_logprobs"][:2] == [0.0, -0.5] and b'"token_logprobs":[0.0,-0.5,' in wire
+    gen = json.loads(encode_json(generate_response(ParsedRequest("g", "m", None, [1], [], 8), [out])))
+    content = gen["choices"][0]["logprobs"]["content"]
+    assert np.float32([e["logprob"] for e in content]).tolist() == out.logprobs
+    assert [e["rank"] for e in content] == [e["rank"] for e in _reference_generate_content(out)]
+
+
+def test_array_backed_top_logprobs_read_like_dicts_and_fall_back_on_odd_rows():
+    """TopLogprobs: indexing, slicing, iteration and == as the list of dicts; null rows or odd keys take the
+    per-key path (which names a bad key), and two spellings of one id are refused."""
+    from asyncgrpo.client.errors import ServerError
+    from asyncgrpo.client.results import TopLogprobs
+
+    rows = [{"token_id:7": -0.25, "token_id:1": -2.0, "token_id:3": -9999.0}, {}, {"token_id:4": None}]
+    choice = {"token_ids": [7, 5, 4], "finish_reason": "length",
+              "logprobs": {"token_logprobs": [-0.25, -1.0, -3.0], "top_logprobs": rows}}  # fmt: skip
+    top = parse_completion_choice(choice).top_logprobs
+    assert isinstance(top, TopLogprobs) and len(top) == 3
+    assert top[0] == {7: -0.25, 1: -2.0, 3: -math.inf} and top[1] == {} and top[-2:][0] == {}
+    assert math.isnan(top[2][4]) and list(top)[:2] == [top[0], {}] and top[:1] == [top[0]]
+    ids, values = top.best(2)
+    assert ids.tolist() == [[7, 1], [-1, -1], [4, -1]] and values[0].tolist() == [-0.25, -2.0]
+    choice["logprobs"]["top_logprobs"] = [rows[0], None, rows[2]]  # vLLM writes null for a position without
+    slow = parse_completion_choice(choice).top_logprobs
+    assert not isinstance(slow, TopLogprobs) and slow[:2] == [top[0], {}] and math.isnan(slow[2][4])
+    choice["logprobs"]["top_logprobs"] = [{"token_id:7": -0.1, "token_id:07": -0.1}, {}, {}]
+    with pytest.raises(ServerError, match="name one token id twice"):
+        parse_completion_choice(choice)
+    choice["logprobs"]["top_logprobs"] = [{"token_id:7x": -0.1}, {}, {}]
+    with pytest.raises(ValueError):
+        parse_completion_choice(choice)
+
+
+def test_validate_checks_top_n_arrays_and_names_the_position():
+    """[L, K] top-N arrays (padding: id -1 with log-prob -inf) pass validate; a bad value names its position,
+    padding that disagrees between ids and log-probs is refused, and so is a shape that does not match."""
+    from asyncgrpo.types import TrainingSequence
+
+    ids = np.array([[-1, -1], [-1, -1], [2, 3], [4, -1]])
+    lps = np.array([[-np.inf, -np.inf], [-np.inf, -np.inf], [-0.1, -0.5], [-1.0, -np.inf]], dtype=np.float32)
+
+    def seq(i=ids, lp=lps):
+        return TrainingSequence(input_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], sampler_logprobs=[0.0, 0.0, -0.5, -1.0],
+                                advantage=1.0, model_version=0, group_id=0, row_index=0, sampler_top_ids=i,
+                                sampler_top_logprobs=lp)  # fmt: skip
+
+    seq().validate()
+    bad = lps.copy()
+    bad[3, 0] = 0.5
+    with pytest.raises(ValueError, match=r"sampler_top_logprobs\[3\] holds a value"):
+        seq(lp=bad).validate()
+    bad = lps.copy()
+    bad[3, 1] = -2.0  # a value under padding id -1
+    with pytest.raises(ValueError, match="id -1 exactly where the log-prob is -inf"):
+        seq(lp=bad).validate()
+    with pytest.raises(ValueError, match="sampler_top_ids has 3 entries"):
+        seq(i=ids[:3]).validate()

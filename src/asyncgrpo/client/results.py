@@ -191,7 +191,8 @@ class TopLogprobs(Sequence[dict[int, float]]):
         """Each row's ``n`` best entries, best first (ties keep the answer's order): ``[L, n]`` ids and log-probs,
         padded with -1 / -inf where a row has fewer."""
         L, W = self.ids.shape
-        order = np.argsort(-self.values, axis=1, kind="stable")[:, :n]
+        padding = np.arange(W) >= self.counts[:, None]  # after every real entry, whatever its value (even NaN)
+        order = np.lexsort((-self.values, padding), axis=1)[:, :n]  # stable: ties keep the answer's order
         ids = np.take_along_axis(self.ids, order, axis=1)
         values = np.take_along_axis(self.values, order, axis=1)
         if W < n:
