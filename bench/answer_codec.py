@@ -7,6 +7,8 @@ answers of the B5 shape (``--requests`` answers of ``--tokens`` tokens, top-``--
 float32 values as the engine computes them, the sampled token in its top-N half of the time) and prints
 microseconds per generated token:
 
+- ``pool_send``: what the server's event loop pays to hand an answer to a helper process (``--answer-workers``:
+  packing and pickling the engine's outputs); ``pool_helper``: the helper's unpickle + build + encode;
 - ``build``: ``completion_response`` (``/v1/completions``, the worker's endpoint) or ``generate_response``;
 - ``encode``: ``encode_json`` of that body (bytes on the wire, also reported);
 - ``parse``: the client's JSON decode (``json_codec.loads``) plus ``parse_*_choice``;
@@ -32,7 +34,7 @@ import numpy as np
 
 from asyncgrpo.client import results as client_results
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
-from asyncgrpo.server import wire_json
+from asyncgrpo.server import answer_pool, wire_json
 from asyncgrpo.server.http_protocol import (
     ParsedCompletion,
     ParsedRequest,
@@ -100,6 +102,13 @@ def measure(endpoint: str, outs: list[RequestOutput], k: int, repeats: int) -> d
         parse_choice = client_results.parse_generate_choice
 
     t_build, bodies = _timed(lambda: [build_one(o) for o in outs], repeats)
+    pack = getattr(answer_pool, "packed_outputs", lambda outputs: outputs)  # absent before the packed hand-off
+    t_send, sent = _timed(lambda: [pickle.dumps(pack([o]), protocol=pickle.HIGHEST_PROTOCOL) for o in outs], repeats)
+
+    def helper() -> list[bytes]:
+        return [encode_json(build_one(pickle.loads(p)[0])) for p in sent]
+
+    t_helper, _ = _timed(helper, repeats)
     t_encode, wire = _timed(lambda: [encode_json(b) for b in bodies], repeats)
 
     def parse() -> list[Any]:
@@ -123,11 +132,13 @@ def measure(endpoint: str, outs: list[RequestOutput], k: int, repeats: int) -> d
     n = sum(len(o.token_ids) for o in outs)
     us = 1e6 / n
     return {
+        "pool_send_us_per_token": t_send * us,
+        "pool_helper_us_per_token": t_helper * us,
         "build_us_per_token": t_build * us,
         "encode_us_per_token": t_encode * us,
         "parse_us_per_token": t_parse * us,
         "worker_us_per_token": t_worker * us,
-        "total_us_per_token": (t_build + t_encode + t_parse + t_worker) * us,
+        "total_us_per_token": (t_build + t_encode + t_parse + t_worker) * us,  # inline build (no helpers)
         "wire_bytes_per_token": sum(map(len, wire)) / n,
         "pickled_bytes_per_token": pickled / n,
     }

@@ -377,3 +377,21 @@ def test_validate_checks_top_n_arrays_and_names_the_position():
         seq(lp=bad).validate()
     with pytest.raises(ValueError, match="sampler_top_ids has 3 entries"):
         seq(i=ids[:3]).validate()
+
+
+def test_packed_top_reads_like_the_pairs_it_packs_and_pickles_small():
+    """What the server hands an answer helper: the same pairs (ids exact), a fraction of the pickle."""
+    import pickle
+
+    from asyncgrpo.server.packed_top import PackedTop
+
+    top = _float32_output(2, 50, 8).top_logprobs
+    top[3] = []  # a position without entries
+    packed = PackedTop.pack(top)
+    assert len(packed) == 50 and packed == top and list(packed) == top
+    assert packed[3] == [] and packed[-1] == top[-1] and packed[10:12] == top[10:12]
+    with pytest.raises(IndexError):
+        packed[50]
+    again = pickle.loads(pickle.dumps(packed))
+    assert again == top and PackedTop.pack(again) is again
+    assert len(pickle.dumps(packed)) < 0.5 * len(pickle.dumps(top))

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from asyncgrpo import json_codec
+from asyncgrpo.server.packed_top import PackedTop
 
 TOKEN_KEY = "token_id:"  # vLLM's top_logprobs key with return_tokens_as_token_ids
 # 17 significant digits read back as the same double; '#' keeps the decimal point (1.0 stays a float, not 1).
@@ -43,7 +44,7 @@ FLOAT_STYLE = "shortest float32 (orjson)" if json_codec.orjson is not None else 
 _first = itemgetter(0)
 
 
-def _numbers(values: list[float]) -> tuple[str, Sequence[Any]] | None:
+def _numbers(values: list[float] | np.ndarray) -> tuple[str, list[Any]] | None:
     """How ``values`` go into a template: its ``%`` slot and the arguments, or None when one is not finite."""
     arr = np.asarray(values, dtype=np.float64)
     if not np.isfinite(arr).all():
@@ -51,9 +52,9 @@ def _numbers(values: list[float]) -> tuple[str, Sequence[Any]] | None:
     with np.errstate(over="ignore"):
         f32 = arr.astype(np.float32)
     if not np.array_equal(f32, arr):  # not the engine's float32 values: keep every bit of the doubles
-        return FLOAT, values
+        return FLOAT, arr.tolist()
     texts = json_codec.float32_texts(f32)
-    return (FLOAT32, values) if texts is None else (TEXT, texts)
+    return (FLOAT32, arr.tolist()) if texts is None else (TEXT, texts)
 
 
 def float_list_json(values: Sequence[float]) -> str | None:
@@ -79,17 +80,18 @@ def _ranked_template(n: int, slot: str) -> str:
 
 def _split(
     logprobs: Sequence[float], top: Sequence[Sequence[tuple[int, float]]] | None
-) -> tuple[str, Sequence[Any], list[Any], list[int]] | None:
-    """(slot, sampled log-prob args, top entries as flat ``id, value`` args, entries per position), or None."""
-    tops = top if top is not None else [()] * len(logprobs)
-    flat = list(chain.from_iterable(chain.from_iterable(tops)))  # id, value, id, value, ...
+) -> tuple[str, list[Any], list[Any], list[float], list[int]] | None:
+    """(slot, sampled log-prob args, top entries as flat ``id, value`` args, the entries' values, entries per
+    position), or None when a value is not finite."""
+    packed = PackedTop.pack(top if top is not None else [()] * len(logprobs))
     n = len(logprobs)
-    numbers = _numbers(list(logprobs) + flat[1::2])
+    numbers = _numbers(np.concatenate([np.asarray(logprobs, dtype=np.float64), packed.values]))
     if numbers is None:
         return None
     slot, args = numbers
-    flat[1::2] = args[n:]
-    return slot, args[:n], flat, list(map(len, tops))
+    flat: list[Any] = [None] * (2 * len(packed.ids))
+    flat[0::2], flat[1::2] = packed.ids.tolist(), args[n:]
+    return slot, args[:n], flat, packed.values.tolist(), packed.counts.tolist()
 
 
 def completion_logprobs_json(
@@ -99,31 +101,38 @@ def completion_logprobs_json(
 
     Same content as the dict path: ``tokens`` are ``"token_id:<id>"``, ``text_offset`` their running
     lengths, each ``top_logprobs`` entry lists the top-N in order and then the sampled token when it
-    is not among them. One format string and one argument tuple for the whole sequence.
+    is not among them. The arguments are laid out with whole-array numpy passes (no loop over
+    positions) and go through one format string.
     """
-    split = _split(logprobs, top)
-    if split is None:
+    L = len(token_ids)
+    packed = PackedTop.pack(top if top is not None else [()] * L)
+    numbers = _numbers(np.concatenate([np.asarray(logprobs, dtype=np.float64), packed.values]))
+    if numbers is None:
         return None
-    slot, sampled, flat, counts = split
+    slot, args = numbers
+    sampled, entry_values = np.array(args[:L], dtype=object), np.array(args[L:], dtype=object)
+    tok = np.asarray(token_ids, dtype=np.int64)
+    counts = packed.counts
+    row = np.repeat(np.arange(L), counts)  # the position of each top entry
+    extra = np.bincount(row[packed.ids == tok[row]], minlength=L) == 0  # sampled token not listed: append it
+    before = np.cumsum(extra) - extra  # appended pairs ahead of each position
+    size = len(packed.ids) + int(extra.sum())
+    ids_out, values_out = np.empty(size, dtype=object), np.empty(size, dtype=object)
+    at = np.arange(len(packed.ids)) + before[row]
+    ids_out[at], values_out[at] = packed.ids.astype(object), entry_values
+    at = (np.cumsum(counts) + before)[extra]
+    ids_out[at], values_out[at] = tok[extra].astype(object), sampled[extra]
+    pairs = np.empty(2 * size, dtype=object)
+    pairs[0::2], pairs[1::2] = ids_out, values_out
+    sizes = (counts + extra).tolist()
+    templates = {n: _completion_template(n, slot) for n in set(sizes)}
     tokens = [TOKEN_KEY + str(t) for t in token_ids]
     offsets = list(accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
-    templates: list[str] = []
-    args: list[Any] = []
-    pos = 0
-    for tok, lp, k in zip(token_ids, sampled, counts):
-        entry_args = flat[pos : pos + 2 * k]
-        pos += 2 * k
-        args += entry_args
-        if tok in entry_args[0::2]:
-            templates.append(_completion_template(k, slot))
-        else:  # the sampled token is always listed (vLLM)
-            templates.append(_completion_template(k + 1, slot))
-            args += (tok, lp)
     return (
         '{"text_offset":' + json.dumps(offsets, separators=(",", ":"))
-        + ',"token_logprobs":[' + ",".join([slot] * len(sampled)) % tuple(sampled)
+        + ',"token_logprobs":[' + ",".join([slot] * L) % tuple(sampled.tolist())
         + '],"tokens":' + json.dumps(tokens, separators=(",", ":"))
-        + ',"top_logprobs":[' + ",".join(templates) % tuple(args) + "]}"
+        + ',"top_logprobs":[' + ",".join(map(templates.__getitem__, sizes)) % tuple(pairs.tolist()) + "]}"
     )  # fmt: skip
 
 
@@ -138,19 +147,18 @@ def generate_content_json(
     split = _split(logprobs, top)
     if split is None:
         return None
-    slot, sampled, flat, counts = split
-    tops = top if top is not None else [()] * len(token_ids)
+    slot, sampled, flat, values, counts = split
     templates: list[str] = []
     args: list[Any] = []
     pos = 0
-    for tok, lp, lp_value, k, entries in zip(token_ids, sampled, logprobs, counts, tops):
-        ids = flat[pos : pos + 2 * k : 2]
-        texts = flat[pos + 1 : pos + 2 * k : 2]
-        pos += 2 * k
+    for tok, lp, lp_value, k in zip(token_ids, sampled, logprobs, counts):
+        ids = flat[2 * pos : 2 * (pos + k) : 2]
+        texts = flat[2 * pos + 1 : 2 * (pos + k) : 2]
         if tok in ids:
             rank = ids.index(tok) + 1
         else:
-            rank = 1 + sum(1 for _, v in entries if v > lp_value)
+            rank = 1 + sum(1 for v in values[pos : pos + k] if v > lp_value)
+        pos += k
         args += (tok, lp, rank, tok, lp, rank)
         args += chain.from_iterable(zip(ids, texts, range(1, k + 1)))
         templates.append(_ranked_template(k, slot))
