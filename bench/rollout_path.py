@@ -356,7 +356,9 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
                     break
                 groups += 1
                 trained_tokens += sum(sum(s.loss_mask) for s in sample.sequences)
-                first_s = first_s if first_s is not None else time.perf_counter() - t0
+                if first_s is None:  # G3: until the first group is scored, groups start one at a time
+                    first_s = time.perf_counter() - t0
+                    at_first = asyncio.run(_stages_once(base_url))  # the engine's work on group 0 (alone)
             seconds = time.perf_counter() - t0
         finally:
             worker.stop()
@@ -370,9 +372,18 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
         first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
         row["first_group_s"] = first_s
         row["steady_generated_tok_per_s"] = (tokens - first_group_tokens) / max(seconds - first_s, 1e-9)
+        row["phases"] = {"first_group": _phase(_server_delta(before, at_first), first_s),
+                         "after_first_group": _phase(_server_delta(at_first, after), seconds - first_s)}  # fmt: skip
         row["trained_tokens_queued"] = trained_tokens
         results[name] = row
     return results
+
+
+def _phase(stages: dict[str, float], seconds: float) -> dict[str, float]:
+    """Decode steps, engine seconds and the engine's busy share of one phase of the worker run."""
+    busy = stages.get("decode_s", 0.0) + stages.get("prefill_s", 0.0)
+    return {"seconds": seconds, "decode_steps": stages.get("decode_steps", 0), "engine_s": busy,
+            "engine_busy_frac": busy / max(seconds, 1e-9)}  # fmt: skip
 
 
 async def _stages_once(base_url: str) -> dict[str, Any]:
@@ -540,6 +551,9 @@ def _report(results: dict[str, Any]) -> None:
                 derived = ", ".join(f"{k}={x:.3f}" for k, x in row["derived"].items())
                 print(f"{v:11} {row['generated_tokens']:>8} tok {row['seconds']:>8.2f} s "
                       f"{row['generated_tok_per_s']:>10.0f} tok/s   {stages}; {derived}")  # fmt: skip
+                for phase, p in row.get("phases", {}).items():
+                    print(f"  {phase:17} {p['seconds']:.3f} s, {p['decode_steps']} decode steps, engine busy "
+                          f"{p['engine_busy_frac']:.2f}")  # fmt: skip
         print(f"ratios: {results['ratios'].get(shape)}")
 
 
