@@ -114,6 +114,10 @@ def test_generate_content_matches_vllm_nesting(k):
         assert choice["logprobs"]["content"] == _reference_generate_content(out)
         parsed = parse_generate_choice(choice)
         assert parsed.logprobs == out.logprobs and parsed.token_ids == out.token_ids
+        # array-backed like the completions parse; the sampled token's repeat among the ranked ones counted once
+        assert parsed.top_logprobs == [dict([(tok, lp), *top]) for tok, lp, top in
+                                       zip(out.token_ids, out.logprobs, out.top_logprobs)]  # fmt: skip
+        assert type(parsed.top_logprobs).__name__ == "TopLogprobs"
 
 
 def test_non_finite_logprobs_go_out_as_vllm_numbers():

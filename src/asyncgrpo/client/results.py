@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -93,24 +94,28 @@ def parse_generate_choice(choice: Mapping[str, Any], request_id: str | None = No
     token_ids = list(map(int, choice.get("token_ids") or []))
     content = (choice.get("logprobs") or {}).get("content") or []
     logprobs = _lps([e.get("logprob") for e in content])
-    top = None
+    top: Sequence[dict[int, float]] | None = None
     if content and any(e.get("top_logprobs") is not None for e in content):
-        top = [
-            {
-                int(t["token_id"]): v if type(v := t["logprob"]) is float and v > _NEG_INF_WIRE else _lp(v)
-                for t in e.get("top_logprobs") or []
-            }
-            for e in content
-        ]
+        top = _generate_top_arrays(content)
+        if top is None:
+            top = [
+                {
+                    int(t["token_id"]): v if type(v := t["logprob"]) is float and v > _NEG_INF_WIRE else _lp(v)
+                    for t in e.get("top_logprobs") or []
+                }
+                for e in content
+            ]
     spans = _spans(choice)
     mask = choice.get("sampling_mask")
+    if mask is not None and not set(map(type, chain.from_iterable(mask))) <= {int}:
+        mask = [[int(t) for t in row] for row in mask]  # e.g. 5.0 from some writer; JSON integers need no copy
     return GenerationResult(
         token_ids=token_ids,
         logprobs=logprobs,
         finish_reason=str(choice.get("finish_reason")),
         stop_reason=choice.get("stop_reason"),
         top_logprobs=top,
-        sampling_mask=[[int(t) for t in row] for row in mask] if mask is not None else None,
+        sampling_mask=mask,
         weight_versions=spans,
         request_id=request_id,
     )
@@ -201,9 +206,32 @@ class TopLogprobs(Sequence[dict[int, float]]):
         return ids, values
 
 
+def _top_arrays(counts: np.ndarray, flat_ids: np.ndarray, flat_values: Any) -> TopLogprobs | None:
+    """Lay per-position entries (row-major, ``counts`` per position) out as :class:`TopLogprobs`; None when a
+    row names one id twice (the per-entry path decides what that means)."""
+    try:
+        flat_values = np.array(flat_values, dtype=np.float64)
+    except (ValueError, TypeError):
+        return None
+    if flat_ids.shape != (int(counts.sum()),) or flat_values.shape != flat_ids.shape:
+        return None
+    flat_values[flat_values <= _NEG_INF_WIRE] = -np.inf  # vLLM's -inf; null came in as NaN
+    width = int(counts.max(initial=0))
+    filled = np.arange(width) < counts[:, None]
+    ids = np.full((len(counts), width), -1, dtype=np.int64)
+    values = np.full((len(counts), width), -np.inf, dtype=np.float64)
+    ids[filled] = flat_ids
+    ordered = np.sort(ids, axis=1)
+    if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any():
+        return None
+    values[filled] = flat_values
+    return TopLogprobs(ids, values, counts)
+
+
 def _completion_top_arrays(top_raw: list[Any]) -> TopLogprobs | None:
-    """:class:`TopLogprobs` of well-formed ``{"token_id:<id>": logprob}`` rows in whole-array passes (C), or None
-    for anything unusual (a null row, a key without the prefix), which the per-key path reads or names."""
+    """:class:`TopLogprobs` of well-formed ``{"token_id:<id>": logprob}`` rows in whole-list passes (C), or None
+    for anything unusual (a null row, a key without the prefix, two spellings of one id), which the per-key path
+    reads or names."""
     if not all(type(d) is dict for d in top_raw):
         return None
     counts = np.fromiter(map(len, top_raw), dtype=np.int64, count=len(top_raw))
@@ -214,22 +242,37 @@ def _completion_top_arrays(top_raw: list[Any]) -> TopLogprobs | None:
     try:
         flat_ids = np.fromstring(joined.replace(_TOKEN_KEY, ""), dtype=np.int64, sep=",") if keys else (
             np.zeros(0, dtype=np.int64))  # fmt: skip
-        flat_values = np.array(list(chain.from_iterable(map(dict.values, top_raw))), dtype=np.float64)
-    except (ValueError, TypeError):
+    except ValueError:
         return None
-    if flat_ids.shape != (len(keys),) or flat_values.shape != (len(keys),):
+    return _top_arrays(counts, flat_ids, list(chain.from_iterable(map(dict.values, top_raw))))
+
+
+def _generate_top_arrays(content: list[Any]) -> TopLogprobs | None:
+    """:class:`TopLogprobs` of ``/inference/v1/generate`` entries (``top_logprobs`` = [sampled, ranked top-N]):
+    the sampled token's repeat among the ranked ones is dropped, as the per-entry dicts do. None for anything
+    unusual (a missing field, an id that is not an integer), which the per-entry path reads or names."""
+    try:
+        rows = [e.get("top_logprobs") or [] for e in content]
+        flat = list(chain.from_iterable(rows))
+        id_list, values = list(map(_get_token_id, flat)), list(map(_get_logprob, flat))
+        if not set(map(type, id_list)) <= {int}:
+            return None
+        ids = np.array(id_list, dtype=np.int64)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
         return None
-    flat_values[flat_values <= _NEG_INF_WIRE] = -np.inf  # vLLM's -inf; null came in as NaN
-    width = int(counts.max(initial=0))
-    filled = np.arange(width) < counts[:, None]
-    ids = np.full((len(top_raw), width), -1, dtype=np.int64)
-    values = np.full((len(top_raw), width), -np.inf, dtype=np.float64)
-    ids[filled] = flat_ids
-    ordered = np.sort(ids, axis=1)
-    if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any():
-        return None  # two spellings of one id ("token_id:7", "token_id:07"): the per-key path names them
-    values[filled] = flat_values
-    return TopLogprobs(ids, values, counts)
+    counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    starts = np.cumsum(counts) - counts
+    row = np.repeat(np.arange(len(rows)), counts)
+    first_id = np.where(counts > 0, ids[np.minimum(starts, max(len(ids) - 1, 0))], -1) if len(ids) else (
+        np.full(len(rows), -1))  # fmt: skip
+    later = np.arange(len(ids)) > starts[row]
+    repeat = later & (ids == first_id[row])  # the sampled entry again, at its rank
+    keep = ~repeat
+    return _top_arrays(np.bincount(row[keep], minlength=len(rows)).astype(np.int64), ids[keep],
+                       np.asarray(values, dtype=object)[keep].tolist())  # fmt: skip
+
+
+_get_token_id, _get_logprob = itemgetter("token_id"), itemgetter("logprob")
 
 
 def _spans(choice: Mapping[str, Any]) -> list[VersionSpan]:
