@@ -310,11 +310,15 @@ def test_float32_log_probs_go_out_short_and_read_back_as_the_same_float32(librar
         pytest.skip("orjson is not installed")
     if library == "stdlib":
         monkeypatch.setattr(json_codec, "orjson", None)
-    out = _float32_output(7, 60, 8)
+    out, short = _float32_output(7, 60, 8), _float32_output(8, 5, 8)  # numpy path / short-answer loop path
     parsed = ParsedCompletion("c", "m", None, [1, 2, 3], [], 8, return_token_ids=True, return_tokens_as_token_ids=True)
     wire = encode_json(completion_response(parsed, [out], lambda ids: ""))
     body = json.loads(wire)
     (choice,) = body["choices"]
+    (small,) = json.loads(encode_json(completion_response(parsed, [short], lambda ids: "")))["choices"]
+    assert np.float32(small["logprobs"]["token_logprobs"]).tolist() == short.logprobs
+    assert [{k: float(np.float32(v)) for k, v in d.items()} for d in small["logprobs"]["top_logprobs"]] == (
+        _reference_completion_logprobs(short)["top_logprobs"])  # fmt: skip
     ref = _reference_completion_logprobs(out)
     lp = choice["logprobs"]
     assert lp["tokens"] == ref["tokens"] and lp["text_offset"] == ref["text_offset"]

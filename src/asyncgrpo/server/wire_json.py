@@ -9,7 +9,8 @@ the dict path produces, so the wire format stays vLLM 0.33's.
 
 Numbers: the engine computes log-probs in float32. When every value of an answer is a float32 value
 (always, for the engine's answers) it is written with the fewest digits that read back as the same
-float32 (orjson's float32 writer; without orjson, 9 significant digits, which also read back exactly):
+float32 (orjson's float32 writer; without orjson, and in answers shorter than ``SMALL_ANSWER`` positions,
+9 significant digits, which also read back exactly):
 about half the bytes of a double's 17 digits and a quarter of the formatting time. A reader that
 keeps doubles sees the decimal's nearest double; converted to float32, as the trainer does, it is the
 engine's value bit for bit. Other doubles (not float32) keep 17 significant digits and read back as
@@ -22,8 +23,10 @@ them to vLLM's ``-9999.0`` / ``null``; these functions return None for them.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
+from array import array
 from collections.abc import Sequence
 from functools import lru_cache
 from itertools import accumulate, chain
@@ -40,6 +43,7 @@ TOKEN_KEY = "token_id:"  # vLLM's top_logprobs key with return_tokens_as_token_i
 FLOAT = "%#.17g"
 FLOAT32 = "%#.9g"  # 9 significant digits read back as the same float32 (FLT_DECIMAL_DIG)
 TEXT = "%s"  # a number already written as text (float32_texts)
+SMALL_ANSWER = 32  # positions: shorter answers are built by a Python loop (numpy's fixed cost would dominate)
 FLOAT_STYLE = "shortest float32 (orjson)" if json_codec.orjson is not None else "9 significant digits (float32)"
 _first = itemgetter(0)
 
@@ -55,6 +59,17 @@ def _numbers(values: list[float] | np.ndarray) -> tuple[str, list[Any]] | None:
         return FLOAT, arr.tolist()
     texts = json_codec.float32_texts(f32)
     return (FLOAT32, arr.tolist()) if texts is None else (TEXT, texts)
+
+
+def _numbers_small(values: list[float]) -> tuple[str, list[Any]] | None:
+    """:func:`_numbers` for a short answer without numpy's fixed cost: 9 significant digits for float32 values."""
+    if not all(map(math.isfinite, values)):
+        return None
+    try:
+        exact = array("f", values).tolist() == values
+    except OverflowError:  # beyond float32's range: a double
+        exact = False
+    return (FLOAT32 if exact else FLOAT), values
 
 
 def float_list_json(values: Sequence[float]) -> str | None:
@@ -83,15 +98,43 @@ def _split(
 ) -> tuple[str, list[Any], list[Any], list[float], list[int]] | None:
     """(slot, sampled log-prob args, top entries as flat ``id, value`` args, the entries' values, entries per
     position), or None when a value is not finite."""
-    packed = PackedTop.pack(top if top is not None else [()] * len(logprobs))
     n = len(logprobs)
+    if n < SMALL_ANSWER and not isinstance(top, PackedTop):
+        tops = top if top is not None else [()] * n
+        flat = list(chain.from_iterable(chain.from_iterable(tops)))  # id, value, id, value, ...
+        values = flat[1::2]
+        small = _numbers_small(list(logprobs) + values)
+        if small is None:
+            return None
+        slot, args = small
+        flat[1::2] = args[n:]
+        return slot, args[:n], flat, values, list(map(len, tops))
+    packed = PackedTop.pack(top if top is not None else [()] * n)
     numbers = _numbers(np.concatenate([np.asarray(logprobs, dtype=np.float64), packed.values]))
     if numbers is None:
         return None
     slot, args = numbers
-    flat: list[Any] = [None] * (2 * len(packed.ids))
+    flat = [None] * (2 * len(packed.ids))
     flat[0::2], flat[1::2] = packed.ids.tolist(), args[n:]
     return slot, args[:n], flat, packed.values.tolist(), packed.counts.tolist()
+
+
+def _completion_small(token_ids: Sequence[int], split: tuple[str, list[Any], list[Any], list[float], list[int]]) -> str:
+    """The ``top_logprobs`` text of a short answer: one loop over positions (cheaper than numpy's fixed cost)."""
+    slot, sampled, flat, _, counts = split
+    templates: list[str] = []
+    args: list[Any] = []
+    pos = 0
+    for tok, lp, k in zip(token_ids, sampled, counts):
+        entry_args = flat[pos : pos + 2 * k]
+        pos += 2 * k
+        args += entry_args
+        if tok in entry_args[0::2]:
+            templates.append(_completion_template(k, slot))
+        else:  # the sampled token is always listed (vLLM)
+            templates.append(_completion_template(k + 1, slot))
+            args += (tok, lp)
+    return ",".join(templates) % tuple(args)
 
 
 def completion_logprobs_json(
@@ -105,6 +148,17 @@ def completion_logprobs_json(
     positions) and go through one format string.
     """
     L = len(token_ids)
+    tokens = [TOKEN_KEY + str(t) for t in token_ids]
+    offsets = list(accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
+    head = '{"text_offset":' + json.dumps(offsets, separators=(",", ":"))
+    middle = '],"tokens":' + json.dumps(tokens, separators=(",", ":")) + ',"top_logprobs":['
+    if L < SMALL_ANSWER and not isinstance(top, PackedTop):
+        split = _split(logprobs, top)
+        if split is None:
+            return None
+        slot, sampled_args = split[0], split[1]
+        return (head + ',"token_logprobs":[' + ",".join([slot] * L) % tuple(sampled_args) + middle
+                + _completion_small(token_ids, split) + "]}")  # fmt: skip
     packed = PackedTop.pack(top if top is not None else [()] * L)
     numbers = _numbers(np.concatenate([np.asarray(logprobs, dtype=np.float64), packed.values]))
     if numbers is None:
@@ -126,14 +180,8 @@ def completion_logprobs_json(
     pairs[0::2], pairs[1::2] = ids_out, values_out
     sizes = (counts + extra).tolist()
     templates = {n: _completion_template(n, slot) for n in set(sizes)}
-    tokens = [TOKEN_KEY + str(t) for t in token_ids]
-    offsets = list(accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
-    return (
-        '{"text_offset":' + json.dumps(offsets, separators=(",", ":"))
-        + ',"token_logprobs":[' + ",".join([slot] * L) % tuple(sampled.tolist())
-        + '],"tokens":' + json.dumps(tokens, separators=(",", ":"))
-        + ',"top_logprobs":[' + ",".join(map(templates.__getitem__, sizes)) % tuple(pairs.tolist()) + "]}"
-    )  # fmt: skip
+    return (head + ',"token_logprobs":[' + ",".join([slot] * L) % tuple(sampled.tolist()) + middle
+            + ",".join(map(templates.__getitem__, sizes)) % tuple(pairs.tolist()) + "]}")  # fmt: skip
 
 
 def generate_content_json(
