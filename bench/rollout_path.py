@@ -451,6 +451,10 @@ def main() -> int:
     ap.add_argument("--variants", default="in_process,http,worker", help="comma list: in_process, http, worker")
     ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (in process, HTTP); the median")
+    ap.add_argument("--kv-cache-tokens", type=int, default=0,
+                    help="server KV cache (default: max_num_seqs x max_model_len). The worker's first concurrency cap "
+                         "is this / max_model_len (G5), so the default caps it at max_num_seqs: no queue on the server "
+                         "to refill a finished slot from, unlike the HTTP variant's all-at-once requests")  # fmt: skip
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -476,7 +480,7 @@ def main() -> int:
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16
     opts.max_num_seqs = 256 if not opts.tiny else 64
-    opts.kv_cache_tokens = opts.max_num_seqs * opts.max_model_len
+    opts.kv_cache_tokens = opts.kv_cache_tokens or opts.max_num_seqs * opts.max_model_len
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
