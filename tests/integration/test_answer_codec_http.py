@@ -1,7 +1,8 @@
 """The fast answer path on real server answers: orjson + float32-shortest numbers vs the standard library.
 
 Two ``asyncgrpo serve`` processes on one tiny model: one with the default JSON library (orjson when installed)
-and one forced to the standard library (``ASYNCGRPO_JSON=stdlib``, which writes 9 significant digits with C's
+and its engine in a process of its own (answers cross a pipe with their top-N packed into arrays), and one
+in-process engine forced to the standard library (``ASYNCGRPO_JSON=stdlib``, which writes 9 significant digits with C's
 printf instead of orjson's shortest float32 digits). The same seeded request to both must give the same tokens
 and, at float32 (the engine's precision), the same log-probs: two independent number writers agree. On the
 client, the array-backed parse (``TopLogprobs``) and the training arrays built from it must equal a reference
@@ -27,7 +28,7 @@ PROMPT = [1, 17, 42, 99, 7]
 
 @pytest.fixture(scope="module")
 def servers(serve, tiny_llama_dir):
-    fast = serve(tiny_llama_dir, "--max-model-len", "256")
+    fast = serve(tiny_llama_dir, "--max-model-len", "256", "--engine-process", "on")  # top-N packed across processes
     stdlib = serve(tiny_llama_dir, "--max-model-len", "256", env={"ASYNCGRPO_JSON": "stdlib"})
     return fast, stdlib
 

@@ -30,7 +30,7 @@ from asyncgrpo.server.http_protocol import (
     encode_json,
     generate_response,
 )
-from asyncgrpo.server.packed_top import PackedTop
+from asyncgrpo.server.packed_top import packed_output
 from asyncgrpo.server.request import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,7 @@ def _encode_completion(parsed: ParsedCompletion, outputs: list[RequestOutput], t
 def packed_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """The outputs as they travel to a helper: top-N pairs packed into arrays (``packed_top.py``), which pickle
     and unpickle as bytes instead of one tuple, int and float per entry."""
-    return [o if o.top_logprobs is None else dataclasses.replace(o, top_logprobs=PackedTop.pack(o.top_logprobs))
-            for o in outputs]  # fmt: skip
+    return list(map(packed_output, outputs))
 
 
 def _numbers(parsed: ParsedRequest, outputs: list[RequestOutput]) -> int:

@@ -1,18 +1,22 @@
-"""A sequence's top-N log-probs as three flat arrays, for the trip to an answer helper and the answer build.
+"""A sequence's top-N log-probs as three flat arrays, for the trips between processes and the answer build.
 
 The engine hands each finished sequence's top-N over as one ``[(id, log-prob), ...]`` list per position.
-Pickled as such to an answer helper (``answer_pool.py``), every pair is a tuple, an int and a float to write
-and to read back: ~4 us per token in the helper before any JSON is written. Three arrays (ids, log-probs,
-entries per position) pickle as bytes, and the completions writer (``wire_json.py``) works on them directly.
+Pickled as such (engine process -> API process, API process -> answer helper), every pair is a tuple, an int
+and a float to write and to read back: ~3 us per token to unpickle before any JSON is written. Three arrays
+(ids, log-probs, entries per position) pickle as bytes, and the completions writer (``wire_json.py``) works on
+them directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
 import numpy as np
+
+from asyncgrpo.server.request import RequestOutput
 
 
 class PackedTop(Sequence[list[tuple[int, float]]]):
@@ -59,3 +63,10 @@ class PackedTop(Sequence[list[tuple[int, float]]]):
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def packed_output(out: RequestOutput) -> RequestOutput:
+    """``out`` with its top-N packed (the form it travels in to another process); unchanged without top-N."""
+    if out.top_logprobs is None or isinstance(out.top_logprobs, PackedTop):
+        return out
+    return dataclasses.replace(out, top_logprobs=PackedTop.pack(out.top_logprobs))

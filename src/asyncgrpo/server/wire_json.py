@@ -99,8 +99,8 @@ def _split(
     """(slot, sampled log-prob args, top entries as flat ``id, value`` args, the entries' values, entries per
     position), or None when a value is not finite."""
     n = len(logprobs)
-    if n < SMALL_ANSWER and not isinstance(top, PackedTop):
-        tops = top if top is not None else [()] * n
+    if n < SMALL_ANSWER:
+        tops = list(top) if isinstance(top, PackedTop) else top if top is not None else [()] * n
         flat = list(chain.from_iterable(chain.from_iterable(tops)))  # id, value, id, value, ...
         values = flat[1::2]
         small = _numbers_small(list(logprobs) + values)
@@ -152,7 +152,7 @@ def completion_logprobs_json(
     offsets = list(accumulate(map(len, tokens[:-1]), initial=0)) if tokens else []
     head = '{"text_offset":' + json.dumps(offsets, separators=(",", ":"))
     middle = '],"tokens":' + json.dumps(tokens, separators=(",", ":")) + ',"top_logprobs":['
-    if L < SMALL_ANSWER and not isinstance(top, PackedTop):
+    if L < SMALL_ANSWER:
         split = _split(logprobs, top)
         if split is None:
             return None
