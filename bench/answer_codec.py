@@ -7,6 +7,8 @@ answers of the B5 shape (``--requests`` answers of ``--tokens`` tokens, top-``--
 float32 values as the engine computes them, the sampled token in its top-N half of the time) and prints
 microseconds per generated token:
 
+- ``pipe_send`` / ``pipe_recv``: an output's trip from the engine process to the API process (``--engine-process``,
+  auto on CUDA): the engine side's packing + pickle, the API side's unpickle (later stages start from its result);
 - ``pool_send``: what the server's event loop pays to hand an answer to a helper process (``--answer-workers``:
   packing and pickling the engine's outputs); ``pool_helper``: the helper's unpickle + build + encode;
 - ``build``: ``completion_response`` (``/v1/completions``, the worker's endpoint) or ``generate_response``;
@@ -45,6 +47,10 @@ from asyncgrpo.server.http_protocol import (
 from asyncgrpo.server.request import RequestOutput
 from asyncgrpo.types import Rollout, TurnRecord
 
+try:
+    from asyncgrpo.server.packed_top import packed_output
+except ImportError:  # before the packed hand-off
+    packed_output = None  # type: ignore[assignment]
 try:
     from asyncgrpo import json_codec
 
@@ -101,6 +107,11 @@ def measure(endpoint: str, outs: list[RequestOutput], k: int, repeats: int) -> d
 
         parse_choice = client_results.parse_generate_choice
 
+    # --engine-process (auto on CUDA): each finished output crosses a pipe to the API process first
+    ship = packed_output if packed_output is not None else (lambda o: o)
+    t_pipe_send, piped = _timed(lambda: [pickle.dumps(("finish", ship(o)), protocol=5) for o in outs], repeats)
+    t_pipe_recv, received = _timed(lambda: [pickle.loads(p)[1] for p in piped], repeats)
+    outs = received
     t_build, bodies = _timed(lambda: [build_one(o) for o in outs], repeats)
     pack = getattr(answer_pool, "packed_outputs", lambda outputs: outputs)  # absent before the packed hand-off
     t_send, sent = _timed(lambda: [pickle.dumps(pack([o]), protocol=pickle.HIGHEST_PROTOCOL) for o in outs], repeats)
@@ -132,6 +143,8 @@ def measure(endpoint: str, outs: list[RequestOutput], k: int, repeats: int) -> d
     n = sum(len(o.token_ids) for o in outs)
     us = 1e6 / n
     return {
+        "pipe_send_us_per_token": t_pipe_send * us,
+        "pipe_recv_us_per_token": t_pipe_recv * us,
         "pool_send_us_per_token": t_send * us,
         "pool_helper_us_per_token": t_helper * us,
         "build_us_per_token": t_build * us,
