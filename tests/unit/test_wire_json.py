@@ -408,15 +408,18 @@ def test_packed_top_reads_like_the_pairs_it_packs_and_pickles_small():
 def test_packed_outputs_give_the_same_answers_as_the_engines_lists():
     """What crosses a process boundary packed (engine process -> API, API -> helper) answers exactly like the
     engine's own per-position lists: short and long answers, and the dict path of non-finite log-probs."""
-    from asyncgrpo.server.packed_top import packed_output
+    import dataclasses
+
+    from asyncgrpo.server.packed_top import PackedTop, packed_output
 
     outs = [_float32_output(4, 60, 8), _float32_output(5, 6, 8), _output(random.Random(6), 40, 8),
             RequestOutput("r", [1], [5, 6], [-math.inf, -0.5], "length", None, [[(5, -math.inf)], [(7, math.nan)]])]  # fmt: skip
     completion = ParsedCompletion("c", "m", None, [1], [], 8, return_token_ids=True, return_tokens_as_token_ids=True)
     generate = ParsedRequest("g", "m", None, [1], [], 8)
     for outputs in ([o] for o in outs):
-        packed = [packed_output(o) for o in outputs]
-        assert type(packed[0].top_logprobs).__name__ == "PackedTop"
+        shipped = packed_output(outputs[0])  # what the engine process sends: packed from 256 entries on
+        assert isinstance(shipped.top_logprobs, PackedTop) == (sum(map(len, outputs[0].top_logprobs)) >= 256)
+        packed = [dataclasses.replace(o, top_logprobs=PackedTop.pack(o.top_logprobs)) for o in outputs]
         for build in (lambda x: completion_response(completion, x, lambda ids: ""),
                       lambda x: generate_response(generate, x)):  # fmt: skip
             a, b = json.loads(encode_json(build(outputs))), json.loads(encode_json(build(packed)))

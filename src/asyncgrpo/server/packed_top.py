@@ -65,8 +65,13 @@ class PackedTop(Sequence[list[tuple[int, float]]]):
     __hash__ = None  # type: ignore[assignment]
 
 
+PACK_MIN_ENTRIES = 256  # fewer top-N entries pickle as tuples for less than numpy's fixed cost of packing
+
+
 def packed_output(out: RequestOutput) -> RequestOutput:
-    """``out`` with its top-N packed (the form it travels in to another process); unchanged without top-N."""
-    if out.top_logprobs is None or isinstance(out.top_logprobs, PackedTop):
+    """``out`` with its top-N packed (the form it travels in to another process); unchanged when it has fewer
+    than ``PACK_MIN_ENTRIES`` entries (``logprobs=0``, short answers) or is packed already."""
+    top = out.top_logprobs
+    if top is None or isinstance(top, PackedTop) or sum(map(len, top)) < PACK_MIN_ENTRIES:
         return out
     return dataclasses.replace(out, top_logprobs=PackedTop.pack(out.top_logprobs))
