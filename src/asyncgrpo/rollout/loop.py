@@ -50,6 +50,7 @@ from asyncgrpo.vlm import check_no_images
 
 logger = logging.getLogger(__name__)
 
+RENDER_CACHE_SIZE = 512  # rendered prompts kept (a group's G rollouts share one)
 ADMISSION_POLL_S = 0.01  # how often a waiting group start re-reads the trainer's counters
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
 # The policy version a group started under; its rollouts' tasks inherit it (adapter sync: the adapter they name).
@@ -191,7 +192,17 @@ class AsyncRolloutLoop:
     # ------------------------------------------------------------------ helpers
 
     def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
-        return self.render_conversation(prompt, None)
+        """Token ids of a dataset prompt. The G rollouts of a group render the same prompt, and a chat template costs
+        about half a millisecond on the event loop, so renderings are kept for the last few hundred prompts."""
+        rendered: dict[str, list[int]] = self.__dict__.setdefault("_rendered", {})  # repr(prompt) -> token ids
+        key = repr(prompt)
+        ids = rendered.get(key)
+        if ids is None:
+            ids = self.render_conversation(prompt, None)
+            if len(rendered) >= RENDER_CACHE_SIZE:
+                del rendered[next(iter(rendered))]  # the oldest
+            rendered[key] = ids
+        return list(ids)
 
     def render_conversation(
         self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]] | None
