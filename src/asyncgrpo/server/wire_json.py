@@ -30,7 +30,6 @@ from array import array
 from collections.abc import Sequence
 from functools import lru_cache
 from itertools import accumulate, chain
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,6 @@ FLOAT32 = "%#.9g"  # 9 significant digits read back as the same float32 (FLT_DEC
 TEXT = "%s"  # a number already written as text (float32_texts)
 SMALL_ANSWER = 32  # positions: shorter answers are built by a Python loop (numpy's fixed cost would dominate)
 FLOAT_STYLE = "shortest float32 (orjson)" if json_codec.orjson is not None else "9 significant digits (float32)"
-_first = itemgetter(0)
 
 
 def _numbers(values: list[float] | np.ndarray) -> tuple[str, list[Any]] | None:
@@ -70,15 +68,6 @@ def _numbers_small(values: list[float]) -> tuple[str, list[Any]] | None:
     except OverflowError:  # beyond float32's range: a double
         exact = False
     return (FLOAT32 if exact else FLOAT), values
-
-
-def float_list_json(values: Sequence[float]) -> str | None:
-    """A JSON array of finite floats written as described above, or None when one is not finite."""
-    numbers = _numbers(list(values))
-    if numbers is None:
-        return None
-    slot, args = numbers
-    return "[" + ",".join([slot] * len(args)) % tuple(args) + "]"
 
 
 @lru_cache(maxsize=256)
