@@ -32,7 +32,8 @@ from asyncgrpo.weights.collectives import (
     join_group,
     make_store,
 )
-from asyncgrpo.weights.wire import receive_tensors
+from asyncgrpo.weights.wire import Lanes, copy_all, receive_tensors
+from asyncgrpo.weights.wire_profile import WireProfile, profiling_requested
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class WeightReceiver:
         self._last_metas: list[TensorMeta] | None = None
         self._lock = threading.Lock()  # one init/update at a time
         self._joining: tuple[str, float] | None = None  # (rendezvous target, since) while an init joins
+        self._lanes: Lanes | None = None  # chunk buffers and views, kept from round to round
+        self._params: dict[str, torch.Tensor] | None = None  # where each weight lands (the engine's own storage)
+        self.profile = profiling_requested()  # ASYNCGRPO_WEIGHT_SYNC_PROFILE=1: /update_weights answers a timeline
 
     # ------------------------------------------------------------------ protocol steps (blocking)
 
@@ -128,6 +132,8 @@ class WeightReceiver:
                 store=store, unique_id=unique_id,
             )  # fmt: skip
             self.packed, self.buffer_size, self.num_buffers = packed, size, nbuf
+            self._lanes = Lanes(self.group, nbuf)
+            self._params = {name: p.detach() for name, p in self.engine.named_parameters()}
             self._last_metas = None
             self.active = False
         finally:
@@ -177,8 +183,10 @@ class WeightReceiver:
             metas.append(TensorMeta(name, dtype, tuple(shape)))
         return metas
 
-    def update(self, info: Any) -> None:
-        """Receive and load one round; blocks until every tensor is in."""
+    def update(self, info: Any) -> dict[str, Any] | None:
+        """Receive and load one round; blocks until every tensor is in. Returns the round's timeline when profiling
+        (``ASYNCGRPO_WEIGHT_SYNC_PROFILE=1``), else None."""
+        arrived = time.perf_counter()
         self._check_configured()
         _require(isinstance(info, dict), "update_info must be an object", "update_info")
         unknown = sorted(set(info) - _UPDATE_KEYS)
@@ -188,27 +196,41 @@ class WeightReceiver:
             raise ApiError(409, "no active weight update: call /start_weight_update first")
         metas = self._metas(info)
         packed, size, nbuf = self.packed, self.buffer_size, self.num_buffers
-        group, engine = self.group, self.engine
-
-        params = {name: p.detach() for name, p in engine.named_parameters()}
-
-        def in_place(name: str, t: torch.Tensor) -> bool:
-            p = params.get(name)
-            return p is not None and p.data_ptr() == t.data_ptr() and p.shape == t.shape and p.dtype == t.dtype
+        group, engine, lanes = self.group, self.engine, self._lanes
+        if self._params is None:
+            self._params = {name: p.detach() for name, p in engine.named_parameters()}
+        params = self._params
+        profile = WireProfile(group.device) if self.profile else None
+        host: dict[str, float] = {}
 
         def receive_and_load() -> None:
-            landed = 0
-            # Tensors that travel alone are received straight into their parameter (no staging copy); the
-            # others (packed with small neighbours) are copied out of their chunk by the engine.
+            host["engine_start_ms"] = (time.perf_counter() - arrived) * 1e3
+            landed = copied = 0
+            # Tensors that travel alone are received straight into their parameter (no staging copy); the others
+            # (packed with neighbours) are copied out of their chunk, a chunk's worth in one multi-tensor copy.
             with torch.no_grad():
                 for batch in receive_tensors(group, metas, packed=packed, buffer_size_bytes=size,
-                                             destination=lambda m: params.get(m.name), num_buffers=nbuf):  # fmt: skip
-                    rest = [(n, t) for n, t in batch if not in_place(n, t)]
-                    landed += len(batch) - len(rest)
+                                             destination=lambda m: params.get(m.name), num_buffers=nbuf, lanes=lanes,
+                                             profile=profile):  # fmt: skip
+                    dsts, srcs, rest = [], [], []
+                    for name, t in batch:
+                        p = params.get(name)
+                        if p is None or p.device != t.device:
+                            rest.append((name, t))  # an alias (a tied head): the engine resolves it
+                        elif p.data_ptr() == t.data_ptr() and p.dtype == t.dtype:
+                            landed += 1
+                        else:
+                            dsts.append(p)
+                            srcs.append(t)
+                    if dsts:
+                        copy_all(dsts, srcs)
+                        copied += len(dsts)
                     if rest:
                         engine.load_weights(rest)
+                host["enqueued_ms"] = (time.perf_counter() - arrived) * 1e3
                 group.synchronize("the weight broadcast from the trainer")
-                if landed:  # as load_weights does: cached K/V was computed with the old weights
+                host["synchronized_ms"] = (time.perf_counter() - arrived) * 1e3
+                if landed or copied:  # as load_weights does: cached K/V was computed with the old weights
                     engine.reset_prefix_cache()
 
         with self._lock:
@@ -218,6 +240,10 @@ class WeightReceiver:
                 self._last_metas = None
                 raise
         self._last_metas = metas
+        if profile is None:
+            return None
+        host["done_ms"] = (time.perf_counter() - arrived) * 1e3
+        return {"host": host, "wire": profile.summary()}
 
     def finish(self, version: Any) -> None:
         self._check_configured()
@@ -231,6 +257,7 @@ class WeightReceiver:
         if self.group is not None:
             self.group.close()
         self.group = None
+        self._lanes = self._params = None
         self.active = False
 
     def shutdown(self) -> None:
@@ -279,8 +306,11 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
 
     async def update(request: web.Request) -> web.Response:
         body = await _body(request)
-        await in_pool(receiver.update, body.get("update_info"))
-        return web.json_response({"message": "Weights updated"})
+        profile = await in_pool(receiver.update, body.get("update_info"))
+        answer: dict[str, Any] = {"message": "Weights updated"}
+        if profile is not None:  # only when the server runs with ASYNCGRPO_WEIGHT_SYNC_PROFILE=1
+            answer["profile"] = profile
+        return web.json_response(answer)
 
     async def finish(request: web.Request) -> web.Response:
         body = await _body(request)

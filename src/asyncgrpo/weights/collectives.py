@@ -239,14 +239,22 @@ class NcclGroup(TransferGroup):
         with torch.cuda.device(self.device):
             event = torch.cuda.Event()
             event.record()
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline, next_log, delay = start + self.timeout_s, start + 30.0, 0.0
         while not event.query():  # CPU-GPU sync point, polled so it can time out
             self._poll_abort()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise WeightTransferError(
                     f"timed out after {self.timeout_s:.0f}s waiting for {what} (NCCL); a peer is gone or stuck"
                 )
-            time.sleep(0.001)
+            if now > next_log:
+                logger.info("still waiting for %s (NCCL, %.0fs so far)", what, now - start)
+                next_log = now + 30.0
+            # The end of a weight round is on its critical path: poll finely (50 us), which costs nothing next to
+            # a round of milliseconds; a 1 ms sleep added half a millisecond on each end on average.
+            time.sleep(delay)
+            delay = min(5e-5, delay + 1e-5)
 
     def close(self) -> None:
         if self._comm is not None:
