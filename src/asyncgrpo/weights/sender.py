@@ -5,7 +5,7 @@ server) with torch primitives only (no vLLM import). One round (SPEC G10):
 
     POST /pause?mode=keep -> POST /start_weight_update
     -> (thread) POST /update_weights  while rank 0 broadcasts
-    -> join -> POST /finish_weight_update -> POST /reset_prefix_cache -> POST /resume
+    -> join -> POST /finish_weight_update with POST /reset_prefix_cache (concurrently) -> POST /resume
 
     sender = WeightSender()
     sender.init(AsyncServerClient(url), server_world_size=1, backend="auto", device="cuda:0")
@@ -46,7 +46,8 @@ from asyncgrpo.weights.collectives import (
 )
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from asyncgrpo.weights.restart import DEFAULT_RESTART_TIMEOUT_S, RestartRecovery
-from asyncgrpo.weights.wire import send_tensors
+from asyncgrpo.weights.wire import Lanes, send_tensors
+from asyncgrpo.weights.wire_profile import WireProfile, profiling_requested
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,13 @@ class WeightSender(RestartRecovery):
         packed_num_buffers: sent in ``init_info`` (vLLM's double buffering; we send chunks in order).
         restart_timeout_s: a round that finds the server gone (no answer, or a server without our group: it
             restarted) waits this long for it, then forms the group again and pushes; 0 = fail at once.
+        profile: record each round's device timeline (``wire_profile``) into ``last_breakdown``; default: the
+            ``ASYNCGRPO_WEIGHT_SYNC_PROFILE`` environment variable. Off, only host wall times are kept.
+
+    ``last_breakdown`` holds the last round's steps in milliseconds from its start (``pause``, ``start``,
+    ``enqueued``: the host queued every broadcast, ``synchronized``: they finished here, ``update_reply``: the
+    server loaded them, ``finish_and_reset``, ``resume``), plus ``sender_wire`` and the server's ``receiver``
+    timeline (a server run with ``ASYNCGRPO_WEIGHT_SYNC_PROFILE=1`` sends it) when profiling.
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class WeightSender(RestartRecovery):
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
+        profile: bool | None = None,
     ) -> None:
         if restart_timeout_s < 0:
             raise ValueError(f"restart_timeout_s must be >= 0, got {restart_timeout_s}")
@@ -149,6 +158,9 @@ class WeightSender(RestartRecovery):
         self._client: AsyncServerClient | None = None
         self._loop: _LoopThread | None = None
         self._last_metas: list[TensorMeta] | None = None
+        self._lanes: Lanes | None = None  # chunk buffers kept from round to round
+        self.profile = profiling_requested() if profile is None else profile
+        self.last_breakdown: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -229,6 +241,7 @@ class WeightSender(RestartRecovery):
             init_info.update(master_address=address, master_port=int(store.port))
         fut = self._loop.submit(self._client.init_weight_transfer_engine(init_info, timeout=self.timeout_s))
         self.group = self._join(fut, world_size, dev, store, unique_id)
+        self._lanes = Lanes(self.group, self.packed_num_buffers)
         try:
             fut.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -344,16 +357,24 @@ class WeightSender(RestartRecovery):
                              "group forms: close() and init() again with the packing you want")  # fmt: skip
 
         t0 = time.perf_counter()
+        steps: dict[str, Any] = {}
+
+        def step(name: str) -> None:
+            steps[name] = (time.perf_counter() - t0) * 1e3
+
         self._http(client.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
         t1 = time.perf_counter()
+        step("pause")
         try:
             if barrier is not None:
                 barrier()
+                step("barrier")
             self._http(client.start_weight_update(timeout=self.timeout_s), "POST /start_weight_update")
         except (ServerError, WeightTransferError):
             self._resume_quietly()
             raise
         t2 = time.perf_counter()
+        step("start")
         reuse = metas == self._last_metas
         update_info: dict[str, Any] = {
             "names": [] if reuse else [m.name for m in metas],
@@ -362,10 +383,13 @@ class WeightSender(RestartRecovery):
         }
         fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
         group.abort_check = _raise_if_failed(fut, "POST /update_weights")
+        profile = WireProfile(group.device) if self.profile else None
         try:
             send_tensors(group, tensors, metas, packed=use_packed, buffer_size_bytes=self.packed_buffer_size_bytes,
-                         num_buffers=self.packed_num_buffers)  # fmt: skip
+                         num_buffers=self.packed_num_buffers, lanes=self._lanes, profile=profile)  # fmt: skip
+            step("enqueued")
             group.synchronize("the weight broadcast")
+            step("synchronized")
         except Exception as exc:
             # Do not wait on the HTTP thread: the server may be stuck inside the collective.
             self._last_metas = None
@@ -376,20 +400,35 @@ class WeightSender(RestartRecovery):
         finally:
             group.abort_check = None
         try:
-            fut.result(self.timeout_s)
+            answer = fut.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
             raise WeightTransferError("the broadcast finished but POST /update_weights did not return") from None
         except ServerError as exc:
             self._last_metas = None
             self._close_rejected_round(fut)
             raise WeightTransferError(f"POST /update_weights failed: {exc}") from exc
+        step("update_reply")
         self._last_metas = metas
-        self._http(client.finish_weight_update(version, timeout=self.timeout_s), "POST /finish_weight_update")
+        self._http(self._finish_round(version), "POST /finish_weight_update and /reset_prefix_cache")
         self._pushed_version = str(version)
-        self._http(client.reset_prefix_cache(), "POST /reset_prefix_cache")
+        step("finish_and_reset")
         self._http(client.resume(timeout=self.timeout_s), "POST /resume")
         t3 = time.perf_counter()
+        step("resume")
+        if profile is not None:
+            steps["sender_wire"] = profile.summary()
+            if isinstance(answer, dict) and isinstance(answer.get("profile"), dict):
+                steps["receiver"] = answer["profile"]
+        self.last_breakdown = steps
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    async def _finish_round(self, version: str) -> None:
+        """``/finish_weight_update`` and ``/reset_prefix_cache`` together: both only need the weights loaded and
+        must precede ``/resume``, so the round waits for one round trip instead of two."""
+        assert self._client is not None
+        await asyncio.gather(
+            self._client.finish_weight_update(version, timeout=self.timeout_s), self._client.reset_prefix_cache()
+        )
 
     def update_model(self, model: torch.nn.Module, *, version: str, **kwargs: Any) -> dict[str, float]:
         """:meth:`update` with ``model``'s policy weights (``weights/policy.py``: PEFT merged, FSDP2 gathered).
@@ -455,4 +494,4 @@ class WeightSender(RestartRecovery):
         if self.group is not None:
             self.group.close()
         self.group = self._client = self._loop = None
-        self._last_metas = None
+        self._last_metas = self._lanes = None
