@@ -78,7 +78,10 @@ class WeightReceiver:
         self._joining: tuple[str, float] | None = None  # (rendezvous target, since) while an init joins
         self._lanes: Lanes | None = None  # chunk buffers and views, kept from round to round
         self._params: dict[str, torch.Tensor] | None = None  # where each weight lands (the engine's own storage)
-        self.profile = profiling_requested()  # ASYNCGRPO_WEIGHT_SYNC_PROFILE=1: /update_weights answers a timeline
+        # Timelines of the rounds (ASYNCGRPO_WEIGHT_SYNC_PROFILE=1, or POST /weight_sync_profile): read after a round
+        # with GET /weight_sync_profile, so the round itself only records events.
+        self.profile = profiling_requested()
+        self._last_profile: tuple[dict[str, float], WireProfile] | None = None
 
     # ------------------------------------------------------------------ protocol steps (blocking)
 
@@ -183,9 +186,8 @@ class WeightReceiver:
             metas.append(TensorMeta(name, dtype, tuple(shape)))
         return metas
 
-    def update(self, info: Any) -> dict[str, Any] | None:
-        """Receive and load one round; blocks until every tensor is in. Returns the round's timeline when profiling
-        (``ASYNCGRPO_WEIGHT_SYNC_PROFILE=1``), else None."""
+    def update(self, info: Any) -> None:
+        """Receive and load one round; blocks until every tensor is in (its timeline kept when profiling)."""
         arrived = time.perf_counter()
         self._check_configured()
         _require(isinstance(info, dict), "update_info must be an object", "update_info")
@@ -240,9 +242,17 @@ class WeightReceiver:
                 self._last_metas = None
                 raise
         self._last_metas = metas
-        if profile is None:
+        if profile is not None:
+            host["done_ms"] = (time.perf_counter() - arrived) * 1e3
+            self._last_profile = (host, profile)
+
+    def last_profile(self) -> dict[str, Any] | None:
+        """The last profiled round: host steps in ms since ``/update_weights`` arrived (``engine_start``: the engine
+        thread took it, ``enqueued``: every receive and copy queued, ``synchronized``: done on the device, ``done``)
+        and the device timeline (``wire_profile``)."""
+        if self._last_profile is None:
             return None
-        host["done_ms"] = (time.perf_counter() - arrived) * 1e3
+        host, profile = self._last_profile
         return {"host": host, "wire": profile.summary()}
 
     def finish(self, version: Any) -> None:
@@ -306,11 +316,17 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
 
     async def update(request: web.Request) -> web.Response:
         body = await _body(request)
-        profile = await in_pool(receiver.update, body.get("update_info"))
-        answer: dict[str, Any] = {"message": "Weights updated"}
-        if profile is not None:  # only when the server runs with ASYNCGRPO_WEIGHT_SYNC_PROFILE=1
-            answer["profile"] = profile
-        return web.json_response(answer)
+        await in_pool(receiver.update, body.get("update_info"))
+        return web.json_response({"message": "Weights updated"})
+
+    async def profile_get(request: web.Request) -> web.Response:
+        return web.json_response({"enabled": receiver.profile, "profile": await in_pool(receiver.last_profile)})
+
+    async def profile_set(request: web.Request) -> web.Response:
+        enabled = (await _body(request)).get("enabled")
+        _require(isinstance(enabled, bool), f"weight_sync_profile needs {{'enabled': true|false}}, got {enabled!r}")
+        receiver.profile = enabled
+        return web.json_response({"enabled": receiver.profile})
 
     async def finish(request: web.Request) -> web.Response:
         body = await _body(request)
@@ -337,3 +353,6 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
     app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
     app.router.add_get("/weight_info", weight_info)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    # Ours, not vLLM's: the timeline of the last weight round on this end (see weights/wire_profile.py).
+    app.router.add_get("/weight_sync_profile", profile_get)
+    app.router.add_post("/weight_sync_profile", profile_set)

@@ -92,10 +92,14 @@ def policy_weight_metadata(model: torch.nn.Module) -> list[TensorMeta]:
     return [TensorMeta(s.name, s.param.dtype, tuple(s.param.shape)) for s in _sources(model)]
 
 
+def _sharded(t: torch.Tensor) -> bool:
+    return callable(getattr(t, "full_tensor", None))
+
+
 def _start_gather(t: torch.Tensor) -> torch.Tensor:
     """Issue the all-gather of a sharded parameter without waiting for it (funcol's async tensor); plain tensors
     and torch versions without ``async_op`` fall back to :func:`_full`."""
-    if not callable(getattr(t, "full_tensor", None)):
+    if not _sharded(t):
         return t
     try:
         from torch.distributed.tensor import Replicate
@@ -139,9 +143,8 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
                 tensor = merged.add_(tensor)
                 del merged
             following = sources[index + 1] if index + 1 < len(sources) else None
-            if following is not None and following.lora_layer is None:
-                if callable(getattr(following.param, "full_tensor", None)):
-                    ahead = (index + 1, _start_gather(following.param.detach()))
+            if following is not None and following.lora_layer is None and _sharded(following.param):
+                ahead = (index + 1, _start_gather(following.param.detach()))
         yield source.name, tensor
         del tensor
     del ahead

@@ -127,7 +127,7 @@ class WeightSender(RestartRecovery):
     ``last_breakdown`` holds the last round's steps in milliseconds from its start (``pause``, ``start``,
     ``enqueued``: the host queued every broadcast, ``synchronized``: they finished here, ``update_reply``: the
     server loaded them, ``finish_and_reset``, ``resume``), plus ``sender_wire`` and the server's ``receiver``
-    timeline (a server run with ``ASYNCGRPO_WEIGHT_SYNC_PROFILE=1`` sends it) when profiling.
+    timeline (our server's ``/weight_sync_profile``, read after the round) when profiling.
     """
 
     def __init__(
@@ -161,6 +161,7 @@ class WeightSender(RestartRecovery):
         self._lanes: Lanes | None = None  # chunk buffers kept from round to round
         self.profile = profiling_requested() if profile is None else profile
         self.last_breakdown: dict[str, Any] = {}
+        self._server_profiles: bool | None = None  # whether the server keeps timelines (ours does on request)
 
     # ------------------------------------------------------------------ set-up
 
@@ -356,6 +357,8 @@ class WeightSender(RestartRecovery):
             raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
                              "group forms: close() and init() again with the packing you want")  # fmt: skip
 
+        if self.profile and self._server_profiles is None:
+            self._server_profiles = self._ask_server_to_profile()
         t0 = time.perf_counter()
         steps: dict[str, Any] = {}
 
@@ -400,7 +403,7 @@ class WeightSender(RestartRecovery):
         finally:
             group.abort_check = None
         try:
-            answer = fut.result(self.timeout_s)
+            fut.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
             raise WeightTransferError("the broadcast finished but POST /update_weights did not return") from None
         except ServerError as exc:
@@ -417,10 +420,32 @@ class WeightSender(RestartRecovery):
         step("resume")
         if profile is not None:
             steps["sender_wire"] = profile.summary()
-            if isinstance(answer, dict) and isinstance(answer.get("profile"), dict):
-                steps["receiver"] = answer["profile"]
+            if self._server_profiles:
+                steps["receiver"] = self._server_profile()
         self.last_breakdown = steps
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    def _ask_server_to_profile(self) -> bool:
+        """Turn on the server's round timelines (our server's ``/weight_sync_profile``; vLLM has none: False)."""
+        assert self._client is not None
+        body = {"enabled": True}
+        try:
+            self._http(self._client.request("POST", "/weight_sync_profile", json_body=body, retries=0, timeout=30.0),
+                       "POST /weight_sync_profile")  # fmt: skip
+        except (ServerError, WeightTransferError) as exc:
+            logger.info("the server keeps no weight-sync timelines (%s); profiling the sender only", exc)
+            return False
+        return True
+
+    def _server_profile(self) -> dict[str, Any] | None:
+        assert self._client is not None
+        try:
+            answer = self._http(self._client.request("GET", "/weight_sync_profile", retries=0, timeout=30.0),
+                                "GET /weight_sync_profile")  # fmt: skip
+        except (ServerError, WeightTransferError) as exc:
+            logger.warning("could not read the server's weight-sync timeline: %s", exc)
+            return None
+        return answer.get("profile") if isinstance(answer, dict) else None
 
     async def _finish_round(self, version: str) -> None:
         """``/finish_weight_update`` and ``/reset_prefix_cache`` together: both only need the weights loaded and
@@ -494,4 +519,4 @@ class WeightSender(RestartRecovery):
         if self.group is not None:
             self.group.close()
         self.group = self._client = self._loop = None
-        self._last_metas = self._lanes = None
+        self._last_metas = self._lanes = self._server_profiles = None
