@@ -23,12 +23,10 @@ import asyncio
 import base64
 import concurrent.futures
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 import torch
 
@@ -44,53 +42,17 @@ from asyncgrpo.weights.collectives import (
     join_group,
     make_store,
 )
+from asyncgrpo.weights.loop_thread import LoopThread as _LoopThread
+from asyncgrpo.weights.loop_thread import local_address_towards as _local_address_towards
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from asyncgrpo.weights.restart import DEFAULT_RESTART_TIMEOUT_S, RestartRecovery
 from asyncgrpo.weights.wire import Lanes, send_tensors
-from asyncgrpo.weights.wire_profile import WireProfile, profiling_requested
+from asyncgrpo.weights.wire_profile import WireProfile, enable_server_profiles, profiling_requested, server_profile
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S = 1800.0  # matches vllm_server_timeout's default
 _T = TypeVar("_T")
-
-
-class _LoopThread:
-    """An asyncio loop on a daemon thread, so synchronous trainer code can run the async client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="asyncgrpo-weight-sync-http", daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, _T], timeout: float, what: str) -> _T:
-        fut = self.submit(coro)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise WeightTransferError(f"timed out after {timeout:.0f}s waiting for {what}") from None
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5.0)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
-def _local_address_towards(base_url: str) -> str:
-    """The address of this machine on the route to the server (the gloo store master must be reachable)."""
-    parsed = urlparse(base_url)
-    host = parsed.hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, parsed.port or 80))  # UDP connect sends nothing; it only picks the route
-        return s.getsockname()[0]
 
 
 def _values(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
@@ -356,9 +318,19 @@ class WeightSender(RestartRecovery):
         if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
             raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
                              "group forms: close() and init() again with the packing you want")  # fmt: skip
+        # Before the clock starts: the same metadata as last round travels as empty lists (vLLM reuses its last),
+        # and the very list object lets the wire's cached plan be found without comparing it again.
+        reuse = metas == self._last_metas
+        if reuse:
+            metas = self._last_metas
+        update_info: dict[str, Any] = {
+            "names": [] if reuse else [m.name for m in metas],
+            "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
+            "shapes": [] if reuse else [list(m.shape) for m in metas],
+        }
 
         if self.profile and self._server_profiles is None:
-            self._server_profiles = self._ask_server_to_profile()
+            self._server_profiles = self._http(enable_server_profiles(client), "POST /weight_sync_profile")
         t0 = time.perf_counter()
         steps: dict[str, Any] = {}
 
@@ -378,12 +350,6 @@ class WeightSender(RestartRecovery):
             raise
         t2 = time.perf_counter()
         step("start")
-        reuse = metas == self._last_metas
-        update_info: dict[str, Any] = {
-            "names": [] if reuse else [m.name for m in metas],
-            "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
-            "shapes": [] if reuse else [list(m.shape) for m in metas],
-        }
         fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
         group.abort_check = _raise_if_failed(fut, "POST /update_weights")
         profile = WireProfile(group.device) if self.profile else None
@@ -421,31 +387,9 @@ class WeightSender(RestartRecovery):
         if profile is not None:
             steps["sender_wire"] = profile.summary()
             if self._server_profiles:
-                steps["receiver"] = self._server_profile()
+                steps["receiver"] = self._http(server_profile(client), "GET /weight_sync_profile")
         self.last_breakdown = steps
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
-
-    def _ask_server_to_profile(self) -> bool:
-        """Turn on the server's round timelines (our server's ``/weight_sync_profile``; vLLM has none: False)."""
-        assert self._client is not None
-        body = {"enabled": True}
-        try:
-            self._http(self._client.request("POST", "/weight_sync_profile", json_body=body, retries=0, timeout=30.0),
-                       "POST /weight_sync_profile")  # fmt: skip
-        except (ServerError, WeightTransferError) as exc:
-            logger.info("the server keeps no weight-sync timelines (%s); profiling the sender only", exc)
-            return False
-        return True
-
-    def _server_profile(self) -> dict[str, Any] | None:
-        assert self._client is not None
-        try:
-            answer = self._http(self._client.request("GET", "/weight_sync_profile", retries=0, timeout=30.0),
-                                "GET /weight_sync_profile")  # fmt: skip
-        except (ServerError, WeightTransferError) as exc:
-            logger.warning("could not read the server's weight-sync timeline: %s", exc)
-            return None
-        return answer.get("profile") if isinstance(answer, dict) else None
 
     async def _finish_round(self, version: str) -> None:
         """``/finish_weight_update`` and ``/reset_prefix_cache`` together: both only need the weights loaded and

@@ -98,9 +98,9 @@ class Lanes:
     def plan(self, metas: list[TensorMeta], packed: bool, buffer_size_bytes: int) -> list[list[int]]:
         """The chunks of a round (kept while the metadata and packing stay the same, as they do sync to sync)."""
         key = (packed, buffer_size_bytes, len(metas))
-        if key != self._plan_key or metas != self._plan_metas:
+        if key != self._plan_key or (metas is not self._plan_metas and metas != self._plan_metas):
             self._chunks = [[i] for i in range(len(metas))] if not packed else plan_chunks(metas, buffer_size_bytes)
-            self._plan_key, self._plan_metas, self._views = key, list(metas), {}
+            self._plan_key, self._plan_metas, self._views = key, metas, {}  # callers do not change a round's list
             multi = [sum(metas[i].nbytes for i in c) for c in self._chunks if len(c) > 1]
             self.size = max(self.size, max(multi, default=0))
         return self._chunks

@@ -19,12 +19,16 @@ The summary is in milliseconds, relative to the round's first mark:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
 import torch
 
+from asyncgrpo.client.errors import ServerError
+
+logger = logging.getLogger(__name__)
 PROFILE_ENV = "ASYNCGRPO_WEIGHT_SYNC_PROFILE"
 
 
@@ -95,3 +99,23 @@ class WireProfile:
             out.update(wire_busy_ms=busy, wire_gaps_ms=(last_end - wire[0][0]) - busy, fill_ms=wire[0][0],
                        drain_ms=out["span_ms"] - last_end)  # fmt: skip
         return out
+
+
+async def enable_server_profiles(client: Any) -> bool:
+    """Ask the server to keep round timelines (our server's ``POST /weight_sync_profile``; vLLM has none: False)."""
+    try:
+        await client.request("POST", "/weight_sync_profile", json_body={"enabled": True}, retries=0, timeout=30.0)
+    except ServerError as exc:
+        logger.info("the server keeps no weight-sync timelines (%s); profiling the sender only", exc)
+        return False
+    return True
+
+
+async def server_profile(client: Any) -> dict[str, Any] | None:
+    """The server's timeline of the last round (``GET /weight_sync_profile``), None if it has none."""
+    try:
+        answer = await client.request("GET", "/weight_sync_profile", retries=0, timeout=30.0)
+    except ServerError as exc:
+        logger.warning("could not read the server's weight-sync timeline: %s", exc)
+        return None
+    return answer.get("profile") if isinstance(answer, dict) else None
