@@ -257,15 +257,17 @@ class EngineLoop:
             self._finish(seq, *stop)
         kind = "prefill" if batch.is_prefill else "decode"
         self.step_counts[kind] += 1
+        if not batch.is_prefill:
+            self.scheduler.note_decode_step()
         now = time.perf_counter()
         self.step_seconds[kind] += now - max(start, self._last_step_end)  # steps ahead overlap: count wall time once
         self._last_step_end = now
 
     def _look_ahead_seqs(self, batch: Batch, sample: PendingSample) -> list[Sequence] | None:
-        """The sequences to decode one step ahead, or None. Only in a steady decode phase: nothing waiting, no
+        """The sequences to decode one step ahead, or None. Only in a steady decode phase: no admission due, no
         command queued, no adapter, no repetition penalty (it reads the token ids). Sequences that this step
         ends by length are left out; one that stops on EOS wastes its row of the step ahead."""
-        if not self.look_ahead or batch.is_prefill or self.pause_mode is not None or self.scheduler.waiting:
+        if not self.look_ahead or batch.is_prefill or self.pause_mode is not None or self.scheduler.admission_due():
             return None
         if not (sample.deferred or self.device.type == "cpu") or not self._commands.empty():
             return None

@@ -10,6 +10,12 @@ Policy (one kind of step at a time):
 - A *decode* step advances every running sequence by one token.
 - When both are possible the steps alternate (prefill, decode, prefill, ...), so
   a stream of arrivals can neither starve the running sequences nor wait long.
+- While sequences run, waiting ones are admitted in batches: once ``max_num_seqs // 8``
+  slots are free, or once a free slot has gone unused for ``MAX_ADMIT_DELAY`` decode
+  steps. A prefill step costs a whole eager forward however few tokens it holds, so
+  admitting each sequence the moment one finishes (a GRPO run with more requests than
+  slots finishes one every few steps) spent more time in prefill than in decode, and
+  kept the engine from decoding ahead (``core``) while anything waited.
 - When a decode step finds no free block for a sequence, the newest running
   sequence is preempted by recompute: its blocks are freed and it goes back to
   the head of the waiting queue with its generated tokens (and their log-probs)
@@ -27,6 +33,7 @@ from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.request import Request, RequestOutput, WeightVersionSpan
 
 _arrival = itertools.count()
+MAX_ADMIT_DELAY = 16  # decode steps a waiting sequence may go without a free slot being filled (~50-100 ms on a GPU)
 
 
 @dataclass(eq=False)  # identity semantics: queues remove/find sequences by object, not by value
@@ -132,6 +139,8 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
         self.prefix_cache_hits = 0  # of those, tokens whose K/V was reused
         self._last_was_prefill = False
+        self.admit_min = max(1, max_num_seqs // 8)  # free slots that make a prefill step worth its cost
+        self._admit_delay = 0  # decode steps taken while a waiting sequence had a free slot
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -148,12 +157,25 @@ class Scheduler:
     def has_work(self, admit: bool) -> bool:
         return bool(self.running) or (admit and bool(self.waiting))
 
+    def admission_due(self) -> bool:
+        """Whether waiting sequences should be admitted now (see the module docstring for the batching rule)."""
+        free = self.max_num_seqs - len(self.running)
+        if not self.waiting or free <= 0:
+            return False
+        return not self.running or free >= self.admit_min or self._admit_delay >= MAX_ADMIT_DELAY
+
+    def note_decode_step(self) -> None:
+        """Count a finished decode step toward the admission delay (steps decoded ahead count too)."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            self._admit_delay += 1
+
     def schedule(self, admit: bool = True) -> Batch | None:
         """The next step's batch, or None when there is nothing to do."""
         want_decode = self.running and self._last_was_prefill
-        if admit and self.waiting and not want_decode:
+        if admit and self.admission_due() and not want_decode:
             seqs = self._admit()
             if seqs:
+                self._admit_delay = 0
                 self._last_was_prefill = True
                 return Batch(is_prefill=True, seqs=seqs)
         self._last_was_prefill = False
