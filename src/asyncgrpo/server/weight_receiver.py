@@ -16,6 +16,7 @@ import binascii
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -82,6 +83,7 @@ class WeightReceiver:
         # with GET /weight_sync_profile, so the round itself only records events.
         self.profile = profiling_requested()
         self._last_profile: tuple[dict[str, float], WireProfile] | None = None
+        self._host: dict[str, float] = {}
 
     # ------------------------------------------------------------------ protocol steps (blocking)
 
@@ -186,9 +188,8 @@ class WeightReceiver:
             metas.append(TensorMeta(name, dtype, tuple(shape)))
         return metas
 
-    def update(self, info: Any) -> None:
-        """Receive and load one round; blocks until every tensor is in (its timeline kept when profiling)."""
-        arrived = time.perf_counter()
+    def _prepare(self, info: Any, arrived: float) -> tuple[list[TensorMeta], Callable[[], None], WireProfile | None]:
+        """Validate ``update_info`` and build the engine-thread job that receives and loads the round."""
         self._check_configured()
         _require(isinstance(info, dict), "update_info must be an object", "update_info")
         unknown = sorted(set(info) - _UPDATE_KEYS)
@@ -203,7 +204,7 @@ class WeightReceiver:
             self._params = {name: p.detach() for name, p in engine.named_parameters()}
         params = self._params
         profile = WireProfile(group.device) if self.profile else None
-        host: dict[str, float] = {}
+        host = self._host = {}
 
         def receive_and_load() -> None:
             host["engine_start_ms"] = (time.perf_counter() - arrived) * 1e3
@@ -235,16 +236,44 @@ class WeightReceiver:
                 if landed or copied:  # as load_weights does: cached K/V was computed with the old weights
                     engine.reset_prefix_cache()
 
+        return metas, receive_and_load, profile
+
+    def _done(self, metas: list[TensorMeta] | None, profile: WireProfile | None, arrived: float) -> None:
+        self._last_metas = metas
+        if profile is not None and metas is not None:
+            self._host["done_ms"] = (time.perf_counter() - arrived) * 1e3
+            self._last_profile = (self._host, profile)
+
+    def update(self, info: Any) -> None:
+        """Receive and load one round; blocks until every tensor is in (its timeline kept when profiling)."""
+        arrived = time.perf_counter()
+        metas, job, profile = self._prepare(info, arrived)
         with self._lock:
             try:
-                engine.run_between_steps(receive_and_load, timeout=self.timeout_s + 30)
+                self.engine.run_between_steps(job, timeout=self.timeout_s + 30)
             except Exception:
-                self._last_metas = None
+                self._done(None, None, arrived)
                 raise
-        self._last_metas = metas
-        if profile is not None:
-            host["done_ms"] = (time.perf_counter() - arrived) * 1e3
-            self._last_profile = (host, profile)
+        self._done(metas, profile, arrived)
+
+    async def update_async(self, info: Any) -> None:
+        """:meth:`update` from the event loop: the engine thread runs the round and the loop awaits it, with no
+        executor thread in between (a hop less on the round's critical path). Falls back to :meth:`update` on a
+        thread while an init or another update holds the receiver."""
+        if not self._lock.acquire(blocking=False):
+            await asyncio.get_running_loop().run_in_executor(None, self.update, info)
+            return
+        try:
+            arrived = time.perf_counter()
+            metas, job, profile = self._prepare(info, arrived)
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self.engine.between_steps_future(job)), self.timeout_s + 30)
+            except Exception:
+                self._done(None, None, arrived)
+                raise
+            self._done(metas, profile, arrived)
+        finally:
+            self._lock.release()
 
     def last_profile(self) -> dict[str, Any] | None:
         """The last profiled round: host steps in ms since ``/update_weights`` arrived (``engine_start``: the engine
@@ -316,7 +345,7 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
 
     async def update(request: web.Request) -> web.Response:
         body = await _body(request)
-        await in_pool(receiver.update, body.get("update_info"))
+        await receiver.update_async(body.get("update_info"))
         return web.json_response({"message": "Weights updated"})
 
     async def profile_get(request: web.Request) -> web.Response:
@@ -343,8 +372,8 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
         return web.json_response({"weight_version": receiver.engine.weight_version})
 
     async def reset_prefix_cache(request: web.Request) -> web.Response:
-        ok = await in_pool(receiver.engine.reset_prefix_cache)
-        return web.json_response({"success": bool(ok)})
+        await asyncio.wrap_future(receiver.engine.reset_prefix_cache_future())  # always succeeds (see Engine)
+        return web.json_response({"success": True})
 
     app.router.add_post("/init_weight_transfer_engine", init)
     app.router.add_post("/start_weight_update", start)
