@@ -41,6 +41,7 @@ Destination = Callable[[TensorMeta], "torch.Tensor | None"]
 # (FSDP gathers, merged LoRA weights) then holds this much beyond the chunk buffer, and a copy launch serves many
 # small tensors. Off CUDA every tensor is copied as it comes (no launches to save).
 PACK_BATCH_BYTES = 32 << 20
+BIG_COPY_BYTES = 1 << 20  # from this size a copy is bandwidth-bound: no gain in batching its launch
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -57,14 +58,22 @@ def _in_place_target(destination: Destination | None, meta: TensorMeta, device: 
 
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair, in one multi-tensor launch where torch has one."""
-    if len(dsts) > 1:
+    """``dst.copy_(src)`` for each pair: a large tensor in its own copy (a device memcpy at full bandwidth), the
+    small ones (norms, biases: launch-bound) together in one multi-tensor launch where torch has one."""
+    small_d, small_s = [], []
+    for d, s in zip(dsts, srcs):
+        if d.numel() * d.element_size() >= BIG_COPY_BYTES:
+            d.copy_(s)
+        else:
+            small_d.append(d)
+            small_s.append(s)
+    if len(small_d) > 1:
         try:
-            torch._foreach_copy_(dsts, srcs)
+            torch._foreach_copy_(small_d, small_s)
             return
         except (AttributeError, RuntimeError, TypeError):  # older torch, or pairs the fused path refuses
             pass
-    for d, s in zip(dsts, srcs):
+    for d, s in zip(small_d, small_s):
         d.copy_(s)
 
 
