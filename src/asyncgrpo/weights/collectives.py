@@ -32,7 +32,11 @@ from asyncgrpo.weights import nccl_lib
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's default: 1 GiB per packed chunk
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's default: 1 GiB per packed chunk (a receiver's fallback)
+# What our sender asks for in init_info: chunks small enough that packing the first and unpacking the last (the
+# pipeline's fill and drain, not hidden behind a broadcast) cost little, large enough that the per-broadcast
+# overhead stays small; the buffers on each end shrink from 2 GiB to 512 MiB.
+DEFAULT_SENDER_BUCKET_BYTES = 256 << 20
 DEFAULT_PACKED_NUM_BUFFERS = 2
 _NCCL_MAX_COUNT = 2**31 - 1  # keep element counts in int range (older NCCL builds)
 _STORE_UID_KEY = "asyncgrpo/nccl_unique_id"

@@ -34,8 +34,8 @@ from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient, config_section
 from asyncgrpo.weights import nccl_lib
 from asyncgrpo.weights.collectives import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
+    DEFAULT_SENDER_BUCKET_BYTES,
     TensorMeta,
     TransferGroup,
     dtype_name,
@@ -79,7 +79,8 @@ class WeightSender(RestartRecovery):
 
     Args:
         timeout_s: bound on every wait of a round (rendezvous, HTTP calls, broadcasts).
-        packed_buffer_size_bytes: packed chunk size; sent in ``init_info`` so both sides agree.
+        packed_buffer_size_bytes: packed chunk size; sent in ``init_info`` so both sides agree (256 MiB: see
+            ``DEFAULT_SENDER_BUCKET_BYTES``; vLLM's own default is 1 GiB).
         packed_num_buffers: sent in ``init_info`` (vLLM's double buffering; we send chunks in order).
         restart_timeout_s: a round that finds the server gone (no answer, or a server without our group: it
             restarted) waits this long for it, then forms the group again and pushes; 0 = fail at once.
@@ -96,7 +97,7 @@ class WeightSender(RestartRecovery):
         self,
         *,
         timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
-        packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        packed_buffer_size_bytes: int = DEFAULT_SENDER_BUCKET_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
         profile: bool | None = None,
