@@ -225,7 +225,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny model (still needs 2 GPUs)")
-    ap.add_argument("--modes", nargs="*", default=["packed:1024", "packed:256", "packed:64", "unpacked"],
+    ap.add_argument("--modes", nargs="*", default=["packed:1024", "packed:256", "packed:128", "packed:64", "unpacked"],
                     help="unpacked, or packed:<bucket MiB> (packed_buffer_size_bytes)")  # fmt: skip
     ap.add_argument("--num-buffers", type=int, default=2, help="packed_num_buffers (>= 2 pipelines the buckets)")
     ap.add_argument("--profile-iters", type=int, default=2, help="profiled rounds per mode, after the timed ones")
