@@ -76,7 +76,7 @@ def test_small_buckets_leave_the_fused_server_weights_bit_equal_over_two_rounds(
 
     storage = {name: p.data_ptr() for name, p in engine.named_parameters()}
     fused_ptrs = [(layer.qkv_w.data_ptr(), layer.gate_up_w.data_ptr()) for layer in _fused(engine)]
-    sender = WeightSender(timeout_s=60, packed_buffer_size_bytes=BUCKET)
+    sender = WeightSender(timeout_s=60, packed_buffer_size_bytes=BUCKET, profile=True)
     sender.init(AsyncServerClient(url), backend="auto", device="cpu", packed=True)
     try:
         buffers = []
@@ -97,6 +97,13 @@ def test_small_buckets_leave_the_fused_server_weights_bit_equal_over_two_rounds(
                 assert torch.equal(layer.qkv_w, qkv) and torch.equal(layer.gate_up_w, gate_up), i
                 assert (layer.qkv_w.data_ptr(), layer.gate_up_w.data_ptr()) == fused_ptrs[i]
             buffers.append(sender._lanes.bufs[0].data_ptr())
+            # the profiled round's timelines (the server's read over GET /weight_sync_profile): every non-empty
+            # chunk was one broadcast on both ends, every packed chunk one pack (sender) and one unpack (server)
+            sent = sum(1 for c in chunks if sum(metas[i].nbytes for i in c))
+            sender_wire, receiver = sender.last_breakdown["sender_wire"], sender.last_breakdown["receiver"]
+            assert sender_wire["broadcast_count"] == receiver["wire"]["broadcast_count"] == sent
+            assert sender_wire["pack_count"] == receiver["wire"]["unpack_count"] == sum(len(c) > 1 for c in chunks)
+            assert sender_wire["bytes"] == receiver["wire"]["bytes"] == sum(m.nbytes for m in metas)
         assert buffers[0] == buffers[1]  # the second round packed into the first round's buffer
     finally:
         sender.close()
