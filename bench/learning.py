@@ -122,7 +122,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     t_start = time.time()
     with launch_server(
         model, extra_args=["--device", a.device, "--dtype", "bfloat16" if a.device == "cuda" else "float32",
-                           "--max-model-len", "1024"],
+                           "--max-model-len", "1024", *a.server_args.split()],
         env={"CUDA_VISIBLE_DEVICES": a.server_gpu}, log_path=str(server_log), timeout=600,
     ) as server:  # fmt: skip
         args = AsyncGRPOConfig(
@@ -148,8 +148,10 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             str(model), reward_funcs=[numeric_answer_reward, format_reward], args=args, train_dataset=train_rows,
             callbacks=[clock],
         )  # fmt: skip
+        engine_before = _engine_stats(server.base_url)
         trainer.train()
         trained_s = clock.train_s()
+        engine = _engine_delta(engine_before, _engine_stats(server.base_url), trained_s)
         clock.evaluate(trainer.state.global_step)  # the final weights were synced after the last step
         steps = trainer.state.global_step
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -186,10 +188,31 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
         "staleness_mean_median": median("sample/staleness_mean"),
         "generated_tokens_per_s_median": median("rollout/generated_tokens_per_s"),
         "completion_mean_length_median": median("completions/mean_length"),
+        "server_engine": engine,
         "curve": clock.curve,
         "accuracy_before": clock.curve[0]["accuracy"],
         "accuracy_after": clock.curve[-1]["accuracy"],
     }
+
+
+def _engine_stats(base_url: str) -> dict:
+    """The embedded server's step counters and timers (``/server_info``), to tell engine work from idle time."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url}/server_info", timeout=30) as r:
+        return json.loads(r.read())["asyncgrpo"].get("engine_step_timings", {})
+
+
+def _engine_delta(before: dict, after: dict, wall_s: float) -> dict:
+    """Per step kind over the run: steps, seconds, ms per step; and the engine's busy share of the wall time
+    (evaluations included in the counters, so a slight over-count)."""
+    out: dict = {}
+    for kind, t in after.items():
+        steps = t["steps"] - before.get(kind, {}).get("steps", 0)
+        secs = t["seconds"] - before.get(kind, {}).get("seconds", 0.0)
+        out[kind] = {"steps": steps, "seconds": round(secs, 3), "ms_per_step": round(1e3 * secs / max(steps, 1), 3)}
+    out["busy_frac"] = round(sum(v["seconds"] for v in out.values()) / max(wall_s, 1e-9), 3)
+    return out
 
 
 def time_to_reach(curve: list[dict], target: float) -> float | None:
@@ -230,6 +253,7 @@ def main() -> int:
     p.add_argument("--learning-rate", type=float, default=5e-6)
     p.add_argument("--heldout-limit", type=int, default=None, help="evaluate on the first N held-out problems")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the script")
+    p.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--max-num-seqs 512"')
     p.add_argument("--server-gpu", default="0")
     p.add_argument("--trainer-gpu", default="1")
     a = p.parse_args()

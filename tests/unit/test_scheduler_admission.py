@@ -1,7 +1,7 @@
 """The scheduler admits waiting sequences in batches while others run, within a bounded delay.
 
-The reference is a hand count: with ``max_num_seqs`` 16 the batch size is 16 // 8 = 2 free slots, and a
-single free slot is filled after ``MAX_ADMIT_DELAY`` decode steps, never later.
+The reference is a hand count: with ``max_num_seqs`` 16 the batch size is 16 // 8 = 2 admissible sequences
+(waiting, with a free slot each), and a single one is admitted after ``MAX_ADMIT_DELAY`` decode steps, never later.
 """
 
 from __future__ import annotations
@@ -64,12 +64,18 @@ def test_small_engines_admit_as_soon_as_a_slot_frees():
     assert batch is not None and batch.is_prefill and [q.request_id for q in batch.seqs] == ["r4"]
 
 
-def test_nothing_waiting_means_no_admission_and_no_delay_counted():
+def test_arrivals_while_slots_are_free_are_batched_too():
     s = _scheduler()
     s.add(_seq(0))
     assert s.schedule().is_prefill
-    for _ in range(3 * MAX_ADMIT_DELAY):
+    for _ in range(3 * MAX_ADMIT_DELAY):  # nothing waiting: no admission, no delay counted
         _decode(s)
     assert not s.admission_due()
-    s.add(_seq(1))  # an arrival while 15 slots are free is admitted at the next step boundary
+    s.add(_seq(1))  # one arrival with 15 free slots waits for company...
+    for _ in range(MAX_ADMIT_DELAY - 1):
+        assert not s.admission_due()
+        _decode(s)
+    s.add(_seq(2))  # ...and a second one makes a batch of 2: admitted at the next step boundary
     assert s.admission_due()
+    batch = s.schedule()
+    assert batch is not None and [q.request_id for q in batch.seqs] == ["r1", "r2"]

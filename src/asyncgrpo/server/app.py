@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -86,7 +87,10 @@ class ServerState:
             default_max_new_tokens=config.default_max_new_tokens,
         )
         self.registry = prometheus.make_registry(engine.stats, config.served_model_name)
-        self.receiver = WeightReceiver(engine, config.weight_transfer_backend, config.weight_transfer_timeout_s)
+        # an engine in its own process brings the receiver that runs beside its weights (engine_process)
+        self.receiver = getattr(engine, "receiver", None) or WeightReceiver(
+            engine, config.weight_transfer_backend, config.weight_transfer_timeout_s
+        )
         # Diagnostics (bench/rollout_path.py): generation answers sent and seconds spent building + encoding them.
         self.http_stats = {"responses": 0, "response_build_s": 0.0}
         self.answers = AnswerEncoder(config.answer_workers)
@@ -262,7 +266,8 @@ async def server_info(request: web.Request) -> web.Response:
     ours = {"kv_cache_tokens": e.kv_cache_tokens, "weight_transfer_backend": cfg.weight_transfer_backend,
             "return_sampling_mask": cfg.return_sampling_mask, "enable_scale_out": cfg.enable_scale_out,
             "enable_lora": cfg.enable_lora, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
-            "weight_version": e.weight_version, "http_stats": dict(state.http_stats)}  # fmt: skip
+            "weight_version": e.weight_version, "http_stats": dict(state.http_stats),
+            "engine_pid": getattr(e, "pid", os.getpid())}  # fmt: skip
     if hasattr(e, "step_timings"):
         ours["engine_step_timings"] = e.step_timings()
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},

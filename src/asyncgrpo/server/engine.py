@@ -33,7 +33,7 @@ from asyncgrpo.server.kv_cache import (
 )
 from asyncgrpo.server.lora import LoRAManager
 from asyncgrpo.server.model import DecoderLM
-from asyncgrpo.server.request import EngineStats, PauseMode, Request, RequestOutput
+from asyncgrpo.server.request import EngineStats, PauseMode, Request, RequestOutput, validate_request
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.sampler import Sampler
 from asyncgrpo.server.scheduler import Scheduler, Sequence
@@ -55,7 +55,8 @@ class Engine:
         dtype: "auto" (checkpoint dtype on CUDA, float32 on CPU), "bfloat16", "float16", "float32".
         device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
         max_model_len: longest prompt + output; default min(max_position_embeddings, 4096).
-        max_num_seqs: most sequences running at once.
+        max_num_seqs: most sequences running at once; None: vLLM's default (1024 on a GPU with >= 70 GiB that
+            is not an A100, else 256).
         seed: seed of the generator for requests without their own seed.
         kv_cache_tokens: KV capacity in tokens; default from ``gpu_memory_utilization`` (CUDA).
         gpu_memory_utilization: fraction of the GPU's memory this process may use in total.
@@ -74,7 +75,7 @@ class Engine:
         dtype: str = "auto",
         device: str = "auto",
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         seed: int = 0,
         kv_cache_tokens: int | None = None,
         gpu_memory_utilization: float = 0.85,
@@ -86,7 +87,7 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
-        if max_num_seqs < 1 or block_size < 1:
+        if (max_num_seqs is not None and max_num_seqs < 1) or block_size < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
         hf = load_any_model(model, dtype, device)
         self.hf_config = hf.config
@@ -105,6 +106,8 @@ class Engine:
         self._model = GeneralLM(hf) if self.general_path else DecoderLM(hf, self.max_model_len)
         self.dtype = self._model.dtype
         self.device = self._model.device
+        max_num_seqs = max_num_seqs or default_max_num_seqs(self.device)
+        self.max_num_seqs = max_num_seqs
         self.vocab_size = self._model.vocab_size
         self.eos_token_ids = _eos_ids(hf)
         self.block_size = block_size
@@ -215,31 +218,7 @@ class Engine:
         self._core.send(("abort", request_id))
 
     def _validate(self, request: Request) -> None:
-        ids, p = request.prompt_token_ids, request.params
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len}"
-            )
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if request.lora_name is not None and request.lora_name not in self._lora.names:
-            raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; loaded: {self._lora.names}")
-        checks = [
-            (p.max_tokens >= 1, f"max_tokens must be >= 1, got {p.max_tokens}"),
-            (p.temperature >= 0.0, f"temperature must be >= 0, got {p.temperature}"),
-            (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
-            (p.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {p.top_k}"),
-            (0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}"),
-            (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
-            (0 <= p.min_tokens <= p.max_tokens, f"min_tokens ({p.min_tokens}) must be in [0, max_tokens]"),
-            (p.logprobs is None or 0 <= p.logprobs <= self.vocab_size, f"logprobs must be >= 0, got {p.logprobs}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        validate_request(request, self.max_model_len, self.vocab_size, self._lora.names)
 
     # ------------------------------------------------------------ pause / calls
     def pause(self, mode: PauseMode, timeout: float | None = None, *, clear_cache: bool = True) -> None:
@@ -382,6 +361,16 @@ class Engine:
             prefix_cache_hits_total=s.prefix_cache_hits,
             prefill_tokens_computed_total=s.prefill_tokens_computed,
         )
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    """vLLM's server default: 1024 sequences on GPUs with at least 70 GiB (H100/H200 class, A100 excluded: vLLM
+    found large batches slower there), 256 elsewhere. GRPO keeps hundreds of requests in flight, so the smaller
+    limit would queue half of them."""
+    if device.type != "cuda":
+        return 256
+    props = torch.cuda.get_device_properties(device)
+    return 1024 if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower() else 256
 
 
 def _eos_ids(hf) -> list[int]:

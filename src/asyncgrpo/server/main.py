@@ -87,7 +87,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
       help="weights/activations dtype; auto = checkpoint dtype on CUDA, float32 on CPU")  # fmt: skip
     a("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
-    a("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    a(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences running at once (default as vLLM's: 1024 on GPUs with >= 70 GiB except A100, else 256)",
+    )
     a("--seed", type=int, default=0, help="seed for requests without their own")
     a("--enable-lora", action="store_true", help="allow runtime LoRA adapters (/v1/load_lora_adapter)")
     a("--max-lora-rank", type=int, default=16, choices=LORA_RANKS, help="largest adapter rank")
@@ -107,6 +112,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--answer-workers", type=int, default=-1,
       help="processes that build large generation answers (top-N log-probs) outside the engine's process lock; "
            "-1: 4 on CUDA, 0 on CPU")  # fmt: skip
+    a(
+        "--engine-process",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="run the engine in a process of its own, so HTTP work never holds its interpreter lock; auto: on CUDA",
+    )
     a("--max-logprobs", type=int, default=20, help="largest logprobs (top-N) a request may ask for")
     a("--logprobs-mode", default="processed_logprobs", choices=["processed_logprobs"],
       help="only processed_logprobs (log-probs after penalties, temperature and top-k/top-p/min-p)")  # fmt: skip
@@ -118,16 +129,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help='JSON object that overrides generation-config values, e.g. \'{"temperature": 0.5}\'')  # fmt: skip
 
 
+def _device_type(args: argparse.Namespace) -> str:
+    """'cuda' or 'cpu' for ``--device``, without creating a CUDA context in this (API) process."""
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device.split(":")[0]
+
+
+def _weight_backend(args: argparse.Namespace, device_type: str) -> str:
+    backend = args.weight_transfer_config.get("backend", "auto")
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise ValueError("the nccl weight-transfer backend needs the engine on CUDA; use gloo on CPU")
+    return backend
+
+
 def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
     from asyncgrpo.server.app import ServerConfig
     from asyncgrpo.server.generation_defaults import load_generation_defaults
 
     wt = args.weight_transfer_config
-    backend = wt.get("backend", "auto")
-    if backend == "auto":
-        backend = "nccl" if engine.device.type == "cuda" else "gloo"
-    if backend == "nccl" and engine.device.type != "cuda":
-        raise ValueError("the nccl weight-transfer backend needs the engine on CUDA; use gloo on CPU")
+    backend = _weight_backend(args, engine.device.type)
     gen = load_generation_defaults(args.generation_config, args.model, args.override_generation_config)
     return ServerConfig(
         model=str(args.model),
@@ -141,7 +166,7 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         weight_transfer_backend=None if backend == "none" else backend,
         weight_transfer_timeout_s=float(wt.get("timeout_s", 1800.0)),
         seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=engine.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         dev_mode=dev_mode_from_env(),
         generation_config=args.generation_config,
@@ -187,17 +212,28 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if args.api_server_count != 1:
         logger.warning("--api-server-count %d ignored: the embedded server runs one API process", args.api_server_count)
+    engine_kwargs = {
+        "model": str(model_dir), "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs, "seed": args.seed, "kv_cache_tokens": args.kv_cache_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "block_size": args.block_size,
+        "enable_lora": args.enable_lora, "max_lora_rank": args.max_lora_rank, "max_loras": args.max_loras,
+        "enforce_eager": args.enforce_eager, "enable_prefix_caching": args.enable_prefix_caching,
+    }  # fmt: skip
     try:
-        engine = Engine(
-            model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-            enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-            enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-        )  # fmt: skip
+        device_type = _device_type(args)
+        if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
+            from asyncgrpo.server.engine_process import RemoteEngine
+
+            timeout_s = float(args.weight_transfer_config.get("timeout_s", 1800.0))
+            engine = RemoteEngine(engine_kwargs, (_weight_backend(args, device_type), timeout_s))
+            logger.info("the engine runs in its own process (pid %d)", engine.pid)
+        else:
+            engine = Engine(**engine_kwargs)
         config = _serve_config(args, engine)
     except (OSError, ValueError, RuntimeError) as exc:
         logger.error("cannot start the server for %s: %s", args.model, exc)
+        if "engine" in locals():
+            engine.shutdown()
         return 2
     tokenizer = None
     try:

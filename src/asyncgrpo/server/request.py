@@ -99,3 +99,30 @@ class EngineStats:
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of those, tokens whose cached K/V was reused
     prefill_tokens_computed_total: int = 0  # tokens prefill steps computed (extension, not a vLLM name)
+
+
+def validate_request(request: Request, max_model_len: int, vocab_size: int, lora_names: list[str]) -> None:
+    """ValueError with what to change for a request the engine cannot run (shared by the engine and its proxy)."""
+    ids, p = request.prompt_token_ids, request.params
+    if not ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={max_model_len}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if request.lora_name is not None and request.lora_name not in lora_names:
+        raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; loaded: {lora_names}")
+    checks = [
+        (p.max_tokens >= 1, f"max_tokens must be >= 1, got {p.max_tokens}"),
+        (p.temperature >= 0.0, f"temperature must be >= 0, got {p.temperature}"),
+        (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
+        (p.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {p.top_k}"),
+        (0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}"),
+        (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
+        (0 <= p.min_tokens <= p.max_tokens, f"min_tokens ({p.min_tokens}) must be in [0, max_tokens]"),
+        (p.logprobs is None or 0 <= p.logprobs <= vocab_size, f"logprobs must be >= 0, got {p.logprobs}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)

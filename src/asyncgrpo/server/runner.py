@@ -230,17 +230,22 @@ class ModelRunner:
         st = self._static
         st[:, 4:] = self.kv.pad_block
         st[:, 0:4] = torch.tensor([0, 0, self.kv.pad_block * self.kv.block_size, 1], device=self.device)
-        self._decode_forward(buckets[-1], self.kv.block_size)  # warm-up: compiles Triton, sets up cuBLAS
+        warm = self._decode_forward(buckets[-1], self.kv.block_size)  # warm-up: compiles Triton, sets up cuBLAS
+        # One logits buffer for every graph: each graph copies its logits into it, so a graph's own output is
+        # freed into the pool after capture. Kept per graph, they cost sum(buckets) x vocab floats (~10 GB at
+        # max_num_seqs 1024 with a 150k vocabulary) instead of max_num_seqs x vocab.
+        logits = torch.empty_like(warm)
+        del warm
         torch.cuda.synchronize(self.device)
         pool = None
         for b in reversed(buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._decode_forward(b, self.kv.block_size)
+                logits[:b].copy_(self._decode_forward(b, self.kv.block_size))
             if pool is None:
                 pool = graph.pool()
             self._graphs[b] = graph
-            self._graph_logits[b] = out
+            self._graph_logits[b] = logits[:b]
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", buckets)
 

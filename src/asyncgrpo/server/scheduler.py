@@ -11,11 +11,11 @@ Policy (one kind of step at a time):
 - When both are possible the steps alternate (prefill, decode, prefill, ...), so
   a stream of arrivals can neither starve the running sequences nor wait long.
 - While sequences run, waiting ones are admitted in batches: once ``max_num_seqs // 8``
-  slots are free, or once a free slot has gone unused for ``MAX_ADMIT_DELAY`` decode
-  steps. A prefill step costs a whole eager forward however few tokens it holds, so
-  admitting each sequence the moment one finishes (a GRPO run with more requests than
-  slots finishes one every few steps) spent more time in prefill than in decode, and
-  kept the engine from decoding ahead (``core``) while anything waited.
+  of them can be admitted at once (waiting and with a free slot), or once one has waited
+  ``MAX_ADMIT_DELAY`` decode steps with a slot free. A prefill step costs a whole eager
+  forward however few tokens it holds, so admitting each arrival at the next step (a GRPO
+  worker sends a few new requests every step) spent a third of the engine's time in
+  prefill steps, and kept the engine from decoding ahead (``core``) while anything waited.
 - When a decode step finds no free block for a sequence, the newest running
   sequence is preempted by recompute: its blocks are freed and it goes back to
   the head of the waiting queue with its generated tokens (and their log-probs)
@@ -139,7 +139,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
         self.prefix_cache_hits = 0  # of those, tokens whose K/V was reused
         self._last_was_prefill = False
-        self.admit_min = max(1, max_num_seqs // 8)  # free slots that make a prefill step worth its cost
+        self.admit_min = max(1, max_num_seqs // 8)  # admissible sequences that make a prefill step worth its cost
         self._admit_delay = 0  # decode steps taken while a waiting sequence had a free slot
 
     def add(self, seq: Sequence) -> None:
@@ -162,7 +162,8 @@ class Scheduler:
         free = self.max_num_seqs - len(self.running)
         if not self.waiting or free <= 0:
             return False
-        return not self.running or free >= self.admit_min or self._admit_delay >= MAX_ADMIT_DELAY
+        ready = min(len(self.waiting), free)
+        return not self.running or ready >= self.admit_min or self._admit_delay >= MAX_ADMIT_DELAY
 
     def note_decode_step(self) -> None:
         """Count a finished decode step toward the admission delay (steps decoded ahead count too)."""
