@@ -22,6 +22,7 @@ from aiohttp import web
 
 from asyncgrpo.server import prometheus
 from asyncgrpo.server.answer_pool import AnswerEncoder
+from asyncgrpo.server.awaiting import awaited
 from asyncgrpo.server.http_protocol import (
     ApiError,
     ParsedRequest,
@@ -297,13 +298,13 @@ async def pause(request: web.Request) -> web.Response:
     state.pause_mode = mode  # new requests see it at once, even while "wait" drains
     # keep + clear_cache (the default) preempts the frozen requests: KV recomputed on resume, as in vLLM.
     # Awaited on the loop (no executor thread in between): a weight round pays this round trip on its critical path.
-    await asyncio.wrap_future(state.engine.pause_future(mode, clear_cache=clear in ("true", "1")))
+    await awaited(state.engine.pause_future(mode, clear_cache=clear in ("true", "1")), f"the engine to pause ({mode})")
     return web.json_response({"status": "paused"})
 
 
 async def resume(request: web.Request) -> web.Response:
     state = _state(request)
-    await asyncio.wrap_future(state.engine.resume_future())
+    await awaited(state.engine.resume_future(), "the engine to resume")
     state.pause_mode = None
     return web.json_response({"status": "resumed"})
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from asyncgrpo.server.awaiting import awaited
 from asyncgrpo.server.http_protocol import ApiError
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -267,7 +268,8 @@ class WeightReceiver:
             arrived = time.perf_counter()
             metas, job, profile = self._prepare(info, arrived)
             try:
-                await asyncio.wait_for(asyncio.wrap_future(self.engine.between_steps_future(job)), self.timeout_s + 30)
+                fut = self.engine.between_steps_future(job)
+                await awaited(fut, "the weight update on the engine thread", self.timeout_s + 30)
             except Exception:
                 self._done(None, None, arrived)
                 raise
@@ -284,13 +286,27 @@ class WeightReceiver:
         host, profile = self._last_profile
         return {"host": host, "wire": profile.summary()}
 
-    def finish(self, version: Any) -> None:
+    def finish(self, version: Any) -> str:
+        """End the update, labelling what the engine generates from now on ``version``; returns the version."""
         self._check_configured()
         if not self.active:
             raise ApiError(400, "no active weight update to finish")
         if version is not None:
             self.engine.set_weight_version(str(version))
         self.active = False
+        return str(self.engine.weight_version)
+
+    def set_profile(self, enabled: bool) -> bool:
+        """Keep (or stop keeping) the timelines of the next rounds (``GET /weight_sync_profile`` reads the last)."""
+        self.profile = bool(enabled)
+        return self.profile
+
+    # The event-loop forms of the protocol steps (the engine-process receiver has the same, over its pipe).
+    async def start_async(self) -> None:
+        self.start()
+
+    async def finish_async(self, version: Any) -> str:
+        return self.finish(version)
 
     def _close_group(self) -> None:
         if self.group is not None:
@@ -340,7 +356,7 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
         return web.json_response({"message": "Weight transfer initialized"})
 
     async def start(request: web.Request) -> web.Response:
-        receiver.start()
+        await receiver.start_async()
         return web.json_response({"message": "Weight update started"})
 
     async def update(request: web.Request) -> web.Response:
@@ -349,20 +365,17 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
         return web.json_response({"message": "Weights updated"})
 
     async def profile_get(request: web.Request) -> web.Response:
-        return web.json_response({"enabled": receiver.profile, "profile": await in_pool(receiver.last_profile)})
+        return web.json_response({"profile": await in_pool(receiver.last_profile)})
 
     async def profile_set(request: web.Request) -> web.Response:
         enabled = (await _body(request)).get("enabled")
         _require(isinstance(enabled, bool), f"weight_sync_profile needs {{'enabled': true|false}}, got {enabled!r}")
-        receiver.profile = enabled
-        return web.json_response({"enabled": receiver.profile})
+        return web.json_response({"enabled": await in_pool(receiver.set_profile, enabled)})
 
     async def finish(request: web.Request) -> web.Response:
         body = await _body(request)
-        receiver.finish(body.get("weight_version"))
-        return web.json_response(
-            {"message": "Weight update finished", "weight_version": receiver.engine.weight_version}
-        )
+        version = await receiver.finish_async(body.get("weight_version"))
+        return web.json_response({"message": "Weight update finished", "weight_version": version})
 
     async def shutdown(request: web.Request) -> web.Response:
         await in_pool(receiver.shutdown)
@@ -372,7 +385,7 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
         return web.json_response({"weight_version": receiver.engine.weight_version})
 
     async def reset_prefix_cache(request: web.Request) -> web.Response:
-        await asyncio.wrap_future(receiver.engine.reset_prefix_cache_future())  # always succeeds (see Engine)
+        await awaited(receiver.engine.reset_prefix_cache_future(), "the prefix-cache reset")  # always succeeds
         return web.json_response({"success": True})
 
     app.router.add_post("/init_weight_transfer_engine", init)
