@@ -37,7 +37,7 @@ for stage in "$@"; do
       timeout 400 python3 bench/fsdp_run.py --steps 30 --out "$OUT/fsdp_run_h200.json" 2>&1 \
         | tee "$OUT/fsdp_run.log" | grep -vE "it/s\]|s/it\]" | tail -40 ;;
     weightsync)  # issue 12 B4: bare broadcast vs WeightSender per bucket size with the breakdown; two-rank FSDP2
-      timeout 560 python3 bench/weight_sync.py --fsdp2 --out "$OUT/weight_sync_h200x2.json" 2>&1 \
+      timeout 560 python3 bench/weight_sync.py --fsdp2 --in-thread-modes packed:256 --out "$OUT/weight_sync_h200x2.json" 2>&1 \
         | tee "$OUT/weight_sync.log" | grep -vE "it/s\]|s/it\]" | tail -40 ;;
     agent)
       timeout 560 python3 bench/agent_learning.py --out "$OUT/agent_learning_h200.json" 2>&1 \

@@ -13,7 +13,9 @@ In one run:
    ``update_model`` (pause, start, broadcast, finish + reset prefix cache, resume); median of ``--iters`` rounds
    after ``--warmup``. Then ``--profile-iters`` more rounds with both ends profiled (``weights/wire_profile.py``:
    CUDA events around every pack, broadcast and unpack), kept apart so the timed rounds carry no profiling.
-3. ``--fsdp2``: the same rounds from two FSDP2 trainer ranks (rank 0 on GPU 1 sends, rank 1 on GPU 0 beside the
+3. ``--in-thread-modes``: the same against a server whose engine runs as a thread of its HTTP process
+   (``--engine-process off``; on CUDA the default server runs its engine in a process of its own).
+4. ``--fsdp2``: the same rounds from two FSDP2 trainer ranks (rank 0 on GPU 1 sends, rank 1 on GPU 0 beside the
    server joins the full-tensor gathers; NCCL refuses two members of one communicator on one GPU, so the sender
    cannot share the server's GPU), modes ``--fsdp2-modes``.
 
@@ -231,6 +233,9 @@ def main() -> int:
     ap.add_argument("--profile-iters", type=int, default=2, help="profiled rounds per mode, after the timed ones")
     ap.add_argument("--fsdp2", action="store_true", help="also sync from two FSDP2 trainer ranks")
     ap.add_argument("--fsdp2-modes", nargs="*", default=["packed:1024", "packed:256"])
+    ap.add_argument("--in-thread-modes", nargs="*", default=[],
+                    help="also run these modes against a second server with --engine-process off (the engine thread "
+                    "in the HTTP process; the default server on CUDA runs its engine in a process of its own)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("weight_sync benchmark needs 2 CUDA devices (server on GPU 0, trainer on GPU 1); no numbers made up",
@@ -272,6 +277,18 @@ def main() -> int:
         server_args = ["--device", "cuda:0", "--dtype", "bfloat16", "--max-model-len", "256",
                        "--gpu-memory-utilization", "0.3", "--weight-transfer-config", '{"backend": "nccl"}']  # fmt: skip
         bare = report["bare"]["one_buffer"]["median_s"]
+        if args.in_thread_modes:  # first, so the default server's figures come last in the log
+            server = launch_server(model_dir, extra_args=[*server_args, "--engine-process", "off"],
+                                   env={"CUDA_VISIBLE_DEVICES": "0", **NO_MULTICAST}, timeout=600)  # fmt: skip
+            try:
+                for mode in args.in_thread_modes:
+                    r = sync_rounds(server.base_url, model, args, mode, "cuda:1")
+                    r["ratio"] = r["median"]["total_s"] / bare
+                    report[f"in_thread_engine_sync_{mode.replace(':', '_')}"] = r
+                    print("engine thread in the HTTP process: " + _summary_line(mode, r), flush=True)
+                    write(args.out, report)
+            finally:
+                server.stop()
         server = launch_server(
             model_dir, extra_args=server_args, env={"CUDA_VISIBLE_DEVICES": "0", **NO_MULTICAST}, timeout=600
         )
