@@ -356,7 +356,9 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
                     break
                 groups += 1
                 trained_tokens += sum(sum(s.loss_mask) for s in sample.sequences)
-                first_s = first_s if first_s is not None else time.perf_counter() - t0
+                if first_s is None:  # G3: until the first group is scored, groups start one at a time
+                    first_s = time.perf_counter() - t0
+                    at_first = asyncio.run(_stages_once(base_url))  # the engine's work on group 0 (alone)
             seconds = time.perf_counter() - t0
         finally:
             worker.stop()
@@ -370,9 +372,18 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
         first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
         row["first_group_s"] = first_s
         row["steady_generated_tok_per_s"] = (tokens - first_group_tokens) / max(seconds - first_s, 1e-9)
+        row["phases"] = {"first_group": _phase(_server_delta(before, at_first), first_s),
+                         "after_first_group": _phase(_server_delta(at_first, after), seconds - first_s)}  # fmt: skip
         row["trained_tokens_queued"] = trained_tokens
         results[name] = row
     return results
+
+
+def _phase(stages: dict[str, float], seconds: float) -> dict[str, float]:
+    """Decode steps, engine seconds and the engine's busy share of one phase of the worker run."""
+    busy = stages.get("decode_s", 0.0) + stages.get("prefill_s", 0.0)
+    return {"seconds": seconds, "decode_steps": stages.get("decode_steps", 0), "engine_s": busy,
+            "engine_busy_frac": busy / max(seconds, 1e-9)}  # fmt: skip
 
 
 async def _stages_once(base_url: str) -> dict[str, Any]:
@@ -440,6 +451,10 @@ def main() -> int:
     ap.add_argument("--variants", default="in_process,http,worker", help="comma list: in_process, http, worker")
     ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (in process, HTTP); the median")
+    ap.add_argument("--kv-cache-tokens", type=int, default=0,
+                    help="server KV cache (default: max_num_seqs x max_model_len). The worker's first concurrency cap "
+                         "is this / max_model_len (G5), so the default caps it at max_num_seqs: no queue on the server "
+                         "to refill a finished slot from, unlike the HTTP variant's all-at-once requests")  # fmt: skip
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -465,7 +480,7 @@ def main() -> int:
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16
     opts.max_num_seqs = 256 if not opts.tiny else 64
-    opts.kv_cache_tokens = opts.max_num_seqs * opts.max_model_len
+    opts.kv_cache_tokens = opts.kv_cache_tokens or opts.max_num_seqs * opts.max_model_len
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
@@ -540,6 +555,9 @@ def _report(results: dict[str, Any]) -> None:
                 derived = ", ".join(f"{k}={x:.3f}" for k, x in row["derived"].items())
                 print(f"{v:11} {row['generated_tokens']:>8} tok {row['seconds']:>8.2f} s "
                       f"{row['generated_tok_per_s']:>10.0f} tok/s   {stages}; {derived}")  # fmt: skip
+                for phase, p in row.get("phases", {}).items():
+                    print(f"  {phase:17} {p['seconds']:.3f} s, {p['decode_steps']} decode steps, engine busy "
+                          f"{p['engine_busy_frac']:.2f}")  # fmt: skip
         print(f"ratios: {results['ratios'].get(shape)}")
 
 

@@ -151,7 +151,9 @@ class TrainingSequence:
         - `loss_mask` holds 0/1 and its first entry is 0;
         - at trained positions `sampler_logprobs` is a finite log-probability (<= 0); elsewhere it is ignored (0.0);
         - `sampler_top_ids[i]` and `sampler_top_logprobs[i]` have equal lengths (empty where untrained), are the
-          sampler's most likely tokens at that position, and their log-probs are finite;
+          sampler's most likely tokens at that position, and their log-probs are finite; or the two are
+          `[len(input_ids), K]` numpy arrays padded with id -1 / log-prob -inf (what reconciliation builds from
+          the client's array-backed answers: no per-token Python objects);
         - a non-empty `candidate_sets[i]` (top-k/top-p set the token was drawn from) contains `input_ids[i]`; an
           empty one means the full vocabulary.
 
@@ -176,8 +178,8 @@ class TrainingSequence:
     model_version: int
     group_id: int
     row_index: int
-    sampler_top_ids: list[list[int]] | None = None
-    sampler_top_logprobs: list[list[float]] | None = None
+    sampler_top_ids: list[list[int]] | np.ndarray | None = None
+    sampler_top_logprobs: list[list[float]] | np.ndarray | None = None
     candidate_sets: list[list[int]] | None = None
     rollout_id: str = ""
 
@@ -199,7 +201,7 @@ class TrainingSequence:
             _check_len(problems, name, getattr(self, name), n, "input_ids")
         if (self.sampler_top_ids is None) != (self.sampler_top_logprobs is None):
             problems.append("sampler_top_ids and sampler_top_logprobs must be given together")
-        if any(m not in (0, 1) for m in self.loss_mask):
+        if not set(self.loss_mask) <= {0, 1}:
             problems.append("loss_mask values must be 0 or 1")
         elif self.loss_mask and self.loss_mask[0] != 0:
             problems.append("loss_mask[0] must be 0: the first token has no position predicting it")
@@ -214,13 +216,17 @@ class TrainingSequence:
                 problems.append(f"sampler_logprobs[{i}]={self.sampler_logprobs[i]} is not a log-probability")
                 break
         if self.sampler_top_ids is not None and self.sampler_top_logprobs is not None:
-            for i, (ids, lps) in enumerate(zip(self.sampler_top_ids, self.sampler_top_logprobs)):
+            for i, (ids, lps) in enumerate(zip(*_ragged_top(self.sampler_top_ids, self.sampler_top_logprobs))):
                 if len(ids) != len(lps):
                     problems.append(f"sampler_top_ids[{i}] and sampler_top_logprobs[{i}] differ in length")
                     break
                 if any(not math.isfinite(lp) or lp > _LOGPROB_SLACK for lp in lps):
                     problems.append(f"sampler_top_logprobs[{i}] holds a value that is not a log-probability")
                     break
+        arrays = isinstance(self.sampler_top_ids, np.ndarray) or isinstance(self.sampler_top_logprobs, np.ndarray)
+        if arrays and not problems and not _top_arrays_look_valid(self.sampler_top_ids, self.sampler_top_logprobs):
+            problems.append("sampler_top_ids / sampler_top_logprobs as arrays must both be [len(input_ids), K] with "
+                            "id -1 exactly where the log-prob is -inf (padding)")  # fmt: skip
         if self.candidate_sets is not None:
             for i, cand in enumerate(self.candidate_sets):
                 if cand and self.loss_mask[i] and self.input_ids[i] not in cand:
@@ -234,13 +240,37 @@ class TrainingSequence:
         trained = list(compress(self.sampler_logprobs, self.loss_mask))
         if not (all(map(math.isfinite, trained)) and max(trained, default=0.0) <= _LOGPROB_SLACK):
             return False
-        if self.sampler_top_ids is not None and self.sampler_top_logprobs is not None:
-            if list(map(len, self.sampler_top_ids)) != list(map(len, self.sampler_top_logprobs)):
+        ids, lps = self.sampler_top_ids, self.sampler_top_logprobs
+        if isinstance(ids, np.ndarray) or isinstance(lps, np.ndarray):
+            if not _top_arrays_look_valid(ids, lps):
                 return False
-            top = list(chain.from_iterable(self.sampler_top_logprobs))
+        elif ids is not None and lps is not None:
+            if list(map(len, ids)) != list(map(len, lps)):
+                return False
+            top = list(chain.from_iterable(lps))
             if not (all(map(math.isfinite, top)) and max(top, default=0.0) <= _LOGPROB_SLACK):
                 return False
         return self.candidate_sets is None or not any(self.candidate_sets)
+
+
+def _top_arrays_look_valid(ids: Any, lps: Any) -> bool:
+    """``[L, K]`` top-N arrays: same shape, padding (id -1) exactly where the log-prob is -inf, the rest finite
+    log-probabilities."""
+    if not (isinstance(ids, np.ndarray) and isinstance(lps, np.ndarray) and ids.ndim == 2 and ids.shape == lps.shape):
+        return False
+    real = ids >= 0
+    if not np.array_equal(real, lps != -np.inf):
+        return False
+    values = lps[real]
+    return bool(np.isfinite(values).all() and (values <= _LOGPROB_SLACK).all())
+
+
+def _ragged_top(ids: Any, lps: Any) -> tuple[list[Any], list[Any]]:
+    """Top-N per position as ragged lists; ``[L, K]`` arrays drop their padding (id -1 and log-prob -inf)."""
+    if not (isinstance(ids, np.ndarray) and isinstance(lps, np.ndarray) and ids.shape == lps.shape):
+        return list(ids), list(lps)
+    pad = (ids < 0) & (lps == -np.inf)
+    return [r[~p].tolist() for r, p in zip(ids, pad)], [r[~p].tolist() for r, p in zip(lps, pad)]
 
 
 @dataclass

@@ -23,7 +23,7 @@ def test_token_limit_before_and_after_the_first_step():
     while adm.can_start_group():
         adm.on_group_started()
         started += 1
-    # outstanding = 500 + 500 * k < 4000 holds for k = 0..6 -> 7 groups start.
+    # a group starts while it keeps the total within the limit: 500 + 500 * k + 500 <= 4000 for k = 0..6 -> 7 start.
     assert started == 7
     assert adm.outstanding_tokens == 500 + 7 * 500
     # The trainer reports a step that used only 600 tokens (nothing pulled yet): limit = 2400; nothing may start.
@@ -36,7 +36,20 @@ def test_token_limit_before_and_after_the_first_step():
         adm.on_group_finished(tokens=500, kept_tokens=0)
     assert adm.queued_tokens == 0
     assert adm.outstanding_tokens == 3 * 500
-    assert adm.can_start_group()  # 1500 < 2400
+    assert adm.can_start_group()  # 1500 + 500 <= 2400
+    adm.on_group_started()
+    assert not adm.can_start_group()  # 2000 < 2400, but another 500 would pass the limit
+
+
+def test_a_group_larger_than_the_whole_allowance_starts_alone():
+    adm = StalenessAdmission(max_staleness=1, initial_tokens_per_step=300)
+    adm.on_group_started()
+    adm.on_group_finished(tokens=500, kept_tokens=500)  # one group is larger than the allowance (300)
+    assert not adm.can_start_group()  # 500 queued
+    adm.on_trainer_report(consumed_tokens=500, tokens_per_step=0)
+    assert adm.outstanding_tokens == 0 and adm.can_start_group()  # nothing outstanding: it may run
+    adm.on_group_started()
+    assert not adm.can_start_group()
 
 
 def test_queued_tokens_follow_the_trainers_running_total():

@@ -201,3 +201,22 @@ def test_keep_groups_with_two_processes_balances_whole_groups():
     assert sum(len(r) for r in rows) == len(samples) and all(r.num_tokens <= 200 for r in rows)
     assert all(len(r) for mb in closed for r in mb.rows[:1])  # no micro-batch starts empty
     assert min(len(r.group_ids) for r in closed[0].rows) >= 1  # the second row of the first micro-batch is used
+
+
+def test_keep_groups_places_a_group_that_must_not_wait_sample_by_sample():
+    # A: prompt of 10 + two 5-token completions = 9 shared + 2 x (copy + 5) = 21 tokens. B (another prompt, three
+    # completions) is 27 tokens alone: it does not fit whole next to A (budget 40), but its first sample (15) does.
+    a = [_s(range(10), range(100 + 10 * i, 105 + 10 * i), "A") for i in range(2)]
+    bs = [_s(range(20, 30), range(200 + 10 * i, 205 + 10 * i), "B") for i in range(3)]
+    c = _s(range(40, 50), range(300, 305), "C")
+
+    def first_micro_batch(must_not_wait):
+        b = TokenBudgetBatcher(token_budget=40, keep_groups=True, must_not_wait=must_not_wait)
+        closed = [mb for mb in (b.add(s) for s in a + bs + [c]) if mb is not None]
+        assert len(closed) == 1
+        assert [s.group_id for s in b.held_samples()].count("C") == 1  # held, not removed
+        (row,) = closed[0].rows
+        return sorted(s.group_id for s in row.samples), row.num_tokens
+
+    assert first_micro_batch(None) == (["A", "A"], 21)  # B waits, whole, for the next micro-batch
+    assert first_micro_batch(lambda group: group[0].group_id == "B") == (["A", "A", "B"], 36)  # 21 + 15

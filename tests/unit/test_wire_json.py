@@ -13,6 +13,7 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 
 from asyncgrpo.client.results import parse_completion_choice, parse_generate_choice
@@ -27,21 +28,8 @@ from asyncgrpo.server.http_protocol import (
 from asyncgrpo.server.request import RequestOutput
 from asyncgrpo.server.wire_json import RawJSON, encode_with_raw
 from asyncgrpo.types import Rollout, TurnRecord
-
-
-def _output(rng: random.Random, n_tokens: int, k: int, *, sampled_in_top: float = 0.5) -> RequestOutput:
-    """A finished sequence whose sampled token is in its top-k about ``sampled_in_top`` of the time."""
-    ids, lps, tops = [], [], []
-    for _ in range(n_tokens):
-        top = sorted(((rng.randrange(150_000), -rng.random() * 8) for _ in range(k)), key=lambda e: -e[1])
-        if k and rng.random() < sampled_in_top:
-            tok, lp = top[rng.randrange(k)]
-        else:
-            tok, lp = rng.randrange(150_000), (top[-1][1] if top else 0.0) - rng.random()
-        ids.append(tok)
-        lps.append(lp)
-        tops.append(top)
-    return RequestOutput("r", [1, 2, 3], ids, lps, "length", None, tops if k else [[] for _ in ids])
+from tests.helpers.answers import engine_output as _output
+from tests.helpers.answers import float32_output as _float32_output
 
 
 def _wire(x: float) -> float | None:
@@ -113,6 +101,10 @@ def test_generate_content_matches_vllm_nesting(k):
         assert choice["logprobs"]["content"] == _reference_generate_content(out)
         parsed = parse_generate_choice(choice)
         assert parsed.logprobs == out.logprobs and parsed.token_ids == out.token_ids
+        # array-backed like the completions parse; the sampled token's repeat among the ranked ones counted once
+        assert parsed.top_logprobs == [dict([(tok, lp), *top]) for tok, lp, top in
+                                       zip(out.token_ids, out.logprobs, out.top_logprobs)]  # fmt: skip
+        assert type(parsed.top_logprobs).__name__ == "TopLogprobs"
 
 
 def test_non_finite_logprobs_go_out_as_vllm_numbers():
@@ -175,10 +167,13 @@ def test_client_parse_and_reconcile_keep_the_sampler_top_n():
                       output_sampler_logprobs=result.top_logprobs)  # fmt: skip
     (seq,) = rollout_to_sequences(Rollout(completion=[], completion_ids=result.token_ids, turns=[turn]), group_id=0,
                                   row_index=0, model_version=0, num_sampler_logprobs=8)  # fmt: skip
-    assert seq.sampler_top_ids[:3] == [[], [], []]  # prompt positions
+    # [L, 8] arrays (the client's answers are array-backed): prompt positions are padding (id -1, log-prob -inf)
+    assert seq.sampler_top_ids.shape == seq.sampler_top_logprobs.shape == (3 + len(out.token_ids), 8)
+    assert (seq.sampler_top_ids[:3] == -1).all() and (seq.sampler_top_logprobs[:3] == -np.inf).all()
     for i, top in enumerate(out.top_logprobs):
-        assert seq.sampler_top_ids[3 + i] == [t for t, _ in top]
-        assert seq.sampler_top_logprobs[3 + i] == [v for _, v in top]
+        assert seq.sampler_top_ids[3 + i].tolist() == [t for t, _ in top]
+        assert seq.sampler_top_logprobs[3 + i].tolist() == [float(np.float32(v)) for _, v in top]  # float32 as trained
+    seq.validate()
 
 
 def test_validate_whole_list_checks_agree_with_the_position_loop():
@@ -281,3 +276,38 @@ def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(alive, pids)), f"helpers {pids} outlived their server"
+
+
+@pytest.mark.parametrize("library", ["orjson", "stdlib"])
+def test_float32_log_probs_go_out_short_and_read_back_as_the_same_float32(library, monkeypatch):
+    """The engine's float32 values: fewer bytes than 17 digits, and each reads back (as float32) bit for bit;
+    with orjson its shortest float32 digits, without it C's 9 significant digits (FLT_DECIMAL_DIG)."""
+    from asyncgrpo import json_codec
+
+    if library == "orjson" and json_codec.orjson is None:
+        pytest.skip("orjson is not installed")
+    if library == "stdlib":
+        monkeypatch.setattr(json_codec, "orjson", None)
+    out, short = _float32_output(7, 60, 8), _float32_output(8, 5, 8)  # numpy path / short-answer loop path
+    parsed = ParsedCompletion("c", "m", None, [1, 2, 3], [], 8, return_token_ids=True, return_tokens_as_token_ids=True)
+    wire = encode_json(completion_response(parsed, [out], lambda ids: ""))
+    body = json.loads(wire)
+    (choice,) = body["choices"]
+    (small,) = json.loads(encode_json(completion_response(parsed, [short], lambda ids: "")))["choices"]
+    assert np.float32(small["logprobs"]["token_logprobs"]).tolist() == short.logprobs
+    assert [{k: float(np.float32(v)) for k, v in d.items()} for d in small["logprobs"]["top_logprobs"]] == (
+        _reference_completion_logprobs(short)["top_logprobs"])  # fmt: skip
+    ref = _reference_completion_logprobs(out)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ref["tokens"] and lp["text_offset"] == ref["text_offset"]
+    assert np.float32(lp["token_logprobs"]).tolist() == out.logprobs  # bit for bit at float32
+    for got, want in zip(lp["top_logprobs"], ref["top_logprobs"]):
+        assert list(got) == list(want) and np.float32(list(got.values())).tolist() == list(want.values())
+    doubles = completion_response(parsed, [_output(random.Random(7), 60, 8)], lambda ids: "")  # not float32
+    assert len(wire) < 0.85 * len(encode_json(doubles))
+    if library == "orjson":  # shortest: 0.0 and -0.5 need no padding digits
+        assert lp["token_logprobs"][:2] == [0.0, -0.5] and b'"token_logprobs":[0.0,-0.5,' in wire
+    gen = json.loads(encode_json(generate_response(ParsedRequest("g", "m", None, [1], [], 8), [out])))
+    content = gen["choices"][0]["logprobs"]["content"]
+    assert np.float32([e["logprob"] for e in content]).tolist() == out.logprobs
+    assert [e["rank"] for e in content] == [e["rank"] for e in _reference_generate_content(out)]

@@ -14,7 +14,6 @@ retried with exponential backoff (``retry_count`` counts the retries for the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from asyncgrpo import json_codec
 from asyncgrpo.client.errors import ServerError, ServerTimeoutError
 from asyncgrpo.client.metrics_text import vllm_metrics
 from asyncgrpo.client.results import (
@@ -200,7 +200,7 @@ class AsyncServerClient:
             if parse == "json":
                 t_parse = time.perf_counter()
                 try:
-                    return json.loads(body) if body else None
+                    return json_codec.loads(body) if body else None
                 except ValueError as exc:
                     raise ServerError(endpoint, status, f"answer is not JSON: {body[:200]!r}") from exc
                 finally:

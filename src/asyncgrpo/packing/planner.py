@@ -19,7 +19,10 @@ With ``keep_groups=True`` (the trainer's setting) the samples of a group are hel
 the group ends (a sample of another group arrives, or ``flush``) and placed together:
 in the row where the whole group fits with the lowest resulting load, else in a new
 micro-batch, so its prompt is forwarded once. Only a group larger than the budget is
-placed sample by sample with the rules above (and then spans rows).
+placed sample by sample with the rules above (and then spans rows), and so is a group
+the caller's ``must_not_wait`` flags (the trainer: a group that would be too stale in a
+later step) when it does not fit whole: it fills the open micro-batch and only the rest
+waits, as without ``keep_groups``.
 """
 
 from __future__ import annotations
@@ -59,13 +62,20 @@ class TokenBudgetBatcher:
         num_processes: rows per micro-batch.
         share_prefixes: False gives plain padding-free packing (every sample its own chain).
         keep_groups: place a group's samples together once the group ends (see the module docstring).
+        must_not_wait: with ``keep_groups``, a group (its samples) for which this is true is never moved whole to
+            a new micro-batch: it is placed sample by sample when it does not fit whole (see the module docstring).
 
     Raises:
         ValueError: when ``token_budget`` or ``num_processes`` is not positive.
     """
 
     def __init__(
-        self, token_budget: int, num_processes: int = 1, share_prefixes: bool = True, keep_groups: bool = False
+        self,
+        token_budget: int,
+        num_processes: int = 1,
+        share_prefixes: bool = True,
+        keep_groups: bool = False,
+        must_not_wait: Callable[[Sequence[PackSample]], bool] | None = None,
     ) -> None:
         if token_budget <= 0:
             raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget}")
@@ -75,6 +85,7 @@ class TokenBudgetBatcher:
         self.num_processes = num_processes
         self.share_prefixes = share_prefixes
         self.keep_groups = keep_groups
+        self.must_not_wait = must_not_wait
         self._group: list[PackSample] = []  # keep_groups: the incoming group, not placed yet
         self._closed: deque[MicroBatch] = deque()  # closed by a group placement, not yet returned
         self.dropped_oversize_count = 0  # since the last take_dropped_count()
@@ -140,6 +151,12 @@ class TokenBudgetBatcher:
         fits = [i for i, r in enumerate(rows) if r.num_tokens + alone.num_tokens <= self.token_budget]
         if fits:
             row = rows[min(fits, key=lambda i: rows[i].attention_cost)]
+        elif self.must_not_wait is not None and self.must_not_wait(samples):
+            for s in samples:  # what fits goes now; the rest opens the next micro-batch
+                closed = self._place(s)
+                if closed is not None:
+                    self._closed.append(closed)
+            return
         else:
             self._closed.append(self._open)
             self._open, self._placed = self._new_micro_batch(), []
@@ -147,6 +164,11 @@ class TokenBudgetBatcher:
         for s in samples:
             row.insert(s)
             self._placed.append(s)
+
+    def held_samples(self) -> list[PackSample]:
+        """The samples the planner holds (not yet returned in a micro-batch), without removing them."""
+        rows = [row for mb in self._closed for row in mb.rows] + self._open.rows
+        return [s for row in rows for s in row.samples] + list(self._group)
 
     def take_open_samples(self) -> list[PackSample]:
         """Empty the planner (open micro-batch, closed ones not yet returned, the incoming group) and return its

@@ -5,10 +5,15 @@ Two independent limits gate generation:
 * **Staleness, in tokens** (G3). The number of samples a step uses varies with
   completion length, so the worker bounds *tokens*: after each optimizer step the
   trainer reports the tokens that step used, and the worker keeps at most
-  ``max(max_staleness, 1) ×`` that many tokens queued or in flight. Before the
-  first step every row of a step is assumed full (``token_budget × rows``). Until
-  the first group completes nobody knows how long a rollout is, so groups start
-  one at a time.
+  ``max(max_staleness, 1) ×`` that many tokens queued or in flight. A group
+  starts only if it keeps the total within the limit (its size estimated from the
+  groups so far), or when nothing is outstanding at all (a group larger than the
+  whole allowance still runs, alone); starting whenever the total is below the
+  limit would put one group past it, and at the queue's tail that group lands a
+  weight update too late (G4 drops it, whole when the planner keeps groups
+  together). Before the first step every row of a step is assumed full
+  (``token_budget × rows``). Until the first group completes nobody knows how long
+  a rollout is, so groups start one at a time.
 * **Server load** (G5). A live cap on concurrent rollouts follows the server's
   KV-cache usage, polled from its Prometheus ``/metrics``; without ``/metrics``
   the cap is ``max_concurrent_rollouts`` (G6), which also bounds it from above.
@@ -78,7 +83,8 @@ class StalenessAdmission:
     def can_start_group(self) -> bool:
         if self.completed_groups == 0:
             return self.inflight_groups == 0  # unknown rollout length: one group at a time
-        return self.outstanding_tokens < self.limit
+        outstanding = self.outstanding_tokens
+        return outstanding == 0 or outstanding + (self.tokens_per_group_estimate or 0.0) <= self.limit
 
     def on_group_started(self) -> None:
         self.inflight_groups += 1

@@ -50,6 +50,8 @@ from asyncgrpo.vlm import check_no_images
 
 logger = logging.getLogger(__name__)
 
+RENDER_CACHE_SIZE = 512  # rendered prompts kept (a group's G rollouts share one)
+ADMISSION_POLL_S = 0.01  # how often a waiting group start re-reads the trainer's counters
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
 # The policy version a group started under; its rollouts' tasks inherit it (adapter sync: the adapter they name).
 _GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_version", default=None)
@@ -190,7 +192,17 @@ class AsyncRolloutLoop:
     # ------------------------------------------------------------------ helpers
 
     def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
-        return self.render_conversation(prompt, None)
+        """Token ids of a dataset prompt. The G rollouts of a group render the same prompt, and a chat template costs
+        about half a millisecond on the event loop, so renderings are kept for the last few hundred prompts."""
+        rendered: dict[str, list[int]] = self.__dict__.setdefault("_rendered", {})  # repr(prompt) -> token ids
+        key = repr(prompt)
+        ids = rendered.get(key)
+        if ids is None:
+            ids = self.render_conversation(prompt, None)
+            if len(rendered) >= RENDER_CACHE_SIZE:
+                del rendered[next(iter(rendered))]  # the oldest
+            rendered[key] = ids
+        return list(ids)
 
     def render_conversation(
         self, messages: list[dict[str, Any]], tool_schemas: list[dict[str, Any]] | None
@@ -234,6 +246,7 @@ class AsyncRolloutLoop:
         self._running = 0
         self._last_finish: dict[int, str] = {}
         self._slot_freed = asyncio.Condition()
+        self._group_finished = asyncio.Event()  # wakes a group start that waits on the staleness admission
         # Sync tools, reset/get_reward and sync reward functions share this pool: one thread per concurrent
         # rollout (the document's promise); threads start lazily, so a large cap costs nothing until used.
         self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
@@ -283,7 +296,13 @@ class AsyncRolloutLoop:
                 break
             if self.admission.can_start_group() and self._trainer_wants_samples():
                 break
-            await asyncio.sleep(0.01)
+            # Woken at once when a group finishes (the first one unblocks G3's one-at-a-time start); the trainer's
+            # counters are shared memory without a signal, so they are polled every 10 ms.
+            self._group_finished.clear()
+            try:
+                await asyncio.wait_for(self._group_finished.wait(), ADMISSION_POLL_S)
+            except TimeoutError:
+                pass
         waited = time.perf_counter() - t0
         self.channels.put_metric("rollout/backpressure_s", waited)
 
@@ -489,6 +508,7 @@ class AsyncRolloutLoop:
         tokens = sum(len(s.input_ids) for seqs in sequences for s in seqs)
         kept_tokens = sum(len(s.input_ids) for s in kept)
         self.admission.on_group_finished(tokens, kept_tokens)
+        self._group_finished.set()
         self.channels.count_queued(len(kept))
         log_texts = self.settings.log_completions
         self.channels.samples.put(

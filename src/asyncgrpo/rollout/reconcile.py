@@ -13,7 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import itemgetter
+from typing import Any
 
+import numpy as np
+
+from asyncgrpo.client.results import TopLogprobs
 from asyncgrpo.metrics import MetricEvent
 from asyncgrpo.types import Rollout, TrainingSequence, TurnRecord
 
@@ -25,8 +29,7 @@ class _Held:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
+    tops: list[tuple[int, Any]] = field(default_factory=list)  # (positions, their top log-probs or None)
     candidates: list[list[int]] = field(default_factory=list)
 
     def add_context(self, ids: list[int]) -> None:
@@ -34,26 +37,46 @@ class _Held:
         self.ids += ids
         self.mask += [0] * n
         self.logprobs += [0.0] * n
-        self.top_ids += [[] for _ in range(n)]
-        self.top_logprobs += [[] for _ in range(n)]
+        self.tops.append((n, None))
         self.candidates += [[] for _ in range(n)]
 
-    def add_output(self, turn: TurnRecord, top_n: int | None) -> None:
+    def add_output(self, turn: TurnRecord) -> None:
         """Append a turn's sampled tokens; whole-list comprehensions, no per-token method calls."""
         n = len(turn.output_ids)
         self.ids += turn.output_ids
         self.mask += list(turn.output_mask) if turn.output_mask is not None else [1] * n
         self.logprobs += list(turn.output_log_probs) if turn.output_log_probs else [0.0] * n
-        tops = turn.output_sampler_logprobs
-        if top_n and tops is not None:
-            bests = [sorted(t.items(), key=_by_logprob, reverse=True)[:top_n] for t in tops]
-            self.top_ids += [list(map(_first, b)) for b in bests]
-            self.top_logprobs += [list(map(_by_logprob, b)) for b in bests]
-        else:
-            self.top_ids += [[] for _ in range(n)]
-            self.top_logprobs += [[] for _ in range(n)]
+        self.tops.append((n, turn.output_sampler_logprobs))
         masks = turn.output_sampling_mask
         self.candidates += [list(c) if c else [] for c in masks] if masks is not None else [[] for _ in range(n)]
+
+    def top_n(self, top_n: int) -> tuple[Any, Any]:
+        """Per position the ``top_n`` best sampler entries, best first (ties in the answer's order).
+
+        As ``[L, top_n]`` arrays padded with id -1 / log-prob -inf when every turn's came as arrays
+        (:class:`TopLogprobs`, what the client parses from ``/v1/completions``): no per-token Python
+        objects. Otherwise ragged lists (empty where there are none), from per-position dicts.
+        """
+        given = [t for _, t in self.tops if t is not None]
+        if given and all(isinstance(t, TopLogprobs) for t in given):
+            blocks = [_padding(n, top_n) if t is None else t.best(top_n) for n, t in self.tops]
+            return (np.concatenate([b[0] for b in blocks]).astype(np.int32),
+                    np.concatenate([b[1] for b in blocks]).astype(np.float32))  # fmt: skip
+        ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for n, t in self.tops:
+            if t is None:
+                ids += [[] for _ in range(n)]
+                logprobs += [[] for _ in range(n)]
+                continue
+            bests = [sorted(d.items(), key=_by_logprob, reverse=True)[:top_n] for d in t]
+            ids += [list(map(_first, b)) for b in bests]
+            logprobs += [list(map(_by_logprob, b)) for b in bests]
+        return ids, logprobs
+
+
+def _padding(n: int, top_n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.full((n, top_n), -1, dtype=np.int64), np.full((n, top_n), -np.inf, dtype=np.float64)
 
 
 @dataclass
@@ -110,6 +133,7 @@ def rollout_to_sequences(
 
     def emit() -> None:
         if any(held.mask):
+            top_ids, top_logprobs = held.top_n(num_sampler_logprobs) if num_sampler_logprobs else (None, None)
             out.append(
                 TrainingSequence(
                     input_ids=held.ids,
@@ -119,8 +143,8 @@ def rollout_to_sequences(
                     model_version=model_version,
                     group_id=group_id,
                     row_index=row_index,
-                    sampler_top_ids=held.top_ids if num_sampler_logprobs else None,
-                    sampler_top_logprobs=held.top_logprobs if num_sampler_logprobs else None,
+                    sampler_top_ids=top_ids,
+                    sampler_top_logprobs=top_logprobs,
                     candidate_sets=held.candidates if any(held.candidates) else None,
                     rollout_id=rollout.rollout_id,
                 )
@@ -131,7 +155,7 @@ def rollout_to_sequences(
             stats.transitions += 1
             if turn.prompt_ids[: len(held.ids)] == held.ids:
                 held.add_context(turn.prompt_ids[len(held.ids) :])
-                held.add_output(turn, num_sampler_logprobs)
+                held.add_output(turn)
                 stats.drift_tokens.append(0)
                 continue
             stats.forks += 1
@@ -141,6 +165,6 @@ def rollout_to_sequences(
         if not turn.prompt_ids:
             raise ValueError("a turn has an empty prompt; every sampling request needs at least one prompt token")
         held.add_context(list(turn.prompt_ids))
-        held.add_output(turn, num_sampler_logprobs)
+        held.add_output(turn)
     emit()
     return out

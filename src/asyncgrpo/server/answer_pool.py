@@ -30,6 +30,7 @@ from asyncgrpo.server.http_protocol import (
     encode_json,
     generate_response,
 )
+from asyncgrpo.server.packed_top import packed_output
 from asyncgrpo.server.request import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ def _encode_completion(parsed: ParsedCompletion, outputs: list[RequestOutput], t
     return encode_json(completion_response(parsed, outputs, texts))
 
 
+def packed_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The outputs as they travel to a helper: top-N pairs packed into arrays (``packed_top.py``), which pickle
+    and unpickle as bytes instead of one tuple, int and float per entry."""
+    return list(map(packed_output, outputs))
+
+
 def _numbers(parsed: ParsedRequest, outputs: list[RequestOutput]) -> int:
     if parsed.logprobs is None:
         return 0
@@ -97,7 +104,7 @@ class AnswerEncoder:
         if not self.workers or _numbers(parsed, outputs) < self.min_numbers:
             return _encode_generate(parsed, outputs)
         light = dataclasses.replace(parsed, requests=[])  # the engine requests are not part of the answer
-        return await self._submit(_encode_generate, light, outputs)
+        return await self._submit(_encode_generate, light, packed_outputs(outputs))
 
     async def completion(
         self, parsed: ParsedCompletion, outputs: list[RequestOutput], decode: Callable[[list[int]], str]
@@ -106,7 +113,7 @@ class AnswerEncoder:
             return encode_json(completion_response(parsed, outputs, decode))
         texts = _Texts({tuple(o.token_ids): decode(list(o.token_ids)) for o in outputs})
         light = dataclasses.replace(parsed, requests=[])
-        return await self._submit(_encode_completion, light, outputs, texts)
+        return await self._submit(_encode_completion, light, packed_outputs(outputs), texts)
 
     async def _submit(self, fn: Callable[..., bytes], *args: Any) -> bytes:
         try:

@@ -291,6 +291,13 @@ def _content_entry(out: RequestOutput, i: int) -> dict[str, Any]:
     return {**sampled, "top_logprobs": [sampled, *ranked]}
 
 
+def _listed(out: RequestOutput) -> RequestOutput:
+    """``out`` with its top-N as per-position lists again (the dict paths index them position by position)."""
+    if out.top_logprobs is None or isinstance(out.top_logprobs, list):
+        return out
+    return dataclasses.replace(out, top_logprobs=list(out.top_logprobs))
+
+
 def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> dict[str, Any]:
     choices = []
     for index, out in enumerate(outputs):
@@ -300,6 +307,7 @@ def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> di
             if raw is not None:
                 logprobs = RawJSON(raw)
             else:  # -inf / NaN log-probs: the dict path writes vLLM's -9999.0 / null
+                out = _listed(out)
                 logprobs = {"content": [_content_entry(out, i) for i in range(len(out.token_ids))]}
         choices.append({
             "index": index,
@@ -382,6 +390,7 @@ def completion_response(
         if raw is not None:
             logprobs = RawJSON(raw)
         elif parsed.logprobs is not None:
+            out = _listed(out)
             tokens = [token_str(t) for t in out.token_ids]
             offsets = list(itertools.accumulate((len(s) for s in tokens[:-1]), initial=0)) if tokens else []
             tops = []

@@ -84,18 +84,21 @@ class PendingSample:
             return self._done
         if self._event is not None:
             self._event.synchronize()
-        packed = self._host.tolist()  # type: ignore[union-attr]
+        host = self._host
+        assert host is not None
         params, asked, n = self._params, self._asked, self._n
-        B = len(params)
+        B, m = len(params), len(asked) * n
         top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
         if asked:
-            ids_l, vals_l = packed[2 * B : 2 * B + len(asked) * n], packed[2 * B + len(asked) * n :]
+            # ids convert to Python ints in one C pass and the (id, log-prob) pairs come from one zip: no Python
+            # frame per entry (this runs on the engine thread every step, batch x top-N entries)
+            pairs = list(zip(host[2 * B : 2 * B + m].to(torch.int64).tolist(), host[2 * B + m :].tolist()))
             for j, i in enumerate(asked):
-                k = params[i].logprobs
-                top[i] = [(int(a), b) for a, b in zip(ids_l[j * n : j * n + k], vals_l[j * n : j * n + k])]
+                top[i] = pairs[j * n : j * n + params[i].logprobs]
         self._done = SampleResult(
-            token_ids=[int(t) for t in packed[:B]], logprobs=packed[B : 2 * B], top_logprobs=top, masks=[None] * B
-        )
+            token_ids=host[:B].to(torch.int64).tolist(), logprobs=host[B : 2 * B].tolist(), top_logprobs=top,
+            masks=[None] * B,
+        )  # fmt: skip
         return self._done
 
 

@@ -18,6 +18,16 @@ first unsettled prompt, so a resume skips exactly what was settled (X3). A promp
 with some samples trained counts as trained. While a step waits for samples, a
 line every 30 s says what is known (X4); groups that all tie stop the run after
 ``ZERO_STD_PATIENCE_GROUPS`` in a row, with that diagnosis.
+
+Samples pulled but not trained by the step (held by the planner, which keeps a
+group in one row, or still buffered) are accounted for exactly like samples still
+in the worker's queue: their prompt stays unsettled (a checkpoint has the worker
+generate it again), and while the step trains they count as queued tokens for the
+worker's G3 allowance (released again when the next step starts pulling, so a step
+never waits on tokens it holds itself). Without that, the worker would run ahead by
+the held group, whose samples then land one update too late. A held group that would
+be too stale by the next step is not postponed whole: the planner places what fits
+now (``must_not_wait``), as it does without ``keep_groups``.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncgrpo.packing import MicroBatch, PackedRow, PackSample, TokenBudgetBatcher, plan_step
@@ -86,6 +97,8 @@ class RolloutSource:
     ) -> None:
         self.worker = worker
         self.batcher = batcher
+        if batcher.keep_groups and batcher.must_not_wait is None:
+            batcher.must_not_wait = self._stale_next_step
         self.ga = gradient_accumulation_steps
         self.max_staleness = max_staleness
         self.dataset_len = dataset_len
@@ -108,6 +121,7 @@ class RolloutSource:
         self._pending: dict[int, int] = {}  # flat row index -> sequences not yet trained
         self._buffer: deque[PackSample] = deque()
         self._ended = False
+        self._carried_tokens = 0  # tokens pulled but not trained by the last planned step (G3: still queued)
         self.wait_s = 0.0  # seconds the current step waited on the worker's queue (perf/rollout_wait_s)
         self.completions_log: deque[GroupResult] = deque(maxlen=64)
         self.metrics: list[tuple[str, float, float]] = []
@@ -236,6 +250,11 @@ class RolloutSource:
     def _is_stale(self, model_version: int) -> bool:
         return self.behind(model_version) > self.max_staleness
 
+    def _stale_next_step(self, samples: Sequence[PackSample]) -> bool:
+        """The planner's ``must_not_wait``: some sample would be too stale if the group waited for the next step."""
+        k = self.weight_sync_steps
+        return any((self.policy_version + 1) // k - s.meta.model_version // k > self.max_staleness for s in samples)
+
     def _drop_stale(self, row_index: int, count: int) -> None:
         self.metrics.append(("sample/dropped_stale_count", float(count), 1.0))
         self._step_stale += count
@@ -266,6 +285,8 @@ class RolloutSource:
         """Micro-batches of the next step (fewer than ``gradient_accumulation_steps`` only at the end of data)."""
         self.policy_version = policy_version
         self.wait_s = 0.0
+        self.worker.report_consumed(self._carried_tokens)  # being placed now: no longer held back from G3
+        self._carried_tokens = 0
         self._step_groups = self._step_zero_std = self._step_stale = 0
         self.metrics.append(("sample/dropped_stale_count", 0.0, 1.0))  # present (0) in every window
         # The sample that closed the last step waits in the planner; re-check it (and any others) against the
@@ -281,6 +302,13 @@ class RolloutSource:
             return plan_step(self.batcher, self._pull, self.ga)
         finally:
             self.worker.set_trainer_waiting(False)
+            # Pulled but left for a later step: queued again as far as the worker's allowance (G3) goes.
+            self._carried_tokens = sum(s.meta.num_tokens for s in self.carried_samples())
+            self.worker.report_consumed(-self._carried_tokens)
+
+    def carried_samples(self) -> list[PackSample]:
+        """Pulled from the worker but in no micro-batch returned yet: held by the planner, or buffered."""
+        return [*self.batcher.held_samples(), *self._buffer]
 
     def step_done(self, micro_batches: list[MicroBatch]) -> int:
         """Account for a finished optimizer step; returns the flat tokens it trained (G3's per-step report)."""

@@ -249,9 +249,7 @@ class AsyncGRPOTrainer(Trainer):
             total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
             self.source = RolloutSource(
                 self.worker,
-                # keep_groups (a whole group in one row) lost prompts across a kill and resume in the fault matrix's
-                # random-SIGKILL test: the held group is not yet in the checkpoint's accounting. Off until it is.
-                TokenBudgetBatcher(self.token_budget, n_proc, keep_groups=False),
+                TokenBudgetBatcher(self.token_budget, n_proc, keep_groups=True),  # a group in one row (B1)
                 args.gradient_accumulation_steps,
                 args.max_staleness,
                 n or 0,

@@ -1,0 +1,77 @@
+"""A sequence's top-N log-probs as three flat arrays, for the trips between processes and the answer build.
+
+The engine hands each finished sequence's top-N over as one ``[(id, log-prob), ...]`` list per position.
+Pickled as such (engine process -> API process, API process -> answer helper), every pair is a tuple, an int
+and a float to write and to read back: ~3 us per token to unpickle before any JSON is written. Three arrays
+(ids, log-probs, entries per position) pickle as bytes, and the completions writer (``wire_json.py``) works on
+them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo.server.request import RequestOutput
+
+
+class PackedTop(Sequence[list[tuple[int, float]]]):
+    """Per position ``[(token id, log-prob), ...]`` as flat ``ids`` / ``values`` arrays and per-position ``counts``.
+
+    Reads like the list of lists it packs (``len``, indexing, iteration), so code that wants the pairs still works.
+    """
+
+    __slots__ = ("counts", "ids", "values")
+
+    def __init__(self, ids: np.ndarray, values: np.ndarray, counts: np.ndarray) -> None:
+        self.ids, self.values, self.counts = ids, values, counts
+
+    @classmethod
+    def pack(cls, top: Sequence[Sequence[tuple[int, float]]]) -> PackedTop:
+        """Flatten the engine's per-position pairs in C passes (ids stay exact: below 2**53 in a double)."""
+        if isinstance(top, PackedTop):
+            return top
+        counts = np.fromiter(map(len, top), dtype=np.int64, count=len(top))
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable(top)), dtype=np.float64, count=2 * int(counts.sum()))
+        return cls(flat[0::2].astype(np.int64), flat[1::2].copy(), counts)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def _rows(self) -> list[list[tuple[int, float]]]:
+        pairs = list(zip(self.ids.tolist(), self.values.tolist()))
+        ends = np.cumsum(self.counts).tolist()
+        return [pairs[e - k : e] for e, k in zip(ends, self.counts.tolist())]
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return self._rows()[i]
+        i = range(len(self))[i]  # negative indices; IndexError past the end
+        start, k = int(self.counts[:i].sum()), int(self.counts[i])
+        return list(zip(self.ids[start : start + k].tolist(), self.values[start : start + k].tolist()))
+
+    def __iter__(self) -> Any:
+        return iter(self._rows())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return [list(map(tuple, r)) for r in self] == [list(map(tuple, r)) for r in other]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+PACK_MIN_ENTRIES = 256  # fewer top-N entries pickle as tuples for less than numpy's fixed cost of packing
+
+
+def packed_output(out: RequestOutput) -> RequestOutput:
+    """``out`` with its top-N packed (the form it travels in to another process); unchanged when it has fewer
+    than ``PACK_MIN_ENTRIES`` entries (``logprobs=0``, short answers) or is packed already."""
+    top = out.top_logprobs
+    if top is None or isinstance(top, PackedTop) or sum(map(len, top)) < PACK_MIN_ENTRIES:
+        return out
+    return dataclasses.replace(out, top_logprobs=PackedTop.pack(out.top_logprobs))
