@@ -75,8 +75,13 @@ class WireProfile:
         """Milliseconds per field of the module docstring (reads the events: call after the round synchronised)."""
         if self._begin is None or self._end is None:
             return {}
-        if self.cuda:
-            self._end.synchronize()  # already complete after the round's synchronisation: returns at once
+        if self.cuda:  # read from any thread (an HTTP pool thread): on the events' own device
+            with torch.cuda.device(self.device):
+                self._end.synchronize()  # already complete after the round's synchronisation: returns at once
+                return self._summary()
+        return self._summary()
+
+    def _summary(self) -> dict[str, float]:
         out: dict[str, float] = {"span_ms": self._ms(self._begin, self._end), "bytes": float(self.bytes)}
         out["host_enqueue_ms"] = (self._host[1] - self._host[0]) * 1e3
         wire = []
