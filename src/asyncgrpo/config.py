@@ -224,7 +224,9 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={
             "help": "Maximum tokens forwarded in one row (one process's forward). Rows are filled up to it with "
             "attention-cost balancing, bounding peak memory whatever the number of samples. Shared prefix tokens "
-            "count once. None: the server's max_model_len, read at start. Longer samples are dropped with a warning."
+            "count once. A group goes into one row whole when it fits there (its prompt forwarded once); a group "
+            "larger than the budget, or one that would be too stale by the next step, is placed sample by sample. "
+            "None: the server's max_model_len, read at start. Longer samples are dropped with a warning."
         },
     )
 
