@@ -356,7 +356,11 @@ def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, si
     import random
 
     rng = random.Random(seed)
-    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1}
+    # max_staleness above the run's length: this test checks what kills and resumes do to the prompt accounting. With
+    # the default (4) this trainer-bound run keeps the queue's tail at the staleness bound, and a group that lands one
+    # update late is dropped by G4 (by design, in an uninterrupted run too); with whole groups in a row (keep_groups)
+    # that drops the prompt, which would read here as a prompt lost to the kill.
+    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1, "max_staleness": 16}
     settings = {"dataset_size": size, "resume": "auto", "config": cfg}
     steps_file = tmp_path / "run" / "steps.jsonl"
     done_kills = 0
