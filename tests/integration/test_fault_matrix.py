@@ -8,6 +8,7 @@ in their own process (``fault_scripts/run_trainer.py``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -162,8 +163,10 @@ def test_tiny_temperature_is_greedy_with_finite_logprobs(server):
     greedy, tiny = gen(0.0), gen(1e-41)
     assert tiny["token_ids"] == greedy["token_ids"]
     got = [e["logprob"] for e in tiny["logprobs"]["content"]]
-    assert got == [e["logprob"] for e in greedy["logprobs"]["content"]]
-    assert all(isinstance(v, float) for v in got)
+    # equal up to float noise: the module's shared server may batch other requests with either one, and a CPU
+    # matmul's rounding depends on the batch (a temperature of 1e-41 applied literally would give 0 or -inf)
+    assert got == pytest.approx([e["logprob"] for e in greedy["logprobs"]["content"]], abs=1e-5)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in got)
 
 
 def test_tiny_repetition_penalty_and_out_of_vocab_stop_ids_are_refused(server):
