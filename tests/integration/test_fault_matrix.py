@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -192,8 +193,10 @@ def test_tiny_temperature_is_greedy_with_finite_logprobs(server):
     greedy, tiny = gen(0.0), gen(1e-41)
     assert tiny["token_ids"] == greedy["token_ids"]
     got = [e["logprob"] for e in tiny["logprobs"]["content"]]
-    assert got == [e["logprob"] for e in greedy["logprobs"]["content"]]
-    assert all(isinstance(v, float) for v in got)
+    # equal up to float noise: the module's shared server may batch other requests with either one, and a CPU
+    # matmul's rounding depends on the batch (a temperature of 1e-41 applied literally would give 0 or -inf)
+    assert got == pytest.approx([e["logprob"] for e in greedy["logprobs"]["content"]], abs=1e-5)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in got)
 
 
 def test_tiny_repetition_penalty_and_out_of_vocab_stop_ids_are_refused(server):
@@ -412,7 +415,11 @@ def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, si
     import random
 
     rng = random.Random(seed)
-    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1}
+    # max_staleness above the run's length: this test checks what kills and resumes do to the prompt accounting. With
+    # the default (4) this trainer-bound run keeps the queue's tail at the staleness bound, and a group that lands one
+    # update late is dropped by G4 (by design, in an uninterrupted run too); with whole groups in a row (keep_groups)
+    # that drops the prompt, which would read here as a prompt lost to the kill.
+    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1, "max_staleness": 16}
     settings = {"dataset_size": size, "resume": "auto", "config": cfg}
     steps_file = tmp_path / "run" / "steps.jsonl"
     done_kills = 0
