@@ -1,7 +1,6 @@
 """``python -m asyncgrpo`` = the ``asyncgrpo`` command."""
 
-import sys
-
 from asyncgrpo.cli import main
+from asyncgrpo.process_exit import exit_without_teardown
 
-sys.exit(main())
+exit_without_teardown(main())

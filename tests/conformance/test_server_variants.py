@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.sampling import SamplingSettings
+from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.trainer.server_setup import check_sampling_limits, probe_server
 from tests.helpers.raw_http import NEG_INF_WIRE, PROMPT, raw
 
@@ -28,8 +30,31 @@ MASK_MESSAGE = (
 
 
 @pytest.fixture(scope="module")
-def mask_server(embedded, tiny_llama_dir):
-    return embedded(tiny_llama_dir, "--max-model-len", "128", "--return-sampling-mask")
+def variant_servers(embedded, tiny_llama_dir, tmp_path_factory) -> dict[str, ServerProcess]:
+    """The module's three embedded servers, started side by side (one wait instead of three).
+
+    ``mask``: --return-sampling-mask; ``no_dev_mode``: VLLM_SERVER_DEV_MODE=0; ``genconfig``: a copy of the tiny
+    model whose generation_config.json sets top_k 3 and repetition_penalty 1.3, started without weight transfer
+    (vLLM's default).
+    """
+    model = tmp_path_factory.mktemp("genconfig") / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    cfg = json.loads((model / "generation_config.json").read_text())
+    cfg.update(top_k=3, repetition_penalty=1.3)
+    (model / "generation_config.json").write_text(json.dumps(cfg))
+    starts = {
+        "mask": (tiny_llama_dir, ("--max-model-len", "128", "--return-sampling-mask"), None),
+        "no_dev_mode": (tiny_llama_dir, ("--max-model-len", "64"), {"VLLM_SERVER_DEV_MODE": "0"}),
+        "genconfig": (model, ("--max-model-len", "64", "--weight-transfer-config", '{"backend": "none"}'), None),
+    }
+    with ThreadPoolExecutor(len(starts)) as pool:
+        started = {name: pool.submit(embedded, d, *flags, env=env) for name, (d, flags, env) in starts.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
+@pytest.fixture(scope="module")
+def mask_server(variant_servers):
+    return variant_servers["mask"]
 
 
 def test_sampling_mask_server_rejects_requests_without_top_k_or_temperature(mask_server):
@@ -88,9 +113,9 @@ DEV_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("
               ("POST", "/update_weights"), ("POST", "/finish_weight_update")]  # fmt: skip
 
 
-def test_without_dev_mode_rl_routes_are_bare_404s_and_the_client_says_what_to_set(embedded, tiny_llama_dir):
+def test_without_dev_mode_rl_routes_are_bare_404s_and_the_client_says_what_to_set(variant_servers):
     """entrypoints/launchers/api_server/routers.py: RL and dev routes exist only with VLLM_SERVER_DEV_MODE=1."""
-    server = embedded(tiny_llama_dir, "--max-model-len", "64", env={"VLLM_SERVER_DEV_MODE": "0"})
+    server = variant_servers["no_dev_mode"]
     for method, path in DEV_ROUTES:
         assert raw(server.base_url, method, path)[0] == 404, path
     status, _body = raw(server.base_url, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
@@ -111,15 +136,8 @@ def test_without_dev_mode_rl_routes_are_bare_404s_and_the_client_says_what_to_se
 
 
 @pytest.fixture(scope="module")
-def genconfig_server(embedded, tiny_llama_dir, tmp_path_factory):
-    """A copy of the tiny model whose generation_config.json sets top_k 3 and repetition_penalty 1.3; started
-    without weight transfer (vLLM's default)."""
-    model = tmp_path_factory.mktemp("genconfig") / "model"
-    shutil.copytree(tiny_llama_dir, model)
-    cfg = json.loads((model / "generation_config.json").read_text())
-    cfg.update(top_k=3, repetition_penalty=1.3)
-    (model / "generation_config.json").write_text(json.dumps(cfg))
-    return embedded(model, "--max-model-len", "64", "--weight-transfer-config", '{"backend": "none"}')
+def genconfig_server(variant_servers):
+    return variant_servers["genconfig"]
 
 
 def _finite_per_position(choice) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,9 +29,10 @@ PROMPT = [1, 17, 42, 99, 7]
 
 @pytest.fixture(scope="module")
 def servers(serve, tiny_llama_dir):
-    fast = serve(tiny_llama_dir, "--max-model-len", "256", "--engine-process", "on")  # top-N packed across processes
-    stdlib = serve(tiny_llama_dir, "--max-model-len", "256", env={"ASYNCGRPO_JSON": "stdlib"})
-    return fast, stdlib
+    with ThreadPoolExecutor(2) as pool:  # both start at once: one wait instead of two
+        fast = pool.submit(serve, tiny_llama_dir, "--max-model-len", "256", "--engine-process", "on")  # top-N packed
+        stdlib = pool.submit(serve, tiny_llama_dir, "--max-model-len", "256", env={"ASYNCGRPO_JSON": "stdlib"})
+        return fast.result(), stdlib.result()
 
 
 def _completion_bytes(base_url: str, seed: int, logprobs: int = 8) -> bytes:

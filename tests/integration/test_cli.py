@@ -150,6 +150,9 @@ def test_serve_hub_id_from_the_cache(tmp_path, tiny_llama_dir):
                 assert time.monotonic() < deadline, "the server did not answer /v1/models within 240 s"
                 time.sleep(0.5)
         assert models["data"][0]["id"] == "tiny-org/tiny-llama"
-    finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0  # SIGTERM is a clean stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

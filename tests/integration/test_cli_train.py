@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,11 +98,13 @@ def test_eval_command_matches_greedy_completions(run, serve):
     from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 
     path, out, _ = run
-    proc = asyncgrpo("eval", "--model", str(out), "--config", str(path), timeout=600)
+    with ThreadPoolExecutor(1) as pool:  # the reference server starts while the command runs
+        starting = pool.submit(serve, out, "--max-model-len", "256")
+        proc = asyncgrpo("eval", "--model", str(out), "--config", str(path), timeout=600)
+        server = starting.result()
     assert proc.returncode == 0, proc.stderr[-4000:]
     score = float(re.search(r"eval/reward ([0-9.]+) over 4 prompts \(greedy\)", proc.stdout).group(1))
 
-    server = serve(out, "--max-model-len", "256")
     tok = AutoTokenizer.from_pretrained(out)
     ds = reasoning_gym_dataset("chain_sum", size=4, seed=1, system_prompt=None)
 

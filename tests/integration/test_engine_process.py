@@ -11,15 +11,26 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]
+
+
+@pytest.fixture(scope="module")
+def servers(serve, tiny_llama_dir) -> list[ServerProcess]:
+    """Two engine-process servers started side by side (one wait instead of two); the second test kills its engine."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(
+            pool.map(lambda _: serve(tiny_llama_dir, "--max-model-len", "64", "--engine-process", "on"), range(2))
+        )
 
 
 async def _info(url: str) -> dict:
@@ -27,8 +38,8 @@ async def _info(url: str) -> dict:
         return (await c.server_info())["asyncgrpo"]
 
 
-def test_greedy_weights_pause_and_abort_through_the_engine_process(serve, tiny_llama_dir):
-    server = serve(tiny_llama_dir, "--max-model-len", "64", "--engine-process", "on")
+def test_greedy_weights_pause_and_abort_through_the_engine_process(servers, tiny_llama_dir):
+    server = servers[0]
     info = asyncio.run(_info(server.base_url))
     assert info["engine_pid"] != server.proc.pid  # the engine really runs in another process
 
@@ -67,8 +78,8 @@ def test_greedy_weights_pause_and_abort_through_the_engine_process(serve, tiny_l
     assert metrics["vllm:generation_tokens_total"] >= sum(len(r.token_ids) for r in results) + 3
 
 
-def test_a_killed_engine_process_fails_requests_and_health_with_its_exit_code(serve, tiny_llama_dir):
-    server = serve(tiny_llama_dir, "--max-model-len", "64", "--engine-process", "on")
+def test_a_killed_engine_process_fails_requests_and_health_with_its_exit_code(servers):
+    server = servers[1]
     pid = asyncio.run(_info(server.base_url))["engine_pid"]
 
     async def kill_mid_request():

@@ -9,11 +9,13 @@ match the new weights. A VLM's update carries only its text-model weights (what 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.recipes import tiny_model_dir
+from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
@@ -34,10 +36,22 @@ def _concurrent_greedy(base_url: str) -> list:
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_moe", "qwen3_vl"])
-def test_general_path_matches_hf_and_follows_weight_updates(serve, arch):
+ARCHS = ["qwen3_5", "qwen3_moe", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module")
+def servers(serve) -> dict[str, ServerProcess]:
+    """One server per architecture, started side by side (one wait instead of three)."""
+    dirs = [tiny_model_dir(arch) for arch in ARCHS]
+    with ThreadPoolExecutor(len(ARCHS)) as pool:
+        started = pool.map(lambda d: serve(d, "--max-model-len", "64", "--max-num-seqs", "4"), dirs)
+        return dict(zip(ARCHS, started, strict=True))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_general_path_matches_hf_and_follows_weight_updates(servers, arch):
     model_dir = tiny_model_dir(arch)
-    server = serve(model_dir, "--max-model-len", "64", "--max-num-seqs", "4")
+    server = servers[arch]
     model = hf_model(model_dir)
 
     for prompt, result in zip(PROMPTS, _concurrent_greedy(server.base_url)):

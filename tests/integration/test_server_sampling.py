@@ -9,6 +9,7 @@ start, to the token greedy decoding produces third, so EOS stopping is observabl
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ def setup(serve, tiny_llama_dir, tmp_path_factory):
     assert greedy[2] not in greedy[:2]
     # Same seed and architecture -> same weights; only the EOS id differs.
     model_dir = tiny_model_dir("llama", tmp_dir=tmp_path_factory.mktemp("eos") / "m", eos_token_id=greedy[2])
-    server = serve(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0")
-    masking = serve(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--return-sampling-mask", "--seed", "0")
+    flags = [("--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"),
+             ("--max-model-len", str(MAX_MODEL_LEN), "--return-sampling-mask", "--seed", "0")]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:  # both start at once: one wait instead of two
+        server, masking = pool.map(lambda f: serve(model_dir, *f), flags)
     return server, hf_model(model_dir), greedy, masking
 
 

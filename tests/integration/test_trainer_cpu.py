@@ -10,7 +10,9 @@ import asyncio
 import json
 import math
 import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,8 +57,16 @@ class SlowTrainer(AsyncGRPOTrainer):
 
 
 @pytest.fixture(scope="module")
-def server(serve, tiny_llama_dir):
-    return serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384")
+def servers(serve, tiny_llama_dir):
+    """The module's server and the top-k test's --return-sampling-mask one, started side by side."""
+    flags = ("--max-model-len", "256", "--kv-cache-tokens", "16384")
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda extra: serve(tiny_llama_dir, *flags, *extra), [(), ("--return-sampling-mask",)]))
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -151,27 +161,38 @@ def test_slow_trainer_drops_stale_samples_and_backpressures(tmp_path, server, ti
 
 
 def test_raising_reward_function_stops_the_run_with_its_name(tmp_path, server, tiny_llama_dir, dataset):
+    """Also covers the fault matrix's kept item (a raising reward is named, the run stops within 120 s)."""
     args = _config(tmp_path, server)
+    t0 = time.monotonic()
     trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[exploding_reward], args=args, train_dataset=dataset)
     with pytest.raises(RolloutWorkerError, match="exploding_reward.*the judge is offline"):
         trainer.train()
+    assert time.monotonic() - t0 < 120
 
 
 def test_killed_worker_stops_the_trainer(tmp_path, server, tiny_llama_dir, dataset):
+    """A SIGKILLed worker after step 1: the trainer stops within 30 s, naming the exit code (fault matrix, kept)."""
     from transformers import TrainerCallback
+
+    from tests.integration.test_fault_matrix import _pid_alive
+
+    killed: dict[str, float] = {}
 
     class KillWorker(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step == 1:
-                trainer.worker.process.kill()
+                killed["pid"] = trainer.worker.process.pid
+                os.kill(killed["pid"], signal.SIGKILL)
+                killed["at"] = time.monotonic()
 
     args = _config(tmp_path, server, max_steps=50)
     trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset)
     trainer.add_callback(KillWorker())
     t0 = time.monotonic()
-    with pytest.raises(RolloutWorkerError, match="exited unexpectedly"):
+    with pytest.raises(RolloutWorkerError, match=r"exited unexpectedly \(exit code -9\)"):
         trainer.train()
     assert time.monotonic() - t0 < 60
+    assert time.monotonic() - killed["at"] < 30 and not _pid_alive(int(killed["pid"]))
 
 
 def test_resume_restarts_at_the_first_untrained_prompt(tmp_path, server, tiny_llama_dir, dataset, monkeypatch):
@@ -200,11 +221,11 @@ def test_epochs_count_distinct_prompts(tmp_path, server, tiny_llama_dir):
     assert not math.isnan(_metrics(tmp_path)[-1].get("epoch", math.nan))
 
 
-def test_top_k_renormalises_over_the_sampling_masks(tmp_path, serve, tiny_llama_dir, dataset):
+def test_top_k_renormalises_over_the_sampling_masks(tmp_path, servers, tiny_llama_dir, dataset):
     """G9: with top_k the server returns candidate sets and the trainer renormalises over them, so on-policy
     log-probs agree; without the renormalisation they would differ by log(mass of the top-k set) (> 1 nat here).
     """
-    masked = serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384", "--return-sampling-mask")
+    masked = servers[1]  # --return-sampling-mask
     args = _config(tmp_path, masked, max_steps=1, top_k=20, temperature=0.9, log_completions=True,
                    num_completions_to_print=2)  # fmt: skip
     AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()

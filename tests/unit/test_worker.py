@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,24 @@ class CountingLoop:
             await asyncio.sleep(0.01)
         while not channels.stop.is_set():
             await asyncio.sleep(0.05)
+
+
+class FloodingLoop:
+    """Queues far more than a pipe holds (samples generated ahead of a step the trainer never takes), then waits.
+
+    It also registers an exit hook in the child (as a user's reward module might) that writes ``marker``.
+    """
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    async def run(self, channels) -> None:
+        atexit.register(lambda: Path(self.marker).write_text("ran"))
+        for i in range(40):
+            channels.samples.put({"i": i, "payload": b"x" * 100_000})
+            channels.put_metric("rollout/test_count", 1)
+        while not channels.stop.is_set():
+            await asyncio.sleep(0.02)
 
 
 class FailingLoop:
@@ -102,3 +122,22 @@ def test_timeout_names_what_it_waited_for():
             w.get_sample(timeout=1.0)
     finally:
         w.stop()
+
+
+def test_stop_ends_a_worker_with_unread_samples_at_once(tmp_path):
+    """Samples the trainer will never read do not hold the child's exit: it ends cleanly, not terminated, and
+    runs its exit hooks."""
+    w = RolloutWorker(FloodingLoop(str(tmp_path / "hook")), heartbeat_timeout=30)
+    w.start()
+    try:
+        assert w.get_sample(timeout=60)["i"] == 0
+        time.sleep(0.5)  # the child has queued the rest, 3.9 MB, into a pipe nobody empties
+        t0 = time.monotonic()
+        w.stop(timeout=10)
+        took = time.monotonic() - t0
+    finally:
+        if w.process.is_alive():
+            w.process.kill()
+    assert w.process.exitcode == 0, w.process.exitcode  # terminate() would give -15
+    assert took < 5, f"stop() took {took:.1f}s"
+    assert (tmp_path / "hook").read_text() == "ran"

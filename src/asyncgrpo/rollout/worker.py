@@ -30,6 +30,8 @@ from multiprocessing.connection import wait as wait_ready
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
+from asyncgrpo.process_exit import exit_without_teardown
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0  # how often the child stamps the heartbeat
@@ -127,7 +129,24 @@ def _child_main(loop_conn: Any, channels: WorkerChannels, parent_pid: int) -> No
         asyncio.run(_run_child(loop_obj, channels))
     except BaseException:  # noqa: BLE001 - process boundary: everything goes back to the trainer
         channels.errors.put(traceback.format_exc())
+        _drop_unread_when_stopped(channels)
         raise SystemExit(1) from None
+    if channels.stop.is_set():
+        _drop_unread_when_stopped(channels)
+        exit_without_teardown(0)  # nothing is left to hand over; the trainer waits for this exit
+
+
+def _drop_unread_when_stopped(channels: WorkerChannels) -> None:
+    """Once the trainer asked us to stop it reads no more samples or metrics: do not wait to flush them.
+
+    A queue's feeder thread writes into a pipe; at exit the process waits for it to push everything out. With
+    the trainer gone from the other end and more than a pipe's worth left (samples generated ahead of the last
+    step), that wait never ends and ``RolloutWorker.stop`` had to time out and terminate the child (10 s at the
+    end of every run). The error queue is kept: a traceback must still reach the trainer.
+    """
+    if channels.stop.is_set():
+        channels.samples.cancel_join_thread()
+        channels.metrics.cancel_join_thread()
 
 
 class RolloutWorker:
@@ -322,5 +341,7 @@ class RolloutWorker:
         if self.process is not None and self.process.is_alive():
             self.process.join(timeout)
             if self.process.is_alive():
+                logger.warning("the rollout worker (pid %d) did not exit within %.0fs of the stop signal; terminating it",
+                               self.process.pid, timeout)  # fmt: skip
                 self.process.terminate()
                 self.process.join(timeout)

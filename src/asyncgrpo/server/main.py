@@ -26,6 +26,8 @@ import signal
 import sys
 from typing import Any
 
+from asyncgrpo.process_exit import exit_without_teardown
+
 logger = logging.getLogger(__name__)
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
@@ -199,7 +201,10 @@ async def _serve(app: Any, host: str, port: int) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the engine and serve until SIGINT/SIGTERM. Returns the exit code."""
+    """Load the model, start the engine and serve until SIGINT/SIGTERM; the process then exits with 0.
+
+    Returns the exit code of a failed start (2).
+    """
     from asyncgrpo.server.app import create_app
     from asyncgrpo.server.engine import Engine
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
@@ -248,7 +253,7 @@ def run_serve(args: argparse.Namespace) -> int:
         asyncio.run(_serve(create_app(engine, tokenizer, config), args.host, args.port))
     finally:
         engine.shutdown()
-    return 0
+    exit_without_teardown(0)  # skips seconds of interpreter teardown that whoever stopped the server waits for
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,7 @@ class RolloutSource:
         sample_timeout: seconds to wait for one sample while the worker is healthy.
         weight_sync_steps: optimizer steps between weight pushes (staleness counts pushes).
         settled: outcomes of prompts past ``start_index`` restored from a checkpoint; all but ``stale`` are skipped.
-        zero_std_patience: consecutive all-tied groups after which the run stops.
+        zero_std_patience: consecutive all-tied groups after which the run stops (default ``ZERO_STD_PATIENCE_GROUPS``).
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class RolloutSource:
         sample_timeout: float = 1800.0,
         weight_sync_steps: int = 1,
         settled: dict[int, str] | None = None,
-        zero_std_patience: int = ZERO_STD_PATIENCE_GROUPS,
+        zero_std_patience: int | None = None,
     ) -> None:
         self.worker = worker
         self.batcher = batcher
@@ -105,7 +105,8 @@ class RolloutSource:
         self.total_prompts = total_prompts
         self.sample_timeout = sample_timeout
         self.weight_sync_steps = max(int(weight_sync_steps), 1)
-        self.zero_std_patience = zero_std_patience
+        # Read at construction, not at import: a test run lowers the module's bound to reach it in a few groups.
+        self.zero_std_patience = ZERO_STD_PATIENCE_GROUPS if zero_std_patience is None else zero_std_patience
         self.policy_version = 0
         self.first_untrained = start_index
         self._consumed: dict[int, str] = {}  # settled prompts past first_untrained -> outcome

@@ -3,7 +3,9 @@
     python run_trainer.py SETTINGS.json
 
 SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``resume`` (bool) and ``config``
-(extra ``AsyncGRPOConfig`` keywords). It writes, next to the output dir:
+(extra ``AsyncGRPOConfig`` keywords). The scenarios that kill nothing build the same run in the test process with
+``build(settings, where)`` (the fault-matrix module puts this folder on ``sys.path``, so the spawned rollout
+worker imports the reward functions from ``run_trainer`` by name). It writes, next to the output dir:
 
 * ``worker.pid``: the rollout worker's pid once step 1 ended;
 * ``steps.jsonl``: ``{"begin": step}`` when a run starts (the step it resumed at), then one line per optimizer
@@ -62,9 +64,8 @@ class Record(TrainerCallback):
             (self.where / "worker.pid").write_text(str(self.trainer.worker.process.pid))
 
 
-def main(settings_path: str) -> None:
-    s = json.loads(Path(settings_path).read_text())
-    where = Path(settings_path).parent
+def build(s: dict, where: Path) -> AsyncGRPOTrainer:
+    """The trainer of settings ``s``, recording into ``where`` (``steps.jsonl``, ``worker.pid``)."""
     dataset = reasoning_gym_dataset("chain_sum", size=s.get("dataset_size", 24), seed=0, system_prompt=None)
     cfg = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
         output_dir=s["output_dir"],
@@ -88,6 +89,12 @@ def main(settings_path: str) -> None:
         s["model_dir"], reward_funcs=[reward], args=AsyncGRPOConfig(**cfg), train_dataset=dataset
     )
     trainer.add_callback(Record(trainer, where))
+    return trainer
+
+
+def main(settings_path: str) -> None:
+    s = json.loads(Path(settings_path).read_text())
+    trainer = build(s, Path(settings_path).parent)
     resume = s.get("resume", False)
     if resume == "auto":
         resume = any(Path(s["output_dir"]).glob("checkpoint-*"))
