@@ -93,6 +93,15 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, tag: 
     return [outs[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
+def warm_cache(engine: Engine) -> SamplingParams:
+    """Run BASES[0] twice (the second run hits its 3 full blocks: 12 tokens); returns the greedy params used."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    _run(engine, [BASES[0]], params, "a")
+    _run(engine, [BASES[0]], params, "b")
+    assert engine.stats().prefix_cache_hits_total == 12
+    return params
+
+
 GROUP = 4
 BASES = [[(7 * j + 3 * i) % 500 + 2 for i in range(13)] for j in range(3)]  # 13 tokens: 3 full blocks + 1
 # two groups with equal prompts, one prompt that shares only its first two blocks, two of exactly 3 blocks
@@ -146,10 +155,7 @@ def test_hit_counters_match_a_hand_count(runs):
 def test_weight_load_and_reset_invalidate():
     engine = _engine(True)
     try:
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        _run(engine, [BASES[0]], params, "a")
-        _run(engine, [BASES[0]], params, "b")
-        assert engine.stats().prefix_cache_hits_total == 12
+        params = warm_cache(engine)
         assert engine.reset_prefix_cache() is True
         _run(engine, [BASES[0]], params, "c")
         assert engine.stats().prefix_cache_hits_total == 12  # missed after the reset

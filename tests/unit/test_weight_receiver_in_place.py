@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from asyncgrpo.server.request import SamplingParams
 from asyncgrpo.server.weight_receiver import WeightReceiver
 from asyncgrpo.weights.collectives import TensorMeta, dtype_name
 from asyncgrpo.weights.wire import send_tensors
 from tests.unit.test_client_collectives import _run_pair
-from tests.unit.test_prefix_cache import BASES, _engine, _run
+from tests.unit.test_prefix_cache import BASES, _engine, _run, warm_cache
 
 
 def test_unpacked_round_lands_in_place_and_resets_the_prefix_cache():
     engine = _engine(True)
     try:
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        _run(engine, [BASES[0]], params, "a")
-        _run(engine, [BASES[0]], params, "b")
-        assert engine.stats().prefix_cache_hits_total == 12
+        params = warm_cache(engine)
         named = list(engine.named_parameters())
         ptrs = {n: p.data_ptr() for n, p in named}
         g = torch.Generator().manual_seed(0)
