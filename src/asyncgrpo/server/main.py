@@ -149,11 +149,14 @@ def _weight_backend(args: argparse.Namespace, device_type: str) -> str:
     return backend
 
 
+def _weight_timeout_s(args: argparse.Namespace) -> float:
+    return float(args.weight_transfer_config.get("timeout_s", 1800.0))
+
+
 def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
     from asyncgrpo.server.app import ServerConfig
     from asyncgrpo.server.generation_defaults import load_generation_defaults
 
-    wt = args.weight_transfer_config
     backend = _weight_backend(args, engine.device.type)
     gen = load_generation_defaults(args.generation_config, args.model, args.override_generation_config)
     return ServerConfig(
@@ -166,7 +169,7 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
         weight_transfer_backend=None if backend == "none" else backend,
-        weight_transfer_timeout_s=float(wt.get("timeout_s", 1800.0)),
+        weight_transfer_timeout_s=_weight_timeout_s(args),
         seed=args.seed,
         max_num_seqs=engine.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -229,8 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
             from asyncgrpo.server.engine_process import RemoteEngine
 
-            timeout_s = float(args.weight_transfer_config.get("timeout_s", 1800.0))
-            engine = RemoteEngine(engine_kwargs, (_weight_backend(args, device_type), timeout_s))
+            engine = RemoteEngine(engine_kwargs, (_weight_backend(args, device_type), _weight_timeout_s(args)))
             logger.info("the engine runs in its own process (pid %d)", engine.pid)
         else:
             engine = Engine(**engine_kwargs)
