@@ -266,9 +266,12 @@ class RemoteEngine:
             self._send(("stop",))
         except (RuntimeError, OSError):
             pass
-        self._proc.join(timeout=60)
+        self._proc.join(timeout=LOG_EVERY_S)
+        if self._proc.is_alive():  # it finishes its step and frees the GPU first; say what we wait for
+            logger.info("waiting for the engine process (pid %d) to stop", self._proc.pid)
+            self._proc.join(timeout=LOG_EVERY_S)
         if self._proc.is_alive():
-            logger.warning("the engine process did not stop within 60 s; killing it")
+            logger.warning("the engine process did not stop within %.0f s; killing it", 2 * LOG_EVERY_S)
             self._proc.kill()
             self._proc.join(timeout=10)
 
