@@ -129,6 +129,7 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
 
     engine = Engine(model_dir, dtype=opts.dtype, device=opts.device, max_model_len=opts.max_model_len,
                     max_num_seqs=opts.max_num_seqs, kv_cache_tokens=opts.kv_cache_tokens)  # fmt: skip
+    opts.in_process_kv_cache_tokens = engine.kv_cache_tokens
     core = engine._core
     sampler_s = [0.0]
     inner = core.sampler
@@ -243,8 +244,13 @@ def _row(reqs: list[Req], tokens: int, seconds: float, stages: dict[str, float])
 
 def _sampling(base_url: str, opts: argparse.Namespace, cls: type = SamplingSettings) -> SamplingSettings:
     return cls(base_url=base_url, max_model_len=opts.max_model_len, max_completion_length=opts.max_model_len,
-               temperature=1.0, num_sampler_logprobs=opts.logprobs, kv_cache_tokens=opts.kv_cache_tokens,
+               temperature=1.0, num_sampler_logprobs=opts.logprobs, kv_cache_tokens=opts.server_kv_cache_tokens,
                has_metrics=True, initial_tokens_per_step=10**12)  # fmt: skip
+
+
+async def _server_kv_tokens(base_url: str) -> int | None:
+    async with AsyncServerClient(base_url) as client:
+        return await client.kv_cache_tokens()
 
 
 async def _server_stages(client: AsyncServerClient) -> dict[str, Any]:
@@ -375,6 +381,9 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
         row["phases"] = {"first_group": _phase(_server_delta(before, at_first), first_s),
                          "after_first_group": _phase(_server_delta(at_first, after), seconds - first_s)}  # fmt: skip
         row["trained_tokens_queued"] = trained_tokens
+        kv = opts.server_kv_cache_tokens
+        row["initial_concurrency_cap"] = min(len(reqs), kv // opts.max_model_len) if kv else len(reqs)
+        row["max_concurrency"] = max((v for n, v, _ in metrics if n == "rollout/concurrency"), default=0)
         results[name] = row
     return results
 
@@ -452,9 +461,11 @@ def main() -> int:
     ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (in process, HTTP); the median")
     ap.add_argument("--kv-cache-tokens", type=int, default=0,
-                    help="server KV cache (default: max_num_seqs x max_model_len). The worker's first concurrency cap "
-                         "is this / max_model_len (G5), so the default caps it at max_num_seqs: no queue on the server "
-                         "to refill a finished slot from, unlike the HTTP variant's all-at-once requests")  # fmt: skip
+                    help="KV cache of the engine and the server (default: their own sizing from "
+                         "gpu_memory_utilization, as a user's server; on CPU 2 x max_num_seqs x max_model_len). The "
+                         "worker's first concurrency cap is this / max_model_len (G5): set max_num_seqs x "
+                         "max_model_len to pin it at max_num_seqs, which leaves no queue on the server to refill a "
+                         "finished slot from")  # fmt: skip
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -480,7 +491,9 @@ def main() -> int:
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16
     opts.max_num_seqs = 256 if not opts.tiny else 64
-    opts.kv_cache_tokens = opts.kv_cache_tokens or opts.max_num_seqs * opts.max_model_len
+    if opts.tiny and not opts.kv_cache_tokens:
+        opts.kv_cache_tokens = 2 * opts.max_num_seqs * opts.max_model_len
+    opts.kv_cache_tokens = opts.kv_cache_tokens or None  # None: the engine's and server's own sizing
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
@@ -522,9 +535,10 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
 
     failures = []
     flags = ["--device", opts.device, "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len),
-             "--max-num-seqs", str(opts.max_num_seqs), "--kv-cache-tokens", str(opts.kv_cache_tokens),
-             "--served-model-name", SERVED_NAME, "--max-logprobs", str(max(opts.logprobs, 20)),
-             *shlex.split(opts.server_args)]  # fmt: skip
+             "--max-num-seqs", str(opts.max_num_seqs), "--served-model-name", SERVED_NAME,
+             "--max-logprobs", str(max(opts.logprobs, 20)), *shlex.split(opts.server_args)]  # fmt: skip
+    if opts.kv_cache_tokens:
+        flags += ["--kv-cache-tokens", str(opts.kv_cache_tokens)]
     env = {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None
     try:
         server = launch_server(model_dir, extra_args=flags, env=env, log_path=tmp / "server.log",
@@ -532,6 +546,9 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
     except Exception as exc:  # noqa: BLE001
         return [f"server start: {type(exc).__name__}: {exc}"]
     with server:
+        opts.server_kv_cache_tokens = asyncio.run(_server_kv_tokens(server.base_url))  # what the worker's G5 reads
+        results["kv_cache_tokens"] = {"in_process": getattr(opts, "in_process_kv_cache_tokens", None),
+                                      "server": opts.server_kv_cache_tokens}  # fmt: skip
         for name, fn in (("http", run_http), ("worker", run_worker)):
             if name not in variants:
                 continue

@@ -38,6 +38,10 @@ def test_tiny_run_reports_every_variant_and_shape(tmp_path):
         assert o_lo * expected_requests <= rows[0]["generated_tokens"] <= o_hi * expected_requests
         assert rows[0]["stages"]["decode_steps"] > 0 and rows[1]["stages"]["server_response_build_s"] > 0
         assert rows[2]["trained_tokens_queued"] > 0  # the worker scored groups and queued training samples
+        # G5: the worker's first cap is the server's KV tokens / max_model_len, and it never ran more than that
+        kv = result["kv_cache_tokens"]["server"]
+        assert rows[2]["initial_concurrency_cap"] == min(expected_requests, kv // result["max_model_len"])
+        assert 0 < rows[2]["max_concurrency"] <= rows[2]["initial_concurrency_cap"]
         assert set(result["ratios"][shape]) == {"http_over_in_process", "worker_over_in_process",
                                                 "worker_steady_over_in_process"}  # fmt: skip
 
