@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.client.answer_parse import AnswerParsers, default_parse_processes
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.sampling import SamplingSettings
@@ -273,9 +274,11 @@ def _server_delta(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req]) -> tuple[int, float, dict]:
+async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req], parsers: AnswerParsers
+                    ) -> tuple[int, float, dict]:  # fmt: skip
     sampling = _sampling(base_url, opts)
-    async with AsyncServerClient(base_url, max_connections=len(reqs) + 4, timeout=_remaining()) as client:
+    async with AsyncServerClient(base_url, max_connections=len(reqs) + 4, timeout=_remaining(),
+                                 answer_parsers=parsers) as client:  # fmt: skip
         before = await _server_stages(client)
 
         async def one(i: int, r: Req) -> int:
@@ -295,12 +298,22 @@ async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req]) ->
 
 
 def run_http(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
-    asyncio.run(_http_run(base_url, opts, _warmup(workloads)))
-    results = {}
-    for name, reqs in workloads.items():
-        rows = [_row(reqs, *asyncio.run(_http_run(base_url, opts, reqs))) for _ in range(opts.repeats)]
-        results[name] = _median_row(rows)
-    return results
+    return asyncio.run(_http_all(base_url, opts, workloads))
+
+
+async def _http_all(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
+    """Every HTTP run in one event loop, with the answer-parsing helpers the rollout worker's client has."""
+    parsers = AnswerParsers(default_parse_processes())
+    try:
+        await parsers.start()
+        await _http_run(base_url, opts, _warmup(workloads), parsers)
+        results: dict[str, Any] = {"answer_parse_processes": parsers.processes}
+        for name, reqs in workloads.items():
+            rows = [_row(reqs, *await _http_run(base_url, opts, reqs, parsers)) for _ in range(opts.repeats)]
+            results[name] = _median_row(rows)
+        return results
+    finally:
+        await parsers.close()
 
 
 # ---------------------------------------------------------------------- variant 3: the rollout worker
@@ -395,6 +408,7 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
         row["trained_tokens_queued"] = trained_tokens
         kv = opts.server_kv_cache_tokens
         row["initial_concurrency_cap"] = min(len(reqs), kv // opts.max_model_len) if kv else len(reqs)
+        row["answer_parse_processes"] = default_parse_processes()  # RolloutSettings' default, as in a real run
         row["max_concurrency"] = max((v for n, v, _ in metrics if n == "rollout/concurrency"), default=0)
         results[name] = row
     return results
