@@ -18,8 +18,8 @@ state. Unseeded rows use the engine's ``torch.Generator`` (seeded from the
 engine's ``seed``).
 
 Fast path (CUDA): when every row only asks for a temperature (no truncation,
-penalty, ban or mask), :mod:`sample_kernel` does (c), (g) and the race in one
-pass over the logits, with the same seeded noise.
+penalty, ban or mask), :mod:`sample_kernel` does (c), (g), the race and the
+top-N in one read of the logits, with the same seeded noise.
 
 Memory: the batch is one [B, V] fp32 tensor edited in place; row subsets
 (top-k/top-p sorts, noise, top-N, masks) are processed in chunks of
@@ -69,10 +69,12 @@ class PendingSample:
     """One step's sampling in flight: ``tokens`` [B] on the device now, the host lists after :meth:`result`."""
 
     def __init__(self, tokens: torch.Tensor, done: SampleResult | None = None, host: torch.Tensor | None = None,
-                 event=None, params=None, asked=None, n: int = 0) -> None:  # fmt: skip
+                 event=None, params=None, asked=None, n: int = 0, all_rows: bool = False) -> None:  # fmt: skip
+        """``host`` holds [B ids, B log-probs, R x n top-N ids, R x n top-N log-probs]: R rows are the ``asked``
+        ones in order, or every row when ``all_rows`` (the kernel selects top-N for the whole batch)."""
         self.tokens = tokens
         self._done, self._host, self._event = done, host, event
-        self._params, self._asked, self._n = params, asked, n
+        self._params, self._asked, self._n, self._all_rows = params, asked, n, all_rows
 
     @property
     def deferred(self) -> bool:
@@ -87,14 +89,16 @@ class PendingSample:
         host = self._host
         assert host is not None
         params, asked, n = self._params, self._asked, self._n
-        B, m = len(params), len(asked) * n
+        B = len(params)
+        m = (B if self._all_rows else len(asked)) * n
         top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
         if asked:
             # ids convert to Python ints in one C pass and the (id, log-prob) pairs come from one zip: no Python
             # frame per entry (this runs on the engine thread every step, batch x top-N entries)
             pairs = list(zip(host[2 * B : 2 * B + m].to(torch.int64).tolist(), host[2 * B + m :].tolist()))
             for j, i in enumerate(asked):
-                top[i] = pairs[j * n : j * n + params[i].logprobs]
+                slot = i if self._all_rows else j
+                top[i] = pairs[slot * n : slot * n + params[i].logprobs]
         self._done = SampleResult(
             token_ids=host[:B].to(torch.int64).tolist(), logprobs=host[B : 2 * B].tolist(), top_logprobs=top,
             masks=[None] * B,
@@ -186,8 +190,8 @@ class Sampler:
         self._flip = 0
 
     def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
-        """The one-pass kernel and top-N from one ``topk``, packed into one tensor whose device->host copy is
-        started here; :meth:`PendingSample.result` waits for it."""
+        """The split-vocabulary kernels (token, log-prob, top-N up to :data:`sample_kernel.MAX_TOP_N`) write one
+        packed tensor whose device->host copy is started here; :meth:`PendingSample.result` waits for it."""
         B, V = logits.shape
         params = [r.params for r in rows]
         static = [r.kernel_args or _kernel_args(r) for r in rows]
@@ -201,18 +205,20 @@ class Sampler:
         else:
             rand = meta_t[0]
         x = logits if logits.stride(1) == 1 else logits.contiguous()
-        tokens, chosen, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
         asked = [i for i, p in enumerate(params) if p.logprobs]
-        parts = [tokens.double(), chosen.double()]
         n = min(max((params[i].logprobs for i in asked), default=0), V)
-        if asked:
+        if n <= sample_kernel.MAX_TOP_N:  # top-N of every row selected in the kernel, packed by it
+            tokens, packed, _ = sample_kernel.fused_sample(x, temps_t, meta_t, rand, top_n=n)
+            n, all_rows = sample_kernel.kernel_top_n(n), True
+        else:  # rare (a server started with a larger --max-logprobs): one torch.topk over the rows that asked
+            tokens, packed, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
             idx = None if len(asked) == B else torch.tensor(asked, device=dev)
             sub = x if idx is None else x.index_select(0, idx)
             vals, ids = sub.topk(n, dim=1)
             t, z = (temps_t, lse) if idx is None else (temps_t[idx], lse[idx])
             vals = vals.float() / t[:, None] - z[:, None]
-            parts += [ids.double().flatten(), vals.double().flatten()]
-        packed = torch.cat(parts)
+            packed = torch.cat([packed, ids.double().flatten(), vals.double().flatten()])
+            all_rows = False
         self._flip ^= 1  # two pinned buffers: one step's copy may still be read while the next one's starts
         buf = self._pinned[self._flip]
         if buf is None or buf.numel() < packed.numel():
@@ -223,7 +229,8 @@ class Sampler:
         event = torch.cuda.Event() if dev.type == "cuda" else None
         if event is not None:
             event.record()
-        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n)
+        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n,
+                             all_rows=all_rows)  # fmt: skip
 
     @torch.no_grad()
     def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
