@@ -19,8 +19,12 @@ idle and scanned 152 k elements serially):
 Top-N without sorting: a candidate is one int64 key, the fp32 bits of ``x``
 mapped to an order-preserving signed integer in the high half and
 ``2**31 - 1 - token`` in the low half, so one ``max`` gives the largest value
-and, among equal values, the lowest token id; N rounds of max-and-remove
-select the top N (plain ``tl`` ops, which also run under ``TRITON_INTERPRET``).
+and, among equal values, the lowest token id. A slice keeps the best key of
+each group of :data:`GROUP` columns; each of N rounds takes the best group head
+and recomputes that group's next one from its logits (read again, from cache),
+so a round costs O(slice / GROUP + GROUP), not a pass over the slice. The
+combine step merges the slices' sorted lists the same way. Plain ``tl`` ops
+only, which also run under ``TRITON_INTERPRET``.
 
 The noise is :func:`asyncgrpo.server.sampler.hashed_exponential`'s counter hash
 computed in the kernel, bit for bit (the per-row key in int64 masked to 32 bits,
@@ -53,6 +57,7 @@ MAX_TOP_N = 32  # largest top-N selected in the kernel; the sampler uses torch.t
 # slice's candidates, so a row has at most MAX_SLICES slices (the slice grows for very large vocabularies).
 SLICE_SIZES = (4096, 2048, 1024)
 MAX_SLICES = 256
+GROUP = 32  # top-N bookkeeping: a slice's best candidate per group of GROUP columns (see _slice_kernel)
 
 if triton is not None:
     _NO_KEY = tl.constexpr(-(2**63))  # below every candidate key: removed or out-of-range lanes
@@ -78,7 +83,7 @@ if triton is not None:
     @triton.jit
     def _slice_kernel(
         logits_ptr, stride_row, temp_ptr, meta_ptr, rand_ptr, part_f_ptr, part_i_ptr, part_k_ptr,
-        V, B, S, BLOCK: tl.constexpr, N: tl.constexpr,
+        V, B, S, BLOCK: tl.constexpr, G: tl.constexpr, N: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -92,12 +97,14 @@ if triton is not None:
         if mode == 1:
             key = tl.load(rand_ptr + row) & 0xFFFFFFFF
         key32 = key.to(tl.uint32)
-        cols = split * BLOCK + tl.arange(0, BLOCK)
+        R: tl.constexpr = BLOCK // G
+        first = split * BLOCK
+        cols = first + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]  # [R, G]: the slice, G per group
         ok = cols < V
         base = logits_ptr + row.to(tl.int64) * stride_row
-        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32) / temp  # [BLOCK]
-        m = tl.max(x, axis=0)
-        s = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=0)
+        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32) / temp
+        m = tl.max(tl.max(x, axis=1), axis=0)
+        s = tl.sum(tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=1), axis=0)
         if mode == 0:
             score = x
         else:
@@ -106,9 +113,9 @@ if triton is not None:
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             e = tl.maximum(-tl.log(u), 1.1754943508222875e-38)
             score = tl.where(x == float("-inf"), float("-inf"), x - tl.log(e))
-        top = tl.max(score, axis=0)
-        idx = tl.min(tl.where(score == top, cols, 2147483647), axis=0)  # lowest index among equal scores
-        x_at = tl.max(tl.where(cols == idx, x, float("-inf")), axis=0)
+        top = tl.max(tl.max(score, axis=1), axis=0)
+        idx = tl.min(tl.min(tl.where(score == top, cols, 2147483647), axis=1), axis=0)  # lowest among equals
+        x_at = tl.max(tl.max(tl.where(cols == idx, x, float("-inf")), axis=1), axis=0)
         off = row * S + split
         tl.store(part_f_ptr + off, m)
         tl.store(part_f_ptr + B * S + off, s)
@@ -116,14 +123,29 @@ if triton is not None:
         tl.store(part_f_ptr + 3 * B * S + off, x_at)
         tl.store(part_i_ptr + off, idx)
         if N > 0:
-            xb = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes +0.0, so the two tie as in torch
-            ordered = xb ^ ((xb >> 31) & 0x7FFFFFFF)  # signed order of the ints = order of the floats
-            keys = (ordered.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
-            keys = tl.where(ok, keys, tl.full([BLOCK], _NO_KEY, tl.int64))
+            # each group's best candidate; a round takes the best of the R group heads and refills the head
+            # of its group from that group's G logits read again (cached): O(R + G) work a round, not O(BLOCK)
+            gx = tl.max(x, axis=1)  # [R]
+            gi = tl.min(tl.where(x == gx[:, None], cols, 2147483647), axis=1)
+            # candidate key (inline: a nested jit call costs milliseconds under TRITON_INTERPRET): the value's
+            # bits as an order-preserving int32 (+ 0.0: -0.0 ties with +0.0, as in torch) above 2**31 - 1 - id
+            b = (gx + 0.0).to(tl.int32, bitcast=True)
+            heads = ((b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gi).to(tl.int64)
+            heads = tl.where(gi < V, heads, _NO_KEY)
+            groups = tl.arange(0, R)
+            lanes = tl.arange(0, G)
             for j in range(N):
-                best = tl.max(keys, axis=0)
+                best = tl.max(heads, axis=0)
                 tl.store(part_k_ptr + off * N + j, best)
-                keys = tl.where(keys == best, _NO_KEY, keys)
+                col = 2147483647 - (best & 2147483647)
+                g = tl.where(best == _NO_KEY, 0, (col - first) // G).to(tl.int32)
+                gc = first + g * G + lanes  # [G]
+                okg = gc < V
+                xg = tl.load(base + gc, mask=okg, other=float("-inf")).to(tl.float32) / temp
+                b = (xg + 0.0).to(tl.int32, bitcast=True)
+                kg = ((b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gc).to(tl.int64)
+                kg = tl.where(okg & (kg < best), kg, _NO_KEY)  # keys >= best of this group are taken already
+                heads = tl.where(groups == g, tl.max(kg, axis=0), heads)
 
     @triton.jit
     def _combine_kernel(
@@ -150,16 +172,21 @@ if triton is not None:
         tl.store(packed_ptr + row, win.to(tl.float64))
         tl.store(packed_ptr + B + row, (x_win - lse).to(tl.float64))
         if N > 0:
-            c = tl.arange(0, S_P * N)
-            keys = tl.load(part_k_ptr + row * S * N + c, mask=(c // N) < S, other=_NO_KEY)
+            # merge of the slices' descending candidate lists: a round takes the best head and advances its list
+            lists = part_k_ptr + off * N  # [S_P] list starts
+            taken = tl.zeros([S_P], tl.int32)
+            heads = tl.load(lists, mask=ok, other=_NO_KEY)
             for j in range(N):
-                best = tl.max(keys, axis=0)
+                best = tl.max(heads, axis=0)
                 hi32 = (best >> 32).to(tl.int32)
                 value = (hi32 ^ ((hi32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
                 token = 2147483647 - (best & 2147483647)
                 tl.store(packed_ptr + 2 * B + row * N + j, token.to(tl.float64))
                 tl.store(packed_ptr + 2 * B + B * N + row * N + j, (value - lse).to(tl.float64))
-                keys = tl.where(keys == best, _NO_KEY, keys)
+                src = sp == tl.min(tl.where(heads == best, sp, S_P), axis=0)
+                taken = tl.where(src, taken + 1, taken)
+                nxt = tl.load(lists + taken, mask=ok & src & (taken < N), other=_NO_KEY)
+                heads = tl.where(src, nxt, heads)
 
 
 def kernel_top_n(n: int) -> int:
@@ -218,7 +245,7 @@ def fused_sample(
     lse = torch.empty(B, dtype=torch.float32, device=dev)
     packed = torch.empty(2 * B + 2 * B * k, dtype=torch.float64, device=dev)
     _slice_kernel[(B, S)](logits, logits.stride(0), temps, meta, rand_keys, part_f, part_i, part_k, V, B, S,
-                          BLOCK=block, N=k, num_warps=8 if block >= 4096 else 4)  # fmt: skip
+                          BLOCK=block, G=GROUP, N=k, num_warps=8 if block >= 4096 else 4)  # fmt: skip
     _combine_kernel[(B,)](part_f, part_i, part_k, tokens, lse, packed, B, S, S_P=triton.next_power_of_2(S), N=k,
                           num_warps=4)  # fmt: skip
     return tokens, packed, lse
