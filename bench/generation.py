@@ -300,14 +300,14 @@ def main() -> int:
     _free(device)
 
     # -------------------------------------------------------------- baseline
-    hf_runs = [(1, 1.0)]
+    hf_runs: list[tuple[int, float]] = []  # --no-hf: no baseline, and no ratio either
     if not args.no_hf:
         run_hf(model, prompts, 4, device)  # warm-up
         hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
 
     # ---------------------------------------------------------------- report
     eng_tps = statistics.median(t / s for t, s in engine_runs)
-    hf_tps = statistics.median(t / s for t, s in hf_runs)
+    hf_tps = statistics.median(t / s for t, s in hf_runs) if hf_runs else None
     result = {
         "benchmark": "B5 embedded engine generation throughput",
         "smoke": args.smoke,
@@ -349,11 +349,13 @@ def main() -> int:
             "median_tokens_per_s": hf_tps,
         },
         "model_init_seconds": model_init_s,
-        "ratio_engine_over_hf": eng_tps / hf_tps,
+        "ratio_engine_over_hf": eng_tps / hf_tps if hf_tps else None,
     }
     print(f"\nB5 generation, {n_req} requests x ({p_len} prompt + {o_len} output), {result['machine']['gpu'] or 'CPU'}")
     print(f"{'':16}{'tokens':>10}{'seconds':>10}{'tok/s':>12}")
     for name, runs, tps in (("engine", engine_runs, eng_tps), ("HF generate", hf_runs, hf_tps)):
+        if not runs:
+            continue
         t, s = runs[len(runs) // 2]
         print(f"{name:16}{t:>10}{s:>10.2f}{tps:>12.0f}")
     dec = steps["decode"]
@@ -364,10 +366,11 @@ def main() -> int:
         f"for {grpo['unique_prompt_tokens']} unique prompt tokens ({grpo['computed_over_unique']:.2f}x), "
         f"hits {grpo['prefix_cache_hits']}, {grpo['tokens_per_s']:.0f} generated tok/s"
     )
-    print(
-        f"ratio engine / HF generate: {eng_tps / hf_tps:.1f}x"
-        + ("  (smoke run: not a measurement)" if args.smoke else "")
-    )
+    if hf_tps:
+        print(
+            f"ratio engine / HF generate: {eng_tps / hf_tps:.1f}x"
+            + ("  (smoke run: not a measurement)" if args.smoke else "")
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

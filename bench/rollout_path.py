@@ -259,6 +259,12 @@ async def _server_stages(client: AsyncServerClient) -> dict[str, Any]:
     return {"timings": ours.get("engine_step_timings", {}), "http": ours.get("http_stats", {}), "gen_tokens": gen}
 
 
+def _tail_s(after: dict, end_unix: float) -> float:
+    """Wall seconds from the engine's last step to ``end_unix`` (the answer path's tail after the GPU work)."""
+    last = max((t.get("last_end_unix", 0.0) for t in after["timings"].values()), default=0.0)
+    return end_unix - last if last else float("nan")
+
+
 def _server_delta(before: dict, after: dict) -> dict[str, float]:
     out = _timing_delta(before["timings"], after["timings"])
     out["server_response_build_s"] = after["http"].get("response_build_s", 0.0) - before["http"].get(
@@ -279,9 +285,11 @@ async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req]) ->
 
         t0 = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
-        seconds = time.perf_counter() - t0
-        stages = _server_delta(before, await _server_stages(client)) | {
-            "client_parse_s": getattr(client, "parse_seconds", 0.0)
+        seconds, end_unix = time.perf_counter() - t0, time.time()
+        after = await _server_stages(client)
+        stages = _server_delta(before, after) | {
+            "client_parse_s": getattr(client, "parse_seconds", 0.0),
+            "tail_after_last_step_s": _tail_s(after, end_unix),
         }
     return tokens, seconds, stages
 
@@ -365,7 +373,7 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
                 if first_s is None:  # G3: until the first group is scored, groups start one at a time
                     first_s = time.perf_counter() - t0
                     at_first = asyncio.run(_stages_once(base_url))  # the engine's work on group 0 (alone)
-            seconds = time.perf_counter() - t0
+            seconds, end_unix = time.perf_counter() - t0, time.time()
         finally:
             worker.stop()
         metrics += worker.drain_metrics()
@@ -373,7 +381,11 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
         tokens = int(after["gen_tokens"] - before["gen_tokens"])
         if groups != len(rows):
             raise RuntimeError(f"worker {name}: {groups}/{len(rows)} groups came back")
-        stages = _server_delta(before, after) | _worker_stages(metrics)
+        stages = (
+            _server_delta(before, after)
+            | _worker_stages(metrics)
+            | {"tail_after_last_step_s": _tail_s(after, end_unix)}
+        )
         row = _row(reqs, tokens, seconds, stages)
         first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
         row["first_group_s"] = first_s

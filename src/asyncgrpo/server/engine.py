@@ -317,9 +317,13 @@ class Engine:
         return self._runner.backend
 
     def step_timings(self) -> dict[str, dict[str, float]]:
-        """Diagnostics: number of prefill/decode steps so far and their total wall seconds."""
+        """Diagnostics: number of prefill/decode steps so far, their total wall seconds, and when the last one ended
+        (Unix time, to time what happens after the engine's work, e.g. the answer path's tail)."""
         c = self._core
-        return {k: {"steps": c.step_counts[k], "seconds": c.step_seconds[k]} for k in c.step_counts}
+        return {
+            k: {"steps": c.step_counts[k], "seconds": c.step_seconds[k], "last_end_unix": c.step_last_end_unix[k]}
+            for k in c.step_counts
+        }
 
     def stats(self) -> EngineStats:
         s = self._scheduler
