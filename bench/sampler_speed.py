@@ -2,8 +2,8 @@
 
 Per batch size (8 and 256): ms per call as the engine pays it (host work and the one device->host copy included;
 the split-vocabulary kernel path on CUDA) with logprobs None and 8 (the worker's top-8); on CUDA also the device
-time of the two kernels alone (top-8, a CUDA graph of 20 calls) at each slice size, to check
-``sample_kernel.choose_slice``. ``bench/generation.py`` records the same numbers in its B5 JSON.
+time of the two kernels alone (top-8, a CUDA graph of 20 calls) at each slice size and warp count, to check
+``sample_kernel.choose_slice`` and the warps default, and without top-N. ``bench/generation.py`` records the same numbers in its B5 JSON.
 
 Run (GPU):  python bench/sampler_speed.py --out bench/results/sampler_speed_h200.json
 Smoke (CPU, interpreted kernel; checks the script, not speed):  TRITON_INTERPRET=1 python bench/sampler_speed.py --smoke
@@ -25,6 +25,7 @@ from asyncgrpo.server.request import SamplingParams
 from asyncgrpo.server.sampler import Sampler, SamplerRow
 
 VOCAB = 151936
+SWEEP = [(1024, 4), (2048, 8), (2048, 4), (4096, 16), (4096, 8), (8192, 16)]  # (slice, warps); default: slice/256
 
 
 def sampler_bench(device: torch.device, vocab: int = VOCAB, batches: tuple[int, ...] = (8, 256)) -> dict:
@@ -44,10 +45,15 @@ def sampler_bench(device: torch.device, vocab: int = VOCAB, batches: tuple[int, 
             ones, meta = torch.ones(batch, device=device), torch.zeros(4, batch, dtype=torch.int64, device=device)
             meta[3] = sample_kernel.MODE_SEEDED
             res["default_slice"] = sample_kernel.choose_slice(batch, vocab, sample_kernel._sm_count(device))
-            res["kernels_only_top8_device_ms_by_slice"] = {
-                size: _graph_ms(lambda: sample_kernel.fused_sample(logits, ones, meta, meta[0], 8, size))  # noqa: B023
-                for size in (1024, 2048, 4096, 8192)
+            res["kernels_only_top8_device_ms_by_slice_and_warps"] = {
+                f"{size}/{warps}": _graph_ms(
+                    lambda: sample_kernel.fused_sample(logits, ones, meta, meta[0], 8, size, warps)  # noqa: B023
+                )
+                for size, warps in SWEEP
             }
+            res["kernels_only_top0_device_ms_default"] = _graph_ms(
+                lambda: sample_kernel.fused_sample(logits, ones, meta, meta[0], 0)  # noqa: B023
+            )
     print(f"sampler at vocab {vocab}:", json.dumps(out, indent=1))
     return out
 

@@ -53,7 +53,8 @@ MODE_GREEDY, MODE_RANDOM_KEY, MODE_SEEDED = 0, 1, 2
 MAX_TOP_N = 32  # largest top-N selected in the kernel; the sampler uses torch.topk above it (--max-logprobs is 20)
 # Slice size (a power of two): the largest of 4096/2048/1024 that still gives every SM at least two programs
 # (rows x slices >= 2 x SMs): batch >= 8 at V = 152 k keeps 4096 (38 slices a row), batch 1 gets 1024. A slice
-# is held in registers at once (16 fp32 a thread at 4096 with 8 warps), and the combine step holds every
+# is held in registers at once, 8 columns a thread (num_warps = slice / 256: 56-64 registers on sm_90, so two
+# 16-warp programs of 4096 fit an SM; at 16 columns a thread it takes 100), and the combine step holds every
 # slice's candidates, so a row has at most MAX_SLICES slices (the slice grows for very large vocabularies).
 SLICE_SIZES = (4096, 2048, 1024)
 MAX_SLICES = 256
@@ -83,7 +84,7 @@ if triton is not None:
     @triton.jit
     def _slice_kernel(
         logits_ptr, stride_row, temp_ptr, meta_ptr, rand_ptr, part_f_ptr, part_i_ptr, part_k_ptr,
-        V, B, S, BLOCK: tl.constexpr, G: tl.constexpr, N: tl.constexpr,
+        V, B, S, BLOCK: tl.constexpr, G: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -97,12 +98,11 @@ if triton is not None:
         if mode == 1:
             key = tl.load(rand_ptr + row) & 0xFFFFFFFF
         key32 = key.to(tl.uint32)
-        R: tl.constexpr = BLOCK // G
         first = split * BLOCK
         cols = first + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]  # [R, G]: the slice, G per group
         ok = cols < V
         base = logits_ptr + row.to(tl.int64) * stride_row
-        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32) / temp
+        x = tl.div_rn(tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32), temp)  # IEEE, as torch
         m = tl.max(tl.max(x, axis=1), axis=0)
         s = tl.sum(tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=1), axis=0)
         if mode == 0:
@@ -141,9 +141,9 @@ if triton is not None:
                 g = tl.where(best == _NO_KEY, 0, (col - first) // G).to(tl.int32)
                 gc = first + g * G + lanes  # [G]
                 okg = gc < V
-                xg = tl.load(base + gc, mask=okg, other=float("-inf")).to(tl.float32) / temp
-                b = (xg + 0.0).to(tl.int32, bitcast=True)
-                kg = ((b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gc).to(tl.int64)
+                xg = tl.div_rn(tl.load(base + gc, mask=okg, other=float("-inf")).to(tl.float32), temp)
+                bg = (xg + 0.0).to(tl.int32, bitcast=True)
+                kg = ((bg ^ ((bg >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gc).to(tl.int64)
                 kg = tl.where(okg & (kg < best), kg, _NO_KEY)  # keys >= best of this group are taken already
                 heads = tl.where(groups == g, tl.max(kg, axis=0), heads)
 
@@ -215,7 +215,7 @@ def choose_slice(batch: int, vocab: int, sms: int) -> int:
 
 def fused_sample(
     logits: torch.Tensor, temps: torch.Tensor, meta: torch.Tensor, rand_keys: torch.Tensor, top_n: int = 0,
-    slice_size: int | None = None,
+    slice_size: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sample one token per row and select each row's top-``top_n``.
 
@@ -226,6 +226,7 @@ def fused_sample(
         rand_keys: [B] int64 keys of the ``MODE_RANDOM_KEY`` rows.
         top_n: 0..:data:`MAX_TOP_N`; the kernel selects ``K = kernel_top_n(top_n)`` candidates per row.
         slice_size: vocabulary slice per program, a power of two >= 64 (default: :func:`choose_slice`).
+        num_warps: warps of a slice program (default: 8 columns a thread, 4 to 16 warps).
 
     Returns:
         (tokens [B] int64, packed float64 [2B + 2BK] = tokens, their processed log-probs, then per row the
@@ -244,8 +245,9 @@ def fused_sample(
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     lse = torch.empty(B, dtype=torch.float32, device=dev)
     packed = torch.empty(2 * B + 2 * B * k, dtype=torch.float64, device=dev)
+    warps = num_warps or min(16, max(4, block // 256))
     _slice_kernel[(B, S)](logits, logits.stride(0), temps, meta, rand_keys, part_f, part_i, part_k, V, B, S,
-                          BLOCK=block, G=GROUP, N=k, num_warps=8 if block >= 4096 else 4)  # fmt: skip
+                          BLOCK=block, G=GROUP, R=block // GROUP, N=k, num_warps=warps)  # fmt: skip
     _combine_kernel[(B,)](part_f, part_i, part_k, tokens, lse, packed, B, S, S_P=triton.next_power_of_2(S), N=k,
                           num_warps=4)  # fmt: skip
     return tokens, packed, lse
