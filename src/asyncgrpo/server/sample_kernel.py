@@ -16,6 +16,10 @@ idle and scanned 152 k elements serially):
    lower token id first) as processed log-probs, written straight into the
    float64 tensor that the sampler copies to the host in one go.
 
+Compiled variants: one per slice size (and logits dtype); batch size and top-N
+are runtime arguments (``do_not_specialize``), so :func:`warm_up` compiles all a
+vocabulary needs before the first step.
+
 Top-N without sorting: a candidate is one int64 key, the fp32 bits of ``x``
 mapped to an order-preserving signed integer in the high half and
 ``2**31 - 1 - token`` in the low half, so one ``max`` gives the largest value
@@ -81,10 +85,10 @@ if triton is not None:
         x = x * 0x846CA68B
         return x ^ (x >> 16)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "N"])  # one compiled variant per slice size, whatever B and top-N
     def _slice_kernel(
         logits_ptr, stride_row, temp_ptr, meta_ptr, rand_ptr, part_f_ptr, part_i_ptr, part_k_ptr,
-        V, B, S, BLOCK: tl.constexpr, G: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+        V, B, S, N, BLOCK: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -147,10 +151,10 @@ if triton is not None:
                 kg = tl.where(okg & (kg < best), kg, _NO_KEY)  # keys >= best of this group are taken already
                 heads = tl.where(groups == g, tl.max(kg, axis=0), heads)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "N"])
     def _combine_kernel(
         part_f_ptr, part_i_ptr, part_k_ptr, out_tok_ptr, out_lse_ptr, packed_ptr,
-        B, S, S_P: tl.constexpr, N: tl.constexpr,
+        B, S, N, S_P: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         sp = tl.arange(0, S_P)
@@ -189,14 +193,6 @@ if triton is not None:
                 heads = tl.where(src, nxt, heads)
 
 
-def kernel_top_n(n: int) -> int:
-    """How many candidates the kernel selects for a request of top-``n``: the next power of two (few compiled
-    variants; the host keeps only each row's own ``n``), 0 for none; ``n`` must be at most :data:`MAX_TOP_N`."""
-    if not 0 <= n <= MAX_TOP_N:
-        raise ValueError(f"top_n={n} is outside the kernel's 0..{MAX_TOP_N}; use torch.topk for larger top-N")
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=8)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -224,7 +220,7 @@ def fused_sample(
         temps: [B] fp32 temperatures (1.0 for greedy rows).
         meta: [4, B] int64 rows: seed low 32 bits, seed high 32 bits, output position, mode.
         rand_keys: [B] int64 keys of the ``MODE_RANDOM_KEY`` rows.
-        top_n: 0..:data:`MAX_TOP_N`; the kernel selects ``K = kernel_top_n(top_n)`` candidates per row.
+        top_n: 0..:data:`MAX_TOP_N` (K below): the top-N to select per row.
         slice_size: vocabulary slice per program, a power of two >= 64 (default: :func:`choose_slice`).
         num_warps: warps of a slice program (default: 8 columns a thread, 4 to 16 warps).
 
@@ -234,7 +230,9 @@ def fused_sample(
     """
     B, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
-    k = kernel_top_n(top_n)
+    if not 0 <= top_n <= MAX_TOP_N:
+        raise ValueError(f"top_n={top_n} is outside the kernel's 0..{MAX_TOP_N}; use torch.topk for a larger top-N")
+    k = top_n
     block = slice_size or choose_slice(B, V, _sm_count(logits.device))
     assert block >= 64 and block & (block - 1) == 0, f"slice_size must be a power of two >= 64, got {block}"
     S = triton.cdiv(V, block)
@@ -246,11 +244,22 @@ def fused_sample(
     lse = torch.empty(B, dtype=torch.float32, device=dev)
     packed = torch.empty(2 * B + 2 * B * k, dtype=torch.float64, device=dev)
     warps = num_warps or min(16, max(4, block // 256))
-    _slice_kernel[(B, S)](logits, logits.stride(0), temps, meta, rand_keys, part_f, part_i, part_k, V, B, S,
-                          BLOCK=block, G=GROUP, R=block // GROUP, N=k, num_warps=warps)  # fmt: skip
-    _combine_kernel[(B,)](part_f, part_i, part_k, tokens, lse, packed, B, S, S_P=triton.next_power_of_2(S), N=k,
+    _slice_kernel[(B, S)](logits, logits.stride(0), temps, meta, rand_keys, part_f, part_i, part_k, V, B, S, k,
+                          BLOCK=block, G=GROUP, R=block // GROUP, num_warps=warps)  # fmt: skip
+    _combine_kernel[(B,)](part_f, part_i, part_k, tokens, lse, packed, B, S, k, S_P=triton.next_power_of_2(S),
                           num_warps=4)  # fmt: skip
     return tokens, packed, lse
+
+
+def warm_up(device: torch.device, vocab: int, dtype: torch.dtype) -> list[int]:
+    """Compile every slice size :func:`choose_slice` can pick for ``vocab`` (batch 1 up to 4096), so that no
+    decode step stalls on a compile later when the batch shrinks; returns those sizes."""
+    sizes = sorted({choose_slice(1 << i, vocab, _sm_count(device)) for i in range(13)})
+    logits = torch.zeros(2, vocab, dtype=dtype, device=device)
+    meta = torch.zeros(4, 2, dtype=torch.int64, device=device)
+    for size in sizes:
+        fused_sample(logits, torch.ones(2, device=device), meta, meta[0], top_n=1, slice_size=size)
+    return sizes
 
 
 def check_kernel(device: torch.device) -> bool:

@@ -187,6 +187,7 @@ class Sampler:
         # CUDA: rows that only ask for a temperature go through one Triton pass (see sample_kernel)
         self.use_kernel = device.type == "cuda" and sample_kernel.check_kernel(device)
         self._pinned: list[torch.Tensor | None] = [None, None]
+        self._warm: set[tuple[int, torch.dtype]] = set()  # (vocab, logits dtype) the kernels are compiled for
         self._flip = 0
 
     def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
@@ -205,11 +206,14 @@ class Sampler:
         else:
             rand = meta_t[0]
         x = logits if logits.stride(1) == 1 else logits.contiguous()
+        if (V, x.dtype) not in self._warm:  # compile every slice size now, not when the batch first shrinks
+            self._warm.add((V, x.dtype))
+            sample_kernel.warm_up(dev, V, x.dtype)
         asked = [i for i, p in enumerate(params) if p.logprobs]
         n = min(max((params[i].logprobs for i in asked), default=0), V)
         if n <= sample_kernel.MAX_TOP_N:  # top-N of every row selected in the kernel, packed by it
             tokens, packed, _ = sample_kernel.fused_sample(x, temps_t, meta_t, rand, top_n=n)
-            n, all_rows = sample_kernel.kernel_top_n(n), True
+            all_rows = True
         else:  # rare (a server started with a larger --max-logprobs): one torch.topk over the rows that asked
             tokens, packed, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
             idx = None if len(asked) == B else torch.tensor(asked, device=dev)
