@@ -30,6 +30,7 @@ masks only for rows that asked.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ import torch
 from asyncgrpo.server import sample_kernel
 from asyncgrpo.server.request import SamplingParams
 
+logger = logging.getLogger(__name__)
 ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries of sorts, hashes, top-N and masks
 NOISE_ELEMENTS = 1 << 26  # unseeded noise is drawn for up to this many (row, token) pairs per kernel (256 MB fp32)
 _M32 = 0xFFFFFFFF
@@ -184,7 +186,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # CUDA: rows that only ask for a temperature go through one Triton pass (see sample_kernel)
+        # CUDA: rows that only ask for a temperature go through the split-vocabulary kernels (see sample_kernel)
         self.use_kernel = device.type == "cuda" and sample_kernel.check_kernel(device)
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._warm: set[tuple[int, torch.dtype]] = set()  # (vocab, logits dtype) the kernels are compiled for
@@ -206,9 +208,6 @@ class Sampler:
         else:
             rand = meta_t[0]
         x = logits if logits.stride(1) == 1 else logits.contiguous()
-        if (V, x.dtype) not in self._warm:  # compile every slice size now, not when the batch first shrinks
-            self._warm.add((V, x.dtype))
-            sample_kernel.warm_up(dev, V, x.dtype)
         asked = [i for i, p in enumerate(params) if p.logprobs]
         n = min(max((params[i].logprobs for i in asked), default=0), V)
         if n <= sample_kernel.MAX_TOP_N:  # top-N of every row selected in the kernel, packed by it
@@ -236,11 +235,24 @@ class Sampler:
         return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n,
                              all_rows=all_rows)  # fmt: skip
 
+    def _kernel_ready(self, logits: torch.Tensor) -> bool:
+        """True when the kernels may run; the first call per (vocabulary, dtype) compiles every slice size they
+        can use (a compile failure here turns the kernels off, like the self-check at start)."""
+        key = (logits.shape[1], logits.dtype)
+        if self.use_kernel and key not in self._warm:
+            self._warm.add(key)
+            try:
+                sample_kernel.warm_up(self.device, *key)
+            except Exception:
+                logger.exception("the Triton sampling kernels do not compile for %s; using the torch sampler", key)
+                self.use_kernel = False
+        return self.use_kernel
+
     @torch.no_grad()
     def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
         """Queue the sampling of one step; ``.tokens`` (on the device) can feed the next step before
         ``.result()`` brings everything to the host. Rows the kernel does not cover are sampled now."""
-        if self.use_kernel and _plain(rows, logits.shape[1]):
+        if self.use_kernel and _plain(rows, logits.shape[1]) and self._kernel_ready(logits):
             return self._fused(logits, rows)
         res = self(logits, rows)
         return PendingSample(tokens=torch.tensor(res.token_ids, dtype=torch.int64, device=self.device), done=res)
@@ -249,7 +261,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         B, V = logits.shape
         assert B == len(rows)
-        if self.use_kernel and _plain(rows, V):
+        if self.use_kernel and _plain(rows, V) and self._kernel_ready(logits):
             return self._fused(logits, rows).result()
         x = logits.float()
         if x.data_ptr() == logits.data_ptr():
