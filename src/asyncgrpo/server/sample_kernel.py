@@ -9,7 +9,7 @@ idle and scanned 152 k elements serially):
 1. ``_slice_kernel``: each program loads one slice of one row and writes, in
    fp32, the slice's max and normaliser of the log-sum-exp of ``x = logit / T``,
    the winner of the exponential race ``argmax(x - log E)`` (greedy rows:
-   ``argmax(x)``; its score, index and ``x``) and its top-N candidates.
+   ``argmax(x)``; its score, index and ``x``) and its top-N group heads.
 2. ``_combine_kernel`` (one program per row): the row's log-sum-exp, the race
    winner over the slices (lowest index among equal scores, like ``argmax``),
    its processed log-prob ``x - lse`` and the row's top-N (descending; ties:
@@ -23,11 +23,12 @@ vocabulary needs before the first step.
 Top-N without sorting: a candidate is one int64 key, the fp32 bits of ``x``
 mapped to an order-preserving signed integer in the high half and
 ``2**31 - 1 - token`` in the low half, so one ``max`` gives the largest value
-and, among equal values, the lowest token id. A slice keeps the best key of
-each group of :data:`GROUP` columns; each of N rounds takes the best group head
-and recomputes that group's next one from its logits (read again, from cache),
-so a round costs O(slice / GROUP + GROUP), not a pass over the slice. The
-combine step merges the slices' sorted lists the same way. Plain ``tl`` ops
+and, among equal values, the lowest token id. The slice programs only keep the
+best key of each group of :data:`GROUP` columns (no loop there); the combine
+program runs the N rounds once per row: take the best group head, then refill
+that head from the group's logits read again, without the keys already taken.
+A round costs a max over V / GROUP heads and one group, not a pass over the
+vocabulary, and no slice program waits on N serial rounds. Plain ``tl`` ops
 only, which also run under ``TRITON_INTERPRET``.
 
 The noise is :func:`asyncgrpo.server.sampler.hashed_exponential`'s counter hash
@@ -62,7 +63,7 @@ MAX_TOP_N = 32  # largest top-N selected in the kernel; the sampler uses torch.t
 # slice's candidates, so a row has at most MAX_SLICES slices (the slice grows for very large vocabularies).
 SLICE_SIZES = (4096, 2048, 1024)
 MAX_SLICES = 256
-GROUP = 32  # top-N bookkeeping: a slice's best candidate per group of GROUP columns (see _slice_kernel)
+GROUP = 64  # top-N: the slice kernel keeps each group's best candidate, V / 64 heads a row (2374 at 152 k)
 
 if triton is not None:
     _NO_KEY = tl.constexpr(-(2**63))  # below every candidate key: removed or out-of-range lanes
@@ -126,35 +127,19 @@ if triton is not None:
         tl.store(part_f_ptr + 2 * B * S + off, top)
         tl.store(part_f_ptr + 3 * B * S + off, x_at)
         tl.store(part_i_ptr + off, idx)
-        if N > 0:
-            # each group's best candidate; a round takes the best of the R group heads and refills the head
-            # of its group from that group's G logits read again (cached): O(R + G) work a round, not O(BLOCK)
+        if N > 0:  # top-N candidates: the best key of each group of G columns (see the module docstring)
             gx = tl.max(x, axis=1)  # [R]
             gi = tl.min(tl.where(x == gx[:, None], cols, 2147483647), axis=1)
-            # candidate key (inline: a nested jit call costs milliseconds under TRITON_INTERPRET): the value's
-            # bits as an order-preserving int32 (+ 0.0: -0.0 ties with +0.0, as in torch) above 2**31 - 1 - id
+            # the key, inline (a nested jit call costs milliseconds under TRITON_INTERPRET): the value's bits as
+            # an order-preserving int32 (+ 0.0: -0.0 ties with +0.0, as in torch) above 2**31 - 1 - id
             b = (gx + 0.0).to(tl.int32, bitcast=True)
             heads = ((b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gi).to(tl.int64)
-            heads = tl.where(gi < V, heads, _NO_KEY)
-            groups = tl.arange(0, R)
-            lanes = tl.arange(0, G)
-            for j in range(N):
-                best = tl.max(heads, axis=0)
-                tl.store(part_k_ptr + off * N + j, best)
-                col = 2147483647 - (best & 2147483647)
-                g = tl.where(best == _NO_KEY, 0, (col - first) // G).to(tl.int32)
-                gc = first + g * G + lanes  # [G]
-                okg = gc < V
-                xg = tl.div_rn(tl.load(base + gc, mask=okg, other=float("-inf")).to(tl.float32), temp)
-                bg = (xg + 0.0).to(tl.int32, bitcast=True)
-                kg = ((bg ^ ((bg >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gc).to(tl.int64)
-                kg = tl.where(okg & (kg < best), kg, _NO_KEY)  # keys >= best of this group are taken already
-                heads = tl.where(groups == g, tl.max(kg, axis=0), heads)
+            tl.store(part_k_ptr + row * S * R + split * R + tl.arange(0, R), tl.where(gi < V, heads, _NO_KEY))
 
     @triton.jit(do_not_specialize=["B", "N"])
     def _combine_kernel(
-        part_f_ptr, part_i_ptr, part_k_ptr, out_tok_ptr, out_lse_ptr, packed_ptr,
-        B, S, N, S_P: tl.constexpr,
+        logits_ptr, stride_row, temp_ptr, part_f_ptr, part_i_ptr, part_k_ptr, out_tok_ptr, out_lse_ptr, packed_ptr,
+        V, B, S, N, S_P: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         sp = tl.arange(0, S_P)
@@ -176,10 +161,13 @@ if triton is not None:
         tl.store(packed_ptr + row, win.to(tl.float64))
         tl.store(packed_ptr + B + row, (x_win - lse).to(tl.float64))
         if N > 0:
-            # merge of the slices' descending candidate lists: a round takes the best head and advances its list
-            lists = part_k_ptr + off * N  # [S_P] list starts
-            taken = tl.zeros([S_P], tl.int32)
-            heads = tl.load(lists, mask=ok, other=_NO_KEY)
+            # the row's group heads (group g = columns g*G .. g*G+G-1); a round takes the best head and refills
+            # it from the group's G logits read again, without the keys already taken (those >= the best)
+            temp = tl.load(temp_ptr + row)
+            base = logits_ptr + row.to(tl.int64) * stride_row
+            groups = tl.arange(0, NG_P)
+            heads = tl.load(part_k_ptr + row * NG + groups, mask=groups < NG, other=_NO_KEY)
+            lanes = tl.arange(0, G)
             for j in range(N):
                 best = tl.max(heads, axis=0)
                 hi32 = (best >> 32).to(tl.int32)
@@ -187,10 +175,14 @@ if triton is not None:
                 token = 2147483647 - (best & 2147483647)
                 tl.store(packed_ptr + 2 * B + row * N + j, token.to(tl.float64))
                 tl.store(packed_ptr + 2 * B + B * N + row * N + j, (value - lse).to(tl.float64))
-                src = sp == tl.min(tl.where(heads == best, sp, S_P), axis=0)
-                taken = tl.where(src, taken + 1, taken)
-                nxt = tl.load(lists + taken, mask=ok & src & (taken < N), other=_NO_KEY)
-                heads = tl.where(src, nxt, heads)
+                g = tl.where(best == _NO_KEY, 0, token // G).to(tl.int32)
+                gc = g * G + lanes  # [G]
+                okg = gc < V
+                xg = tl.div_rn(tl.load(base + gc, mask=okg, other=float("-inf")).to(tl.float32), temp)
+                bg = (xg + 0.0).to(tl.int32, bitcast=True)
+                kg = ((bg ^ ((bg >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gc).to(tl.int64)
+                kg = tl.where(okg & (kg < best), kg, _NO_KEY)
+                heads = tl.where(groups == g, tl.max(kg, axis=0), heads)
 
 
 @functools.lru_cache(maxsize=8)
@@ -239,15 +231,17 @@ def fused_sample(
     dev = logits.device
     part_f = torch.empty(4, B, S, dtype=torch.float32, device=dev)  # max, normaliser, race score, x of the winner
     part_i = torch.empty(B, S, dtype=torch.int32, device=dev)  # race winner's token id
-    part_k = torch.empty(B, S, max(k, 1), dtype=torch.int64, device=dev)  # top-K candidate keys
+    part_k = torch.empty(B, S * (block // GROUP) if k else 1, dtype=torch.int64, device=dev)  # group heads (keys)
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     lse = torch.empty(B, dtype=torch.float32, device=dev)
     packed = torch.empty(2 * B + 2 * B * k, dtype=torch.float64, device=dev)
     warps = num_warps or min(16, max(4, block // 256))
+    R = block // GROUP
     _slice_kernel[(B, S)](logits, logits.stride(0), temps, meta, rand_keys, part_f, part_i, part_k, V, B, S, k,
-                          BLOCK=block, G=GROUP, R=block // GROUP, num_warps=warps)  # fmt: skip
-    _combine_kernel[(B,)](part_f, part_i, part_k, tokens, lse, packed, B, S, k, S_P=triton.next_power_of_2(S),
-                          num_warps=4)  # fmt: skip
+                          BLOCK=block, G=GROUP, R=R, num_warps=warps)  # fmt: skip
+    _combine_kernel[(B,)](logits, logits.stride(0), temps, part_f, part_i, part_k, tokens, lse, packed, V, B, S, k,
+                          S_P=triton.next_power_of_2(S), G=GROUP, NG=S * R, NG_P=triton.next_power_of_2(S * R),
+                          num_warps=8)  # fmt: skip
     return tokens, packed, lse
 
 
