@@ -58,9 +58,9 @@ MODE_GREEDY, MODE_RANDOM_KEY, MODE_SEEDED = 0, 1, 2
 MAX_TOP_N = 32  # largest top-N selected in the kernel; the sampler uses torch.topk above it (--max-logprobs is 20)
 # Slice size (a power of two): the largest of 4096/2048/1024 that still gives every SM at least two programs
 # (rows x slices >= 2 x SMs): batch >= 8 at V = 152 k keeps 4096 (38 slices a row), batch 1 gets 1024. A slice
-# is held in registers at once, 8 columns a thread (num_warps = slice / 256: 56-64 registers on sm_90, so two
-# 16-warp programs of 4096 fit an SM; at 16 columns a thread it takes 100), and the combine step holds every
-# slice's candidates, so a row has at most MAX_SLICES slices (the slice grows for very large vocabularies).
+# is held in registers at once, 8 columns a thread (num_warps = slice / 256: 48-60 registers on sm_90, so two
+# 16-warp programs of 4096 fit an SM; at 16 columns a thread it takes 114), and the combine step holds every
+# slice's partials, so a row has at most MAX_SLICES slices (the slice grows for very large vocabularies).
 SLICE_SIZES = (4096, 2048, 1024)
 MAX_SLICES = 256
 GROUP = 64  # top-N: the slice kernel keeps each group's best candidate, V / 64 heads a row (2374 at 152 k)
