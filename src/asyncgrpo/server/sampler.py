@@ -235,14 +235,15 @@ class Sampler:
         return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n,
                              all_rows=all_rows)  # fmt: skip
 
-    def _kernel_ready(self, logits: torch.Tensor) -> bool:
-        """True when the kernels may run; the first call per (vocabulary, dtype) compiles every slice size they
-        can use (a compile failure here turns the kernels off, like the self-check at start)."""
-        key = (logits.shape[1], logits.dtype)
+    def prepare(self, vocab: int, dtype: torch.dtype) -> bool:
+        """Compile every slice size the kernels can use on [*, vocab] logits of ``dtype`` (the engine calls this
+        at start; otherwise the first fused step does). A compile failure turns the kernels off, like the
+        self-check. Returns whether the kernels are on."""
+        key = (vocab, dtype)
         if self.use_kernel and key not in self._warm:
             self._warm.add(key)
             try:
-                sample_kernel.warm_up(self.device, *key)
+                sample_kernel.warm_up(self.device, vocab, dtype)
             except Exception:
                 logger.exception("the Triton sampling kernels do not compile for %s; using the torch sampler", key)
                 self.use_kernel = False
@@ -252,7 +253,7 @@ class Sampler:
     def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
         """Queue the sampling of one step; ``.tokens`` (on the device) can feed the next step before
         ``.result()`` brings everything to the host. Rows the kernel does not cover are sampled now."""
-        if self.use_kernel and _plain(rows, logits.shape[1]) and self._kernel_ready(logits):
+        if self.use_kernel and _plain(rows, logits.shape[1]) and self.prepare(logits.shape[1], logits.dtype):
             return self._fused(logits, rows)
         res = self(logits, rows)
         return PendingSample(tokens=torch.tensor(res.token_ids, dtype=torch.int64, device=self.device), done=res)
@@ -261,7 +262,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         B, V = logits.shape
         assert B == len(rows)
-        if self.use_kernel and _plain(rows, V) and self._kernel_ready(logits):
+        if self.use_kernel and _plain(rows, V) and self.prepare(logits.shape[1], logits.dtype):
             return self._fused(logits, rows).result()
         x = logits.float()
         if x.data_ptr() == logits.data_ptr():
