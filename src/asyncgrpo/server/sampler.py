@@ -56,6 +56,7 @@ class SamplerRow:
     token_ids: list[int] = field(default_factory=list)  # prompt + output; read only for the repetition penalty
     banned: list[int] = field(default_factory=list)  # ids masked now (min_tokens not reached yet)
     kernel_args: tuple[float, int, int, int] | None = None  # cached by the fused path (the params never change)
+    plain: bool | None = None  # cached: the params ask for nothing beyond a temperature (see _plain)
 
 
 @dataclass
@@ -154,10 +155,14 @@ def _kernel_args(row: SamplerRow) -> tuple[float, int, int, int]:
 def _plain(rows: list[SamplerRow], vocab: int) -> bool:
     """True when every row only asks for a temperature (or greedy): the fused kernel's case."""
     for r in rows:
-        p = r.params
-        if r.banned or p.repetition_penalty != 1.0 or p.return_sampling_mask:
+        if r.banned:
             return False
-        if p.temperature != 0.0 and (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0):
+        if r.plain is None:  # the params never change and a row belongs to one engine (one vocabulary)
+            p = r.params
+            r.plain = not (p.repetition_penalty != 1.0 or p.return_sampling_mask) and (
+                p.temperature == 0.0 or not (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0)
+            )
+        if not r.plain:
             return False
     return True
 
@@ -201,10 +206,7 @@ class Sampler:
         static = [r.kernel_args or _kernel_args(r) for r in rows]
         modes = [a[3] for a in static]
         # [4, B] int64 through array.array: about 3x cheaper than torch.tensor on nested lists at batch 256
-        meta = array("q", [a[1] for a in static])
-        meta.extend([a[2] for a in static])
-        meta.extend([r.num_output & _M32 for r in rows])
-        meta.extend(modes)
+        meta = array("q", [a[1] for a in static] + [a[2] for a in static] + [r.num_output & _M32 for r in rows] + modes)
         dev = self.device
         temps_t = torch.frombuffer(array("f", [a[0] for a in static]), dtype=torch.float32).to(dev, non_blocking=True)
         meta_t = torch.frombuffer(meta, dtype=torch.int64).view(4, B).to(dev, non_blocking=True)
@@ -215,9 +217,9 @@ class Sampler:
         x = logits if logits.stride(1) == 1 else logits.contiguous()
         asked = [i for i, p in enumerate(params) if p.logprobs]
         n = min(max((params[i].logprobs for i in asked), default=0), V)
-        if n <= sample_kernel.MAX_TOP_N:  # top-N of every row selected in the kernel, packed by it
+        all_rows = n <= sample_kernel.MAX_TOP_N
+        if all_rows:  # top-N of every row selected in the kernel, packed by it
             tokens, packed, _ = sample_kernel.fused_sample(x, temps_t, meta_t, rand, top_n=n)
-            all_rows = True
         else:  # rare (a server started with a larger --max-logprobs): one torch.topk over the rows that asked
             tokens, packed, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
             idx = None if len(asked) == B else torch.tensor(asked, device=dev)
@@ -226,7 +228,6 @@ class Sampler:
             t, z = (temps_t, lse) if idx is None else (temps_t[idx], lse[idx])
             vals = vals.float() / t[:, None] - z[:, None]
             packed = torch.cat([packed, ids.double().flatten(), vals.double().flatten()])
-            all_rows = False
         self._flip ^= 1  # two pinned buffers: one step's copy may still be read while the next one's starts
         buf = self._pinned[self._flip]
         if buf is None or buf.numel() < packed.numel():
@@ -237,8 +238,7 @@ class Sampler:
         event = torch.cuda.Event() if dev.type == "cuda" else None
         if event is not None:
             event.record()
-        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n,
-                             all_rows=all_rows)  # fmt: skip
+        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n, all_rows=all_rows)
 
     def prepare(self, vocab: int, dtype: torch.dtype) -> bool:
         """Compile every slice size the kernels can use on [*, vocab] logits of ``dtype`` (the engine calls this
