@@ -473,11 +473,11 @@ def main() -> int:
     ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (in process, HTTP); the median")
     ap.add_argument("--kv-cache-tokens", type=int, default=0,
-                    help="KV cache of the engine and the server (default: their own sizing from "
-                         "gpu_memory_utilization, as a user's server; on CPU 2 x max_num_seqs x max_model_len). The "
-                         "worker's first concurrency cap is this / max_model_len (G5): set max_num_seqs x "
-                         "max_model_len to pin it at max_num_seqs, which leaves no queue on the server to refill a "
-                         "finished slot from")  # fmt: skip
+                    help="KV cache of the engine and the server (default: 2 x max_num_seqs x max_model_len, less "
+                         "than a vLLM server on this GPU would hold for this model; our engine's own default stops at "
+                         "max_num_seqs x max_model_len). The worker's first concurrency cap is this / max_model_len "
+                         "(G5): at max_num_seqs x max_model_len it equals max_num_seqs, which leaves no queue on the "
+                         "server to refill a finished slot from")  # fmt: skip
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -503,9 +503,7 @@ def main() -> int:
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16
     opts.max_num_seqs = 256 if not opts.tiny else 64
-    if opts.tiny and not opts.kv_cache_tokens:
-        opts.kv_cache_tokens = 2 * opts.max_num_seqs * opts.max_model_len
-    opts.kv_cache_tokens = opts.kv_cache_tokens or None  # None: the engine's and server's own sizing
+    opts.kv_cache_tokens = opts.kv_cache_tokens or 2 * opts.max_num_seqs * opts.max_model_len
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
@@ -548,9 +546,8 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
     failures = []
     flags = ["--device", opts.device, "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len),
              "--max-num-seqs", str(opts.max_num_seqs), "--served-model-name", SERVED_NAME,
-             "--max-logprobs", str(max(opts.logprobs, 20)), *shlex.split(opts.server_args)]  # fmt: skip
-    if opts.kv_cache_tokens:
-        flags += ["--kv-cache-tokens", str(opts.kv_cache_tokens)]
+             "--max-logprobs", str(max(opts.logprobs, 20)), "--kv-cache-tokens", str(opts.kv_cache_tokens),
+             *shlex.split(opts.server_args)]  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None
     try:
         server = launch_server(model_dir, extra_args=flags, env=env, log_path=tmp / "server.log",
