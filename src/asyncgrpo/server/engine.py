@@ -154,6 +154,7 @@ class Engine:
         else:
             self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager)
         sampler = Sampler(self.device, seed)
+        sampler.prepare(self.vocab_size, self.dtype)  # compiles the sampling kernels now, not in the first step
         self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)
         self._runner.capture_graphs()
         self._params = dict(hf.named_parameters(remove_duplicate=False))  # tied lm_head.weight listed too
