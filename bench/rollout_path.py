@@ -301,11 +301,17 @@ def run_http(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[
     return asyncio.run(_http_all(base_url, opts, workloads))
 
 
+def _parse_processes(opts: argparse.Namespace) -> int:
+    """The run's answer-parsing helpers: the flag, else the library's default (RolloutSettings' None)."""
+    n = getattr(opts, "answer_parse_processes", None)
+    return default_parse_processes() if n is None else n
+
+
 async def _http_all(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
     """Every HTTP run in one event loop, with the answer-parsing helpers the rollout worker's client has."""
-    parsers = AnswerParsers(default_parse_processes())
+    parsers = AnswerParsers(_parse_processes(opts))
     try:
-        await parsers.start()
+        await parsers.wait_ready()
         await _http_run(base_url, opts, _warmup(workloads), parsers)
         results: dict[str, Any] = {"answer_parse_processes": parsers.processes}
         for name, reqs in workloads.items():
@@ -367,7 +373,8 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
                                      "out_lens": [r.out_len for r in mine]}]})  # fmt: skip
         settings = RolloutSettings(model_name=SERVED_NAME, sampling=_sampling(base_url, opts, FixedLengthSampling),
                                    num_generations=g, max_staleness=1000, seed=0, max_concurrent_rollouts=len(reqs),
-                                   initial_tokens_per_step=10**12, num_epochs=1)  # fmt: skip
+                                   initial_tokens_per_step=10**12, num_epochs=1,
+                                   answer_parse_processes=_parse_processes(opts))  # fmt: skip
         loop = BenchLoop(settings, rows, [last_token_reward], None)
         before = asyncio.run(_stages_once(base_url))
         worker = RolloutWorker(loop, heartbeat_timeout=max(_remaining(), 1.0))
@@ -408,7 +415,7 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
         row["trained_tokens_queued"] = trained_tokens
         kv = opts.server_kv_cache_tokens
         row["initial_concurrency_cap"] = min(len(reqs), kv // opts.max_model_len) if kv else len(reqs)
-        row["answer_parse_processes"] = default_parse_processes()  # RolloutSettings' default, as in a real run
+        row["answer_parse_processes"] = _parse_processes(opts)
         row["max_concurrency"] = max((v for n, v, _ in metrics if n == "rollout/concurrency"), default=0)
         results[name] = row
     return results
@@ -492,6 +499,9 @@ def main() -> int:
                          "max_num_seqs x max_model_len). The worker's first concurrency cap is this / max_model_len "
                          "(G5): at max_num_seqs x max_model_len it equals max_num_seqs, which leaves no queue on the "
                          "server to refill a finished slot from")  # fmt: skip
+    ap.add_argument("--answer-parse-processes", type=int, default=None,
+                    help="answer-parsing helpers of the HTTP client and the worker (default: the library's, "
+                         "a quarter of the cores, at most 4)")  # fmt: skip
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

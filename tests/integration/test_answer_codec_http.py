@@ -109,6 +109,7 @@ def test_answer_parsing_helpers_give_the_inline_results_on_real_answers(servers)
     async def main():
         parsers = AnswerParsers(2, min_bytes=0)
         try:
+            assert await parsers.wait_ready()
             async with AsyncServerClient(fast.base_url, answer_parsers=parsers) as helped, \
                     AsyncServerClient(fast.base_url) as inline:  # fmt: skip
                 # one request at a time on both: the same batch, so the same numbers from the engine

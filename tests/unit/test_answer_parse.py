@@ -36,8 +36,11 @@ def test_helpers_parse_like_the_event_loop_and_small_answers_stay_inline():
     async def main():
         parsers = AnswerParsers(2, min_bytes=len(bodies[0]) // 2)
         try:
-            small = await parsers.parse(bodies[0][:0] + _answer(9, tokens=4), "completions", "r")
-            assert parsers._procs == []  # a small answer never starts a helper
+            small = await parsers.parse(_answer(9, tokens=4), "completions", "r")
+            assert parsers._start_task is None  # a small answer never starts a helper
+            first = await parsers.parse(bodies[0], "completions", "r0")  # starts them; parsed inline meanwhile
+            assert parsers._start_task is not None and await parsers.wait_ready()
+            _same(first, parse_choices(bodies[0], "completions", "r0"))
             got = await asyncio.gather(*(parsers.parse(b, "completions", f"r{i}") for i, b in enumerate(bodies)))
             assert len(parsers._procs) == 2 and parsers.active
             return small, got
@@ -57,6 +60,7 @@ def test_a_bad_answer_raises_what_the_inline_parse_raises():
     async def main():
         parsers = AnswerParsers(1, min_bytes=0)
         try:
+            assert await parsers.wait_ready()
             for body in bad:
                 with pytest.raises(Exception) as inline:
                     parse_choices(body, "completions", None)
@@ -78,6 +82,7 @@ def test_a_dead_helper_is_reported_once_and_answers_are_parsed_inline(caplog):
     async def main():
         parsers = AnswerParsers(1, min_bytes=0)
         try:
+            assert await parsers.wait_ready()
             await parsers.parse(body, "completions", None)
             parsers._procs[0].kill()
             await parsers._procs[0].wait()
@@ -101,7 +106,7 @@ def test_cancelled_calls_retire_their_helper_and_waiters_fall_back_inline():
     async def main():
         parsers = AnswerParsers(1, min_bytes=0)
         try:
-            await parsers.parse(body, "completions", None)  # started
+            assert await parsers.wait_ready()
             running = asyncio.create_task(parsers.parse(body, "completions", None))
             waiting = asyncio.create_task(parsers.parse(body, "completions", None))  # queued for the one helper
             await asyncio.sleep(0)
@@ -121,6 +126,7 @@ def test_cancelled_calls_retire_their_helper_and_waiters_fall_back_inline():
 def test_close_ends_the_helpers():
     async def main():
         parsers = AnswerParsers(2, min_bytes=0)
+        assert await parsers.wait_ready()
         await parsers.parse(_answer(4), "completions", None)
         procs = list(parsers._procs)
         await parsers.close(timeout_s=10)

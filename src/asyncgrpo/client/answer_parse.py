@@ -64,10 +64,11 @@ class AnswerParsers:
         self.processes = max(0, int(processes))
         self.min_bytes = min_bytes
         self.start_timeout_s = start_timeout_s
-        self._free: asyncio.Queue | None = None
+        self._free: asyncio.Queue = asyncio.Queue()  # helpers that are up and idle (None: given up, parse inline)
         self._procs: list[asyncio.subprocess.Process] = []
+        self._ready = 0  # helpers that said they are up
         self._broken = self.processes == 0
-        self._starting: asyncio.Lock | None = None
+        self._start_task: asyncio.Task | None = None
         self._retired: set[int] = set()  # helpers dropped because a cancelled call left their pipe mid-message
 
     @property
@@ -75,10 +76,13 @@ class AnswerParsers:
         return not self._broken
 
     async def parse(self, body: bytes, kind: str, request_id: str | None) -> list[GenerationResult]:
-        """Parse ``body`` in a helper when it is large and helpers run; inline otherwise."""
-        if self._broken or len(body) < self.min_bytes or not await self._ensure_started():
+        """Parse ``body`` in a helper when it is large and a helper is up; inline otherwise (helpers still booting
+        included: the first large answer starts them in the background rather than waiting for them)."""
+        if self._broken or len(body) < self.min_bytes:
             return parse_choices(body, kind, request_id)
-        assert self._free is not None
+        self.start()
+        if self._ready == 0:
+            return parse_choices(body, kind, request_id)
         proc = await self._free.get()
         if proc is None:  # helpers were given up while this call waited for one
             self._free.put_nowait(None)
@@ -104,33 +108,35 @@ class AnswerParsers:
         (size,) = _HEADER.unpack(await proc.stdout.readexactly(_HEADER.size))
         return pickle.loads(await proc.stdout.readexactly(size))
 
-    async def start(self) -> None:
-        """Spawn the helpers now rather than at the first large answer (they boot while requests run)."""
-        await self._ensure_started()
+    def start(self) -> None:
+        """Start the helpers in the background (idempotent); answers are parsed inline until one is up."""
+        if self._start_task is None and not self._broken:
+            self._start_task = asyncio.ensure_future(self._start())
 
-    async def _ensure_started(self) -> bool:
-        if self._free is not None:
-            return not self._broken
-        if self._starting is None:
-            self._starting = asyncio.Lock()
-        async with self._starting:
-            if self._free is None and not self._broken:
-                try:
-                    await asyncio.wait_for(self._start(), self.start_timeout_s)
-                except (OSError, TimeoutError) as exc:
-                    self._give_up(f"answer-parsing helpers did not start within {self.start_timeout_s:.0f} s: {exc}")
+    async def wait_ready(self) -> bool:
+        """Start the helpers and wait until every one is up (or given up); True when they run."""
+        self.start()
+        if self._start_task is not None:
+            await asyncio.shield(self._start_task)
         return not self._broken
 
     async def _start(self) -> None:
-        free: asyncio.Queue = asyncio.Queue()
-        for _ in range(self.processes):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "asyncgrpo.client.answer_parse",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            )  # fmt: skip
-            self._procs.append(proc)
-            free.put_nowait(proc)
-        self._free = free
+        try:
+            for _ in range(self.processes):
+                self._procs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "asyncgrpo.client.answer_parse",
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                ))  # fmt: skip
+            for proc in list(self._procs):
+                assert proc.stdout is not None
+                await asyncio.wait_for(proc.stdout.readexactly(1), self.start_timeout_s)  # its "up" byte
+                if self._broken:
+                    return
+                self._ready += 1
+                self._free.put_nowait(proc)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            self._give_up(f"answer-parsing helpers did not start within {self.start_timeout_s:.0f} s: "
+                          f"{type(exc).__name__}: {exc}")  # fmt: skip
 
     def _retire(self, proc: asyncio.subprocess.Process) -> None:
         self._retired.add(proc.pid)
@@ -144,8 +150,7 @@ class AnswerParsers:
             logger.warning("%s; answers are parsed on the event loop from now on", why)
         self._broken = True
         self._kill()
-        if self._free is not None:
-            self._free.put_nowait(None)  # wakes calls waiting for a helper: they parse inline
+        self._free.put_nowait(None)  # wakes calls waiting for a helper: they parse inline
 
     def _kill(self) -> None:
         for proc in self._procs:
@@ -159,6 +164,8 @@ class AnswerParsers:
         """Stop the helpers (closing their stdin ends them; a helper still running after ``timeout_s`` is killed)."""
         procs, self._procs = self._procs, []
         self._broken = True
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
         for proc in procs:
             if proc.stdin is not None and not proc.stdin.is_closing():
                 proc.stdin.close()
@@ -193,4 +200,7 @@ if __name__ == "__main__":
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the client ends us
+    os.nice(5)  # parsing must never take a core from the engine or the worker's event loop
+    sys.stdout.buffer.write(b"R")  # up: imports done
+    sys.stdout.buffer.flush()
     _serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -271,7 +271,7 @@ class AsyncRolloutLoop:
             st.sampling.max_model_len,
             has_metrics=st.sampling.has_metrics,
         )
-        await self._answer_parsers.start()
+        self._answer_parsers.start()  # in the background: answers are parsed inline until a helper is up
         await self.setup()
         poller = asyncio.create_task(self._poll_server_metrics())
         try:
