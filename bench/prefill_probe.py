@@ -45,7 +45,8 @@ class StageTimer:
         core = engine._core
         self.core, self.sched, self.runner, self.model = core, core.scheduler, core.runner, core.runner.model
         self.totals = {"admit": 0.0, "prepare": 0.0, "forward": 0.0}
-        self._fwd = 0.0
+        self._fwd, self._cached_before = 0.0, 0
+        self.per_step: list[dict[str, float]] = []  # one entry per prefill step: its size and forward time
         self.steps, self.tokens, self.seqs, self.cached_rows = 0, 0, 0, 0
         self._orig = (self.sched._admit, self.runner.prefill, self.model.forward)
         self._in_prefill = False
@@ -64,6 +65,7 @@ class StageTimer:
             _sync()
             t0 = time.perf_counter()
             timer._fwd = 0.0
+            timer._cached_before = sum(s.num_cached for s in seqs)
             timer._in_prefill = True
             try:
                 out = prefill(seqs, lora)
@@ -71,6 +73,9 @@ class StageTimer:
             finally:
                 timer._in_prefill = False
             total = time.perf_counter() - t0
+            computed = sum(len(s.token_ids) for s in seqs) - timer._cached_before
+            timer.per_step.append({"seqs": len(seqs), "computed_tokens": computed, "forward_ms": 1e3 * timer._fwd,
+                                   "prepare_ms": 1e3 * (total - timer._fwd)})  # fmt: skip
             timer.totals["forward"] += timer._fwd
             timer.totals["prepare"] += total - timer._fwd
             timer.steps += 1
@@ -174,7 +179,7 @@ def main() -> int:
             staged = sum(timer.totals.values())
             out["fenced"] = {"prefill_steps": timer.steps, "prefill_step_s": step_s, **timer.totals,
                              "sampler_and_rest": step_s - staged, "seqs": timer.seqs, "tokens": timer.tokens,
-                             "cached_rows": timer.cached_rows,
+                             "cached_rows": timer.cached_rows, "per_step": timer.per_step,
                              "ms_per_step": {k: 1e3 * v / max(timer.steps, 1) for k, v in timer.totals.items()}}  # fmt: skip
             engine.reset_prefix_cache()
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])

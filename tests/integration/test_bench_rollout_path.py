@@ -33,6 +33,7 @@ def test_tiny_run_reports_every_variant_and_shape(tmp_path):
         expected_requests = groups * g
         rows = [result[v][shape] for v in ("in_process", "http", "worker")]
         assert {r["requests"] for r in rows} == {expected_requests}
+        assert [len(r["runs"]) for r in rows] == [3, 3, 3]  # every variant: the median of --repeats (3) runs
         # fixed lengths: every variant generated exactly the same number of tokens, within the shape's range
         assert len({r["generated_tokens"] for r in rows}) == 1
         assert o_lo * expected_requests <= rows[0]["generated_tokens"] <= o_hi * expected_requests

@@ -14,6 +14,7 @@ for the sampling rules and seeds.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -155,6 +156,7 @@ class Engine:
         else:
             self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager)
         sampler = Sampler(self.device, seed)
+        sampler.prepare(self.vocab_size, self.dtype)  # compiles the sampling kernels now, not in the first step
         self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)
         self._runner.capture_graphs()
         self._params = dict(hf.named_parameters(remove_duplicate=False))  # tied lm_head.weight listed too
@@ -176,12 +178,22 @@ class Engine:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread (daemon). Idempotent."""
+        """Start the engine thread (daemon). Idempotent.
+
+        The objects built so far (the model's modules, graphs, tables) are moved out of the garbage collector's
+        scans first (``gc.freeze``, as vLLM does after start-up): a full collection that walks them stalls the
+        step loop for tens of milliseconds at random, and a decoding engine allocates fast enough to trigger one.
+        """
+        if not self._core.running():
+            gc.collect()
+            gc.freeze()
         self._core.start()
 
     def shutdown(self) -> None:
-        """Abort what is in flight, stop the thread and release the KV cache and graphs."""
+        """Abort what is in flight, stop the thread and release the KV cache and graphs (and hand the heap frozen
+        by :meth:`start` back to the garbage collector)."""
         self._core.stop()
+        gc.unfreeze()
         self._core.runner = None  # type: ignore[assignment]
         self._runner = None  # type: ignore[assignment]
         self._kv.layers = []
