@@ -23,12 +23,11 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.rollout_path import QWEN3_06B, SHAPES, TINY, TINY_SHAPES, Req, build_model_dir, make_workload
+from bench.rollout_path import QWEN3_06B, SHAPES, TINY, TINY_SHAPES, Req, build_model_dir, make_workload, run_engine
 
 
 def _sync() -> None:
@@ -106,24 +105,7 @@ class StageTimer:
 
 
 def run(engine: Any, reqs: list[Req], tag: str, logprobs: int, timeout: float = 300.0) -> float:
-    from asyncgrpo.server.request import Request, SamplingParams
-
-    done, lock, outs = threading.Event(), threading.Lock(), []
-
-    def on_finish(out: Any) -> None:
-        with lock:
-            outs.append(out)
-            if len(outs) == len(reqs):
-                done.set()
-
-    t0 = time.perf_counter()
-    for i, r in enumerate(reqs):
-        p = SamplingParams(max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True, temperature=1.0,
-                           logprobs=logprobs, seed=i)  # fmt: skip
-        engine.submit(Request(f"{tag}-{i}", list(r.prompt), p), on_finish)
-    if not done.wait(timeout=timeout):
-        raise TimeoutError(f"{tag}: {len(outs)}/{len(reqs)} requests finished within {timeout} s")
-    return time.perf_counter() - t0
+    return run_engine(engine, reqs, tag, logprobs, timeout)[1]
 
 
 def main() -> int:

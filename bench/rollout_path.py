@@ -126,9 +126,34 @@ def _timing_delta(before: dict, after: dict) -> dict[str, float]:
 # ---------------------------------------------------------------------- variant 1: engine in process
 
 
+def run_engine(engine: Any, reqs: list[Req], tag: str, logprobs: int, timeout: float) -> tuple[int, float]:
+    """Submit every request to an in-process engine at once and wait for all: (generated tokens, seconds)."""
+    from asyncgrpo.server.request import Request, SamplingParams
+
+    done, lock, outs = threading.Event(), threading.Lock(), []
+
+    def on_finish(out: Any) -> None:
+        with lock:
+            outs.append(out)
+            if len(outs) == len(reqs):
+                done.set()
+
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        p = SamplingParams(max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True, temperature=1.0,
+                           logprobs=logprobs, seed=i)  # fmt: skip
+        engine.submit(Request(f"{tag}-{i}", list(r.prompt), p), on_finish)
+    if not done.wait(timeout=timeout):
+        raise TimeoutError(f"in-process {tag}: {len(outs)}/{len(reqs)} requests finished before the deadline")
+    seconds = time.perf_counter() - t0
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"in-process {tag}: {errors[0]}")
+    return sum(len(o.token_ids) for o in outs), seconds
+
+
 def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
     from asyncgrpo.server.engine import Engine
-    from asyncgrpo.server.request import Request, SamplingParams
 
     engine = Engine(model_dir, dtype=opts.dtype, device=opts.device, max_model_len=opts.max_model_len,
                     max_num_seqs=opts.max_num_seqs, kv_cache_tokens=opts.kv_cache_tokens)  # fmt: skip
@@ -169,26 +194,7 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
     engine.start()
 
     def run(reqs: list[Req], tag: str) -> tuple[int, float]:
-        done, lock, outs = threading.Event(), threading.Lock(), []
-
-        def on_finish(out: Any) -> None:
-            with lock:
-                outs.append(out)
-                if len(outs) == len(reqs):
-                    done.set()
-
-        t0 = time.perf_counter()
-        for i, r in enumerate(reqs):
-            p = SamplingParams(max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True, temperature=1.0,
-                               logprobs=opts.logprobs, seed=i)  # fmt: skip
-            engine.submit(Request(f"{tag}-{i}", list(r.prompt), p), on_finish)
-        if not done.wait(timeout=_remaining()):
-            raise TimeoutError(f"in-process {tag}: {len(outs)}/{len(reqs)} requests finished before the deadline")
-        seconds = time.perf_counter() - t0
-        errors = [o.error for o in outs if o.error]
-        if errors:
-            raise RuntimeError(f"in-process {tag}: {errors[0]}")
-        return sum(len(o.token_ids) for o in outs), seconds
+        return run_engine(engine, reqs, tag, opts.logprobs, _remaining())
 
     try:
         run(_warmup(workloads), "warmup")
