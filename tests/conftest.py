@@ -18,7 +18,6 @@ import pytest
 from asyncgrpo.server.launcher import ServerProcess
 from tests.helpers.servers import start_cpu_server
 
-
 MAX_TEST_PROCESSES = 4  # each one starts its own servers (about 1 GiB each)
 
 
