@@ -8,6 +8,7 @@ sharded policy, the same model built unsharded. Metadata must describe exactly t
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 
 import torch
@@ -79,7 +80,9 @@ def _fsdp_main(rank: int, port: int, path: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A collective that never completes fails after a minute, not at the suite's 10-minute test timeout (once, on
+    # the shared 2-core machine, both ranks sat in the same all-gather for minutes).
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     out = {}
     try:
         for kind, model in (("plain", _tiny_llama(seed=5)), ("peft", _peft_policy(seed=5))):
