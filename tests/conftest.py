@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,13 @@ from asyncgrpo.server.launcher import ServerProcess
 from tests.helpers.servers import start_cpu_server
 
 MAX_TEST_PROCESSES = 4  # each one starts its own servers (about 1 GiB each)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One compute thread per process (inherited by the servers, workers and scripts a test starts): the test processes
+    # already use every core, and OpenMP threads of oversubscribed processes spin while waiting for each other.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @functools.cache
