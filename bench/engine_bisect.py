@@ -1,7 +1,7 @@
 """GPU bisect of the engine's new paths: each case runs in its own process with CUDA_LAUNCH_BLOCKING=1 (a CUDA
 error is sticky and kills the process), so one run says which component fails and where.
 
-Cases: the fused layer kernels and the one-pass sampler alone at the B5 shapes (against their torch paths), then
+Cases: the fused layer kernels and the sampling kernels alone at the B5 shapes (against their torch paths), then
 the B5 engine warm-up (Qwen3-0.6B shape, 256 x (128 + 16)) with components switched off one at a time.
 
 Run (GPU):  python bench/engine_bisect.py [--out $OUT/bisect.json]

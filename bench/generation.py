@@ -9,6 +9,7 @@ through its public API (submit all, wait for all); the baseline is one HF
 Run (GPU):  python bench/generation.py --out bench/results/generation_h200.json [--profile]
 A second run at the GRPO-group shape (64 prompts x 8 equal requests, 32 output tokens) reports the prefill
 tokens computed against the unique prompt tokens (prefix caching).
+The sampler timings (batch 8 and 256, logprobs None and 8) come from bench/sampler_speed.py, also runnable alone.
 Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/generation.py --smoke
 """
 
@@ -209,31 +210,6 @@ def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: i
     return rows
 
 
-def sampler_bench(device: torch.device, batch: int, vocab: int) -> dict:
-    """ms per call of the sampler on bf16 logits [batch, vocab], temperature 1, seeded rows: the one-pass kernel
-    and the torch path, each with logprobs None and 8 (the worker's top-8)."""
-    from asyncgrpo.server.sampler import Sampler, SamplerRow
-
-    logits = (torch.randn(batch, vocab, device=device) * 3).to(torch.bfloat16)
-    out = {}
-    for kernel in (True, False):
-        sampler = Sampler(device)
-        sampler.use_kernel = sampler.use_kernel and kernel
-        for lp in (None, 8):
-            params = SamplingParams(max_tokens=8, temperature=1.0, seed=1, logprobs=lp)
-            rows = [SamplerRow(params=params, num_output=i % 7) for i in range(batch)]
-            for _ in range(3):
-                sampler(logits, rows)
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(10):
-                sampler(logits, rows)
-            _sync(device)
-            out[f"{'kernel' if sampler.use_kernel else 'torch'}_logprobs_{lp}_ms"] = (time.perf_counter() - start) * 100
-    print("sampler ms/call at", batch, "x", vocab, out)
-    return out
-
-
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -317,18 +293,21 @@ def main() -> int:
         graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, eager=False)
 
     sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
-    sampler_ms = sampler_bench(device, n_req, shape["vocab_size"])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.sampler_speed
+    from bench.sampler_speed import sampler_bench
+
+    sampler_ms = sampler_bench(device, shape["vocab_size"], (2, 4) if args.smoke else (8, 256))
     _free(device)
 
     # -------------------------------------------------------------- baseline
-    hf_runs = [(1, 1.0)]
+    hf_runs: list[tuple[int, float]] = []  # --no-hf: no baseline, and no ratio either
     if not args.no_hf:
         run_hf(model, prompts, 4, device)  # warm-up
         hf_runs = [run_hf(model, prompts, o_len, device) for _ in range(args.hf_repeats)]
 
     # ---------------------------------------------------------------- report
     eng_tps = statistics.median(t / s for t, s in engine_runs)
-    hf_tps = statistics.median(t / s for t, s in hf_runs)
+    hf_tps = statistics.median(t / s for t, s in hf_runs) if hf_runs else None
     result = {
         "benchmark": "B5 embedded engine generation throughput",
         "smoke": args.smoke,
@@ -370,11 +349,13 @@ def main() -> int:
             "median_tokens_per_s": hf_tps,
         },
         "model_init_seconds": model_init_s,
-        "ratio_engine_over_hf": eng_tps / hf_tps,
+        "ratio_engine_over_hf": eng_tps / hf_tps if hf_tps else None,
     }
     print(f"\nB5 generation, {n_req} requests x ({p_len} prompt + {o_len} output), {result['machine']['gpu'] or 'CPU'}")
     print(f"{'':16}{'tokens':>10}{'seconds':>10}{'tok/s':>12}")
     for name, runs, tps in (("engine", engine_runs, eng_tps), ("HF generate", hf_runs, hf_tps)):
+        if not runs:
+            continue
         t, s = runs[len(runs) // 2]
         print(f"{name:16}{t:>10}{s:>10.2f}{tps:>12.0f}")
     dec = steps["decode"]
@@ -385,10 +366,11 @@ def main() -> int:
         f"for {grpo['unique_prompt_tokens']} unique prompt tokens ({grpo['computed_over_unique']:.2f}x), "
         f"hits {grpo['prefix_cache_hits']}, {grpo['tokens_per_s']:.0f} generated tok/s"
     )
-    print(
-        f"ratio engine / HF generate: {eng_tps / hf_tps:.1f}x"
-        + ("  (smoke run: not a measurement)" if args.smoke else "")
-    )
+    if hf_tps:
+        print(
+            f"ratio engine / HF generate: {eng_tps / hf_tps:.1f}x"
+            + ("  (smoke run: not a measurement)" if args.smoke else "")
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -15,8 +15,10 @@ Two shapes: ``b5`` (256 requests, prompt 128, output 256) and ``grpo`` (64 promp
 128-512 tokens, outputs 8-256). Model: random-init Qwen3-0.6B-shaped bf16, saved once to a temporary
 folder (no tokenizer: token ids in and out). Each variant's time is split into stages: engine prefill
 and decode (engine timers), sampler (in process only, from one extra untimed run: its syncs would slow
-the timed ones), server response build + JSON encode, client JSON parse, worker scoring/queueing (the worker's own metrics). The in-process and HTTP variants report the
-median of ``--repeats`` timed runs (after a warm-up); the worker runs once per shape (one spawn each).
+the timed ones), server response build + JSON encode, client JSON parse, worker scoring/queueing (the worker's
+own metrics). Every variant reports the median of ``--repeats`` timed runs per shape; each timed run starts on an
+empty prefix cache (a second run of the same prompts would otherwise hit the first run's blocks), after one untimed
+run of the shape (kernels compiled for its sizes). The worker spawns a fresh ``RolloutWorker`` for every run.
 
 GPU:  python bench/rollout_path.py --out bench/results/rollout_path_h200.json --max-seconds 420
 CPU smoke (tiny model, seconds; checks the script, not speed):  python bench/rollout_path.py --tiny
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.client.answer_parse import AnswerParsers, default_parse_processes
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.sampling import SamplingSettings
@@ -129,6 +132,7 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
 
     engine = Engine(model_dir, dtype=opts.dtype, device=opts.device, max_model_len=opts.max_model_len,
                     max_num_seqs=opts.max_num_seqs, kv_cache_tokens=opts.kv_cache_tokens)  # fmt: skip
+    opts.in_process_kv_cache_tokens = engine.kv_cache_tokens
     core = engine._core
     sampler_s = [0.0]
     inner = core.sampler
@@ -190,8 +194,11 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
         run(_warmup(workloads), "warmup")
         results = {}
         for name, reqs in workloads.items():
+            engine.reset_prefix_cache()
+            run(reqs, f"{name}-warmup")  # untimed: every shape this workload meets is compiled once
             rows = []
             for rep in range(opts.repeats):  # timed runs: the engine exactly as shipped, no syncs added
+                engine.reset_prefix_cache()  # each run prefills its prompts: no hits left by the run before
                 before = engine.step_timings()
                 tokens, seconds = run(reqs, f"{name}-{rep}")
                 rows.append(_row(reqs, tokens, seconds, _timing_delta(before, engine.step_timings())))
@@ -199,6 +206,7 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
             # One extra, untimed run with the sampler timer: its syncs break the engine's overlap of the sampler
             # with the next forward, so it only says how long the sampler itself takes.
             core.sampler, s0 = TimedSampler(), sampler_s[0]
+            engine.reset_prefix_cache()
             try:
                 run(reqs, f"{name}-profile")
             finally:
@@ -212,9 +220,10 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
 
 
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median throughput (its stages with it), plus every run's tokens and seconds."""
+    """The run with the median throughput (the lower middle one of an even count; its stages with it), plus every
+    run's tokens and seconds. Every variant is summarised the same way."""
     ordered = sorted(rows, key=lambda r: r["generated_tok_per_s"])
-    median = dict(ordered[len(ordered) // 2])
+    median = dict(ordered[(len(ordered) - 1) // 2])
     median["runs"] = [{"generated_tokens": r["generated_tokens"], "seconds": r["seconds"]} for r in rows]
     return median
 
@@ -243,14 +252,25 @@ def _row(reqs: list[Req], tokens: int, seconds: float, stages: dict[str, float])
 
 def _sampling(base_url: str, opts: argparse.Namespace, cls: type = SamplingSettings) -> SamplingSettings:
     return cls(base_url=base_url, max_model_len=opts.max_model_len, max_completion_length=opts.max_model_len,
-               temperature=1.0, num_sampler_logprobs=opts.logprobs, kv_cache_tokens=opts.kv_cache_tokens,
+               temperature=1.0, num_sampler_logprobs=opts.logprobs, kv_cache_tokens=opts.server_kv_cache_tokens,
                has_metrics=True, initial_tokens_per_step=10**12)  # fmt: skip
+
+
+async def _server_kv_tokens(base_url: str) -> int | None:
+    async with AsyncServerClient(base_url) as client:
+        return await client.kv_cache_tokens()
 
 
 async def _server_stages(client: AsyncServerClient) -> dict[str, Any]:
     ours = (await client.server_info())["asyncgrpo"]
     gen = (await client.metrics()).get("vllm:generation_tokens_total", 0.0)
     return {"timings": ours.get("engine_step_timings", {}), "http": ours.get("http_stats", {}), "gen_tokens": gen}
+
+
+def _tail_s(after: dict, end_unix: float) -> float:
+    """Wall seconds from the engine's last step to ``end_unix`` (the answer path's tail after the GPU work)."""
+    last = max((t.get("last_end_unix", 0.0) for t in after["timings"].values()), default=0.0)
+    return end_unix - last if last else float("nan")
 
 
 def _server_delta(before: dict, after: dict) -> dict[str, float]:
@@ -261,9 +281,12 @@ def _server_delta(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req]) -> tuple[int, float, dict]:
+async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req], parsers: AnswerParsers
+                    ) -> tuple[int, float, dict]:  # fmt: skip
     sampling = _sampling(base_url, opts)
-    async with AsyncServerClient(base_url, max_connections=len(reqs) + 4, timeout=_remaining()) as client:
+    async with AsyncServerClient(base_url, max_connections=len(reqs) + 4, timeout=_remaining(),
+                                 answer_parsers=parsers) as client:  # fmt: skip
+        await client.reset_prefix_cache()  # each run prefills its prompts: no hits left by the run before
         before = await _server_stages(client)
 
         async def one(i: int, r: Req) -> int:
@@ -273,20 +296,39 @@ async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req]) ->
 
         t0 = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
-        seconds = time.perf_counter() - t0
-        stages = _server_delta(before, await _server_stages(client)) | {
-            "client_parse_s": getattr(client, "parse_seconds", 0.0)
+        seconds, end_unix = time.perf_counter() - t0, time.time()
+        after = await _server_stages(client)
+        stages = _server_delta(before, after) | {
+            "client_parse_s": getattr(client, "parse_seconds", 0.0),
+            "tail_after_last_step_s": _tail_s(after, end_unix),
         }
     return tokens, seconds, stages
 
 
 def run_http(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
-    asyncio.run(_http_run(base_url, opts, _warmup(workloads)))
-    results = {}
-    for name, reqs in workloads.items():
-        rows = [_row(reqs, *asyncio.run(_http_run(base_url, opts, reqs))) for _ in range(opts.repeats)]
-        results[name] = _median_row(rows)
-    return results
+    return asyncio.run(_http_all(base_url, opts, workloads))
+
+
+def _parse_processes(opts: argparse.Namespace) -> int:
+    """The run's answer-parsing helpers: the flag, else the library's default (RolloutSettings' None)."""
+    n = getattr(opts, "answer_parse_processes", None)
+    return default_parse_processes() if n is None else n
+
+
+async def _http_all(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
+    """Every HTTP run in one event loop, with the answer-parsing helpers the rollout worker's client has."""
+    parsers = AnswerParsers(_parse_processes(opts))
+    try:
+        await parsers.wait_ready()
+        await _http_run(base_url, opts, _warmup(workloads), parsers)
+        results: dict[str, Any] = {"answer_parse_processes": parsers.processes}
+        for name, reqs in workloads.items():
+            await _http_run(base_url, opts, reqs, parsers)  # untimed warm-up of this shape
+            rows = [_row(reqs, *await _http_run(base_url, opts, reqs, parsers)) for _ in range(opts.repeats)]
+            results[name] = _median_row(rows)
+        return results
+    finally:
+        await parsers.close()
 
 
 # ---------------------------------------------------------------------- variant 3: the rollout worker
@@ -328,55 +370,71 @@ def last_token_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[fl
 
 
 def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
+    """``--repeats`` worker runs per shape (a fresh worker and an empty prefix cache each time); the median one."""
+    return {name: _median_row([_worker_run(base_url, opts, name, reqs) for _ in range(opts.repeats)])
+            for name, reqs in workloads.items()}  # fmt: skip
+
+
+async def _reset_cache(base_url: str) -> None:
+    async with AsyncServerClient(base_url) as client:
+        await client.reset_prefix_cache()
+
+
+def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[Req]) -> dict[str, Any]:
     from asyncgrpo.rollout.worker import RolloutWorker
 
-    results = {}
-    for name, reqs in workloads.items():
-        g = sum(1 for r in reqs if r.group == 0)
-        rows = []
-        for grp in sorted({r.group for r in reqs}):
-            mine = [r for r in reqs if r.group == grp]
-            rows.append({"prompt": [{"role": "user", "content": f"group {grp}", "ids": [r.prompt for r in mine],
-                                     "out_lens": [r.out_len for r in mine]}]})  # fmt: skip
-        settings = RolloutSettings(model_name=SERVED_NAME, sampling=_sampling(base_url, opts, FixedLengthSampling),
-                                   num_generations=g, max_staleness=1000, seed=0, max_concurrent_rollouts=len(reqs),
-                                   initial_tokens_per_step=10**12, num_epochs=1)  # fmt: skip
-        loop = BenchLoop(settings, rows, [last_token_reward], None)
-        before = asyncio.run(_stages_once(base_url))
-        worker = RolloutWorker(loop, heartbeat_timeout=max(_remaining(), 1.0))
-        worker.start(timeout=_remaining())
-        t0 = time.perf_counter()
-        metrics: list[tuple[str, float, float]] = []
-        first_s, groups, trained_tokens = None, 0, 0
-        try:
-            while True:
-                sample = worker.get_sample(timeout=_remaining())
-                metrics += worker.drain_metrics()
-                if sample.end:
-                    break
-                groups += 1
-                trained_tokens += sum(sum(s.loss_mask) for s in sample.sequences)
-                if first_s is None:  # G3: until the first group is scored, groups start one at a time
-                    first_s = time.perf_counter() - t0
-                    at_first = asyncio.run(_stages_once(base_url))  # the engine's work on group 0 (alone)
-            seconds = time.perf_counter() - t0
-        finally:
-            worker.stop()
-        metrics += worker.drain_metrics()
-        after = asyncio.run(_stages_once(base_url))
-        tokens = int(after["gen_tokens"] - before["gen_tokens"])
-        if groups != len(rows):
-            raise RuntimeError(f"worker {name}: {groups}/{len(rows)} groups came back")
-        stages = _server_delta(before, after) | _worker_stages(metrics)
-        row = _row(reqs, tokens, seconds, stages)
-        first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
-        row["first_group_s"] = first_s
-        row["steady_generated_tok_per_s"] = (tokens - first_group_tokens) / max(seconds - first_s, 1e-9)
-        row["phases"] = {"first_group": _phase(_server_delta(before, at_first), first_s),
-                         "after_first_group": _phase(_server_delta(at_first, after), seconds - first_s)}  # fmt: skip
-        row["trained_tokens_queued"] = trained_tokens
-        results[name] = row
-    return results
+    g = sum(1 for r in reqs if r.group == 0)
+    rows = []
+    for grp in sorted({r.group for r in reqs}):
+        mine = [r for r in reqs if r.group == grp]
+        rows.append({"prompt": [{"role": "user", "content": f"group {grp}", "ids": [r.prompt for r in mine],
+                                 "out_lens": [r.out_len for r in mine]}]})  # fmt: skip
+    settings = RolloutSettings(model_name=SERVED_NAME, sampling=_sampling(base_url, opts, FixedLengthSampling),
+                               num_generations=g, max_staleness=1000, seed=0, max_concurrent_rollouts=len(reqs),
+                               initial_tokens_per_step=10**12, num_epochs=1,
+                               answer_parse_processes=_parse_processes(opts))  # fmt: skip
+    loop = BenchLoop(settings, rows, [last_token_reward], None)
+    asyncio.run(_reset_cache(base_url))
+    before = asyncio.run(_stages_once(base_url))
+    worker = RolloutWorker(loop, heartbeat_timeout=max(_remaining(), 1.0))
+    worker.start(timeout=_remaining())
+    t0 = time.perf_counter()
+    metrics: list[tuple[str, float, float]] = []
+    first_s, groups, trained_tokens = None, 0, 0
+    try:
+        while True:
+            sample = worker.get_sample(timeout=_remaining())
+            metrics += worker.drain_metrics()
+            if sample.end:
+                break
+            groups += 1
+            trained_tokens += sum(sum(s.loss_mask) for s in sample.sequences)
+            if first_s is None:  # G3: until the first group is scored, groups start one at a time
+                first_s = time.perf_counter() - t0
+                at_first = asyncio.run(_stages_once(base_url))  # the engine's work on group 0 (alone)
+        seconds, end_unix = time.perf_counter() - t0, time.time()
+    finally:
+        worker.stop()
+    metrics += worker.drain_metrics()
+    after = asyncio.run(_stages_once(base_url))
+    tokens = int(after["gen_tokens"] - before["gen_tokens"])
+    if groups != len(rows):
+        raise RuntimeError(f"worker {name}: {groups}/{len(rows)} groups came back")
+    stages = (
+        _server_delta(before, after) | _worker_stages(metrics) | {"tail_after_last_step_s": _tail_s(after, end_unix)}
+    )
+    row = _row(reqs, tokens, seconds, stages)
+    first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
+    row["first_group_s"] = first_s
+    row["steady_generated_tok_per_s"] = (tokens - first_group_tokens) / max(seconds - first_s, 1e-9)
+    row["phases"] = {"first_group": _phase(_server_delta(before, at_first), first_s),
+                     "after_first_group": _phase(_server_delta(at_first, after), seconds - first_s)}  # fmt: skip
+    row["trained_tokens_queued"] = trained_tokens
+    kv = opts.server_kv_cache_tokens
+    row["initial_concurrency_cap"] = min(len(reqs), kv // opts.max_model_len) if kv else len(reqs)
+    row["answer_parse_processes"] = _parse_processes(opts)
+    row["max_concurrency"] = max((v for n, v, _ in metrics if n == "rollout/concurrency"), default=0)
+    return row
 
 
 def _phase(stages: dict[str, float], seconds: float) -> dict[str, float]:
@@ -450,11 +508,21 @@ def main() -> int:
     ap.add_argument("--shapes", default="b5,grpo", help="comma list of shapes: b5, grpo")
     ap.add_argument("--variants", default="in_process,http,worker", help="comma list: in_process, http, worker")
     ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (in process, HTTP); the median")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per shape and variant, each on an empty prefix cache after an untimed warm-up run of the shape; the median (the lower middle one of an even count)",
+    )
     ap.add_argument("--kv-cache-tokens", type=int, default=0,
-                    help="server KV cache (default: max_num_seqs x max_model_len). The worker's first concurrency cap "
-                         "is this / max_model_len (G5), so the default caps it at max_num_seqs: no queue on the server "
-                         "to refill a finished slot from, unlike the HTTP variant's all-at-once requests")  # fmt: skip
+                    help="KV cache of the engine and the server (default: 2 x max_num_seqs x max_model_len, less "
+                         "than a vLLM server on this GPU would hold for this model; our engine's own default stops at "
+                         "max_num_seqs x max_model_len). The worker's first concurrency cap is this / max_model_len "
+                         "(G5): at max_num_seqs x max_model_len it equals max_num_seqs, which leaves no queue on the "
+                         "server to refill a finished slot from")  # fmt: skip
+    ap.add_argument("--answer-parse-processes", type=int, default=None,
+                    help="answer-parsing helpers of the HTTP client and the worker (default: the library's, "
+                         "a quarter of the cores, at most 4)")  # fmt: skip
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -480,7 +548,7 @@ def main() -> int:
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16
     opts.max_num_seqs = 256 if not opts.tiny else 64
-    opts.kv_cache_tokens = opts.kv_cache_tokens or opts.max_num_seqs * opts.max_model_len
+    opts.kv_cache_tokens = opts.kv_cache_tokens or 2 * opts.max_num_seqs * opts.max_model_len
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
@@ -522,8 +590,8 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
 
     failures = []
     flags = ["--device", opts.device, "--dtype", opts.dtype, "--max-model-len", str(opts.max_model_len),
-             "--max-num-seqs", str(opts.max_num_seqs), "--kv-cache-tokens", str(opts.kv_cache_tokens),
-             "--served-model-name", SERVED_NAME, "--max-logprobs", str(max(opts.logprobs, 20)),
+             "--max-num-seqs", str(opts.max_num_seqs), "--served-model-name", SERVED_NAME,
+             "--max-logprobs", str(max(opts.logprobs, 20)), "--kv-cache-tokens", str(opts.kv_cache_tokens),
              *shlex.split(opts.server_args)]  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None
     try:
@@ -532,6 +600,9 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
     except Exception as exc:  # noqa: BLE001
         return [f"server start: {type(exc).__name__}: {exc}"]
     with server:
+        opts.server_kv_cache_tokens = asyncio.run(_server_kv_tokens(server.base_url))  # what the worker's G5 reads
+        results["kv_cache_tokens"] = {"in_process": getattr(opts, "in_process_kv_cache_tokens", None),
+                                      "server": opts.server_kv_cache_tokens}  # fmt: skip
         for name, fn in (("http", run_http), ("worker", run_worker)):
             if name not in variants:
                 continue

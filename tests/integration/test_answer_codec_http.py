@@ -94,3 +94,34 @@ def test_array_parse_and_training_arrays_equal_a_per_position_reference(servers)
         assert fast_seq.sampler_top_logprobs[i][real].tolist() == np.float32(list_seq.sampler_top_logprobs[i]).tolist()
     best = [sorted(d.items(), key=lambda e: -e[1])[:4] for d in tops]  # by hand: the 4 best of each position
     assert [list_seq.sampler_top_ids[len(PROMPT) + i] for i in range(TOKENS)] == [[t for t, _ in b] for b in best]
+
+
+def test_answer_parsing_helpers_give_the_inline_results_on_real_answers(servers):
+    """The worker's client hands large answers to helper processes: same results as parsing on the loop."""
+    import asyncio
+
+    from asyncgrpo.client.answer_parse import AnswerParsers
+    from asyncgrpo.client.http_client import AsyncServerClient
+
+    fast, _ = servers
+    params = {"max_tokens": TOKENS, "min_tokens": TOKENS, "ignore_eos": True, "temperature": 1.0, "logprobs": 8}
+
+    async def main():
+        parsers = AnswerParsers(2, min_bytes=0)
+        try:
+            assert await parsers.wait_ready()
+            async with AsyncServerClient(fast.base_url, answer_parsers=parsers) as helped, \
+                    AsyncServerClient(fast.base_url) as inline:  # fmt: skip
+                # one request at a time on both: the same batch, so the same numbers from the engine
+                got = [await helped.complete(PROMPT, {**params, "seed": s}) for s in (5, 6)]
+                want = [await inline.complete(PROMPT, {**params, "seed": s}) for s in (5, 6)]
+                return got, want, len(parsers._procs), helped.parse_seconds
+        finally:
+            await parsers.close()
+
+    got, want, procs, loop_parse_s = asyncio.run(main())
+    assert procs == 2 and loop_parse_s == 0.0  # the answers were parsed by the helpers, not on the loop
+    for a, b in zip(got, want, strict=True):
+        assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs) and len(a.token_ids) == TOKENS
+        assert np.array_equal(a.top_logprobs.ids, b.top_logprobs.ids)
+        assert np.array_equal(a.top_logprobs.values, b.top_logprobs.values)

@@ -33,11 +33,18 @@ def test_tiny_run_reports_every_variant_and_shape(tmp_path):
         expected_requests = groups * g
         rows = [result[v][shape] for v in ("in_process", "http", "worker")]
         assert {r["requests"] for r in rows} == {expected_requests}
+        assert [len(r["runs"]) for r in rows] == [3, 3, 3]  # every variant: the median of --repeats (3) runs
         # fixed lengths: every variant generated exactly the same number of tokens, within the shape's range
         assert len({r["generated_tokens"] for r in rows}) == 1
         assert o_lo * expected_requests <= rows[0]["generated_tokens"] <= o_hi * expected_requests
         assert rows[0]["stages"]["decode_steps"] > 0 and rows[1]["stages"]["server_response_build_s"] > 0
+        # the answer path's tail: answers are built, parsed (and scored) after the engine's last step
+        assert all(r["stages"]["tail_after_last_step_s"] >= 0 for r in rows[1:])
         assert rows[2]["trained_tokens_queued"] > 0  # the worker scored groups and queued training samples
+        # G5: the worker's first cap is the server's KV tokens / max_model_len, and it never ran more than that
+        kv = result["kv_cache_tokens"]["server"]
+        assert rows[2]["initial_concurrency_cap"] == min(expected_requests, kv // result["max_model_len"])
+        assert 0 < rows[2]["max_concurrency"] <= rows[2]["initial_concurrency_cap"]
         assert set(result["ratios"][shape]) == {"http_over_in_process", "worker_over_in_process",
                                                 "worker_steady_over_in_process"}  # fmt: skip
 

@@ -20,10 +20,11 @@ from tests.helpers.rewards import even_token_reward
 ROWS = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(64)]
 
 
-def _worker(base_url: str, model_dir, sync: bool) -> RolloutWorker:
+def _worker(base_url: str, model_dir, sync: bool, parse_processes: int = 0) -> RolloutWorker:
     sampling = SamplingSettings(base_url, max_model_len=512, max_completion_length=6, temperature=1.0)
     settings = RolloutSettings(model_name=None, sampling=sampling, num_generations=2, max_staleness=1, seed=0,
-                               max_concurrent_rollouts=8, initial_tokens_per_step=64, sync_rollouts=sync)  # fmt: skip
+                               max_concurrent_rollouts=8, initial_tokens_per_step=64, sync_rollouts=sync,
+                               answer_parse_processes=parse_processes)  # fmt: skip
     tok = AutoTokenizer.from_pretrained(model_dir)
     return RolloutWorker(AsyncRolloutLoop(settings, ROWS, [even_token_reward], tok), heartbeat_timeout=60)
 
@@ -77,9 +78,12 @@ def test_sync_worker_generates_only_while_the_trainer_waits(server, tiny_llama_d
 
 
 def test_async_worker_generates_without_the_gate(server, tiny_llama_dir):
-    w = _worker(server.base_url, tiny_llama_dir, sync=False)
+    """Also: a worker with an answer-parsing helper (started at setup, closed with the loop) runs and stops."""
+    w = _worker(server.base_url, tiny_llama_dir, sync=False, parse_processes=1)
     w.start()
     try:
         assert w.get_sample(timeout=60) is not None  # nobody opened the gate
     finally:
+        t0 = time.monotonic()
         w.stop()
+    assert time.monotonic() - t0 < 20

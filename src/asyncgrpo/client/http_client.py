@@ -17,21 +17,17 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Self
 from urllib.parse import urlparse
 
 import aiohttp
 
 from asyncgrpo import json_codec
+from asyncgrpo.client.answer_parse import AnswerParsers, parse_choices
 from asyncgrpo.client.errors import ServerError, ServerTimeoutError
 from asyncgrpo.client.metrics_text import vllm_metrics
-from asyncgrpo.client.results import (
-    GenerationResult,
-    error_message,
-    parse_completion_choice,
-    parse_generate_choice,
-)
+from asyncgrpo.client.results import GenerationResult, error_message
 from asyncgrpo.client.server_rules import (  # noqa: F401 - config_section re-exported (weights/sender.py)
     config_section,
     explain,
@@ -71,6 +67,8 @@ class AsyncServerClient:
         backoff: first retry delay in seconds; doubles each retry (capped at 30 s).
         retry_for_s: keep retrying a call that gets no answer (or 503) until this many seconds passed since its
             first attempt, even past ``retries`` (a server restarting); 0 = only ``retries`` count.
+        answer_parsers: helper processes that parse large generation answers off the event loop (shared between
+            clients of one loop; their owner closes them); None parses every answer inline.
     """
 
     def __init__(
@@ -82,6 +80,7 @@ class AsyncServerClient:
         retries: int = 3,
         backoff: float = 0.5,
         retry_for_s: float = 0.0,
+        answer_parsers: AnswerParsers | None = None,
     ) -> None:
         parsed = urlparse(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -98,7 +97,8 @@ class AsyncServerClient:
         self.backoff = backoff
         self.retry_for_s = max(float(retry_for_s), 0.0)
         self.retry_count = 0
-        self.parse_seconds = 0.0  # diagnostics: time spent decoding JSON answers and parsing choices
+        self.parse_seconds = 0.0  # diagnostics: event-loop time spent decoding JSON answers and parsing choices
+        self.answer_parsers = answer_parsers
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -207,6 +207,8 @@ class AsyncServerClient:
                     self.parse_seconds += time.perf_counter() - t_parse
             if parse == "text":
                 return body.decode("utf-8", errors="replace")
+            if parse == "bytes":
+                return body
             return None
         assert last is not None
         if window > 0 and last.status is None:
@@ -320,7 +322,7 @@ class AsyncServerClient:
         params.setdefault("logprobs", 0)
         rid = request_id or f"gen-{uuid.uuid4().hex}"
         body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": params, "request_id": rid}
-        return await self._post_choices("/inference/v1/generate", body, model, timeout, parse_generate_choice, rid)
+        return await self._post_choices("/inference/v1/generate", body, model, timeout, "generate", rid)
 
     async def generate(
         self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any
@@ -353,7 +355,7 @@ class AsyncServerClient:
         )
         if request_id is not None:
             body["request_id"] = request_id
-        return await self._post_choices("/v1/completions", body, model, timeout, parse_completion_choice, request_id)
+        return await self._post_choices("/v1/completions", body, model, timeout, "completions", request_id)
 
     async def _post_choices(
         self,
@@ -361,19 +363,22 @@ class AsyncServerClient:
         body: dict[str, Any],
         model: str | None,
         timeout: float | None,
-        parse: Callable[[dict[str, Any], str | None], GenerationResult],
+        kind: str,
         request_id: str | None,
     ) -> list[GenerationResult]:
-        """POST a generation body and parse its choices in index order (vLLM may answer them out of order)."""
+        """POST a generation body and parse its choices in index order; large answers go to the answer-parsing
+        helpers when the client has them (``answer_parse``)."""
         if model is not None:
             body["model"] = model
-        data = await self.request("POST", path, json_body=body, timeout=timeout)
+        raw = await self.request("POST", path, json_body=body, timeout=timeout, parse="bytes")
+        parsers = self.answer_parsers
+        if parsers is not None and parsers.active:
+            return await parsers.parse(raw, kind, request_id)
         t_parse = time.perf_counter()
-        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
-        rid = data.get("request_id", data.get("id", request_id))
-        results = [parse(c, rid) for c in choices]
-        self.parse_seconds += time.perf_counter() - t_parse
-        return results
+        try:
+            return parse_choices(raw, kind, request_id)
+        finally:
+            self.parse_seconds += time.perf_counter() - t_parse
 
     async def complete(
         self, token_ids: list[int], sampling_params: Mapping[str, Any], **kwargs: Any

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from asyncgrpo.client.answer_parse import AnswerParsers
 from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 
@@ -61,16 +62,25 @@ class ServerPool:
         retry_for_s: with one server, how long a server that stopped answering is retried (restart survival);
             with several, unused: a silent server is dropped after the client's few retries and its work
             moves to the others.
+        answer_parsers: helpers every client hands large answers to (the caller owns and closes them).
     """
 
     def __init__(
-        self, base_urls: Sequence[str], *, timeout: float, max_connections: int, retry_for_s: float = 0.0
+        self,
+        base_urls: Sequence[str],
+        *,
+        timeout: float,
+        max_connections: int,
+        retry_for_s: float = 0.0,
+        answer_parsers: AnswerParsers | None = None,
     ) -> None:
         if not base_urls:
             raise ValueError("ServerPool needs at least one server URL")
         retry = 0.0 if len(base_urls) > 1 else retry_for_s
         self.clients = [
-            AsyncServerClient(url, timeout=timeout, max_connections=max_connections, retry_for_s=retry)
+            AsyncServerClient(
+                url, timeout=timeout, max_connections=max_connections, retry_for_s=retry, answer_parsers=answer_parsers
+            )
             for url in base_urls
         ]
         self.stats = [ServerStats() for _ in base_urls]

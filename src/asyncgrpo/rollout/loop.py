@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo.client.answer_parse import AnswerParsers, default_parse_processes
 from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
@@ -252,11 +253,14 @@ class AsyncRolloutLoop:
         self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
         self._tool_stats: dict[str, ToolLoopStats] = {}
         self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)
+        procs = st.answer_parse_processes
+        self._answer_parsers = AnswerParsers(default_parse_processes() if procs is None else procs)
         self.pool = ServerPool(
             st.sampling.urls,
             timeout=st.request_timeout_s,
             max_connections=st.max_concurrent_rollouts,
             retry_for_s=st.retry_for_s,
+            answer_parsers=self._answer_parsers,
         )
         self._score_slots = asyncio.Semaphore(min(st.max_concurrent_rollouts, 64))  # the reward threads
         self._score_waiting = 0
@@ -267,6 +271,7 @@ class AsyncRolloutLoop:
             st.sampling.max_model_len,
             has_metrics=st.sampling.has_metrics,
         )
+        self._answer_parsers.start()  # in the background: answers are parsed inline until a helper is up
         await self.setup()
         poller = asyncio.create_task(self._poll_server_metrics())
         try:
@@ -277,6 +282,7 @@ class AsyncRolloutLoop:
                 await self.close()
             finally:
                 await self.pool.close()
+                await self._answer_parsers.close()
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _sync_admission(self) -> None:

@@ -44,6 +44,8 @@ class RolloutSettings:
         lora_name: adapter sync (T6): requests name the LoRA adapter ``<lora_name>-step-<version>`` of the policy
             version their rollout started under instead of ``model_name`` (None: merged weights, ``model_name``).
         sync_rollouts: start groups only while the trainer waits for samples (the config's ``sync_rollouts``).
+        answer_parse_processes: helper processes that parse large answers off the worker's event loop
+            (``client/answer_parse.py``); None: a quarter of the machine's cores, at most 4; 0: inline.
         extra: free-form values for custom loops; the library never reads it.
     """
 
@@ -64,6 +66,7 @@ class RolloutSettings:
     skip_indices: frozenset[int] = frozenset()
     retry_for_s: float = 0.0
     sync_rollouts: bool = False
+    answer_parse_processes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None
 

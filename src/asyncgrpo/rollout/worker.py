@@ -18,6 +18,7 @@ Shared state (all created here, never by the child):
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -126,6 +127,8 @@ def _child_main(loop_conn: Any, channels: WorkerChannels, parent_pid: int) -> No
         loop_obj = ForkingPickler.loads(loop_conn.recv_bytes())
         loop_conn.send_bytes(b"ok")  # the trainer's start() returns on this
         loop_conn.close()
+        gc.collect()
+        gc.freeze()  # imports, the dataset and the tokenizer leave the collector's scans (see Engine.start)
         asyncio.run(_run_child(loop_obj, channels))
     except BaseException:  # noqa: BLE001 - process boundary: everything goes back to the trainer
         channels.errors.put(traceback.format_exc())

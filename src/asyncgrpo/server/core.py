@@ -47,6 +47,7 @@ class EngineLoop:
         # diagnostics: steps and wall seconds (incl. the sampler's device sync) per step kind
         self.step_counts = {"prefill": 0, "decode": 0}
         self.step_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.step_last_end_unix = {"prefill": 0.0, "decode": 0.0}  # wall clock: benchmarks time what follows a step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -261,6 +262,7 @@ class EngineLoop:
             self.scheduler.note_decode_step()
         now = time.perf_counter()
         self.step_seconds[kind] += now - max(start, self._last_step_end)  # steps ahead overlap: count wall time once
+        self.step_last_end_unix[kind] = time.time()
         self._last_step_end = now
 
     def _look_ahead_seqs(self, batch: Batch, sample: PendingSample) -> list[Sequence] | None:

@@ -14,6 +14,7 @@ for the sampling rules and seeds.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -154,6 +155,7 @@ class Engine:
         else:
             self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager)
         sampler = Sampler(self.device, seed)
+        sampler.prepare(self.vocab_size, self.dtype)  # compiles the sampling kernels now, not in the first step
         self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)
         self._runner.capture_graphs()
         self._params = dict(hf.named_parameters(remove_duplicate=False))  # tied lm_head.weight listed too
@@ -175,12 +177,22 @@ class Engine:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread (daemon). Idempotent."""
+        """Start the engine thread (daemon). Idempotent.
+
+        The objects built so far (the model's modules, graphs, tables) are moved out of the garbage collector's
+        scans first (``gc.freeze``, as vLLM does after start-up): a full collection that walks them stalls the
+        step loop for tens of milliseconds at random, and a decoding engine allocates fast enough to trigger one.
+        """
+        if not self._core.running():
+            gc.collect()
+            gc.freeze()
         self._core.start()
 
     def shutdown(self) -> None:
-        """Abort what is in flight, stop the thread and release the KV cache and graphs."""
+        """Abort what is in flight, stop the thread and release the KV cache and graphs (and hand the heap frozen
+        by :meth:`start` back to the garbage collector)."""
         self._core.stop()
+        gc.unfreeze()
         self._core.runner = None  # type: ignore[assignment]
         self._runner = None  # type: ignore[assignment]
         self._kv.layers = []
@@ -317,9 +329,13 @@ class Engine:
         return self._runner.backend
 
     def step_timings(self) -> dict[str, dict[str, float]]:
-        """Diagnostics: number of prefill/decode steps so far and their total wall seconds."""
+        """Diagnostics: number of prefill/decode steps so far, their total wall seconds, and when the last one ended
+        (Unix time, to time what happens after the engine's work, e.g. the answer path's tail)."""
         c = self._core
-        return {k: {"steps": c.step_counts[k], "seconds": c.step_seconds[k]} for k in c.step_counts}
+        return {
+            k: {"steps": c.step_counts[k], "seconds": c.step_seconds[k], "last_end_unix": c.step_last_end_unix[k]}
+            for k in c.step_counts
+        }
 
     def stats(self) -> EngineStats:
         s = self._scheduler

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -191,6 +192,8 @@ async def _serve(app: Any, host: str, port: int) -> None:
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    gc.collect()
+    gc.freeze()  # the tokenizer, app and imports leave the collector's scans (see Engine.start)
     logger.info("serving the vLLM 0.33 protocol on http://%s:%d", host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -18,8 +18,8 @@ state. Unseeded rows use the engine's ``torch.Generator`` (seeded from the
 engine's ``seed``).
 
 Fast path (CUDA): when every row only asks for a temperature (no truncation,
-penalty, ban or mask), :mod:`sample_kernel` does (c), (g) and the race in one
-pass over the logits, with the same seeded noise.
+penalty, ban or mask), :mod:`sample_kernel` does (c), (g), the race and the
+top-N in one read of the logits, with the same seeded noise.
 
 Memory: the batch is one [B, V] fp32 tensor edited in place; row subsets
 (top-k/top-p sorts, noise, top-N, masks) are processed in chunks of
@@ -30,7 +30,9 @@ masks only for rows that asked.
 from __future__ import annotations
 
 import functools
+import logging
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,7 @@ import torch
 from asyncgrpo.server import sample_kernel
 from asyncgrpo.server.request import SamplingParams
 
+logger = logging.getLogger(__name__)
 ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries of sorts, hashes, top-N and masks
 NOISE_ELEMENTS = 1 << 26  # unseeded noise is drawn for up to this many (row, token) pairs per kernel (256 MB fp32)
 _M32 = 0xFFFFFFFF
@@ -53,6 +56,7 @@ class SamplerRow:
     token_ids: list[int] = field(default_factory=list)  # prompt + output; read only for the repetition penalty
     banned: list[int] = field(default_factory=list)  # ids masked now (min_tokens not reached yet)
     kernel_args: tuple[float, int, int, int] | None = None  # cached by the fused path (the params never change)
+    plain: bool | None = None  # cached: the params ask for nothing beyond a temperature (see _plain)
 
 
 @dataclass
@@ -69,10 +73,12 @@ class PendingSample:
     """One step's sampling in flight: ``tokens`` [B] on the device now, the host lists after :meth:`result`."""
 
     def __init__(self, tokens: torch.Tensor, done: SampleResult | None = None, host: torch.Tensor | None = None,
-                 event=None, params=None, asked=None, n: int = 0) -> None:  # fmt: skip
+                 event=None, params=None, asked=None, n: int = 0, all_rows: bool = False) -> None:  # fmt: skip
+        """``host`` holds [B ids, B log-probs, R x n top-N ids, R x n top-N log-probs]: R rows are the ``asked``
+        ones in order, or every row when ``all_rows`` (the kernel selects top-N for the whole batch)."""
         self.tokens = tokens
         self._done, self._host, self._event = done, host, event
-        self._params, self._asked, self._n = params, asked, n
+        self._params, self._asked, self._n, self._all_rows = params, asked, n, all_rows
 
     @property
     def deferred(self) -> bool:
@@ -87,14 +93,16 @@ class PendingSample:
         host = self._host
         assert host is not None
         params, asked, n = self._params, self._asked, self._n
-        B, m = len(params), len(asked) * n
+        B = len(params)
+        m = (B if self._all_rows else len(asked)) * n
         top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
         if asked:
             # ids convert to Python ints in one C pass and the (id, log-prob) pairs come from one zip: no Python
             # frame per entry (this runs on the engine thread every step, batch x top-N entries)
             pairs = list(zip(host[2 * B : 2 * B + m].to(torch.int64).tolist(), host[2 * B + m :].tolist()))
             for j, i in enumerate(asked):
-                top[i] = pairs[j * n : j * n + params[i].logprobs]
+                slot = i if self._all_rows else j
+                top[i] = pairs[slot * n : slot * n + params[i].logprobs]
         self._done = SampleResult(
             token_ids=host[:B].to(torch.int64).tolist(), logprobs=host[B : 2 * B].tolist(), top_logprobs=top,
             masks=[None] * B,
@@ -147,10 +155,14 @@ def _kernel_args(row: SamplerRow) -> tuple[float, int, int, int]:
 def _plain(rows: list[SamplerRow], vocab: int) -> bool:
     """True when every row only asks for a temperature (or greedy): the fused kernel's case."""
     for r in rows:
-        p = r.params
-        if r.banned or p.repetition_penalty != 1.0 or p.return_sampling_mask:
+        if r.banned:
             return False
-        if p.temperature != 0.0 and (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0):
+        if r.plain is None:  # the params never change and a row belongs to one engine (one vocabulary)
+            p = r.params
+            r.plain = not (p.repetition_penalty != 1.0 or p.return_sampling_mask) and (
+                p.temperature == 0.0 or not (p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0)
+            )
+        if not r.plain:
             return False
     return True
 
@@ -180,39 +192,42 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # CUDA: rows that only ask for a temperature go through one Triton pass (see sample_kernel)
+        # CUDA: rows that only ask for a temperature go through the split-vocabulary kernels (see sample_kernel)
         self.use_kernel = device.type == "cuda" and sample_kernel.check_kernel(device)
         self._pinned: list[torch.Tensor | None] = [None, None]
+        self._warm: set[tuple[int, torch.dtype]] = set()  # (vocab, logits dtype) the kernels are compiled for
         self._flip = 0
 
     def _fused(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
-        """The one-pass kernel and top-N from one ``topk``, packed into one tensor whose device->host copy is
-        started here; :meth:`PendingSample.result` waits for it."""
+        """The split-vocabulary kernels (token, log-prob, top-N up to :data:`sample_kernel.MAX_TOP_N`) write one
+        packed tensor whose device->host copy is started here; :meth:`PendingSample.result` waits for it."""
         B, V = logits.shape
         params = [r.params for r in rows]
         static = [r.kernel_args or _kernel_args(r) for r in rows]
         modes = [a[3] for a in static]
-        meta = [[a[1] for a in static], [a[2] for a in static], [r.num_output & _M32 for r in rows], modes]
+        # [4, B] int64 through array.array: about 3x cheaper than torch.tensor on nested lists at batch 256
+        meta = array("q", [a[1] for a in static] + [a[2] for a in static] + [r.num_output & _M32 for r in rows] + modes)
         dev = self.device
-        temps_t = torch.tensor([a[0] for a in static], dtype=torch.float32).to(dev, non_blocking=True)
-        meta_t = torch.tensor(meta, dtype=torch.int64).to(dev, non_blocking=True)
+        temps_t = torch.frombuffer(array("f", [a[0] for a in static]), dtype=torch.float32).to(dev, non_blocking=True)
+        meta_t = torch.frombuffer(meta, dtype=torch.int64).view(4, B).to(dev, non_blocking=True)
         if sample_kernel.MODE_RANDOM_KEY in modes:
             rand = torch.randint(0, 1 << 32, (B,), generator=self.generator, device=dev, dtype=torch.int64)
         else:
             rand = meta_t[0]
         x = logits if logits.stride(1) == 1 else logits.contiguous()
-        tokens, chosen, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
         asked = [i for i, p in enumerate(params) if p.logprobs]
-        parts = [tokens.double(), chosen.double()]
         n = min(max((params[i].logprobs for i in asked), default=0), V)
-        if asked:
+        all_rows = n <= sample_kernel.MAX_TOP_N
+        if all_rows:  # top-N of every row selected in the kernel, packed by it
+            tokens, packed, _ = sample_kernel.fused_sample(x, temps_t, meta_t, rand, top_n=n)
+        else:  # rare (a server started with a larger --max-logprobs): one torch.topk over the rows that asked
+            tokens, packed, lse = sample_kernel.fused_sample(x, temps_t, meta_t, rand)
             idx = None if len(asked) == B else torch.tensor(asked, device=dev)
             sub = x if idx is None else x.index_select(0, idx)
             vals, ids = sub.topk(n, dim=1)
             t, z = (temps_t, lse) if idx is None else (temps_t[idx], lse[idx])
             vals = vals.float() / t[:, None] - z[:, None]
-            parts += [ids.double().flatten(), vals.double().flatten()]
-        packed = torch.cat(parts)
+            packed = torch.cat([packed, ids.double().flatten(), vals.double().flatten()])
         self._flip ^= 1  # two pinned buffers: one step's copy may still be read while the next one's starts
         buf = self._pinned[self._flip]
         if buf is None or buf.numel() < packed.numel():
@@ -223,13 +238,27 @@ class Sampler:
         event = torch.cuda.Event() if dev.type == "cuda" else None
         if event is not None:
             event.record()
-        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n)
+        return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n, all_rows=all_rows)
+
+    def prepare(self, vocab: int, dtype: torch.dtype) -> bool:
+        """Compile every slice size the kernels can use on [*, vocab] logits of ``dtype`` (the engine calls this
+        at start; otherwise the first fused step does). A compile failure turns the kernels off, like the
+        self-check. Returns whether the kernels are on."""
+        key = (vocab, dtype)
+        if self.use_kernel and key not in self._warm:
+            self._warm.add(key)
+            try:
+                sample_kernel.warm_up(self.device, vocab, dtype)
+            except Exception:
+                logger.exception("the Triton sampling kernels do not compile for %s; using the torch sampler", key)
+                self.use_kernel = False
+        return self.use_kernel
 
     @torch.no_grad()
     def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
         """Queue the sampling of one step; ``.tokens`` (on the device) can feed the next step before
         ``.result()`` brings everything to the host. Rows the kernel does not cover are sampled now."""
-        if self.use_kernel and _plain(rows, logits.shape[1]):
+        if self.use_kernel and _plain(rows, logits.shape[1]) and self.prepare(logits.shape[1], logits.dtype):
             return self._fused(logits, rows)
         res = self(logits, rows)
         return PendingSample(tokens=torch.tensor(res.token_ids, dtype=torch.int64, device=self.device), done=res)
@@ -238,7 +267,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         B, V = logits.shape
         assert B == len(rows)
-        if self.use_kernel and _plain(rows, V):
+        if self.use_kernel and _plain(rows, V) and self.prepare(logits.shape[1], logits.dtype):
             return self._fused(logits, rows).result()
         x = logits.float()
         if x.data_ptr() == logits.data_ptr():
