@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh model-b train packing
 #   bash bench/gpu_session.sh model-b agent        # issue 8: calculator agent, warm-up + RL, before/after (one H200)
 #   bash bench/gpu_session.sh model-b fsdp         # issue 12: two-rank FSDP2 run + one-rank run (two H200)
+#   bash bench/gpu_session.sh weightsync           # issue 12 B4: weight sync vs bare NCCL, breakdown, FSDP2 (two H200)
 #   bash bench/gpu_session.sh deltanet             # issue 11: Gated DeltaNet hybrids in the trie (one H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -35,6 +36,9 @@ for stage in "$@"; do
     fsdp)  # issue 12: two FSDP2 trainer ranks (GPUs 1,0) beside the server on GPU 0, then one rank
       timeout 400 python3 bench/fsdp_run.py --steps 30 --out "$OUT/fsdp_run_h200.json" 2>&1 \
         | tee "$OUT/fsdp_run.log" | grep -vE "it/s\]|s/it\]" | tail -40 ;;
+    weightsync)  # issue 12 B4: bare broadcast vs WeightSender per bucket size with the breakdown; two-rank FSDP2
+      timeout 560 python3 bench/weight_sync.py --fsdp2 --in-thread-modes packed:256 --out "$OUT/weight_sync_h200x2.json" 2>&1 \
+        | tee "$OUT/weight_sync.log" | grep -vE "it/s\]|s/it\]" | tail -40 ;;
     agent)
       timeout 560 python3 bench/agent_learning.py --out "$OUT/agent_learning_h200.json" 2>&1 \
         | tee "$OUT/agent_learning.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;

@@ -15,6 +15,7 @@ import torch
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import launch_server
+from asyncgrpo.weights.collectives import plan_chunks
 from asyncgrpo.weights.policy import policy_weight_metadata
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import (
@@ -133,3 +134,35 @@ def test_nccl_update_model_streams_a_peft_policy(setup):
     result, version = server_greedy(server.base_url)
     assert version == "peft-1"
     check_greedy(policy.merge_and_unload().cpu().eval(), result)
+
+
+def test_nccl_pipelined_small_buckets_twice_with_profiles(setup):
+    """Packed in buckets smaller than the largest tensors, double-buffered on the side stream, two rounds in a row
+    (the second reuses the first's buffers and views): the server serves each round's weights, and the profiled
+    rounds report one broadcast per non-empty chunk on both ends."""
+    server, model, sender, _ = setup
+    metas = policy_weight_metadata(model)
+    # one byte under the upper-quartile size: every tensor that large (layers repeat shapes) travels alone
+    bucket = sorted(m.nbytes for m in metas)[len(metas) * 3 // 4] - 1
+    chunks = plan_chunks(metas, bucket)
+    assert sum(len(c) > 1 for c in chunks) >= 3 and sum(len(c) == 1 for c in chunks) >= 3
+    # the module's sender, in a group formed again with this bucket (both ends leave the old group together)
+    sender.close()
+    sender.packed_buffer_size_bytes, sender.profile = bucket, True
+    sender.init(AsyncServerClient(server.base_url), backend="auto", device="cuda:1", packed=True)
+    ptrs = []
+    for seed in (11, 12):
+        perturb(model, seed)
+        sender.update_model(model.to("cuda:1"), version=f"pipe-{seed}")
+        model.to("cpu")
+        result, version = server_greedy(server.base_url)
+        assert version == f"pipe-{seed}"
+        check_greedy(model, result)
+        b = sender.last_breakdown
+        print(f"\npipelined round {seed}: {b}")
+        sent = len([c for c in chunks if sum(metas[i].nbytes for i in c)])
+        assert b["sender_wire"]["broadcast_count"] == sent and b["sender_wire"]["wire_busy_ms"] > 0
+        assert b["receiver"]["wire"]["broadcast_count"] == sent
+        assert b["receiver"]["wire"]["unpack_count"] == sum(len(c) > 1 for c in chunks)
+        ptrs.append([buf.data_ptr() for buf in sender._lanes.bufs])
+    assert ptrs[0] == ptrs[1]  # the same chunk buffers in both rounds

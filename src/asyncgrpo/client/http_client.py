@@ -441,8 +441,9 @@ class AsyncServerClient:
     async def start_weight_update(self, timeout: float | None = None) -> None:
         await self.request("POST", "/start_weight_update", timeout=timeout, retries=0)
 
-    async def update_weights(self, update_info: Mapping[str, Any], timeout: float | None = None) -> None:
-        await self.request(
+    async def update_weights(self, update_info: Mapping[str, Any], timeout: float | None = None) -> Any:
+        """``POST /update_weights``; returns the server's answer (ours adds a ``profile`` when asked to)."""
+        return await self.request(
             "POST", "/update_weights", json_body={"update_info": dict(update_info)}, timeout=timeout, retries=0
         )
 

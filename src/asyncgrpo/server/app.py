@@ -11,7 +11,6 @@ exception becomes a logged 500 and never takes the server down.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -23,6 +22,7 @@ from aiohttp import web
 
 from asyncgrpo.server import prometheus
 from asyncgrpo.server.answer_pool import AnswerEncoder
+from asyncgrpo.server.awaiting import awaited
 from asyncgrpo.server.http_protocol import (
     ApiError,
     ParsedRequest,
@@ -297,14 +297,14 @@ async def pause(request: web.Request) -> web.Response:
         raise ApiError(400, f"clear_cache must be true or false; got {clear!r}", param="clear_cache")
     state.pause_mode = mode  # new requests see it at once, even while "wait" drains
     # keep + clear_cache (the default) preempts the frozen requests: KV recomputed on resume, as in vLLM.
-    pause = functools.partial(state.engine.pause, mode, clear_cache=clear in ("true", "1"))
-    await asyncio.get_running_loop().run_in_executor(None, pause)
+    # Awaited on the loop (no executor thread in between): a weight round pays this round trip on its critical path.
+    await awaited(state.engine.pause_future(mode, clear_cache=clear in ("true", "1")), f"the engine to pause ({mode})")
     return web.json_response({"status": "paused"})
 
 
 async def resume(request: web.Request) -> web.Response:
     state = _state(request)
-    await asyncio.get_running_loop().run_in_executor(None, state.engine.resume)
+    await awaited(state.engine.resume_future(), "the engine to resume")
     state.pause_mode = None
     return web.json_response({"status": "resumed"})
 

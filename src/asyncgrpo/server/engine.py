@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -245,6 +246,28 @@ class Engine:
     def resume(self) -> None:
         self._core.call(("resume", None), None)
 
+    def pause_future(self, mode: PauseMode, *, clear_cache: bool = True) -> Future:
+        """:meth:`pause` without blocking the caller: the future is done once the pause is in effect (an event loop
+        awaits it with ``asyncio.wrap_future`` instead of parking an executor thread on it)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        return self._core.send(("pause", (mode, clear_cache)))
+
+    def resume_future(self) -> Future:
+        """:meth:`resume` without blocking the caller."""
+        return self._core.send(("resume", None))
+
+    def between_steps_future(self, fn: Callable[[], T]) -> Future:
+        """:meth:`run_between_steps` without blocking the caller: the future holds ``fn``'s result or error."""
+        if threading.current_thread() is self._core.thread:
+            fut: Future = Future()
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the future's awaiter
+                fut.set_exception(exc)
+            return fut
+        return self._core.send(("call", fn))
+
     @property
     def is_paused(self) -> bool:
         return self._core.pause_mode is not None
@@ -301,6 +324,10 @@ class Engine:
         still used by running requests only lose their key."""
         self.run_between_steps(self._kv.reset_prefix_cache, timeout)
         return True
+
+    def reset_prefix_cache_future(self) -> Future:
+        """:meth:`reset_prefix_cache` without blocking the caller."""
+        return self.between_steps_future(self._kv.reset_prefix_cache)
 
     def load_lora(self, name: str, path: str) -> None:
         self._lora.load(name, path)

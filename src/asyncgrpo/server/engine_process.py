@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from asyncgrpo.server.awaiting import awaited
 from asyncgrpo.server.http_protocol import ApiError
 from asyncgrpo.server.packed_top import packed_output
 from asyncgrpo.server.request import Request, RequestOutput, validate_request
@@ -237,8 +238,9 @@ class RemoteEngine:
         for fut in calls:
             fut.set_exception(RuntimeError(message))
 
-    def call(self, target: str, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Run ``target.name(*args, **kwargs)`` in the engine process (or read the attribute) and return it."""
+    def call_future(self, target: str, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Start ``target.name(*args, **kwargs)`` in the engine process; the future holds its answer (an event
+        loop awaits it without parking a thread on it)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._dead is not None:
@@ -246,6 +248,11 @@ class RemoteEngine:
             call_id = next(self._ids)
             self._calls[call_id] = fut
         self._send(("call", call_id, target, name, args, kwargs))
+        return fut
+
+    def call(self, target: str, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Run ``target.name(*args, **kwargs)`` in the engine process (or read the attribute) and return it."""
+        fut = self.call_future(target, name, *args, **kwargs)
         t0 = time.monotonic()
         while True:
             left = None if timeout is None else timeout - (time.monotonic() - t0)
@@ -300,6 +307,15 @@ class RemoteEngine:
     def resume(self) -> None:
         self.call("engine", "resume")
 
+    def pause_future(self, mode: str, *, clear_cache: bool = True) -> concurrent.futures.Future:
+        return self.call_future("engine", "pause", mode, None, clear_cache=clear_cache)
+
+    def resume_future(self) -> concurrent.futures.Future:
+        return self.call_future("engine", "resume")
+
+    def reset_prefix_cache_future(self) -> concurrent.futures.Future:
+        return self.call_future("engine", "reset_prefix_cache", None)
+
     @property
     def is_paused(self) -> bool:
         return self.call("engine", "is_paused", timeout=60)
@@ -345,8 +361,25 @@ class RemoteReceiver:
     def update(self, info: Any) -> None:
         self.engine.call("receiver", "update", info)
 
-    def finish(self, version: Any) -> None:
-        self.engine.call("receiver", "finish", version, timeout=300)
+    def finish(self, version: Any) -> str:
+        return self.engine.call("receiver", "finish", version, timeout=300)
+
+    # The event-loop forms (see WeightReceiver): the loop awaits the pipe's answer instead of blocking on it.
+    async def start_async(self) -> None:
+        await awaited(self.engine.call_future("receiver", "start"), "the engine process to start the update", 60)
+
+    async def update_async(self, info: Any) -> None:
+        await awaited(self.engine.call_future("receiver", "update", info), "the weight update in the engine process")
+
+    async def finish_async(self, version: Any) -> str:
+        fut = self.engine.call_future("receiver", "finish", version)
+        return await awaited(fut, "the engine process to finish the update", 300)
+
+    def set_profile(self, enabled: bool) -> bool:
+        return self.engine.call("receiver", "set_profile", enabled, timeout=60)
+
+    def last_profile(self) -> dict[str, Any] | None:
+        return self.engine.call("receiver", "last_profile", timeout=300)
 
     def shutdown(self) -> None:
         self.engine.call("receiver", "shutdown", timeout=300)

@@ -16,12 +16,14 @@ import binascii
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from aiohttp import web
 
+from asyncgrpo.server.awaiting import awaited
 from asyncgrpo.server.http_protocol import ApiError
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -32,7 +34,8 @@ from asyncgrpo.weights.collectives import (
     join_group,
     make_store,
 )
-from asyncgrpo.weights.wire import receive_tensors
+from asyncgrpo.weights.wire import Lanes, copy_all, receive_tensors
+from asyncgrpo.weights.wire_profile import WireProfile, profiling_requested
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,13 @@ class WeightReceiver:
         self._last_metas: list[TensorMeta] | None = None
         self._lock = threading.Lock()  # one init/update at a time
         self._joining: tuple[str, float] | None = None  # (rendezvous target, since) while an init joins
+        self._lanes: Lanes | None = None  # chunk buffers and views, kept from round to round
+        self._params: dict[str, torch.Tensor] | None = None  # where each weight lands (the engine's own storage)
+        # Timelines of the rounds (ASYNCGRPO_WEIGHT_SYNC_PROFILE=1, or POST /weight_sync_profile): read after a round
+        # with GET /weight_sync_profile, so the round itself only records events.
+        self.profile = profiling_requested()
+        self._last_profile: tuple[dict[str, float], WireProfile] | None = None
+        self._host: dict[str, float] = {}
 
     # ------------------------------------------------------------------ protocol steps (blocking)
 
@@ -128,6 +138,8 @@ class WeightReceiver:
                 store=store, unique_id=unique_id,
             )  # fmt: skip
             self.packed, self.buffer_size, self.num_buffers = packed, size, nbuf
+            self._lanes = Lanes(self.group, nbuf)
+            self._params = {name: p.detach() for name, p in self.engine.named_parameters()}
             self._last_metas = None
             self.active = False
         finally:
@@ -177,8 +189,8 @@ class WeightReceiver:
             metas.append(TensorMeta(name, dtype, tuple(shape)))
         return metas
 
-    def update(self, info: Any) -> None:
-        """Receive and load one round; blocks until every tensor is in."""
+    def _prepare(self, info: Any, arrived: float) -> tuple[list[TensorMeta], Callable[[], None], WireProfile | None]:
+        """Validate ``update_info`` and build the engine-thread job that receives and loads the round."""
         self._check_configured()
         _require(isinstance(info, dict), "update_info must be an object", "update_info")
         unknown = sorted(set(info) - _UPDATE_KEYS)
@@ -188,49 +200,119 @@ class WeightReceiver:
             raise ApiError(409, "no active weight update: call /start_weight_update first")
         metas = self._metas(info)
         packed, size, nbuf = self.packed, self.buffer_size, self.num_buffers
-        group, engine = self.group, self.engine
-
-        params = {name: p.detach() for name, p in engine.named_parameters()}
-
-        def in_place(name: str, t: torch.Tensor) -> bool:
-            p = params.get(name)
-            return p is not None and p.data_ptr() == t.data_ptr() and p.shape == t.shape and p.dtype == t.dtype
+        group, engine, lanes = self.group, self.engine, self._lanes
+        if self._params is None:
+            self._params = {name: p.detach() for name, p in engine.named_parameters()}
+        params = self._params
+        profile = WireProfile(group.device) if self.profile else None
+        host = self._host = {}
 
         def receive_and_load() -> None:
-            landed = 0
-            # Tensors that travel alone are received straight into their parameter (no staging copy); the
-            # others (packed with small neighbours) are copied out of their chunk by the engine.
+            host["engine_start_ms"] = (time.perf_counter() - arrived) * 1e3
+            landed = copied = 0
+            # Tensors that travel alone are received straight into their parameter (no staging copy); the others
+            # (packed with neighbours) are copied out of their chunk, a chunk's worth in one multi-tensor copy.
             with torch.no_grad():
                 for batch in receive_tensors(group, metas, packed=packed, buffer_size_bytes=size,
-                                             destination=lambda m: params.get(m.name), num_buffers=nbuf):  # fmt: skip
-                    rest = [(n, t) for n, t in batch if not in_place(n, t)]
-                    landed += len(batch) - len(rest)
+                                             destination=lambda m: params.get(m.name), num_buffers=nbuf, lanes=lanes,
+                                             profile=profile):  # fmt: skip
+                    dsts, srcs, rest = [], [], []
+                    for name, t in batch:
+                        p = params.get(name)
+                        if p is None or p.device != t.device:
+                            rest.append((name, t))  # an alias (a tied head): the engine resolves it
+                        elif p.data_ptr() == t.data_ptr() and p.dtype == t.dtype:
+                            landed += 1
+                        else:
+                            dsts.append(p)
+                            srcs.append(t)
+                    if dsts:
+                        copy_all(dsts, srcs)
+                        copied += len(dsts)
                     if rest:
                         engine.load_weights(rest)
+                host["enqueued_ms"] = (time.perf_counter() - arrived) * 1e3
                 group.synchronize("the weight broadcast from the trainer")
-                if landed:  # as load_weights does: cached K/V was computed with the old weights
+                host["synchronized_ms"] = (time.perf_counter() - arrived) * 1e3
+                if landed or copied:  # as load_weights does: cached K/V was computed with the old weights
                     engine.reset_prefix_cache()
 
+        return metas, receive_and_load, profile
+
+    def _done(self, metas: list[TensorMeta] | None, profile: WireProfile | None, arrived: float) -> None:
+        self._last_metas = metas
+        if profile is not None and metas is not None:
+            self._host["done_ms"] = (time.perf_counter() - arrived) * 1e3
+            self._last_profile = (self._host, profile)
+
+    def update(self, info: Any) -> None:
+        """Receive and load one round; blocks until every tensor is in (its timeline kept when profiling)."""
+        arrived = time.perf_counter()
+        metas, job, profile = self._prepare(info, arrived)
         with self._lock:
             try:
-                engine.run_between_steps(receive_and_load, timeout=self.timeout_s + 30)
+                self.engine.run_between_steps(job, timeout=self.timeout_s + 30)
             except Exception:
-                self._last_metas = None
+                self._done(None, None, arrived)
                 raise
-        self._last_metas = metas
+        self._done(metas, profile, arrived)
 
-    def finish(self, version: Any) -> None:
+    async def update_async(self, info: Any) -> None:
+        """:meth:`update` from the event loop: the engine thread runs the round and the loop awaits it, with no
+        executor thread in between (a hop less on the round's critical path). Falls back to :meth:`update` on a
+        thread while an init or another update holds the receiver."""
+        if not self._lock.acquire(blocking=False):
+            await asyncio.get_running_loop().run_in_executor(None, self.update, info)
+            return
+        try:
+            arrived = time.perf_counter()
+            metas, job, profile = self._prepare(info, arrived)
+            try:
+                fut = self.engine.between_steps_future(job)
+                await awaited(fut, "the weight update on the engine thread", self.timeout_s + 30)
+            except Exception:
+                self._done(None, None, arrived)
+                raise
+            self._done(metas, profile, arrived)
+        finally:
+            self._lock.release()
+
+    def last_profile(self) -> dict[str, Any] | None:
+        """The last profiled round: host steps in ms since ``/update_weights`` arrived (``engine_start``: the engine
+        thread took it, ``enqueued``: every receive and copy queued, ``synchronized``: done on the device, ``done``)
+        and the device timeline (``wire_profile``)."""
+        if self._last_profile is None:
+            return None
+        host, profile = self._last_profile
+        return {"host": host, "wire": profile.summary()}
+
+    def finish(self, version: Any) -> str:
+        """End the update, labelling what the engine generates from now on ``version``; returns the version."""
         self._check_configured()
         if not self.active:
             raise ApiError(400, "no active weight update to finish")
         if version is not None:
             self.engine.set_weight_version(str(version))
         self.active = False
+        return str(self.engine.weight_version)
+
+    def set_profile(self, enabled: bool) -> bool:
+        """Keep (or stop keeping) the timelines of the next rounds (``GET /weight_sync_profile`` reads the last)."""
+        self.profile = bool(enabled)
+        return self.profile
+
+    # The event-loop forms of the protocol steps (the engine-process receiver has the same, over its pipe).
+    async def start_async(self) -> None:
+        self.start()
+
+    async def finish_async(self, version: Any) -> str:
+        return self.finish(version)
 
     def _close_group(self) -> None:
         if self.group is not None:
             self.group.close()
         self.group = None
+        self._lanes = self._params = None
         self.active = False
 
     def shutdown(self) -> None:
@@ -274,20 +356,26 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
         return web.json_response({"message": "Weight transfer initialized"})
 
     async def start(request: web.Request) -> web.Response:
-        receiver.start()
+        await receiver.start_async()
         return web.json_response({"message": "Weight update started"})
 
     async def update(request: web.Request) -> web.Response:
         body = await _body(request)
-        await in_pool(receiver.update, body.get("update_info"))
+        await receiver.update_async(body.get("update_info"))
         return web.json_response({"message": "Weights updated"})
+
+    async def profile_get(request: web.Request) -> web.Response:
+        return web.json_response({"profile": await in_pool(receiver.last_profile)})
+
+    async def profile_set(request: web.Request) -> web.Response:
+        enabled = (await _body(request)).get("enabled")
+        _require(isinstance(enabled, bool), f"weight_sync_profile needs {{'enabled': true|false}}, got {enabled!r}")
+        return web.json_response({"enabled": await in_pool(receiver.set_profile, enabled)})
 
     async def finish(request: web.Request) -> web.Response:
         body = await _body(request)
-        receiver.finish(body.get("weight_version"))
-        return web.json_response(
-            {"message": "Weight update finished", "weight_version": receiver.engine.weight_version}
-        )
+        version = await receiver.finish_async(body.get("weight_version"))
+        return web.json_response({"message": "Weight update finished", "weight_version": version})
 
     async def shutdown(request: web.Request) -> web.Response:
         await in_pool(receiver.shutdown)
@@ -297,8 +385,8 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
         return web.json_response({"weight_version": receiver.engine.weight_version})
 
     async def reset_prefix_cache(request: web.Request) -> web.Response:
-        ok = await in_pool(receiver.engine.reset_prefix_cache)
-        return web.json_response({"success": bool(ok)})
+        await awaited(receiver.engine.reset_prefix_cache_future(), "the prefix-cache reset")  # always succeeds
+        return web.json_response({"success": True})
 
     app.router.add_post("/init_weight_transfer_engine", init)
     app.router.add_post("/start_weight_update", start)
@@ -307,3 +395,6 @@ def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
     app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
     app.router.add_get("/weight_info", weight_info)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    # Ours, not vLLM's: the timeline of the last weight round on this end (see weights/wire_profile.py).
+    app.router.add_get("/weight_sync_profile", profile_get)
+    app.router.add_post("/weight_sync_profile", profile_set)

@@ -32,7 +32,11 @@ from asyncgrpo.weights import nccl_lib
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's default: 1 GiB per packed chunk
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's default: 1 GiB per packed chunk (a receiver's fallback)
+# What our sender asks for in init_info: chunks small enough that packing the first and unpacking the last (the
+# pipeline's fill and drain, not hidden behind a broadcast) cost little, large enough that the per-broadcast
+# overhead stays small; the buffers on each end shrink from 2 GiB to 512 MiB.
+DEFAULT_SENDER_BUCKET_BYTES = 256 << 20
 DEFAULT_PACKED_NUM_BUFFERS = 2
 _NCCL_MAX_COUNT = 2**31 - 1  # keep element counts in int range (older NCCL builds)
 _STORE_UID_KEY = "asyncgrpo/nccl_unique_id"
@@ -239,14 +243,22 @@ class NcclGroup(TransferGroup):
         with torch.cuda.device(self.device):
             event = torch.cuda.Event()
             event.record()
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline, next_log, delay = start + self.timeout_s, start + 30.0, 0.0
         while not event.query():  # CPU-GPU sync point, polled so it can time out
             self._poll_abort()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise WeightTransferError(
                     f"timed out after {self.timeout_s:.0f}s waiting for {what} (NCCL); a peer is gone or stuck"
                 )
-            time.sleep(0.001)
+            if now > next_log:
+                logger.info("still waiting for %s (NCCL, %.0fs so far)", what, now - start)
+                next_log = now + 30.0
+            # The end of a weight round is on its critical path: poll finely (50 us), which costs nothing next to
+            # a round of milliseconds; a 1 ms sleep added half a millisecond on each end on average.
+            time.sleep(delay)
+            delay = min(5e-5, delay + 1e-5)
 
     def close(self) -> None:
         if self._comm is not None:

@@ -49,8 +49,10 @@ from asyncgrpo.weights.collectives import (
     make_store,
 )
 from asyncgrpo.weights.fanout_group import FanoutGroup, join_watching
+from asyncgrpo.weights.loop_thread import LoopThread as _LoopThread
+from asyncgrpo.weights.loop_thread import local_address_towards as _local_address_towards
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
-from asyncgrpo.weights.sender import DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S, _local_address_towards, _LoopThread
+from asyncgrpo.weights.sender import DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S
 from asyncgrpo.weights.wire import send_tensors
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ without gathering or merging anything (a DTensor reports its global shape), so
 the update can be announced up front; :func:`policy_weights` then makes one full
 tensor at a time (a DTensor ``full_tensor()`` gather under FSDP2, a merged LoRA
 weight under PEFT) and drops it before making the next, so no rank holds more
-than one full tensor beyond its shards. Both walk the same list, in the same
+than two full tensors beyond its shards (the one being sent and, under FSDP2, the
+next one's gather, issued early so that it overlaps the send). Both walk the same list, in the same
 order; every rank must iterate :func:`policy_weights` to the end (the gathers
 are collective).
 """
@@ -91,24 +92,62 @@ def policy_weight_metadata(model: torch.nn.Module) -> list[TensorMeta]:
     return [TensorMeta(s.name, s.param.dtype, tuple(s.param.shape)) for s in _sources(model)]
 
 
+def _sharded(t: torch.Tensor) -> bool:
+    return callable(getattr(t, "full_tensor", None))
+
+
+def _start_gather(t: torch.Tensor) -> torch.Tensor:
+    """Issue the all-gather of a sharded parameter without waiting for it (funcol's async tensor); plain tensors
+    and torch versions without ``async_op`` fall back to :func:`_full`."""
+    if not _sharded(t):
+        return t
+    try:
+        from torch.distributed.tensor import Replicate
+
+        return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim, async_op=True).to_local()
+    except (ImportError, TypeError, AttributeError):
+        return _full(t)
+
+
+def _finish_gather(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a gather from :func:`_start_gather` (on NCCL the current stream waits; the host
+    does not)."""
+    if type(t).__name__ == "AsyncCollectiveTensor":
+        return t.wait()
+    return t
+
+
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full detached tensor)`` of every weight the server needs, one at a time.
 
     Each yielded tensor is released by the generator before the next is made; a consumer that drops it
-    too keeps at most one full tensor alive. (No ``@torch.no_grad()`` here: its generator wrapper holds
-    the last yielded tensor while the next one is made.)
+    too keeps at most two full tensors alive: under FSDP2 the gather of the next sharded weight is issued
+    before the current one is yielded, so it runs on the collective's stream while the current one is packed
+    and sent (prefetch one ahead; every rank issues the same gathers in the same order). Merged LoRA weights
+    are made one at a time. (No ``@torch.no_grad()`` here: its generator wrapper holds the last yielded
+    tensor while the next one is made.)
     """
     adapter = _active_adapter(model)
-    for source in _sources(model):
+    sources = _sources(model)
+    ahead: tuple[int, torch.Tensor] | None = None  # (index, gather in flight) of the next sharded weight
+    for index, source in enumerate(sources):
         with torch.no_grad():
-            tensor = _full(source.param.detach())
+            if ahead is not None and ahead[0] == index:
+                tensor = _finish_gather(ahead[1])
+            else:
+                tensor = _full(source.param.detach())
+            ahead = None
             if source.lora_layer is not None:
                 # The fresh delta takes the sum in place: one new tensor per merged weight (x + y == y + x).
                 merged = _full(source.lora_layer.get_delta_weight(adapter).detach()).to(tensor.dtype)
                 tensor = merged.add_(tensor)
                 del merged
+            following = sources[index + 1] if index + 1 < len(sources) else None
+            if following is not None and following.lora_layer is None and _sharded(following.param):
+                ahead = (index + 1, _start_gather(following.param.detach()))
         yield source.name, tensor
         del tensor
+    del ahead
 
 
 def join_policy_gathers(model: torch.nn.Module) -> None:

@@ -5,7 +5,7 @@ server) with torch primitives only (no vLLM import). One round (SPEC G10):
 
     POST /pause?mode=keep -> POST /start_weight_update
     -> (thread) POST /update_weights  while rank 0 broadcasts
-    -> join -> POST /finish_weight_update -> POST /reset_prefix_cache -> POST /resume
+    -> join -> POST /finish_weight_update with POST /reset_prefix_cache (concurrently) -> POST /resume
 
     sender = WeightSender()
     sender.init(AsyncServerClient(url), server_world_size=1, backend="auto", device="cuda:0")
@@ -23,12 +23,10 @@ import asyncio
 import base64
 import concurrent.futures
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 import torch
 
@@ -36,60 +34,25 @@ from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient, config_section
 from asyncgrpo.weights import nccl_lib
 from asyncgrpo.weights.collectives import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
+    DEFAULT_SENDER_BUCKET_BYTES,
     TensorMeta,
     TransferGroup,
     dtype_name,
     join_group,
     make_store,
 )
+from asyncgrpo.weights.loop_thread import LoopThread as _LoopThread
+from asyncgrpo.weights.loop_thread import local_address_towards as _local_address_towards
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from asyncgrpo.weights.restart import DEFAULT_RESTART_TIMEOUT_S, RestartRecovery
-from asyncgrpo.weights.wire import send_tensors
+from asyncgrpo.weights.wire import Lanes, send_tensors
+from asyncgrpo.weights.wire_profile import WireProfile, enable_server_profiles, profiling_requested, server_profile
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S = 1800.0  # matches vllm_server_timeout's default
 _T = TypeVar("_T")
-
-
-class _LoopThread:
-    """An asyncio loop on a daemon thread, so synchronous trainer code can run the async client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="asyncgrpo-weight-sync-http", daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, _T], timeout: float, what: str) -> _T:
-        fut = self.submit(coro)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise WeightTransferError(f"timed out after {timeout:.0f}s waiting for {what}") from None
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5.0)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
-def _local_address_towards(base_url: str) -> str:
-    """The address of this machine on the route to the server (the gloo store master must be reachable)."""
-    parsed = urlparse(base_url)
-    host = parsed.hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, parsed.port or 80))  # UDP connect sends nothing; it only picks the route
-        return s.getsockname()[0]
 
 
 def _values(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
@@ -116,19 +79,28 @@ class WeightSender(RestartRecovery):
 
     Args:
         timeout_s: bound on every wait of a round (rendezvous, HTTP calls, broadcasts).
-        packed_buffer_size_bytes: packed chunk size; sent in ``init_info`` so both sides agree.
+        packed_buffer_size_bytes: packed chunk size; sent in ``init_info`` so both sides agree (256 MiB: see
+            ``DEFAULT_SENDER_BUCKET_BYTES``; vLLM's own default is 1 GiB).
         packed_num_buffers: sent in ``init_info`` (vLLM's double buffering; we send chunks in order).
         restart_timeout_s: a round that finds the server gone (no answer, or a server without our group: it
             restarted) waits this long for it, then forms the group again and pushes; 0 = fail at once.
+        profile: record each round's device timeline (``wire_profile``) into ``last_breakdown``; default: the
+            ``ASYNCGRPO_WEIGHT_SYNC_PROFILE`` environment variable. Off, only host wall times are kept.
+
+    ``last_breakdown`` holds the last round's steps in milliseconds from its start (``pause``, ``start``,
+    ``enqueued``: the host queued every broadcast, ``synchronized``: they finished here, ``update_reply``: the
+    server loaded them, ``finish_and_reset``, ``resume``), plus ``sender_wire`` and the server's ``receiver``
+    timeline (our server's ``/weight_sync_profile``, read after the round) when profiling.
     """
 
     def __init__(
         self,
         *,
         timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
-        packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        packed_buffer_size_bytes: int = DEFAULT_SENDER_BUCKET_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
+        profile: bool | None = None,
     ) -> None:
         if restart_timeout_s < 0:
             raise ValueError(f"restart_timeout_s must be >= 0, got {restart_timeout_s}")
@@ -149,6 +121,10 @@ class WeightSender(RestartRecovery):
         self._client: AsyncServerClient | None = None
         self._loop: _LoopThread | None = None
         self._last_metas: list[TensorMeta] | None = None
+        self._lanes: Lanes | None = None  # chunk buffers kept from round to round
+        self.profile = profiling_requested() if profile is None else profile
+        self.last_breakdown: dict[str, Any] = {}
+        self._server_profiles: bool | None = None  # whether the server keeps timelines (ours does on request)
 
     # ------------------------------------------------------------------ set-up
 
@@ -229,6 +205,7 @@ class WeightSender(RestartRecovery):
             init_info.update(master_address=address, master_port=int(store.port))
         fut = self._loop.submit(self._client.init_weight_transfer_engine(init_info, timeout=self.timeout_s))
         self.group = self._join(fut, world_size, dev, store, unique_id)
+        self._lanes = Lanes(self.group, self.packed_num_buffers)
         try:
             fut.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -342,30 +319,47 @@ class WeightSender(RestartRecovery):
         if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
             raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
                              "group forms: close() and init() again with the packing you want")  # fmt: skip
-
-        t0 = time.perf_counter()
-        self._http(client.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
-        t1 = time.perf_counter()
-        try:
-            if barrier is not None:
-                barrier()
-            self._http(client.start_weight_update(timeout=self.timeout_s), "POST /start_weight_update")
-        except (ServerError, WeightTransferError):
-            self._resume_quietly()
-            raise
-        t2 = time.perf_counter()
+        # Before the clock starts: the same metadata as last round travels as empty lists (vLLM reuses its last),
+        # and the very list object lets the wire's cached plan be found without comparing it again.
         reuse = metas == self._last_metas
+        if reuse:
+            metas = self._last_metas
         update_info: dict[str, Any] = {
             "names": [] if reuse else [m.name for m in metas],
             "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
             "shapes": [] if reuse else [list(m.shape) for m in metas],
         }
+
+        if self.profile and self._server_profiles is None:
+            self._server_profiles = self._http(enable_server_profiles(client), "POST /weight_sync_profile")
+        t0 = time.perf_counter()
+        steps: dict[str, Any] = {}
+
+        def step(name: str) -> None:
+            steps[name] = (time.perf_counter() - t0) * 1e3
+
+        self._http(client.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
+        t1 = time.perf_counter()
+        step("pause")
+        try:
+            if barrier is not None:
+                barrier()
+                step("barrier")
+            self._http(client.start_weight_update(timeout=self.timeout_s), "POST /start_weight_update")
+        except (ServerError, WeightTransferError):
+            self._resume_quietly()
+            raise
+        t2 = time.perf_counter()
+        step("start")
         fut = self._loop.submit(client.update_weights(update_info, timeout=self.timeout_s))
         group.abort_check = _raise_if_failed(fut, "POST /update_weights")
+        profile = WireProfile(group.device) if self.profile else None
         try:
             send_tensors(group, tensors, metas, packed=use_packed, buffer_size_bytes=self.packed_buffer_size_bytes,
-                         num_buffers=self.packed_num_buffers)  # fmt: skip
+                         num_buffers=self.packed_num_buffers, lanes=self._lanes, profile=profile)  # fmt: skip
+            step("enqueued")
             group.synchronize("the weight broadcast")
+            step("synchronized")
         except Exception as exc:
             # Do not wait on the HTTP thread: the server may be stuck inside the collective.
             self._last_metas = None
@@ -383,13 +377,28 @@ class WeightSender(RestartRecovery):
             self._last_metas = None
             self._close_rejected_round(fut)
             raise WeightTransferError(f"POST /update_weights failed: {exc}") from exc
+        step("update_reply")
         self._last_metas = metas
-        self._http(client.finish_weight_update(version, timeout=self.timeout_s), "POST /finish_weight_update")
+        self._http(self._finish_round(version), "POST /finish_weight_update and /reset_prefix_cache")
         self._pushed_version = str(version)
-        self._http(client.reset_prefix_cache(), "POST /reset_prefix_cache")
+        step("finish_and_reset")
         self._http(client.resume(timeout=self.timeout_s), "POST /resume")
         t3 = time.perf_counter()
+        step("resume")
+        if profile is not None:
+            steps["sender_wire"] = profile.summary()
+            if self._server_profiles:
+                steps["receiver"] = self._http(server_profile(client), "GET /weight_sync_profile")
+        self.last_breakdown = steps
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    async def _finish_round(self, version: str) -> None:
+        """``/finish_weight_update`` and ``/reset_prefix_cache`` together: both only need the weights loaded and
+        must precede ``/resume``, so the round waits for one round trip instead of two."""
+        assert self._client is not None
+        await asyncio.gather(
+            self._client.finish_weight_update(version, timeout=self.timeout_s), self._client.reset_prefix_cache()
+        )
 
     def update_model(self, model: torch.nn.Module, *, version: str, **kwargs: Any) -> dict[str, float]:
         """:meth:`update` with ``model``'s policy weights (``weights/policy.py``: PEFT merged, FSDP2 gathered).
@@ -455,4 +464,4 @@ class WeightSender(RestartRecovery):
         if self.group is not None:
             self.group.close()
         self.group = self._client = self._loop = None
-        self._last_metas = None
+        self._last_metas = self._lanes = self._server_profiles = None
