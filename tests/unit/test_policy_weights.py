@@ -8,8 +8,11 @@ sharded policy, the same model built unsharded. Metadata must describe exactly t
 from __future__ import annotations
 
 import copy
+import datetime
 import os
+import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -17,6 +20,8 @@ from asyncgrpo.server.launcher import free_port
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.policy import join_policy_gathers, policy_weight_metadata, policy_weights
 from tests.helpers.reference import lora_model
+
+RANKS_TIMEOUT_S = 120.0  # about 10 s on an idle 2-core machine
 
 
 def _tiny_llama(seed: int = 0) -> torch.nn.Module:
@@ -79,7 +84,9 @@ def _fsdp_main(rank: int, port: int, path: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A collective that never completes fails after a minute, not at the suite's 10-minute test timeout (once, on
+    # the shared 2-core machine, both ranks sat in the same all-gather for minutes).
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     out = {}
     try:
         for kind, model in (("plain", _tiny_llama(seed=5)), ("peft", _peft_policy(seed=5))):
@@ -104,7 +111,13 @@ def test_fsdp2_policy_announces_global_shapes_and_gathers_one_tensor_at_a_time(t
     """Two gloo ranks shard the policy with FSDP2; rank 0's metadata (taken before any gather) and tensors
     equal the unsharded model's (PEFT: merged by PEFT), while rank 1 only joins the gathers."""
     path = str(tmp_path / "rank0.pt")
-    mp.spawn(_fsdp_main, args=(free_port(), path), nprocs=2, join=True)
+    ranks = mp.start_processes(_fsdp_main, args=(free_port(), path), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    while not ranks.join(timeout=1.0):  # raises as soon as a rank fails
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the two FSDP2 ranks were still running after {RANKS_TIMEOUT_S:.0f} s (a stuck collective?)")
     out = torch.load(path, weights_only=False)
     references = {
         "plain": _tiny_llama(seed=5).state_dict(),
