@@ -55,7 +55,10 @@ def test_helpers_parse_like_the_event_loop_and_small_answers_stay_inline():
 
 
 def test_a_bad_answer_raises_what_the_inline_parse_raises():
-    bad = [b"{" + b"x" * 100, _answer(1).replace(b'{"token_id:', b'{"tok:', 1)]  # bad JSON; a top-N key without its prefix
+    bad = [
+        b"{" + b"x" * 100,
+        _answer(1).replace(b'{"token_id:', b'{"tok:', 1),
+    ]  # bad JSON; a top-N key without its prefix
 
     async def main():
         parsers = AnswerParsers(1, min_bytes=0)
