@@ -136,3 +136,30 @@ def test_close_ends_the_helpers():
         return [p.returncode for p in procs]
 
     assert asyncio.run(main()) == [0, 0]
+
+
+def test_a_helper_that_stops_answering_is_retired_after_the_parse_timeout(caplog):
+    """A helper that hangs (stopped here with SIGSTOP) costs one parse timeout, names itself, and the answer is
+    parsed inline; with no helper left, later answers are parsed inline at once."""
+    import os
+    import signal
+
+    body = _answer(5)
+
+    async def main():
+        parsers = AnswerParsers(1, min_bytes=0, parse_timeout_s=1.0)
+        try:
+            assert await parsers.wait_ready()
+            os.kill(parsers._procs[0].pid, signal.SIGSTOP)
+            with caplog.at_level(logging.WARNING, logger="asyncgrpo.client.answer_parse"):
+                first = await asyncio.wait_for(parsers.parse(body, "completions", None), 20)
+            second = await asyncio.wait_for(parsers.parse(body, "completions", None), 5)
+            return first, second, parsers.active
+        finally:
+            await parsers.close()
+
+    first, second, active = asyncio.run(main())
+    assert not active
+    _same(first, parse_choices(body, "completions", None))
+    _same(second, first)
+    assert any("gave no answer within 1 s" in r.getMessage() for r in caplog.records)

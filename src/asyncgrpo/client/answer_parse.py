@@ -58,12 +58,16 @@ class AnswerParsers:
         processes: how many helpers; 0 parses everything inline.
         min_bytes: answers smaller than this are parsed inline.
         start_timeout_s: how long starting a helper may take before the client gives up on helpers.
+        parse_timeout_s: how long one answer may take in a helper (milliseconds normally); past it the helper is
+            retired with a warning and the answer is parsed inline.
     """
 
-    def __init__(self, processes: int, min_bytes: int = PARSE_OFF_LOOP_BYTES, start_timeout_s: float = 30.0) -> None:
+    def __init__(self, processes: int, min_bytes: int = PARSE_OFF_LOOP_BYTES, start_timeout_s: float = 30.0,
+                 parse_timeout_s: float = 30.0) -> None:  # fmt: skip
         self.processes = max(0, int(processes))
         self.min_bytes = min_bytes
         self.start_timeout_s = start_timeout_s
+        self.parse_timeout_s = parse_timeout_s
         self._free: asyncio.Queue = asyncio.Queue()  # helpers that are up and idle (None: given up, parse inline)
         self._procs: list[asyncio.subprocess.Process] = []
         self._ready = 0  # helpers that said they are up
@@ -88,7 +92,13 @@ class AnswerParsers:
             self._free.put_nowait(None)
             return parse_choices(body, kind, request_id)
         try:
-            reply = await self._round_trip(proc, pickle.dumps((kind, request_id, body), protocol=5))
+            reply = await asyncio.wait_for(self._round_trip(proc, pickle.dumps((kind, request_id, body), protocol=5)),
+                                           self.parse_timeout_s)  # fmt: skip
+        except TimeoutError:  # its pipe may hold half a message: that helper serves no one else
+            logger.warning("answer-parsing helper pid %d gave no answer within %.0f s; retiring it and parsing on the "
+                           "event loop", proc.pid, self.parse_timeout_s)  # fmt: skip
+            self._retire(proc)
+            return parse_choices(body, kind, request_id)
         except (OSError, EOFError, asyncio.IncompleteReadError, ConnectionError) as exc:
             self._give_up(f"an answer-parsing helper (pid {proc.pid}) stopped: {type(exc).__name__}: {exc}")
             return parse_choices(body, kind, request_id)
