@@ -21,7 +21,6 @@ import logging
 import platform
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,10 @@ import torch
 import transformers
 
 from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.request import Request, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.engine_run, bench.sampler_speed
+from bench.engine_run import submit_and_wait
 
 QWEN3_06B = {
     "hidden_size": 1024,
@@ -60,25 +62,7 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype):
 def run_engine(engine: Engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[int, float]:
     """Submit every prompt at once, wait for all; returns (generated tokens, seconds)."""
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=1.0)
-    outs: list[RequestOutput] = []
-    lock, done = threading.Lock(), threading.Event()
-
-    def on_finish(out: RequestOutput) -> None:
-        with lock:
-            outs.append(out)
-            if len(outs) == len(prompts):
-                done.set()
-
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.submit(Request(f"{tag}-{i}", p, params), on_finish)
-    if not done.wait(timeout=600):
-        raise RuntimeError(f"engine run {tag}: only {len(outs)}/{len(prompts)} requests finished in 600 s")
-    seconds = time.perf_counter() - start
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"engine run {tag} failed: {errors[0]}")
-    return sum(len(o.token_ids) for o in outs), seconds
+    return submit_and_wait(engine, [Request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)], tag, 600)
 
 
 def run_groups(
@@ -293,7 +277,6 @@ def main() -> int:
         graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, eager=False)
 
     sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.sampler_speed
     from bench.sampler_speed import sampler_bench
 
     sampler_ms = sampler_bench(device, shape["vocab_size"], (2, 4) if args.smoke else (8, 256))

@@ -52,6 +52,9 @@ from asyncgrpo.rollout.sampling import SamplingSettings
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.types import Rollout
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.engine_run
+from bench.engine_run import submit_and_wait
+
 logger = logging.getLogger("rollout_path")
 
 QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -130,26 +133,10 @@ def run_engine(engine: Any, reqs: list[Req], tag: str, logprobs: int, timeout: f
     """Submit every request to an in-process engine at once and wait for all: (generated tokens, seconds)."""
     from asyncgrpo.server.request import Request, SamplingParams
 
-    done, lock, outs = threading.Event(), threading.Lock(), []
-
-    def on_finish(out: Any) -> None:
-        with lock:
-            outs.append(out)
-            if len(outs) == len(reqs):
-                done.set()
-
-    t0 = time.perf_counter()
-    for i, r in enumerate(reqs):
-        p = SamplingParams(max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True, temperature=1.0,
-                           logprobs=logprobs, seed=i)  # fmt: skip
-        engine.submit(Request(f"{tag}-{i}", list(r.prompt), p), on_finish)
-    if not done.wait(timeout=timeout):
-        raise TimeoutError(f"in-process {tag}: {len(outs)}/{len(reqs)} requests finished before the deadline")
-    seconds = time.perf_counter() - t0
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"in-process {tag}: {errors[0]}")
-    return sum(len(o.token_ids) for o in outs), seconds
+    requests = [Request(f"{tag}-{i}", list(r.prompt), SamplingParams(
+        max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True, temperature=1.0, logprobs=logprobs, seed=i))
+        for i, r in enumerate(reqs)]  # fmt: skip
+    return submit_and_wait(engine, requests, f"in-process {tag}", timeout)
 
 
 def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
