@@ -42,9 +42,9 @@ class StageTimer:
 
     def __init__(self, engine: Any) -> None:
         core = engine._core
-        self.core, self.sched, self.runner, self.model = core, core.scheduler, core.runner, core.runner.model
+        self.sched, self.runner, self.model = core.scheduler, core.runner, core.runner.model
         self.totals = {"admit": 0.0, "prepare": 0.0, "forward": 0.0}
-        self._fwd, self._cached_before = 0.0, 0
+        self._fwd = 0.0  # the forward's share of the prefill call in progress
         self.per_step: list[dict[str, float]] = []  # one entry per prefill step: its size and forward time
         self.steps, self.tokens, self.seqs, self.cached_rows = 0, 0, 0, 0
         self._orig = (self.sched._admit, self.runner.prefill, self.model.forward)
@@ -64,7 +64,7 @@ class StageTimer:
             _sync()
             t0 = time.perf_counter()
             timer._fwd = 0.0
-            timer._cached_before = sum(s.num_cached for s in seqs)
+            cached = sum(s.num_cached for s in seqs)  # reused prefix tokens, set at admission
             timer._in_prefill = True
             try:
                 out = prefill(seqs, lora)
@@ -72,14 +72,14 @@ class StageTimer:
             finally:
                 timer._in_prefill = False
             total = time.perf_counter() - t0
-            computed = sum(len(s.token_ids) for s in seqs) - timer._cached_before
-            timer.per_step.append({"seqs": len(seqs), "computed_tokens": computed, "forward_ms": 1e3 * timer._fwd,
+            tokens = sum(len(s.token_ids) for s in seqs)
+            timer.per_step.append({"seqs": len(seqs), "computed_tokens": tokens - cached, "forward_ms": 1e3 * timer._fwd,
                                    "prepare_ms": 1e3 * (total - timer._fwd)})  # fmt: skip
             timer.totals["forward"] += timer._fwd
             timer.totals["prepare"] += total - timer._fwd
             timer.steps += 1
             timer.seqs += len(seqs)
-            timer.tokens += sum(len(s.token_ids) for s in seqs)
+            timer.tokens += tokens
             return out
 
         def timed_forward(input_ids: Any, positions: Any, batch: Any, caches: Any) -> Any:
