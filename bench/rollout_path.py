@@ -302,15 +302,9 @@ def run_http(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[
     return asyncio.run(_http_all(base_url, opts, workloads))
 
 
-def _parse_processes(opts: argparse.Namespace) -> int:
-    """The run's answer-parsing helpers: the flag, else the library's default (RolloutSettings' None)."""
-    n = getattr(opts, "answer_parse_processes", None)
-    return default_parse_processes() if n is None else n
-
-
 async def _http_all(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
     """Every HTTP run in one event loop, with the answer-parsing helpers the rollout worker's client has."""
-    parsers = AnswerParsers(_parse_processes(opts))
+    parsers = AnswerParsers(opts.answer_parse_processes)
     try:
         await parsers.wait_ready()
         await _http_run(base_url, opts, _warmup(workloads), parsers)
@@ -385,7 +379,7 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
     settings = RolloutSettings(model_name=SERVED_NAME, sampling=_sampling(base_url, opts, FixedLengthSampling),
                                num_generations=g, max_staleness=1000, seed=0, max_concurrent_rollouts=len(reqs),
                                initial_tokens_per_step=10**12, num_epochs=1,
-                               answer_parse_processes=_parse_processes(opts))  # fmt: skip
+                               answer_parse_processes=opts.answer_parse_processes)  # fmt: skip
     loop = BenchLoop(settings, rows, [last_token_reward], None)
     asyncio.run(_reset_cache(base_url))
     before = asyncio.run(_stages_once(base_url))
@@ -425,7 +419,8 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
     row["trained_tokens_queued"] = trained_tokens
     kv = opts.server_kv_cache_tokens
     row["initial_concurrency_cap"] = min(len(reqs), kv // opts.max_model_len) if kv else len(reqs)
-    row["answer_parse_processes"] = _parse_processes(opts)
+    n = opts.answer_parse_processes
+    row["answer_parse_processes"] = default_parse_processes() if n is None else n
     row["max_concurrency"] = max((v for n, v, _ in metrics if n == "rollout/concurrency"), default=0)
     return row
 

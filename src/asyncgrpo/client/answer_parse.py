@@ -55,16 +55,16 @@ class AnswerParsers:
     """Helper processes that parse answers for the clients of one event loop (shared by a ServerPool's clients).
 
     Args:
-        processes: how many helpers; 0 parses everything inline.
+        processes: how many helpers; 0 parses everything inline; None: :func:`default_parse_processes`.
         min_bytes: answers smaller than this are parsed inline.
         start_timeout_s: how long starting a helper may take before the client gives up on helpers.
         parse_timeout_s: how long one answer may take in a helper (milliseconds normally); past it the helper is
             retired with a warning and the answer is parsed inline.
     """
 
-    def __init__(self, processes: int, min_bytes: int = PARSE_OFF_LOOP_BYTES, start_timeout_s: float = 30.0,
+    def __init__(self, processes: int | None, min_bytes: int = PARSE_OFF_LOOP_BYTES, start_timeout_s: float = 30.0,
                  parse_timeout_s: float = 30.0) -> None:  # fmt: skip
-        self.processes = max(0, int(processes))
+        self.processes = default_parse_processes() if processes is None else max(0, int(processes))
         self.min_bytes = min_bytes
         self.start_timeout_s = start_timeout_s
         self.parse_timeout_s = parse_timeout_s

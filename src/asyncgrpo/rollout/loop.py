@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.client.answer_parse import AnswerParsers, default_parse_processes
+from asyncgrpo.client.answer_parse import AnswerParsers
 from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
@@ -253,8 +253,7 @@ class AsyncRolloutLoop:
         self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
         self._tool_stats: dict[str, ToolLoopStats] = {}
         self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)
-        procs = st.answer_parse_processes
-        self._answer_parsers = AnswerParsers(default_parse_processes() if procs is None else procs)
+        self._answer_parsers = AnswerParsers(st.answer_parse_processes)
         self.pool = ServerPool(
             st.sampling.urls,
             timeout=st.request_timeout_s,
