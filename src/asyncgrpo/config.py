@@ -248,6 +248,14 @@ class AsyncGRPOConfig(TrainingArguments):
             "server's KV-cache usage and `max_staleness` decide how many run."
         },
     )
+    answer_parse_processes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Helper processes of the rollout worker that parse large generation answers (32 KB and more) off "
+            "its event loop. None: a quarter of the CPUs this process may use, at most 4 (none on 2 CPUs); 0 parses "
+            "every answer on the event loop."
+        },
+    )
     max_staleness: int = field(
         default=4,
         metadata={
@@ -418,6 +426,8 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"max_concurrent_rollouts={self.max_concurrent_rollouts}: must be >= 1")
         if self.max_staleness < 0:
             p.append(f"max_staleness={self.max_staleness}: must be >= 0")
+        if self.answer_parse_processes is not None and self.answer_parse_processes < 0:
+            p.append(f"answer_parse_processes={self.answer_parse_processes}: must be >= 0, or None for the default")
         if self.weight_sync_topology not in ("per_server", "shared"):
             p.append(f"weight_sync_topology={self.weight_sync_topology!r}: must be 'per_server' or 'shared'")
         if self.weight_sync_steps < 1:

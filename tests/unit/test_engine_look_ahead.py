@@ -60,3 +60,17 @@ def test_look_ahead_equals_synchronous_steps():
         assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
         assert got.top_logprobs == [[(t, pytest.approx(v, abs=1e-5)) for t, v in row] for row in ref.top_logprobs]
         assert [(s.version, s.start, s.end) for s in got.weight_versions] == [("0", 0, len(ref.token_ids))]
+
+
+def test_start_takes_the_startup_heap_out_of_gc_scans_and_shutdown_gives_it_back():
+    """Engine.start freezes what exists (the model, graphs, tables), so full collections while decoding skip it."""
+    import gc
+
+    eng = Engine(tiny_model_dir("qwen3"), device="cpu", max_model_len=64, max_num_seqs=8)
+    before = gc.get_freeze_count()  # 0 unless an earlier test in this process left an engine running
+    eng.start()
+    try:
+        assert gc.get_freeze_count() > before + 1000  # the model's modules and tensors at least
+    finally:
+        eng.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -51,8 +51,10 @@ def test_settings_carry_the_config_values_resolved_against_the_server(tmp_path):
         chat_template_kwargs={"enable_thinking": False},
         vllm_server_timeout=90,
         max_steps=5,
+        answer_parse_processes=2,
     )
     st = build_rollout_settings(args, FACTS, start_index=7, token_budget=400, eos_token_id=2)
+    assert st.answer_parse_processes == 2
     assert (st.model_name, st.num_generations, st.max_staleness, st.seed) == ("policy", 6, 3, 11)
     assert st.max_concurrent_rollouts == 32 and st.request_timeout_s == 90
     assert st.initial_tokens_per_step == 400 * 1 * 2  # token_budget × processes × accumulation steps
@@ -98,3 +100,8 @@ def test_bad_settings_are_refused_with_the_field_to_change(tmp_path):
     with pytest.raises(TypeError, match="RolloutSettings"):
         AsyncRolloutLoop(_config(tmp_path), [], [], None)  # the config itself is no longer accepted
     assert isinstance(st, RolloutSettings)
+
+
+def test_a_negative_answer_parse_processes_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"answer_parse_processes=-1: must be >= 0, or None for the default"):
+        _config(tmp_path, answer_parse_processes=-1)

@@ -35,8 +35,9 @@ _ENDPOINTS = {"completions": "POST /v1/completions", "generate": "POST /inferenc
 
 
 def default_parse_processes() -> int:
-    """Helpers for a rollout worker: a quarter of the machine's cores, at most 4 (none on a 2-core machine)."""
-    return min(4, (os.cpu_count() or 1) // 4)
+    """Helpers for a rollout worker: a quarter of the CPUs this process may run on, at most 4 (none on 2)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cpus // 4)
 
 
 def parse_choices(body: bytes, kind: str, request_id: str | None) -> list[GenerationResult]:

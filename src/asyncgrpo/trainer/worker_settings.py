@@ -65,5 +65,6 @@ def build_rollout_settings(
         dataset_start_index=start_index,
         num_epochs=math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None,
         sync_rollouts=args.sync_rollouts,
+        answer_parse_processes=args.answer_parse_processes,
         extra=config_extra_fields(args),
     )
