@@ -20,6 +20,7 @@ import os
 import pickle
 import struct
 import sys
+import time
 from typing import Any
 
 from asyncgrpo import json_codec
@@ -58,7 +59,7 @@ class AnswerParsers:
     Args:
         processes: how many helpers; 0 parses everything inline; None: :func:`default_parse_processes`.
         min_bytes: answers smaller than this are parsed inline.
-        start_timeout_s: how long starting a helper may take before the client gives up on helpers.
+        start_timeout_s: how long starting the helpers (all of them) may take before the client gives up on them.
         parse_timeout_s: how long one answer may take in a helper (milliseconds normally); past it the helper is
             retired with a warning and the answer is parsed inline.
     """
@@ -138,9 +139,11 @@ class AnswerParsers:
                     sys.executable, "-m", "asyncgrpo.client.answer_parse",
                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 ))  # fmt: skip
+            deadline = time.monotonic() + self.start_timeout_s  # for all of them together
             for proc in list(self._procs):
                 assert proc.stdout is not None
-                await asyncio.wait_for(proc.stdout.readexactly(1), self.start_timeout_s)  # its "up" byte
+                left = max(deadline - time.monotonic(), 0.0)
+                await asyncio.wait_for(proc.stdout.readexactly(1), left)  # its "up" byte
                 if self._broken:
                     return
                 self._ready += 1
