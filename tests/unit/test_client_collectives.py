@@ -121,8 +121,11 @@ def test_abort_check_cuts_a_wait_short():
 
     def rank1():
         store1 = make_store("127.0.0.1", store0.port, rank=1, world_size=2, timeout_s=30)
-        join_group("gloo", rank=1, world_size=2, device="cpu", timeout_s=30, store=store1)
+        # held until the test ends: a dropped group closes its connections, and rank 0's collective would then
+        # fail with "connection closed by peer" instead of waiting for the abort check
+        group1 = join_group("gloo", rank=1, world_size=2, device="cpu", timeout_s=30, store=store1)
         done.wait(30)
+        del group1
 
     t = threading.Thread(target=rank1)
     t.start()
