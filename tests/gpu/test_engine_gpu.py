@@ -79,7 +79,7 @@ def test_prefill_and_graph_decode_logits_match_hf(dtype):
         )
         s.block_table = [free.pop() for _ in range(16)]
         seqs.append(s)
-    steps = [runner.prefill(seqs).float()]
+    steps = [runner.prefill(seqs).float().clone()]  # a view of the graphs' logits buffer (row-wise prefill)
     for _ in range(20):  # crosses 16-token blocks
         for s in seqs:
             s.token_ids.append(int(torch.randint(0, model.vocab_size, (1,), generator=gen)))

@@ -126,7 +126,14 @@ def _prefill_sdpa(q, k, v, seq_lens: list[int], scale: float) -> torch.Tensor:
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
-    """One query token per sequence against its paged context. q: [B, Hq, D] -> [B, Hq, D]."""
+    """One query token per sequence against its paged context. q: [B, Hq, D] -> [B, Hq, D].
+
+    Row-wise prefill (``batch.prefill_tiles``) runs the tiled kernel: its rows are runs of consecutive
+    positions of one sequence, which share their context reads."""
+    if q.is_cuda and ENABLED["triton"] and batch.prefill_tiles is not None:
+        from asyncgrpo.server.prefill_kernel import paged_prefill
+
+        return paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.prefill_tiles, scale)
     if q.is_cuda and ENABLED["triton"]:
         from asyncgrpo.server.decode_kernel import paged_decode
 

@@ -13,8 +13,9 @@ The forward is captured once per row bucket; the logits are taken only at each s
 Prefix-cache block copies (a hit on a block computed in the same step) run inside the graph from a
 fixed-size list padded with sink-onto-sink copies.
 
-Row-wise attention re-reads a sequence's context once per token, so sequences longer than
-``MAX_SEQ_TOKENS`` (and larger prefills) take the eager FlashAttention path.
+Attention runs the tiled kernel of ``prefill_kernel.py`` (runs of consecutive rows of one sequence share
+their context reads). Sequences longer than ``MAX_SEQ_TOKENS`` (and larger prefills) take the eager
+FlashAttention path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.forward_batch import ForwardBatch
+from asyncgrpo.server.prefill_kernel import check_prefill_kernel, tile_rows
 
 if TYPE_CHECKING:
     from asyncgrpo.server.kv_cache import KVCache
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # token rows of the captured prefill graphs
-MAX_SEQ_TOKENS = 512  # a longer new part prefills eagerly (row-wise attention reads its context per token)
+MAX_SEQ_TOKENS = 2048  # a longer new part prefills eagerly (FlashAttention: its tiles are larger)
 MAX_COPIES = 64  # prefix-cache block copies one graph step holds (more: eager)
 _META = 4  # columns before the block table in a row: token, position, slot, context length
 
@@ -65,6 +67,15 @@ class RowPrefill:
         self._staging_np = self._staging.numpy()
         self._meta_np = self._meta_staging.numpy()
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        # query tiles of the tiled prefill kernel: at most rows / BLOCK_M + one partial tile per sequence
+        self.tile_rows = tile_rows(model.num_heads // model.num_kv_heads)
+        self.tiled = False  # set at capture once the kernel passed its check
+        self._tile_count = {b: b // self.tile_rows + min(b, max_num_seqs) for b in self.buckets}
+        self._tiles = torch.zeros(self._tile_count[rows], 2, dtype=torch.int64, device=self.device)
+        self._tiles_staging = torch.zeros_like(self._tiles, device="cpu")
+        if self.device.type == "cuda":
+            self._tiles_staging = self._tiles_staging.pin_memory()
+        self._tiles_np = self._tiles_staging.numpy()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits_out: torch.Tensor | None = None
         self.enabled = False  # set once the graphs are captured (tests switch it on for the eager CPU path)
@@ -109,8 +120,9 @@ class RowPrefill:
         bs, pad = self.kv.block_size, self.kv.pad_block
         if self._staging_done is not None:
             self._staging_done.synchronize()  # the previous step's copy has been read
-        st, meta = self._staging_np, self._meta_np
-        r = 0
+        st, meta, tiles = self._staging_np, self._meta_np, self._tiles_np
+        r = nt = 0
+        bm = self.tile_rows
         copies: list[tuple[int, int]] = []
         for i, s in enumerate(seqs):
             c, n = s.num_cached, len(s.token_ids)
@@ -125,6 +137,10 @@ class RowPrefill:
             meta[i] = end - 1
             if s.copy_src is not None:
                 copies.append((s.copy_src, s.block_table[(n - 1) // bs]))
+            starts = np.arange(r, end, bm)
+            tiles[nt : nt + len(starts), 0] = starts
+            tiles[nt : nt + len(starts), 1] = np.minimum(bm, end - starts)
+            nt += len(starts)
             r = end
         st[r:rows, 0 : _META + 1] = (0, 0, pad * bs, 1, pad)  # padding rows read and write only the sink block
         meta[len(seqs) : self.max_num_seqs] = 0
@@ -132,8 +148,10 @@ class RowPrefill:
         meta[src : src + 2 * MAX_COPIES] = pad  # sink onto sink
         for j, (a, b) in enumerate(copies):
             meta[src + j], meta[src + MAX_COPIES + j] = a, b
+        tiles[nt : self._tile_count[rows]] = 0  # tiles without rows do nothing
         self._static[:rows].copy_(self._staging[:rows], non_blocking=True)
         self._meta.copy_(self._meta_staging, non_blocking=True)
+        self._tiles[: self._tile_count[rows]].copy_(self._tiles_staging[: self._tile_count[rows]], non_blocking=True)
         if self._staging_done is not None:
             self._staging_done.record()
         return max(len(s.token_ids) for s in seqs)
@@ -149,6 +167,7 @@ class RowPrefill:
             max_context_len=max_ctx,
             copy_src=self._meta[src : src + MAX_COPIES],
             copy_dst=self._meta[src + MAX_COPIES : src + 2 * MAX_COPIES],
+            prefill_tiles=self._tiles[: self._tile_count[rows]] if self.tiled else None,
         )
         hidden = self.model.forward(st[:, 0], st[:, 1], batch, self.kv.layers)
         return self.model.logits(hidden.index_select(0, self._meta[:num_logits]))
@@ -158,12 +177,16 @@ class RowPrefill:
         """One graph per row bucket (largest first) in the decode graphs' pool, writing into their logits buffer.
         A failure leaves row-wise prefill off: prefills run eagerly, as before."""
         self.logits_out = logits_out
+        m = self.model
+        self.tiled = check_prefill_kernel(self.device, m.dtype, m.num_kv_heads, m.num_heads // m.num_kv_heads,
+                                          m.head_dim)  # fmt: skip
         st, meta = self._static, self._meta
         bs, pad = self.kv.block_size, self.kv.pad_block
         st[:, _META:] = pad
         st[:, 0:_META] = torch.tensor([0, 0, pad * bs, 1], device=self.device)
         meta[: self.max_num_seqs] = 0
         meta[self.max_num_seqs :] = pad
+        self._tiles.zero_()
         try:
             self._forward(self.buckets[-1], min(self.buckets[-1], self.max_num_seqs), bs)  # warm-up (cuBLAS shapes)
             torch.cuda.synchronize(self.device)
