@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from asyncgrpo.server.attention import check_prefill_kernel
 from asyncgrpo.server.forward_batch import ForwardBatch
-from asyncgrpo.server.prefill_kernel import check_prefill_kernel, tile_rows
+from asyncgrpo.server.prefill_kernel import tile_rows
 
 if TYPE_CHECKING:
     from asyncgrpo.server.kv_cache import KVCache
