@@ -123,10 +123,12 @@ def test_engine_greedy_with_graphs_matches_hf_across_buckets_and_preemption():
         outs = _collect(eng, reqs)
         preemptions = eng.stats().num_preemptions_total
         row_prefills = eng._runner.row_prefill.steps if eng._runner.row_prefill.enabled else 0
+        mixed = eng._core.mixed_steps
     finally:
         eng.shutdown()
     assert preemptions > 0  # 12 sequences growing to ~100 tokens do not fit 640 KV tokens
     assert row_prefills > 0  # prefills replayed the row-wise graphs
+    assert mixed > 0  # preempted sequences came back in steps that also decoded the others
     for i, p in enumerate(prompts):
         assert outs[f"g{i}"].token_ids == hf_greedy(hf, p, 40)[0], f"request {i}"
 

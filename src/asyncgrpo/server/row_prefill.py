@@ -6,7 +6,7 @@ the last token of the G-1 requests that reuse its cached prefix), and with a sma
 cost made prefill about 40 % of the server's busy time.
 
 Here a prefill of up to ``max(ROW_BUCKETS)`` tokens runs the decode forward over *rows*, one per
-token: its id, position, cache slot, context length (position + 1) and its sequence's block table.
+token (a mixed step's running sequences add one row each, their newest token): its id, position, cache slot, context length (position + 1) and its sequence's block table.
 Each layer writes every row's K/V before attention, so a row reads its own sequence's earlier tokens
 from the cache, causal by its context length: exactly what the cached-prefix tail already did eagerly.
 The forward is captured once per row bucket; the logits are taken only at each sequence's last row.
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # token rows of the captured prefill graphs
+ROW_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # token rows of the captured graphs
 MAX_SEQ_TOKENS = 2048  # a longer new part prefills eagerly (FlashAttention: its tiles are larger)
 MAX_COPIES = 64  # prefix-cache block copies one graph step holds (more: eager)
 _META = 4  # columns before the block table in a row: token, position, slot, context length

@@ -10,6 +10,9 @@ Policy (one kind of step at a time):
 - A *decode* step advances every running sequence by one token.
 - When both are possible the steps alternate (prefill, decode, prefill, ...), so
   a stream of arrivals can neither starve the running sequences nor wait long.
+  A runner that can (``mixed=True``: the paged model runner) instead runs *mixed*
+  steps: the running sequences' next tokens and the admitted sequences' prompts in
+  one forward (a running sequence is then one cached-prefix row of the batch).
 - While sequences run, waiting ones are admitted in batches: once ``max_num_seqs // 8``
   of them can be admitted at once (waiting and with a free slot), or once one has waited
   ``MAX_ADMIT_DELAY`` decode steps with a slot free. A prefill step costs a whole eager
@@ -123,6 +126,7 @@ class Batch:
 
     is_prefill: bool
     seqs: list[Sequence]
+    num_decode: int = 0  # mixed step: the first ``num_decode`` sequences were running and decode one token
 
 
 class Scheduler:
@@ -170,8 +174,22 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_seqs:
             self._admit_delay += 1
 
-    def schedule(self, admit: bool = True) -> Batch | None:
-        """The next step's batch, or None when there is nothing to do."""
+    def schedule(self, admit: bool = True, mixed: bool = False, mixed_rows: int | None = None) -> Batch | None:
+        """The next step's batch, or None when there is nothing to do.
+
+        ``mixed``: an admission also carries the running sequences' decode rows (see the module docstring);
+        ``mixed_rows`` then bounds the step's rows (decode rows + computed prompt tokens), so it fits the
+        runner's graphs, except that one admission always goes through.
+        """
+        if mixed and admit and self.running and self.admission_due():
+            decode = self._reserve_decode()
+            budget = self.max_batched_tokens if mixed_rows is None else min(self.max_batched_tokens,
+                                                                             mixed_rows - len(decode))  # fmt: skip
+            seqs = self._admit(max(budget, 1))
+            if seqs:
+                self._admit_delay = 0
+                return Batch(is_prefill=True, seqs=decode + seqs, num_decode=len(decode))
+            return Batch(is_prefill=False, seqs=decode) if decode else None
         want_decode = self.running and self._last_was_prefill
         if admit and self.admission_due() and not want_decode:
             seqs = self._admit()
@@ -184,9 +202,9 @@ class Scheduler:
             return None
         return Batch(is_prefill=False, seqs=self._reserve_decode())
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, budget: int | None = None) -> list[Sequence]:
         admitted: list[Sequence] = []
-        budget = self.max_batched_tokens
+        budget = self.max_batched_tokens if budget is None else budget
         kv, bs = self.kv, self.kv.block_size
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
