@@ -123,12 +123,10 @@ def test_engine_greedy_with_graphs_matches_hf_across_buckets_and_preemption():
         outs = _collect(eng, reqs)
         preemptions = eng.stats().num_preemptions_total
         row_prefills = eng._runner.row_prefill.steps if eng._runner.row_prefill.enabled else 0
-        mixed = eng._core.mixed_steps
     finally:
         eng.shutdown()
     assert preemptions > 0  # 12 sequences growing to ~100 tokens do not fit 640 KV tokens
     assert row_prefills > 0  # prefills replayed the row-wise graphs
-    assert mixed > 0  # preempted sequences came back in steps that also decoded the others
     for i, p in enumerate(prompts):
         assert outs[f"g{i}"].token_ids == hf_greedy(hf, p, 40)[0], f"request {i}"
 
@@ -183,3 +181,42 @@ def test_row_prefill_graphs_with_prefix_cache_groups_match_hf_and_eager():
                 key = f"{tag}{i}-{j}"
                 assert outs[True][key].token_ids == want == outs[False][key].token_ids, key
                 torch.testing.assert_close(outs[True][key].logprobs, outs[False][key].logprobs, atol=1e-4, rtol=0)
+
+
+def test_mixed_graph_steps_match_hf():
+    """Requests arriving while another decodes are admitted in a mixed row-wise graph step (the running sequence is
+    one of its rows); every continuation equals HF's greedy one."""
+    import time
+
+    hf = _model(torch.float32)
+    eng = Engine(_model(torch.float32), max_model_len=256, max_num_seqs=16, kv_cache_tokens=4096, block_size=16)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {f"j{i}": torch.randint(0, 1000, (int(n),), generator=gen).tolist() for i, n in enumerate((9, 30, 70))}
+    long = torch.randint(0, 1000, (20,), generator=gen).tolist()
+    outs: dict[str, RequestOutput] = {}
+    done = threading.Event()
+    try:
+        eng.start()
+        eng.submit(Request("long", long, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)),
+                   lambda o: (outs.__setitem__("long", o), done.set()))  # fmt: skip
+        deadline = time.monotonic() + 30
+        while eng.stats().num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        eng.pause("keep", clear_cache=False)  # "long" holds its KV; the joiners queue
+        assert eng.stats().num_running == 1, "the long request was not running when paused"
+        reqs = [
+            Request(k, p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for k, p in prompts.items()
+        ]
+        col: dict[str, RequestOutput] = {}
+        joined = threading.Event()
+        for r in reqs:
+            eng.submit(r, lambda o: (col.__setitem__(o.request_id, o), len(col) == len(reqs) and joined.set()))
+        eng.resume()
+        assert joined.wait(120) and done.wait(120), "requests did not finish"
+        mixed, rows = eng._core.mixed_steps, eng._runner.row_prefill.steps
+    finally:
+        eng.shutdown()
+    assert mixed > 0 and rows > 0
+    assert outs["long"].token_ids == hf_greedy(hf, long, 200)[0]
+    for k, p in prompts.items():
+        assert col[k].token_ids == hf_greedy(hf, p, 10)[0], k

@@ -81,22 +81,20 @@ def test_arrivals_while_slots_are_free_are_batched_too():
     assert batch is not None and [q.request_id for q in batch.seqs] == ["r1", "r2"]
 
 
-def test_mixed_admission_carries_the_running_sequences_and_respects_the_row_bound():
-    s = _scheduler(max_num_seqs=4)  # batch size 1: admitted as soon as a slot frees
-    for i in range(8):
-        s.add(_seq(i))
-    assert len(s.schedule(mixed=True).seqs) == 4  # nothing runs: a plain prefill
-    s.remove(s.running[0])
-    s.remove(s.running[0])
-    batch = s.schedule(mixed=True)
+def test_mixed_admission_carries_the_running_sequences_within_the_token_budget():
+    kv = KVCache(1, 256, 4, 1, 2, torch.float32, torch.device("cpu"), enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=4, max_batched_tokens=9)  # batch size 1: admitted as soon as a slot frees
+    for i in range(6):
+        s.add(_seq(i))  # 4 prompt tokens each
+    assert [q.request_id for q in s.schedule(mixed=True).seqs] == ["r0", "r1"]  # 8 of 9 tokens: a plain prefill
+    batch = s.schedule(mixed=True)  # 2 decode rows + r2's 4 tokens; r3's 4 more would pass 9
     assert batch.is_prefill and batch.num_decode == 2
-    assert [q.request_id for q in batch.seqs] == ["r2", "r3", "r4", "r5"]  # running first, then the admitted
+    assert [q.request_id for q in batch.seqs] == ["r0", "r1", "r2"]  # running first, then the admitted
+    batch = s.schedule(mixed=True)  # 3 decode rows + r3 (the 4th slot)
+    assert batch.num_decode == 3 and [q.request_id for q in batch.seqs] == ["r0", "r1", "r2", "r3"]
+    assert not s.schedule(mixed=True).is_prefill  # no free slot: a decode step
     s.remove(s.running[0])
     s.remove(s.running[0])
-    # rows: 2 decode rows + 4 prompt tokens each; a bound of 6 rows leaves room for one admission only
-    batch = s.schedule(mixed=True, mixed_rows=6)
-    assert batch.num_decode == 2 and [q.request_id for q in batch.seqs[2:]] == ["r6"]  # r7 would pass the bound
-    assert [q.request_id for q in s.waiting] == ["r7"]
-    s.remove(s.running[0])
-    assert [q.request_id for q in s.schedule(mixed=True).seqs] == ["r5", "r6", "r7"]
-    assert not s.schedule(mixed=True).is_prefill  # nothing waits: a decode step
+    batch = s.schedule(mixed=True)  # 2 decode rows + r4; r5 waits (budget)
+    assert batch.num_decode == 2 and [q.request_id for q in batch.seqs] == ["r2", "r3", "r4"]
+    assert [q.request_id for q in s.waiting] == ["r5"]

@@ -194,8 +194,7 @@ class EngineLoop:
         sampled tokens feed it on the device), so the host bookkeeping of step k overlaps the GPU work of k+1."""
         if self._pending is None:
             start = time.perf_counter()
-            batch = self.scheduler.schedule(admit=self.pause_mode is None, mixed=self.runner.mixed_steps,
-                                            mixed_rows=self.runner.mixed_rows)  # fmt: skip
+            batch = self.scheduler.schedule(admit=self.pause_mode is None, mixed=self.runner.mixed_steps)
             if batch is None:
                 return
             try:

@@ -162,7 +162,6 @@ class GeneralRunner:
         self._keep_arg = "logits_to_keep" if "logits_to_keep" in params else None
 
     mixed_steps = False  # its HF caches take prompts and decode steps apart
-    mixed_rows: int | None = None
 
     def capture_graphs(self) -> None:
         """No CUDA graphs on the general path."""

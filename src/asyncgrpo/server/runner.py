@@ -66,11 +66,6 @@ class ModelRunner:
     mixed_steps = True  # prefill() also takes running sequences (one row each: a cached-prefix tail of one token)
 
     @property
-    def mixed_rows(self) -> int | None:
-        """Rows a mixed step should stay within (the largest prefill graph), or None without graphs."""
-        return self.row_prefill.buckets[-1] if self.row_prefill.enabled else None
-
-    @property
     def backend(self) -> str:
         """Which decode path runs: 'triton+cuda-graphs', 'triton-eager' or 'torch-eager'."""
         if self.device.type != "cuda" or not attention.ENABLED["triton"]:

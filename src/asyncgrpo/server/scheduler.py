@@ -174,18 +174,15 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_seqs:
             self._admit_delay += 1
 
-    def schedule(self, admit: bool = True, mixed: bool = False, mixed_rows: int | None = None) -> Batch | None:
+    def schedule(self, admit: bool = True, mixed: bool = False) -> Batch | None:
         """The next step's batch, or None when there is nothing to do.
 
         ``mixed``: an admission also carries the running sequences' decode rows (see the module docstring);
-        ``mixed_rows`` then bounds the step's rows (decode rows + computed prompt tokens), so it fits the
-        runner's graphs, except that one admission always goes through.
+        they count against the step's token budget, as in vLLM, except that one admission always goes through.
         """
         if mixed and admit and self.running and self.admission_due():
             decode = self._reserve_decode()
-            budget = self.max_batched_tokens if mixed_rows is None else min(self.max_batched_tokens,
-                                                                             mixed_rows - len(decode))  # fmt: skip
-            seqs = self._admit(max(budget, 1))
+            seqs = self._admit(max(self.max_batched_tokens - len(decode), 1))
             if seqs:
                 self._admit_delay = 0
                 return Batch(is_prefill=True, seqs=decode + seqs, num_decode=len(decode))
