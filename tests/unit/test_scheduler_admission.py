@@ -81,20 +81,20 @@ def test_arrivals_while_slots_are_free_are_batched_too():
     assert batch is not None and [q.request_id for q in batch.seqs] == ["r1", "r2"]
 
 
-def test_mixed_admission_carries_the_running_sequences_within_the_token_budget():
+def test_mixed_admission_carries_the_running_sequences_and_the_budget_bounds_the_prompts():
     kv = KVCache(1, 256, 4, 1, 2, torch.float32, torch.device("cpu"), enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_seqs=4, max_batched_tokens=9)  # batch size 1: admitted as soon as a slot frees
-    for i in range(6):
+    s = Scheduler(kv, max_num_seqs=4, max_batched_tokens=8)  # batch size 1: admitted as soon as a slot frees
+    for i in range(7):
         s.add(_seq(i))  # 4 prompt tokens each
-    assert [q.request_id for q in s.schedule(mixed=True).seqs] == ["r0", "r1"]  # 8 of 9 tokens: a plain prefill
-    batch = s.schedule(mixed=True)  # 2 decode rows + r2's 4 tokens; r3's 4 more would pass 9
+    assert [q.request_id for q in s.schedule(mixed=True).seqs] == ["r0", "r1"]  # 8 tokens: a plain prefill
+    batch = s.schedule(mixed=True)  # the 2 decode rows do not count: r2 and r3 (8 prompt tokens) join them
     assert batch.is_prefill and batch.num_decode == 2
-    assert [q.request_id for q in batch.seqs] == ["r0", "r1", "r2"]  # running first, then the admitted
-    batch = s.schedule(mixed=True)  # 3 decode rows + r3 (the 4th slot)
-    assert batch.num_decode == 3 and [q.request_id for q in batch.seqs] == ["r0", "r1", "r2", "r3"]
+    assert [q.request_id for q in batch.seqs] == ["r0", "r1", "r2", "r3"]  # running first, then the admitted
     assert not s.schedule(mixed=True).is_prefill  # no free slot: a decode step
     s.remove(s.running[0])
-    s.remove(s.running[0])
-    batch = s.schedule(mixed=True)  # 2 decode rows + r4; r5 waits (budget)
-    assert batch.num_decode == 2 and [q.request_id for q in batch.seqs] == ["r2", "r3", "r4"]
-    assert [q.request_id for q in s.waiting] == ["r5"]
+    batch = s.schedule(mixed=True)
+    assert batch.num_decode == 3 and [q.request_id for q in batch.seqs] == ["r1", "r2", "r3", "r4"]
+    for _ in range(3):
+        s.remove(s.running[0])
+    batch = s.schedule(mixed=True)  # r5 + r6 fill the budget
+    assert batch.num_decode == 1 and [q.request_id for q in batch.seqs] == ["r4", "r5", "r6"]
