@@ -13,9 +13,10 @@ Policy (one kind of step at a time):
   A runner that can (``mixed=True``: the paged model runner) instead runs *mixed*
   steps: the running sequences' next tokens and the admitted sequences' prompts in
   one forward (a running sequence is then one cached-prefix row of the batch).
-- While sequences run, waiting ones are admitted in batches: once ``max_num_seqs // 8``
-  of them can be admitted at once (waiting and with a free slot), or once one has waited
-  ``MAX_ADMIT_DELAY`` decode steps with a slot free. An eager prefill step cost a whole
+- While at least ``max_num_seqs // 8`` sequences run, waiting ones are admitted in batches:
+  once that many of them can be admitted at once (waiting and with a free slot), or once
+  one has waited ``MAX_ADMIT_DELAY`` decode steps with a slot free (with fewer running,
+  at once). An eager prefill step cost a whole
   forward however few tokens it held, so admitting each arrival at the next step (a GRPO
   worker sends a few new requests every step) spent a third of the engine's time in
   prefill steps, and kept the engine from decoding ahead (``core``) while anything waited.
@@ -169,7 +170,10 @@ class Scheduler:
         if not self.waiting or free <= 0:
             return False
         ready = min(len(self.waiting), free)
-        return not self.running or ready >= self.admit_min or self._admit_delay >= MAX_ADMIT_DELAY
+        # Fewer running than a batch: the engine is mostly idle (a GRPO run's first group arrives request by request)
+        # and a step carries few rows, so an arrival is admitted at once instead of waiting for company.
+        few = len(self.running) < self.admit_min
+        return few or ready >= self.admit_min or self._admit_delay >= MAX_ADMIT_DELAY
 
     def note_decode_step(self) -> None:
         """Count a finished decode step toward the admission delay (steps decoded ahead count too)."""
