@@ -103,6 +103,7 @@ class AsyncServerClient:
         self.answer_parsers = answer_parsers
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def clone(self) -> AsyncServerClient:
         """A new client with the same settings (for use in another event loop or thread)."""
@@ -128,6 +129,15 @@ class AsyncServerClient:
             self._session = aiohttp.ClientSession(connector=connector)
             self._loop = loop
         return self._session
+
+    def _client_timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        """aiohttp's (immutable) timeout record for ``seconds``, made once per value rather than per request."""
+        timeout = self._timeouts.get(seconds)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=seconds)
+            if len(self._timeouts) < 64:  # callers use a few fixed values; one counting down is not kept
+                self._timeouts[seconds] = timeout
+        return timeout
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -186,7 +196,7 @@ class AsyncServerClient:
                     self.base_url + path,
                     data=None if data is None else BytesPayload(data, content_type=JSON_TYPE),
                     params=params,
-                    timeout=aiohttp.ClientTimeout(total=limit),
+                    timeout=self._client_timeout(limit),
                 ) as resp:
                     body = await resp.read()
                     status = resp.status

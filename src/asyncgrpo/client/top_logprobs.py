@@ -84,7 +84,7 @@ class TopLogprobs(Sequence[dict[int, float]]):
             if not self.sortable:
                 key[np.arange(W) >= self.counts[:, None]] = np.nan
             order = np.argsort(key, axis=1, kind="stable")[:, :n]
-            order += np.arange(0, L * W, W)[:, None]  # flat indices: one gather per array
+            order += np.arange(L)[:, None] * W  # flat indices: one gather per array
             ids, values = self.ids.ravel()[order], values.ravel()[order]
         if W < n:
             ids = np.concatenate([ids, np.full((L, n - W), -1, dtype=ids.dtype)], axis=1)
