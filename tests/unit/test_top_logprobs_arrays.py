@@ -12,7 +12,6 @@ import random
 import numpy as np
 import pytest
 
-from asyncgrpo.client import top_logprobs
 from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.results import parse_completion_choice
 from asyncgrpo.client.top_logprobs import TopLogprobs, completion_top_arrays
@@ -81,25 +80,24 @@ def test_sortable_says_whether_an_entry_is_minus_inf_or_nan():
     assert not completion_top_arrays([{"token_id:3": None, "token_id:4": -1.0}]).sortable
 
 
-def test_unusual_spellings_are_read_from_the_text_or_left_to_the_per_key_path(monkeypatch):
-    """A key the id cache does not take (leading zero, sign, space) is read from its text, as ``int`` reads it; two
-    spellings of one id are refused by name; with the cache full, every key is read from its text alike."""
+def test_unusual_spellings_are_read_as_int_reads_them_and_odd_keys_go_to_the_per_key_path():
+    """Keys spelled otherwise than ``token_id:<digits>`` (leading zero, sign, space) read as ``int`` reads them; two
+    spellings of one id are refused by name; a key that holds a comma or a second prefix, or lacks one, is not
+    read as two ids (the per-key path names it)."""
     rows = [{"token_id:07": -0.5, "token_id:+3": -0.7}, {"token_id: 12": -0.2}]
-    top = completion_top_arrays(rows)
-    assert list(top) == [{7: -0.5, 3: -0.7}, {12: -0.2}]
-    assert "token_id:07" not in top_logprobs._KEY_IDS
+    assert list(completion_top_arrays(rows)) == [{7: -0.5, 3: -0.7}, {12: -0.2}]
     choice = {"token_ids": [7, 4], "finish_reason": "length",
               "logprobs": {"token_logprobs": [-0.5, -0.3], "top_logprobs": [{"token_id:7": -0.5, "token_id:007": -0.6},
                                                                              {"token_id:4": -0.3}]}}  # fmt: skip
     with pytest.raises(ServerError, match="name one token id twice"):
         parse_completion_choice(choice)
-    monkeypatch.setattr(top_logprobs, "_KEY_IDS", {})
-    monkeypatch.setattr(top_logprobs, "KEY_CACHE_SIZE", 0)
-    fresh = [{"token_id:901": -0.1, "token_id:902": -0.4}, {"token_id:903": -9999.0}]
-    top = completion_top_arrays(fresh)
-    assert list(top) == [{901: -0.1, 902: -0.4}, {903: -math.inf}] and top_logprobs._KEY_IDS == {}
-    with pytest.raises(ServerError, match="name one token id twice"):
-        parse_completion_choice(choice)
+    for odd in ([{"token_id:1,token_id:2": -0.1}, {"token_id:": -0.2}],  # read whole, the comma would make 2 ids
+                [{"token_id:1token_id:2": -0.1}], [{"5": -0.1, "token_id:1": -0.2}], [{"token_id:1": -0.1, "x": -1.0}],
+                [{"token_id:5.5": -0.1}], [{"token_id:": -0.1}]):  # fmt: skip
+        assert completion_top_arrays(odd) is None, odd
+        choice["logprobs"]["top_logprobs"] = odd + [{}] * (2 - len(odd))
+        with pytest.raises((ServerError, ValueError)):
+            parse_completion_choice(choice)
 
 
 def test_best_pads_when_rows_are_narrower_than_n_and_keeps_ties_in_answer_order():

@@ -16,14 +16,9 @@ import numpy as np
 
 NEG_INF_WIRE = -9999.0  # vLLM sends -inf log-probs as this number
 TOKEN_KEY = "token_id:"  # top_logprobs keys with return_tokens_as_token_ids
-KEY_CACHE_SIZE = 1 << 18  # keys remembered (a vocabulary's worth); past it, new keys are read from their text
 _KEY_LEN = len(TOKEN_KEY)
-_MAX_ID_DIGITS = 18  # any id of up to 18 digits fits an int64
-
-# Canonical ``"token_id:<id>"`` key -> id, learned from the answers (the keys a run sees are its vocabulary). A
-# lookup costs a third of reading the ids from the keys' text, and two canonical keys never name one id, so an
-# answer whose keys are all here needs no duplicate check.
-_KEY_IDS: dict[str, int] = {}
+_SEPARATOR = "," + TOKEN_KEY  # between two keys joined with ","
+_POW10 = 10 ** np.arange(1, 19, dtype=np.int64)  # an id >= 10**k has more than k digits
 
 
 class TopLogprobs(Sequence[dict[int, float]]):
@@ -131,31 +126,46 @@ def top_arrays(counts: np.ndarray, flat_ids: np.ndarray, flat_values: Any) -> To
     return _layout(counts, flat_ids, flat_values)
 
 
-def _learn_keys(keys: Any) -> bool:
-    """Remember the ids of canonical ``token_id:<digits>`` keys (no sign, space or leading zero); False when a
-    key is not one or the cache is full."""
-    for key in keys:
-        if key in _KEY_IDS:
-            continue
-        digits = key[_KEY_LEN:] if type(key) is str and key.startswith(TOKEN_KEY) else ""
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= _MAX_ID_DIGITS):
-            return False
-        if (digits[0] == "0" and digits != "0") or len(_KEY_IDS) >= KEY_CACHE_SIZE:
-            return False
-        _KEY_IDS[key] = int(digits)
-    return True
-
-
 def _ids_from_text(keys: list[str]) -> np.ndarray | None:
     """The ids of ``token_id:<id>`` keys read from their text in one pass (any spelling ``int`` reads the same
     way), or None when a key is not one."""
-    joined = ",".join(keys)
+    try:
+        joined = ",".join(keys)
+    except TypeError:
+        return None
     if joined.count(TOKEN_KEY) != len(keys):
         return None
     try:
         return np.fromstring(joined.replace(TOKEN_KEY, ""), dtype=np.int64, sep=",")
     except ValueError:
         return None
+
+
+def _canonical_ids(top_raw: list[dict], n: int) -> np.ndarray | None:
+    """The ids of the rows' ``n`` keys when every key is spelled ``token_id:<digits>`` without sign, space or
+    leading zero (what vLLM writes); None otherwise.
+
+    One numpy read of the joined keys, with ``,token_id:`` as the separator, then a length check: a read spelling
+    other than the canonical one (``+7``, ``07``, `` 7``) is longer than it, so joined keys exactly as long as the
+    canonical spellings of the ids read are those spellings, one key per id. Two canonical keys never name one
+    id, so these rows need no duplicate check.
+    """
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        joined = ",".join(chain.from_iterable(top_raw))
+    except TypeError:  # a key that is not a str: the per-key path names it
+        return None
+    if not joined.startswith(TOKEN_KEY):
+        return None
+    try:
+        ids = np.fromstring(joined[_KEY_LEN:], dtype=np.int64, sep=_SEPARATOR)
+    except ValueError:  # not read to its end
+        return None
+    if ids.shape != (n,) or ids.min() < 0:
+        return None
+    digits = int(np.searchsorted(_POW10, ids, side="right").sum()) + n
+    return ids if len(joined) == digits + n * _KEY_LEN + n - 1 else None
 
 
 def completion_top_arrays(top_raw: list[Any]) -> TopLogprobs | None:
@@ -166,16 +176,11 @@ def completion_top_arrays(top_raw: list[Any]) -> TopLogprobs | None:
         return None
     counts = np.fromiter(map(len, top_raw), dtype=np.int64, count=len(top_raw))
     n = int(counts.sum())
-    try:
-        flat_ids = np.fromiter(map(_KEY_IDS.__getitem__, chain.from_iterable(top_raw)), dtype=np.int64, count=n)
-    except KeyError:  # a key not seen before (most keys of a run's first answers)
-        if _learn_keys(chain.from_iterable(top_raw)):
-            flat_ids = np.fromiter(map(_KEY_IDS.__getitem__, chain.from_iterable(top_raw)), dtype=np.int64, count=n)
-        else:  # an unusual spelling, or the cache is full: read the text, then check for repeats
-            read = _ids_from_text(list(chain.from_iterable(top_raw)))
-            if read is None or read.shape != (n,) or _has_repeat(counts, read):
-                return None
-            flat_ids = read
+    flat_ids = _canonical_ids(top_raw, n)
+    if flat_ids is None:  # an unusual spelling: each key read as int reads it, then a check for repeats
+        flat_ids = _ids_from_text(list(chain.from_iterable(top_raw)))
+        if flat_ids is None or flat_ids.shape != (n,) or _has_repeat(counts, flat_ids):
+            return None
     try:
         flat_values = np.fromiter(chain.from_iterable(map(dict.values, top_raw)), dtype=np.float64, count=n)
     except (TypeError, ValueError):  # a null (read as NaN below), or not a number at all
