@@ -66,7 +66,7 @@ class TopLogprobs(Sequence[dict[int, float]]):
 
     def best(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Each row's ``n`` best entries, best first (ties keep the answer's order): ``[L, n]`` ids and log-probs,
-        padded with -1 / -inf where a row has fewer."""
+        padded with -1 / -inf where a row has fewer. They may be views of this object's arrays: copy to write."""
         L, W = self.ids.shape
         values = self.values
         if W > 1 and (values[:, :-1] >= values[:, 1:]).all():  # rows already best first (padding -inf sorts last)
