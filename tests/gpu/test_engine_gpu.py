@@ -79,7 +79,7 @@ def test_prefill_and_graph_decode_logits_match_hf(dtype):
         )
         s.block_table = [free.pop() for _ in range(16)]
         seqs.append(s)
-    steps = [runner.prefill(seqs).float()]
+    steps = [runner.prefill(seqs).float().clone()]  # a view of the graphs' logits buffer (row-wise prefill)
     for _ in range(20):  # crosses 16-token blocks
         for s in seqs:
             s.token_ids.append(int(torch.randint(0, model.vocab_size, (1,), generator=gen)))
@@ -122,9 +122,11 @@ def test_engine_greedy_with_graphs_matches_hf_across_buckets_and_preemption():
         ]
         outs = _collect(eng, reqs)
         preemptions = eng.stats().num_preemptions_total
+        row_prefills = eng._runner.row_prefill.steps if eng._runner.row_prefill.enabled else 0
     finally:
         eng.shutdown()
     assert preemptions > 0  # 12 sequences growing to ~100 tokens do not fit 640 KV tokens
+    assert row_prefills > 0  # prefills replayed the row-wise graphs
     for i, p in enumerate(prompts):
         assert outs[f"g{i}"].token_ids == hf_greedy(hf, p, 40)[0], f"request {i}"
 
@@ -149,3 +151,33 @@ def test_engine_seeded_sampling_is_reproducible_and_lora_runs_eager(tmp_path):
         eng.shutdown()
     assert outs["lora"].token_ids == hf_greedy(merged, prompt, 12)[0]
     assert outs["s1"].token_ids == again["s2"].token_ids
+
+
+def test_row_prefill_graphs_with_prefix_cache_groups_match_hf_and_eager():
+    """GRPO groups (equal prompts, prefix-cache hits and same-step block copies) prefilled by graph replays: greedy
+    tokens equal HF's, and log-probs equal an engine whose prefills run eagerly (FlashAttention varlen)."""
+    hf = _model(torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1000, (int(n),), generator=gen).tolist() for n in (7, 16, 33, 70)]
+    reqs = lambda tag: [Request(f"{tag}{i}-{j}", p, SamplingParams(max_tokens=12, temperature=0.0, logprobs=2,
+                                                                   ignore_eos=True))
+                        for i, p in enumerate(prompts) for j in range(4)]  # fmt: skip
+    outs = {}
+    for graphs in (True, False):
+        eng = Engine(_model(torch.float32), max_model_len=128, max_num_seqs=32, kv_cache_tokens=4096, block_size=16)
+        if not graphs:
+            eng._runner.row_prefill.enabled = False
+        try:
+            eng.start()
+            outs[graphs] = _collect(eng, reqs("a")) | _collect(eng, reqs("b"))  # "b": hits on cached blocks
+            steps, hits = eng._runner.row_prefill.steps, eng.stats().prefix_cache_hits_total
+        finally:
+            eng.shutdown()
+        assert (steps > 0) == graphs and hits > 0
+    for i, p in enumerate(prompts):
+        want = hf_greedy(hf, p, 12)[0]
+        for tag in ("a", "b"):
+            for j in range(4):
+                key = f"{tag}{i}-{j}"
+                assert outs[True][key].token_ids == want == outs[False][key].token_ids, key
+                torch.testing.assert_close(outs[True][key].logprobs, outs[False][key].logprobs, atol=1e-4, rtol=0)

@@ -181,3 +181,13 @@ def test_embedded_server_that_cannot_start(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("asyncgrpo train: error: the embedded generation server did not")
     assert "unrecognized arguments: --no-such-flag" in err  # the server's own message, from its log
+
+
+def test_answer_workers_default_follows_the_cpus(monkeypatch):
+    """None on CPU (its cores run the model); on CUDA half the usable CPUs, between 1 and 8."""
+    from asyncgrpo.server import main
+
+    assert main.default_answer_workers("cpu") == 0
+    for cpus, want in ((1, 1), (2, 1), (6, 3), (16, 8), (64, 8)):
+        monkeypatch.setattr(main.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert main.default_answer_workers("cuda") == want

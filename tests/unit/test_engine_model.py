@@ -46,9 +46,12 @@ def _seq(prompt: list[int], blocks: list[int]) -> Sequence:
         ("llama", {"attention_bias": True}),
     ],
 )
-def test_prefill_and_decode_logits_match_hf(arch, overrides):
+@pytest.mark.parametrize("row_prefill", [False, True])
+def test_prefill_and_decode_logits_match_hf(arch, overrides, row_prefill):
+    """``row_prefill``: the prefill runs one decode-style row per token (on CUDA, a graph replay)."""
     hf = tiny_model(arch, seed=1, **overrides)
     model, kv, runner = _setup(hf)
+    runner.row_prefill.enabled = row_prefill
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 9, 1]
     prompts = [torch.randint(0, model.vocab_size, (n,), generator=gen).tolist() for n in lengths]
@@ -57,6 +60,7 @@ def test_prefill_and_decode_logits_match_hf(arch, overrides):
     seqs = [_seq(p, [free.pop() for _ in range(MAX_LEN // BLOCK)]) for p in prompts]
 
     logits = runner.prefill(seqs)  # [3, V]: last position of each sequence
+    assert runner.row_prefill.steps == int(row_prefill)
     steps = [logits]
     for _ in range(6):  # teacher-forced decode: append a fixed random token to every sequence
         for s in seqs:
@@ -69,6 +73,26 @@ def test_prefill_and_decode_logits_match_hf(arch, overrides):
         n = lengths[i]
         for step, got in enumerate(steps):
             torch.testing.assert_close(got[i], ref[n - 1 + step], atol=1e-4, rtol=1e-4)
+
+
+def test_row_prefill_takes_only_small_prefills():
+    """Long new parts, more rows than the largest graph, or too many block copies prefill eagerly."""
+    from asyncgrpo.server.row_prefill import MAX_COPIES, MAX_SEQ_TOKENS, ROW_BUCKETS, RowPrefill
+
+    model = DecoderLM(tiny_model("qwen3", seed=1), MAX_LEN)
+    kv = KVCache(len(model.layers), 64, BLOCK, model.num_kv_heads, model.head_dim, model.dtype, model.device)
+    rows = RowPrefill(model, kv, max_num_seqs=100, max_blocks=MAX_LEN // BLOCK, max_rows=ROW_BUCKETS[-1])
+    assert not rows.fits([_seq([1] * 8, [0, 1])])  # off until graphs are captured
+    rows.enabled = True
+    assert rows.fits([_seq([1] * 8, [0, 1])])
+    assert not rows.fits([_seq([1] * (MAX_SEQ_TOKENS + 1), [])])
+    long_ones = [_seq([1] * MAX_SEQ_TOKENS, []) for _ in range(ROW_BUCKETS[-1] // MAX_SEQ_TOKENS)]
+    assert rows.fits(long_ones) and not rows.fits(long_ones + [_seq([1], [])])  # one row past the largest bucket
+    copying = [_seq([1] * 4, [0]) for _ in range(MAX_COPIES + 1)]
+    for s in copying:
+        s.copy_src = 1
+    assert rows.fits(copying[:MAX_COPIES]) and not rows.fits(copying)
+    assert not rows.fits([_seq([1], [])] * 101)  # more sequences than logit rows
 
 
 def test_rejects_unsupported_architecture():

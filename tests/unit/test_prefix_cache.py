@@ -76,11 +76,13 @@ class _Collector:
         return self.outputs
 
 
-def _engine(caching: bool) -> Engine:
-    return Engine(
+def _engine(caching: bool, row_prefill: bool = False) -> Engine:
+    engine = Engine(
         tiny_model_dir("qwen3"), device="cpu", max_model_len=64, max_num_seqs=32, block_size=BS,
         kv_cache_tokens=2048, enable_prefix_caching=caching,
     )  # fmt: skip
+    engine._runner.row_prefill.enabled = row_prefill  # on CUDA the captured graphs switch it on; here it runs eagerly
+    return engine
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, tag: str) -> list[RequestOutput]:
@@ -111,21 +113,24 @@ PROMPTS = [BASES[0]] * GROUP + [BASES[1]] * GROUP + [BASES[0][:8] + BASES[2][:5]
 @pytest.fixture(scope="module")
 def runs():
     out = {}
-    for caching in (False, True):
-        engine = _engine(caching)
+    for key, caching, rows in ((False, False, False), (True, True, False), ("rows", True, True)):
+        engine = _engine(caching, rows)
         try:
             greedy = _run(engine, PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), "g")
             before = engine.stats()
             seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=11, logprobs=2)
             sampled = _run(engine, PROMPTS[:GROUP], seeded, "s")  # second wave: hits blocks of the first
-            out[caching] = (greedy, sampled, before, engine.stats())
+            out[key] = (greedy, sampled, before, engine.stats(), engine._runner.row_prefill.steps)
         finally:
             engine.shutdown()
     return out
 
 
-def test_outputs_equal_with_and_without_cache(runs):
-    for off, on in zip(runs[False][0] + runs[False][1], runs[True][0] + runs[True][1]):
+@pytest.mark.parametrize("key", [True, "rows"])
+def test_outputs_equal_with_and_without_cache(runs, key):
+    """Also with every prefill run row-wise (``row_prefill.py``: block copies of same-step hits included)."""
+    assert runs[key][4] == (2 if key == "rows" else 0)  # two waves, one prefill step each
+    for off, on in zip(runs[False][0] + runs[False][1], runs[key][0] + runs[key][1]):
         assert on.token_ids == off.token_ids
         assert on.logprobs == pytest.approx(off.logprobs, abs=1e-4)
         for a, b in zip(on.top_logprobs, off.top_logprobs):
@@ -133,8 +138,9 @@ def test_outputs_equal_with_and_without_cache(runs):
             assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-4)
 
 
-def test_hit_counters_match_a_hand_count(runs):
-    _, _, first, end = runs[True]
+@pytest.mark.parametrize("key", [True, "rows"])
+def test_hit_counters_match_a_hand_count(runs, key):
+    _, _, first, end, _ = runs[key]
     # one step admits all: the first of each group misses, each later one shares 3 blocks (12 tokens) and copies
     # the 1-token last block (nothing to reuse there: its only token is computed), the mixed prompt shares
     # BASES[0]'s first 2 blocks; the second 12-token prompt shares 2 blocks and copies 3 of the 4 tokens of its

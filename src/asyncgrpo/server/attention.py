@@ -126,7 +126,14 @@ def _prefill_sdpa(q, k, v, seq_lens: list[int], scale: float) -> torch.Tensor:
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
-    """One query token per sequence against its paged context. q: [B, Hq, D] -> [B, Hq, D]."""
+    """One query token per sequence against its paged context. q: [B, Hq, D] -> [B, Hq, D].
+
+    Row-wise prefill (``batch.prefill_tiles``) runs the tiled kernel: its rows are runs of consecutive
+    positions of one sequence, which share their context reads."""
+    if q.is_cuda and ENABLED["triton"] and batch.prefill_tiles is not None:
+        from asyncgrpo.server.prefill_kernel import paged_prefill
+
+        return paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.prefill_tiles, scale)
     if q.is_cuda and ENABLED["triton"]:
         from asyncgrpo.server.decode_kernel import paged_decode
 
@@ -188,4 +195,32 @@ def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: 
     except Exception:  # compile errors come in many types; any of them means "do not use it"
         logger.exception("the Triton paged-decode kernel is unusable here; falling back to torch decode without graphs")
         ENABLED["triton"] = False
+        return False
+
+
+def check_prefill_kernel(
+    device: torch.device, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int
+) -> bool:
+    """Compile the kernel for this shape and compare it once with the torch reference (rows as decode queries);
+    False (logged) when it is unusable here: row-wise prefill then reads the context per row (decode kernel)."""
+    try:
+        from asyncgrpo.server.prefill_kernel import paged_prefill, tile_rows
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        k = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
+        v = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
+        bm = tile_rows(group)
+        n = 2 * bm + 3  # one sequence over three tiles (the last one partial), then a one-row sequence
+        q = torch.randn(n + 1, num_kv_heads * group, head_dim, device=device, generator=gen).to(dtype)
+        tables = torch.tensor([[3, 1, 4, 0, 5, 8, 7, 2, 6]] * n + [[6, 2, 7, 8, 5, 0, 4, 1, 3]], device=device)
+        lens = torch.tensor(list(range(20, 20 + n)) + [5], device=device)
+        tiles = torch.tensor([[0, bm], [bm, bm], [2 * bm, 3], [n, 1], [0, 0]], device=device)
+        got = paged_prefill(q, k, v, tables, lens, tiles, head_dim**-0.5).float()
+        ref = paged_decode_torch(q.float(), k.float(), v.float(), tables, lens, int(lens.max()), head_dim**-0.5)
+        err = (got - ref).abs().max().item()
+        if not err < (1e-3 if dtype == torch.float32 else 5e-2):
+            raise RuntimeError(f"Triton prefill kernel differs from the torch reference by {err}")
+        return True
+    except Exception:  # compile errors come in many types; any of them means "do not use it"
+        logger.exception("the Triton paged-prefill kernel is unusable here; using the decode one")
         return False

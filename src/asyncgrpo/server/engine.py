@@ -35,6 +35,7 @@ from asyncgrpo.server.kv_cache import (
 from asyncgrpo.server.lora import LoRAManager
 from asyncgrpo.server.model import DecoderLM
 from asyncgrpo.server.request import EngineStats, PauseMode, Request, RequestOutput, validate_request
+from asyncgrpo.server.row_prefill import ROW_BUCKETS
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.sampler import Sampler
 from asyncgrpo.server.scheduler import Scheduler, Sequence
@@ -63,7 +64,7 @@ class Engine:
         gpu_memory_utilization: fraction of the GPU's memory this process may use in total.
         block_size: tokens per KV block.
         enable_lora / max_lora_rank / max_loras: runtime LoRA adapters.
-        enforce_eager: no CUDA graphs for decode.
+        enforce_eager: no CUDA graphs (decode, and small prefills run row-wise).
         max_num_batched_tokens: prefill token budget per step (extension; default above).
         enable_prefix_caching: reuse the KV blocks of equal prompt prefixes (vLLM's default: on); every
             weight load, LoRA load/unload and :meth:`reset_prefix_cache` empties the cache.
@@ -132,7 +133,7 @@ class Engine:
                 cfg.hidden_size,
                 getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
                 self.vocab_size,
-                budget,
+                budget + (0 if enforce_eager else min(ROW_BUCKETS[-1], budget)),  # + the prefill graphs' pool
                 max_num_seqs,
                 elem,
             ),
@@ -154,7 +155,8 @@ class Engine:
         if self.general_path:  # KVCache above holds no tensors (m.layers is empty): block accounting only
             self._runner = GeneralRunner(m, self._kv)
         else:
-            self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager)
+            self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager,
+                                       max_prefill_rows=min(ROW_BUCKETS[-1], budget))  # fmt: skip
         sampler = Sampler(self.device, seed)
         sampler.prepare(self.vocab_size, self.dtype)  # compiles the sampling kernels now, not in the first step
         self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)

@@ -35,5 +35,7 @@ class ForwardBatch:
     # prefix caching: per layer, after this step's K/V writes, block copy_src[i] is copied onto copy_dst[i]
     copy_src: torch.Tensor | None = None
     copy_dst: torch.Tensor | None = None
+    # row-wise prefill: [num_tiles, 2] (first row, rows) runs of one sequence's consecutive rows (prefill_kernel.py)
+    prefill_tiles: torch.Tensor | None = None
     # LoRA: (adapter, token indices [n] int64) per adapter used in this batch; None = base model only.
     lora_groups: list[tuple[object, torch.Tensor]] | None = None

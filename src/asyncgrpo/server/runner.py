@@ -4,8 +4,9 @@ Decode on CUDA replays a graph captured per batch-size bucket (1, 2, 4, 8, 16,
 32, then every 32 up to ``max_num_seqs``). The graph reads static buffers
 (token ids, positions, slot mapping, context lengths, block tables), which are
 filled with one host->device copy per step; rows past the real batch point at
-the KV sink block. LoRA batches and ``enforce_eager`` run the same forward
-eagerly. The sampler always runs outside the graph.
+the KV sink block. Small prefills replay graphs of the same forward with one row
+per new token (``row_prefill.py``). LoRA batches and ``enforce_eager`` run the
+same forward eagerly. The sampler always runs outside the graph.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from asyncgrpo.server import attention, fused
 from asyncgrpo.server.forward_batch import ForwardBatch
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import DecoderLM
+from asyncgrpo.server.row_prefill import ROW_BUCKETS, RowPrefill
 from asyncgrpo.server.scheduler import Sequence
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,15 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     """Runs prefill and decode forwards of :class:`DecoderLM` against a :class:`KVCache`."""
 
-    def __init__(self, model: DecoderLM, kv: KVCache, max_num_seqs: int, max_model_len: int, use_graphs: bool) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv: KVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool,
+        max_prefill_rows: int = ROW_BUCKETS[-1],
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -51,6 +61,7 @@ class ModelRunner:
         self._row_owner: list[tuple[list[int], int] | None] = [None] * max_num_seqs  # whose table each row holds
         # The H2D copy of the staging rows is asynchronous: the host must not rewrite them until it has run.
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.row_prefill = RowPrefill(model, kv, max_num_seqs, self.max_blocks, max_prefill_rows)
 
     @property
     def backend(self) -> str:
@@ -62,6 +73,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
     def prefill(self, seqs: list[Sequence], lora: bool = False) -> torch.Tensor:
         """Forward the uncached tokens of new sequences; returns logits [N, V] of each one's last position."""
+        if not lora and self.row_prefill.fits(seqs):
+            return self.row_prefill.run(seqs)
         bs = self.kv.block_size
         lens = [len(s.token_ids) - s.num_cached for s in seqs]  # tokens computed per sequence
         ids, positions, slots = [], [], []
@@ -248,6 +261,7 @@ class ModelRunner:
             self._graph_logits[b] = logits[:b]
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", buckets)
+        self.row_prefill.capture(logits, pool)
 
     # --------------------------------------------------------------------- LoRA
     def _lora_groups(self, seqs: list[Sequence], lens: list[int]) -> list[tuple[object, torch.Tensor]] | None:
