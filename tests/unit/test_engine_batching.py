@@ -89,25 +89,6 @@ def test_concurrent_requests_and_a_late_joiner_match_hf_greedy(engine, hf):
     assert stats.generation_tokens_total == 12 * 5 and stats.num_running == 0 and stats.kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize("row_prefill", [False, True])
-def test_a_joiner_is_prefilled_in_the_running_sequences_decode_step(engine, hf, row_prefill):
-    """Mixed steps: a request arriving while another decodes is admitted in a step that also decodes the running
-    one (one forward); both continuations equal HF's greedy ones. ``row_prefill``: that step runs row-wise (on
-    CUDA a graph replay; the engine is idle when it is switched on here)."""
-    engine._runner.row_prefill.enabled = row_prefill
-    col = Collector()
-    engine.submit(Request("long", [3, 1, 4, 1, 5, 9, 2, 6], greedy(30)), col)
-    engine.submit(Request("short", [2, 7, 1, 8], greedy(2)), col)
-    col.wait(["short"])  # "long" still has most of its 30 tokens to go
-    engine.submit(Request("joiner", [9, 8, 7, 6, 5], greedy(12)), col)
-    outs = col.wait(["long", "joiner"])
-    assert engine._core.mixed_steps >= 1 and engine._runner.row_prefill.steps >= int(row_prefill)
-    for rid, prompt, n in (("long", [3, 1, 4, 1, 5, 9, 2, 6], 30), ("joiner", [9, 8, 7, 6, 5], 12)):
-        tokens, lps = hf_greedy(hf, prompt, n)
-        assert outs[rid].token_ids == tokens
-        assert outs[rid].logprobs == pytest.approx(lps, abs=1e-4)
-
-
 def test_stop_token_ids_eos_min_tokens_and_length(model_dir, hf):
     prompt = PROMPTS[1]
     tokens, _ = hf_greedy(hf, prompt, 10)

@@ -48,7 +48,6 @@ class EngineLoop:
         self.step_counts = {"prefill": 0, "decode": 0}
         self.step_seconds = {"prefill": 0.0, "decode": 0.0}
         self.step_last_end_unix = {"prefill": 0.0, "decode": 0.0}  # wall clock: benchmarks time what follows a step
-        self.mixed_steps = 0  # prefill steps that also decoded the running sequences (counted as prefill above)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -194,7 +193,7 @@ class EngineLoop:
         sampled tokens feed it on the device), so the host bookkeeping of step k overlaps the GPU work of k+1."""
         if self._pending is None:
             start = time.perf_counter()
-            batch = self.scheduler.schedule(admit=self.pause_mode is None, mixed=self.runner.mixed_steps)
+            batch = self.scheduler.schedule(admit=self.pause_mode is None)
             if batch is None:
                 return
             try:
@@ -259,7 +258,6 @@ class EngineLoop:
             self._finish(seq, *stop)
         kind = "prefill" if batch.is_prefill else "decode"
         self.step_counts[kind] += 1
-        self.mixed_steps += batch.num_decode > 0
         if not batch.is_prefill:
             self.scheduler.note_decode_step()
         now = time.perf_counter()

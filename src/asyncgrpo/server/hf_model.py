@@ -161,8 +161,6 @@ class GeneralRunner:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = "logits_to_keep" if "logits_to_keep" in params else None
 
-    mixed_steps = False  # its HF caches take prompts and decode steps apart
-
     def capture_graphs(self) -> None:
         """No CUDA graphs on the general path."""
 

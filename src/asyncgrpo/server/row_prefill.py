@@ -6,7 +6,7 @@ the last token of the G-1 requests that reuse its cached prefix), and with a sma
 cost made prefill about 40 % of the server's busy time.
 
 Here a prefill of up to ``max(ROW_BUCKETS)`` tokens runs the decode forward over *rows*, one per
-token (a mixed step's running sequences add one row each, their newest token): its id, position, cache slot, context length (position + 1) and its sequence's block table.
+token: its id, position, cache slot, context length (position + 1) and its sequence's block table.
 Each layer writes every row's K/V before attention, so a row reads its own sequence's earlier tokens
 from the cache, causal by its context length: exactly what the cached-prefix tail already did eagerly.
 The forward is captured once per row bucket; the logits are taken only at each sequence's last row.

@@ -63,8 +63,6 @@ class ModelRunner:
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.row_prefill = RowPrefill(model, kv, max_num_seqs, self.max_blocks, max_prefill_rows)
 
-    mixed_steps = True  # prefill() also takes running sequences (one row each: a cached-prefix tail of one token)
-
     @property
     def backend(self) -> str:
         """Which decode path runs: 'triton+cuda-graphs', 'triton-eager' or 'torch-eager'."""

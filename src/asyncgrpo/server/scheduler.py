@@ -10,18 +10,12 @@ Policy (one kind of step at a time):
 - A *decode* step advances every running sequence by one token.
 - When both are possible the steps alternate (prefill, decode, prefill, ...), so
   a stream of arrivals can neither starve the running sequences nor wait long.
-  A runner that can (``mixed=True``: the paged model runner) instead runs *mixed*
-  steps: the running sequences' next tokens and the admitted sequences' prompts in
-  one forward (a running sequence is then one cached-prefix row of the batch).
-- While at least ``max_num_seqs // 8`` sequences run, waiting ones are admitted in batches:
-  once that many of them can be admitted at once (waiting and with a free slot), or once
-  one has waited ``MAX_ADMIT_DELAY`` decode steps with a slot free (with fewer running,
-  at once). An eager prefill step cost a whole
-  forward however few tokens it held, so admitting each arrival at the next step (a GRPO
+- While sequences run, waiting ones are admitted in batches: once ``max_num_seqs // 8``
+  of them can be admitted at once (waiting and with a free slot), or once one has waited
+  ``MAX_ADMIT_DELAY`` decode steps with a slot free. A prefill step costs a whole eager
+  forward however few tokens it holds, so admitting each arrival at the next step (a GRPO
   worker sends a few new requests every step) spent a third of the engine's time in
   prefill steps, and kept the engine from decoding ahead (``core``) while anything waited.
-  Small prefills now replay CUDA graphs (``row_prefill``) and ride along with the decode
-  rows, but an admission still ends the decode-ahead overlap, so the batching stays.
 - When a decode step finds no free block for a sequence, the newest running
   sequence is preempted by recompute: its blocks are freed and it goes back to
   the head of the waiting queue with its generated tokens (and their log-probs)
@@ -129,7 +123,6 @@ class Batch:
 
     is_prefill: bool
     seqs: list[Sequence]
-    num_decode: int = 0  # mixed step: the first ``num_decode`` sequences were running and decode one token
 
 
 class Scheduler:
@@ -170,30 +163,15 @@ class Scheduler:
         if not self.waiting or free <= 0:
             return False
         ready = min(len(self.waiting), free)
-        # Fewer running than a batch: the engine is mostly idle (a GRPO run's first group arrives request by request)
-        # and a step carries few rows, so an arrival is admitted at once instead of waiting for company.
-        few = len(self.running) < self.admit_min
-        return few or ready >= self.admit_min or self._admit_delay >= MAX_ADMIT_DELAY
+        return not self.running or ready >= self.admit_min or self._admit_delay >= MAX_ADMIT_DELAY
 
     def note_decode_step(self) -> None:
         """Count a finished decode step toward the admission delay (steps decoded ahead count too)."""
         if self.waiting and len(self.running) < self.max_num_seqs:
             self._admit_delay += 1
 
-    def schedule(self, admit: bool = True, mixed: bool = False) -> Batch | None:
-        """The next step's batch, or None when there is nothing to do.
-
-        ``mixed``: an admission also carries the running sequences' decode rows (see the module docstring).
-        The token budget bounds the admitted prompts only (vLLM also counts the decode rows): counting them
-        split a bulk admission into more, smaller steps (B5 in process: 60.2 k -> 58.5 k tok/s).
-        """
-        if mixed and admit and self.running and self.admission_due():
-            decode = self._reserve_decode()
-            seqs = self._admit()
-            if seqs:
-                self._admit_delay = 0
-                return Batch(is_prefill=True, seqs=decode + seqs, num_decode=len(decode))
-            return Batch(is_prefill=False, seqs=decode) if decode else None
+    def schedule(self, admit: bool = True) -> Batch | None:
+        """The next step's batch, or None when there is nothing to do."""
         want_decode = self.running and self._last_was_prefill
         if admit and self.admission_due() and not want_decode:
             seqs = self._admit()
@@ -206,9 +184,9 @@ class Scheduler:
             return None
         return Batch(is_prefill=False, seqs=self._reserve_decode())
 
-    def _admit(self, budget: int | None = None) -> list[Sequence]:
+    def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
-        budget = self.max_batched_tokens if budget is None else budget
+        budget = self.max_batched_tokens
         kv, bs = self.kv, self.kv.block_size
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
