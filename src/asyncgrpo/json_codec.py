@@ -34,6 +34,23 @@ def loads(body: bytes | str) -> Any:
     return json.loads(body)
 
 
+def dumps(data: Any) -> bytes:
+    """Compact UTF-8 JSON of ``data`` (a request body): the same JSON value :func:`json.dumps` writes.
+
+    orjson writes a generation request in a few microseconds where the standard library takes ~40. Whatever
+    orjson refuses (an integer past 64 bits, a numpy float64, an unusual key type) goes to the standard library,
+    so every body the standard library could write still goes out. The texts may differ in spelling only
+    (orjson writes non-ASCII characters as UTF-8, not ``\\u`` escapes); NaN and infinity, which JSON has no
+    spelling for, go out as ``null`` from orjson and as ``NaN`` from the standard library.
+    """
+    if orjson is not None:
+        try:
+            return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+        except TypeError:  # orjson.JSONEncodeError
+            pass
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
 def float32_texts(values: np.ndarray) -> list[str] | None:
     """The shortest decimal text of each float32 value (reads back as the same float32), or None without orjson.
 

@@ -11,7 +11,7 @@ that raises `ValueError` naming the broken invariant.
 from __future__ import annotations
 
 import math
-import uuid
+import os
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from typing import Any
@@ -91,7 +91,8 @@ class TurnRecord:
 
 
 def _new_rollout_id() -> str:
-    return uuid.uuid4().hex[:16]
+    """16 random hex digits (64 bits, like the first half of a uuid4 without its object: one per rollout)."""
+    return os.urandom(8).hex()
 
 
 @dataclass
@@ -258,11 +259,9 @@ def _top_arrays_look_valid(ids: Any, lps: Any) -> bool:
     log-probabilities."""
     if not (isinstance(ids, np.ndarray) and isinstance(lps, np.ndarray) and ids.ndim == 2 and ids.shape == lps.shape):
         return False
-    real = ids >= 0
-    if not np.array_equal(real, lps != -np.inf):
-        return False
-    values = lps[real]
-    return bool(np.isfinite(values).all() and (values <= _LOGPROB_SLACK).all())
+    # Once the padding is exactly the -inf entries, one comparison over the whole array checks the rest: -inf
+    # padding passes it, and NaN or +inf (not finite) fails it like a positive log-prob does.
+    return bool(((ids >= 0) == (lps != -np.inf)).all() and (lps <= _LOGPROB_SLACK).all())
 
 
 def _ragged_top(ids: Any, lps: Any) -> tuple[list[Any], list[Any]]:

@@ -90,3 +90,41 @@ def test_single_turn_groups_emit_no_fork_metrics():
     assert [name for name, _, _ in events] == ["rollout/samples_per_rollout"]
     with pytest.raises(ValueError, match="num_rollouts"):
         ReconcileStats().metric_events(num_sequences=0, num_rollouts=0)
+
+
+def test_array_top_n_of_a_multi_turn_rollout_matches_the_dict_path():
+    """Turns whose top-N came as arrays (the client's ``TopLogprobs``) give the [L, K] arrays the per-position dicts
+    give as ragged lists, padded with -1 / -inf (prompt and tool-result positions included); candidate sets appear
+    only for the turn that has them, and a top-N block that does not match its turn's tokens is left to validate()."""
+    import numpy as np
+
+    from asyncgrpo.client.top_logprobs import completion_top_arrays
+
+    def arrays(rows):
+        return completion_top_arrays([{f"token_id:{i}": v for i, v in row.items()} for row in rows])
+
+    rows1 = [{4: -0.1, 9: -2.0, 8: -3.0}, {7: -0.5, 5: -0.2}]
+    rows2 = [{6: -0.3, 2: -0.3, 1: -9999.0}]
+    t1 = TurnRecord(
+        prompt_ids=[1, 2, 3], output_ids=[4, 5], output_log_probs=[-0.1, -0.2], output_sampler_logprobs=rows1
+    )
+    t2 = TurnRecord(prompt_ids=[1, 2, 3, 4, 5, 10], output_ids=[6], output_log_probs=[-0.3],
+                    output_sampler_logprobs=rows2, output_sampling_mask=[[6, 2]])  # fmt: skip
+    (ragged,) = _seqs([t1, t2], n_top=2)
+    t1.output_sampler_logprobs, t2.output_sampler_logprobs = arrays(rows1), arrays(rows2)
+    (packed,) = _seqs([t1, t2], n_top=2)
+    assert packed.input_ids == ragged.input_ids == [1, 2, 3, 4, 5, 10, 6]
+    assert ragged.sampler_top_ids == [[], [], [], [4, 9], [5, 7], [], [6, 2]]  # ties in the answer's order
+    padded_ids = [row + [-1] * (2 - len(row)) for row in ragged.sampler_top_ids]
+    padded_lps = [row + [-np.inf] * (2 - len(row)) for row in ragged.sampler_top_logprobs]
+    assert packed.sampler_top_ids.dtype == np.int32 and packed.sampler_top_logprobs.dtype == np.float32
+    assert packed.sampler_top_ids.tolist() == padded_ids
+    assert packed.sampler_top_logprobs.tolist() == np.array(padded_lps, dtype=np.float32).tolist()
+    assert packed.candidate_sets == ragged.candidate_sets == [[], [], [], [], [], [], [6, 2]]
+    packed.advantage = 1.0
+    packed.validate()
+    t2.output_sampler_logprobs = arrays(rows2 + rows2)  # two top-N rows for one token
+    (bad,) = _seqs([t1, t2], n_top=2)
+    bad.advantage = 1.0
+    with pytest.raises(ValueError, match="sampler_top_ids"):
+        bad.validate()

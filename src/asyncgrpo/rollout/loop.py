@@ -497,7 +497,7 @@ class AsyncRolloutLoop:
             fails = [r.tool_failure_count for r in rollouts]
             events += tool_metric_events([r.tool_call_count for r in rollouts], fails, loop_stats)
         for name, value, weight in events:
-            self.channels.metrics.put((name, float(value), float(weight)))
+            self.channels.put_metric(name, value, weight)
         self.channels.put_metric("rollout/score_s", time.perf_counter() - t_score)
         kept: list[Any] = []
         if not dropped:
@@ -516,6 +516,7 @@ class AsyncRolloutLoop:
         self._group_finished.set()
         self.channels.count_queued(len(kept))
         log_texts = self.settings.log_completions
+        self.channels.flush_metrics()  # the group's metrics go out ahead of its samples
         self.channels.samples.put(
             GroupResult(
                 row_index=flat_index,

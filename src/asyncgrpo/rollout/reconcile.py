@@ -26,11 +26,16 @@ _first, _by_logprob = itemgetter(0), itemgetter(1)  # C key functions: this runs
 
 @dataclass
 class _Held:
+    """The sequence being built. Per-token Python objects are made only where the sequence needs them: top-N
+    entries and candidate sets stay as per-turn blocks until :meth:`top_n` / :meth:`candidates` (a 256-token
+    prompt would otherwise cost 256 empty candidate lists and a padding block per sequence)."""
+
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list[tuple[int, Any]] = field(default_factory=list)  # (positions, their top log-probs or None)
-    candidates: list[list[int]] = field(default_factory=list)
+    masks: list[tuple[int, Any]] = field(default_factory=list)  # (positions, their candidate sets or None)
+    trained: bool = False  # any output token trained (context tokens never are)
 
     def add_context(self, ids: list[int]) -> None:
         n = len(ids)
@@ -38,17 +43,27 @@ class _Held:
         self.mask += [0] * n
         self.logprobs += [0.0] * n
         self.tops.append((n, None))
-        self.candidates += [[] for _ in range(n)]
+        self.masks.append((n, None))
 
     def add_output(self, turn: TurnRecord) -> None:
-        """Append a turn's sampled tokens; whole-list comprehensions, no per-token method calls."""
+        """Append a turn's sampled tokens; whole-list operations, no per-token method calls."""
         n = len(turn.output_ids)
         self.ids += turn.output_ids
-        self.mask += list(turn.output_mask) if turn.output_mask is not None else [1] * n
+        mask = list(turn.output_mask) if turn.output_mask is not None else [1] * n
+        self.trained = self.trained or any(mask)
+        self.mask += mask
         self.logprobs += list(turn.output_log_probs) if turn.output_log_probs else [0.0] * n
         self.tops.append((n, turn.output_sampler_logprobs))
-        masks = turn.output_sampling_mask
-        self.candidates += [list(c) if c else [] for c in masks] if masks is not None else [[] for _ in range(n)]
+        self.masks.append((n, turn.output_sampling_mask))
+
+    def candidates(self) -> list[list[int]] | None:
+        """Per position the candidate set (empty: the full vocabulary); None when no position has one."""
+        if all(m is None for _, m in self.masks):
+            return None
+        out: list[list[int]] = []
+        for n, m in self.masks:
+            out += [list(c) if c else [] for c in m] if m is not None else [[] for _ in range(n)]
+        return out if any(out) else None
 
     def top_n(self, top_n: int) -> tuple[Any, Any]:
         """Per position the ``top_n`` best sampler entries, best first (ties in the answer's order).
@@ -57,22 +72,32 @@ class _Held:
         (:class:`TopLogprobs`, what the client parses from ``/v1/completions``): no per-token Python
         objects. Otherwise ragged lists (empty where there are none), from per-position dicts.
         """
-        given = [t for _, t in self.tops if t is not None]
-        if given and all(isinstance(t, TopLogprobs) for t in given):
+        given = [(n, t) for n, t in self.tops if t is not None]
+        if given and all(isinstance(t, TopLogprobs) for _, t in given):
+            if all(len(t) == n for n, t in given):
+                ids = np.full((len(self.ids), top_n), -1, dtype=np.int32)
+                logprobs = np.full((len(self.ids), top_n), -np.inf, dtype=np.float32)
+                start = 0
+                for n, t in self.tops:
+                    if t is not None and n:
+                        ids[start : start + n], logprobs[start : start + n] = t.best(top_n)
+                    start += n
+                return ids, logprobs
+            # A turn whose top-N count differs from its tokens: laid end to end, validate() names the mismatch.
             blocks = [_padding(n, top_n) if t is None else t.best(top_n) for n, t in self.tops]
             return (np.concatenate([b[0] for b in blocks]).astype(np.int32),
                     np.concatenate([b[1] for b in blocks]).astype(np.float32))  # fmt: skip
-        ids: list[list[int]] = []
-        logprobs: list[list[float]] = []
+        ids_rows: list[list[int]] = []
+        logprob_rows: list[list[float]] = []
         for n, t in self.tops:
             if t is None:
-                ids += [[] for _ in range(n)]
-                logprobs += [[] for _ in range(n)]
+                ids_rows += [[] for _ in range(n)]
+                logprob_rows += [[] for _ in range(n)]
                 continue
             bests = [sorted(d.items(), key=_by_logprob, reverse=True)[:top_n] for d in t]
-            ids += [list(map(_first, b)) for b in bests]
-            logprobs += [list(map(_by_logprob, b)) for b in bests]
-        return ids, logprobs
+            ids_rows += [list(map(_first, b)) for b in bests]
+            logprob_rows += [list(map(_by_logprob, b)) for b in bests]
+        return ids_rows, logprob_rows
 
 
 def _padding(n: int, top_n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +157,7 @@ def rollout_to_sequences(
     held = _Held()
 
     def emit() -> None:
-        if any(held.mask):
+        if held.trained:
             top_ids, top_logprobs = held.top_n(num_sampler_logprobs) if num_sampler_logprobs else (None, None)
             out.append(
                 TrainingSequence(
@@ -145,7 +170,7 @@ def rollout_to_sequences(
                     row_index=row_index,
                     sampler_top_ids=top_ids,
                     sampler_top_logprobs=top_logprobs,
-                    candidate_sets=held.candidates if any(held.candidates) else None,
+                    candidate_sets=held.candidates(),
                     rollout_id=rollout.rollout_id,
                 )
             )

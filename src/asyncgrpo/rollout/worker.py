@@ -9,7 +9,7 @@ scripts need the ``if __name__ == "__main__":`` guard.
 Shared state (all created here, never by the child):
 
 * ``samples``: scored training samples, child → trainer.
-* ``metrics``: ``(name, value, weight)`` events, child → trainer.
+* ``metrics``: lists of ``(name, value, weight)`` events, child → trainer (batched: see ``put_metric``).
 * ``policy_version``, ``tokens_per_step``, ``tokens_consumed``: trainer → child.
 * ``heartbeat``: the child's last sign of life (``time.time()``), checked by the trainer.
 * ``errors``: the child's traceback when its loop raises.
@@ -36,6 +36,7 @@ from asyncgrpo.process_exit import exit_without_teardown
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0  # how often the child stamps the heartbeat
+METRIC_FLUSH_INTERVAL_S = 0.05  # how often the child hands its collected metric events to the trainer
 PARENT_CHECK_INTERVAL_S = 0.5  # how often the child re-checks that its trainer still lives
 POLL_INTERVAL_S = 0.2  # how often a blocking trainer wait re-checks the child's health
 START_LOG_INTERVAL_S = 30.0  # X4: a line at least this often while the worker starts
@@ -79,9 +80,38 @@ class WorkerChannels:
             with self.samples_queued.get_lock():
                 self.samples_queued.value += int(delta)
 
+    def __post_init__(self) -> None:
+        self._pending: list[tuple[str, float, float]] = []  # events not yet handed to ``metrics``
+        self._pending_lock = threading.Lock()  # put_metric may run in a reward or tool thread
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawned child starts with no pending events of its own (and a lock cannot pickle).
+        state = dict(self.__dict__)
+        del state["_pending"], state["_pending_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
     def put_metric(self, name: str, value: float, weight: float = 1.0) -> None:
-        """Queue one ``(name, value, weight)`` metric event for the trainer's logging window."""
-        self.metrics.put((name, float(value), float(weight)))
+        """Add one ``(name, value, weight)`` metric event for the trainer's logging window.
+
+        Events collect here and go to the trainer as one list per :meth:`flush_metrics` (the worker flushes after
+        every scored group and every :data:`METRIC_FLUSH_INTERVAL_S`): a queue put per event woke the queue's
+        feeder thread, which pickled each tuple and took the GIL from the event loop, for several events per request.
+        """
+        event = (name, float(value), float(weight))
+        with self._pending_lock:
+            self._pending.append(event)
+
+    def flush_metrics(self) -> None:
+        """Hand the collected metric events to the trainer, in the order they were put, as one queue item."""
+        with self._pending_lock:
+            if not self._pending:
+                return
+            batch, self._pending = self._pending, []
+        self.metrics.put(batch)
 
 
 async def _beat(channels: WorkerChannels) -> None:
@@ -90,12 +120,21 @@ async def _beat(channels: WorkerChannels) -> None:
         await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
+async def _flush_metrics(channels: WorkerChannels) -> None:
+    while True:
+        await asyncio.sleep(METRIC_FLUSH_INTERVAL_S)
+        channels.flush_metrics()
+
+
 async def _run_child(loop_obj: RolloutLoopLike, channels: WorkerChannels) -> None:
     beat = asyncio.create_task(_beat(channels))
+    flush = asyncio.create_task(_flush_metrics(channels))
     try:
         await loop_obj.run(channels)
     finally:
         beat.cancel()
+        flush.cancel()
+        channels.flush_metrics()  # nothing the loop measured is lost when it stops
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -332,12 +371,17 @@ class RolloutWorker:
         return int(self.channels.samples_queued.value)
 
     def drain_metrics(self) -> list[tuple[str, float, float]]:
-        out = []
+        """Every metric event the child has handed over so far, in the order it put them."""
+        out: list[tuple[str, float, float]] = []
         while True:
             try:
-                out.append(self.channels.metrics.get_nowait())
+                item = self.channels.metrics.get_nowait()
             except (queue.Empty, EOFError, OSError):
                 return out
+            if isinstance(item, list):  # a batch (flush_metrics)
+                out += item
+            else:  # a single event, put on the queue directly
+                out.append(item)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.channels.stop.set()

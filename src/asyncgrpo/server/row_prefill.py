@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # token rows of the captured prefill graphs
+ROW_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # token rows of the captured graphs
 MAX_SEQ_TOKENS = 2048  # a longer new part prefills eagerly (FlashAttention: its tiles are larger)
 MAX_COPIES = 64  # prefix-cache block copies one graph step holds (more: eager)
 _META = 4  # columns before the block table in a row: token, position, slot, context length
