@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import re
 import signal
 import subprocess
@@ -36,6 +35,7 @@ import run_trainer
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.trainer import rollout_source
+from tests.helpers.fault_runs import metric_rows, start_run, wait_for
 
 SERVER_FLAGS = ("--max-model-len", "256", "--kv-cache-tokens", "16384")
 
@@ -69,36 +69,11 @@ def _pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(f"waited {timeout:.0f}s for {what}")
-
-
 def _server_counter(base_url: str, name: str) -> float:
     text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
     m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
     assert m is not None, f"{name} missing from /metrics"
     return float(m.group(1))
-
-
-def start_run(tmp_path: Path, server_url: str, model_dir: Path, name: str = "run", **settings) -> subprocess.Popen:
-    """Start ``run_trainer.py`` in its own process; its stdout+stderr go to ``<name>/log.txt``."""
-    where = tmp_path / name
-    where.mkdir(parents=True, exist_ok=True)
-    s = {"server_url": server_url, "model_dir": str(model_dir), "output_dir": str(tmp_path / "out"), **settings}
-    (where / "settings.json").write_text(json.dumps(s))
-    log = open(where / "log.txt", "w")  # noqa: SIM115 - the child writes to it until it ends
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "run_trainer.py"), str(where / "settings.json")],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=tmp_path,
-    )
 
 
 # ---------------------------------------------------------------------------------------------- item 4
@@ -108,14 +83,14 @@ def test_worker_dies_with_a_sigkilled_trainer_and_stops_sending(tmp_path, server
     proc = start_run(tmp_path, server.base_url, tiny_llama_dir, config={"max_steps": 200})
     try:
         pid_file = tmp_path / "run" / "worker.pid"
-        _wait_for(lambda: proc.poll() is not None or pid_file.exists(), 240, "step 1 of the trainer process")
+        wait_for(lambda: proc.poll() is not None or pid_file.exists(), 240, "step 1 of the trainer process")
         assert proc.poll() is None, (tmp_path / "run" / "log.txt").read_text()[-3000:]
         worker_pid = int(pid_file.read_text())
         assert _pid_alive(worker_pid)
         proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         proc.wait(timeout=30)
-        _wait_for(lambda: not _pid_alive(worker_pid), 10, f"the rollout worker (pid {worker_pid}) to exit")
+        wait_for(lambda: not _pid_alive(worker_pid), 10, f"the rollout worker (pid {worker_pid}) to exit")
         gone_after = time.monotonic() - t0
         assert gone_after < 5.0
         # In-flight requests end within a few seconds; after that the server sees no new ones.
@@ -338,11 +313,6 @@ def run_here(
     return err, time.monotonic() - t0, "\n".join(said.lines)
 
 
-def _metric_rows(tmp_path: Path) -> list[dict]:
-    path = tmp_path / "out" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 # ---------------------------------------------------------------------------------------------- item 1
 
 
@@ -352,7 +322,7 @@ def test_sparse_weight_syncs_do_not_stall(tmp_path, server, tiny_llama_dir):
     cfg = {"max_steps": 8, "weight_sync_steps": 4, "max_staleness": 2}
     err, took, log = run_here(tmp_path, server.base_url, tiny_llama_dir, config=cfg)
     assert err is None and took < 420, log[-3000:]
-    rows = [r for r in _metric_rows(tmp_path) if "sample/staleness_max" in r]
+    rows = [r for r in metric_rows(tmp_path) if "sample/staleness_max" in r]
     assert [r["step"] for r in rows][-1] == 8
     assert max(r["sample/staleness_max"] for r in rows) <= 1  # at most one push behind: a sync every 4 steps
 
@@ -397,82 +367,6 @@ def test_iterable_dataset_trains(tmp_path, server, tiny_llama_dir):
 
 
 # ---------------------------------------------------------------------------------------------- item 3 (X3)
-
-
-def _lineage(steps_file: Path) -> dict[int, dict[int, int]]:
-    """Step -> {prompt: samples trained} of the final lineage: a run that resumed at step s discards later steps."""
-    lineage: dict[int, dict[int, int]] = {}
-    for line in steps_file.read_text().splitlines():
-        rec = json.loads(line)
-        if "begin" in rec:
-            lineage = {k: v for k, v in lineage.items() if k <= rec["begin"]}
-        else:
-            lineage[rec["step"]] = {int(k): v for k, v in rec["samples"].items()}
-    return lineage
-
-
-def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, size: int = 64):
-    import random
-
-    rng = random.Random(seed)
-    # max_staleness above the run's length: this test checks what kills and resumes do to the prompt accounting. With
-    # the default (4) this trainer-bound run keeps the queue's tail at the staleness bound, and a group that lands one
-    # update late is dropped by G4 (by design, in an uninterrupted run too); with whole groups in a row (keep_groups)
-    # that drops the prompt, which would read here as a prompt lost to the kill.
-    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1, "max_staleness": 16}
-    settings = {"dataset_size": size, "resume": "auto", "config": cfg}
-    steps_file = tmp_path / "run" / "steps.jsonl"
-    done_kills = 0
-
-    def steps_recorded() -> int:
-        return steps_file.read_text().count('"step"') if steps_file.exists() else 0
-
-    for _attempt in range(kills + 20):
-        before = steps_recorded()
-        proc = start_run(tmp_path, server.base_url, tiny_llama_dir, **settings)
-        try:
-            if done_kills < kills:
-                # Kill at a random moment: after this run trained its first step, 0-1.5 s later.
-                _wait_for(lambda p=proc, b=before: p.poll() is not None or steps_recorded() > b,
-                          300, "a step of the resumed run")  # fmt: skip
-                time.sleep(rng.uniform(0.0, 1.5))
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGKILL)
-                    done_kills += 1
-            proc.wait(timeout=400)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        log = (tmp_path / "run" / "log.txt").read_text()
-        if proc.returncode == 0:
-            break
-        assert proc.returncode == -signal.SIGKILL, log[-3000:]
-    else:
-        pytest.fail("the run never finished its epoch")
-    assert done_kills == kills, f"only {done_kills} kills happened before the epoch ended; use more prompts"
-    lineage = _lineage(steps_file)
-    assert sorted(lineage) == list(range(1, max(lineage) + 1))
-    totals: dict[int, int] = {}
-    for per_prompt in lineage.values():
-        for prompt, count in per_prompt.items():
-            totals[prompt] = totals.get(prompt, 0) + count
-    lost = sorted(set(range(size)) - set(totals))
-    duplicated = sorted(p for p, c in totals.items() if c > 4)  # num_generations = 4 samples per prompt at most
-    assert not lost and not duplicated, (lost, duplicated, totals)
-    steps_logged = [r["step"] for r in _metric_rows(tmp_path) if "train_runtime" not in r]  # not the run summary
-    assert steps_logged == sorted(set(steps_logged)), "metrics.jsonl holds a step twice"
-    return done_kills
-
-
-def test_random_sigkills_lose_and_duplicate_no_prompt(tmp_path, server, tiny_llama_dir):
-    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=5, seed=0) == 5
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_sigkills_lose_and_duplicate_no_prompt_slow(tmp_path, server, tiny_llama_dir, seed):
-    if not os.environ.get("ASYNCGRPO_SLOW_FAULTS"):
-        pytest.skip("12 kills per seed (minutes each): set ASYNCGRPO_SLOW_FAULTS=1")
-    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=12, seed=seed, size=160) == 12
 
 
 # ---------------------------------------------------------------------------------------------- item 6
@@ -598,7 +492,7 @@ def test_every_documented_metric_is_emitted(tmp_path, server, tiny_llama_dir):
     assert len(DOCUMENTED_METRICS) == len(set(DOCUMENTED_METRICS)) == 97
     err, _, log = run_here(tmp_path, server.base_url, tiny_llama_dir, config={"max_steps": 6})
     assert err is None, log
-    rows = [r for r in _metric_rows(tmp_path) if "train_runtime" not in r]
+    rows = [r for r in metric_rows(tmp_path) if "train_runtime" not in r]
     seen = set().union(*rows)
     names = {n.replace("{reward_func_name}", "parity_reward") for n in DOCUMENTED_METRICS if "{tool_name}" not in n}
     expected_absent = {n.replace("{reward_func_name}", "parity_reward") for n in EXPECTED_ABSENT}
