@@ -128,3 +128,21 @@ def test_triton_paged_prefill_matches_reference(tmp_path, dtype, group, block_si
     )
     torch.testing.assert_close(got[real].double(), ref, atol=1e-5, rtol=1e-5)
     assert got[len(real) :].abs().max() == 0
+
+
+CHECKS_CHILD = """
+import torch
+from asyncgrpo.server.attention import check_prefill_kernel, check_triton_decode
+cpu = torch.device("cpu")
+print(check_triton_decode(cpu, torch.float32, 2, 2, 32), check_prefill_kernel(cpu, torch.float32, 2, 2, 32))
+"""
+
+
+def test_start_up_checks_pass_for_working_kernels():
+    """The engine's start-up checks (compile, compare with the torch reference) accept both kernels; under the
+    interpreter on CPU, in fp32."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", CHECKS_CHILD], check=False, env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]

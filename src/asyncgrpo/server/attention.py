@@ -169,6 +169,21 @@ def paged_decode_torch(
     return o.squeeze(2)
 
 
+def _random_qkv(device: torch.device, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, queries: int):
+    """A 9-block cache of 16-token blocks and ``queries`` query rows, seeded: the kernels' start-up checks."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    k = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
+    v = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
+    q = torch.randn(queries, num_kv_heads * group, head_dim, device=device, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _check_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    err = (got.float() - ref).abs().max().item()
+    if not err < (1e-3 if dtype == torch.float32 else 5e-2):
+        raise RuntimeError(f"{what} differs from the torch reference by {err}")
+
+
 def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int) -> bool:
     """Run the Triton kernel once on small random data against :func:`paged_decode_torch`.
 
@@ -180,17 +195,11 @@ def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: 
     try:
         from asyncgrpo.server.decode_kernel import paged_decode
 
-        gen = torch.Generator(device=device).manual_seed(0)
-        k = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
-        v = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
-        q = torch.randn(3, num_kv_heads * group, head_dim, device=device, generator=gen).to(dtype)
+        q, k, v = _random_qkv(device, dtype, num_kv_heads, group, head_dim, 3)
         tables = torch.tensor([[3, 1, 4], [0, 5, 8], [7, 2, 6]], device=device)
         lens = torch.tensor([1, 20, 48], device=device)
-        got = paged_decode(q, k, v, tables, lens, head_dim**-0.5).float()
         ref = paged_decode_torch(q.float(), k.float(), v.float(), tables, lens, 48, head_dim**-0.5)
-        err = (got - ref).abs().max().item()
-        if not err < (1e-3 if dtype == torch.float32 else 5e-2):
-            raise RuntimeError(f"Triton decode kernel differs from the torch reference by {err}")
+        _check_close(paged_decode(q, k, v, tables, lens, head_dim**-0.5), ref, dtype, "Triton decode kernel")
         return True
     except Exception:  # compile errors come in many types; any of them means "do not use it"
         logger.exception("the Triton paged-decode kernel is unusable here; falling back to torch decode without graphs")
@@ -206,20 +215,15 @@ def check_prefill_kernel(
     try:
         from asyncgrpo.server.prefill_kernel import paged_prefill, tile_rows
 
-        gen = torch.Generator(device=device).manual_seed(0)
-        k = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
-        v = torch.randn(9, 16, num_kv_heads, head_dim, device=device, generator=gen).to(dtype)
         bm = tile_rows(group)
         n = 2 * bm + 3  # one sequence over three tiles (the last one partial), then a one-row sequence
-        q = torch.randn(n + 1, num_kv_heads * group, head_dim, device=device, generator=gen).to(dtype)
+        q, k, v = _random_qkv(device, dtype, num_kv_heads, group, head_dim, n + 1)
         tables = torch.tensor([[3, 1, 4, 0, 5, 8, 7, 2, 6]] * n + [[6, 2, 7, 8, 5, 0, 4, 1, 3]], device=device)
         lens = torch.tensor(list(range(20, 20 + n)) + [5], device=device)
         tiles = torch.tensor([[0, bm], [bm, bm], [2 * bm, 3], [n, 1], [0, 0]], device=device)
-        got = paged_prefill(q, k, v, tables, lens, tiles, head_dim**-0.5).float()
         ref = paged_decode_torch(q.float(), k.float(), v.float(), tables, lens, int(lens.max()), head_dim**-0.5)
-        err = (got - ref).abs().max().item()
-        if not err < (1e-3 if dtype == torch.float32 else 5e-2):
-            raise RuntimeError(f"Triton prefill kernel differs from the torch reference by {err}")
+        got = paged_prefill(q, k, v, tables, lens, tiles, head_dim**-0.5)
+        _check_close(got, ref, dtype, "Triton prefill kernel")
         return True
     except Exception:  # compile errors come in many types; any of them means "do not use it"
         logger.exception("the Triton paged-prefill kernel is unusable here; using the decode one")
