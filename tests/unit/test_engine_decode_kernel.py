@@ -33,6 +33,14 @@ def reference_decode(q, k_cache, v_cache, tables, lens):
     return out
 
 
+def _interpret(child: str, tmp_path, inputs: dict) -> torch.Tensor:
+    """Run ``child`` (reads ``in.pt``, writes ``out.pt``) under the Triton interpreter; its output tensor."""
+    torch.save(inputs, tmp_path / "in.pt")
+    subprocess.run([sys.executable, "-c", child, str(tmp_path)], env={**os.environ, "TRITON_INTERPRET": "1"},
+                   check=True, timeout=300)  # fmt: skip
+    return torch.load(tmp_path / "out.pt")
+
+
 CHILD = """
 import sys, torch
 from asyncgrpo.server.decode_kernel import paged_decode
@@ -63,14 +71,7 @@ def test_triton_paged_decode_matches_reference(tmp_path, dtype, group, block_siz
     static = torch.zeros(len(lens), 4 + max_blocks, dtype=torch.int64)
     static[:, 3] = torch.tensor(lens)
     static[:, 4:] = torch.tensor(tables)
-    torch.save({"q": q, "k": k_cache, "v": v_cache, "static": static, "scale": D**-0.5}, tmp_path / "in.pt")
-    subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        check=True,
-        timeout=300,
-    )
-    got = torch.load(tmp_path / "out.pt")
+    got = _interpret(CHILD, tmp_path, {"q": q, "k": k_cache, "v": v_cache, "static": static, "scale": D**-0.5})
     ref = reference_decode(q, k_cache, v_cache, tables, lens)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
@@ -113,15 +114,8 @@ def test_triton_paged_prefill_matches_reference(tmp_path, dtype, group, block_si
             static[r, 4:] = torch.tensor(tables[seq])
     n_a = len(a_pos)
     tiles = torch.tensor([[0, bm], [bm, n_a - bm], [n_a, 3], [0, 0], [0, 0]], dtype=torch.int64)
-    torch.save({"q": q, "k": k_cache, "v": v_cache, "static": static, "tiles": tiles, "scale": D**-0.5},
-               tmp_path / "in.pt")  # fmt: skip
-    subprocess.run(
-        [sys.executable, "-c", PREFILL_CHILD, str(tmp_path)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        check=True,
-        timeout=300,
-    )
-    got = torch.load(tmp_path / "out.pt")
+    inputs = {"q": q, "k": k_cache, "v": v_cache, "static": static, "tiles": tiles, "scale": D**-0.5}
+    got = _interpret(PREFILL_CHILD, tmp_path, inputs)
     real = [r for r, (seq, _) in enumerate(rows) if seq is not None]
     ref = reference_decode(
         q[real], k_cache, v_cache, [tables[rows[r][0]] for r in real], [rows[r][1] + 1 for r in real]
