@@ -95,6 +95,20 @@ def test_row_prefill_takes_only_small_prefills():
     assert not rows.fits([_seq([1], [])] * 101)  # more sequences than logit rows
 
 
+def test_row_prefill_graphs_shrink_at_long_context():
+    """A row carries its sequence's block table: at a long max_model_len the largest row graph is smaller, so one
+    step's host-to-device copy stays within MAX_STAGING_BYTES."""
+    from asyncgrpo.server.row_prefill import _META, MAX_STAGING_BYTES, ROW_BUCKETS, RowPrefill
+
+    model = DecoderLM(tiny_model("qwen3", seed=1), MAX_LEN)
+    kv = KVCache(len(model.layers), 64, BLOCK, model.num_kv_heads, model.head_dim, model.dtype, model.device)
+    for max_blocks in (256, 8192):  # max_model_len 4k and 128k at block size 16
+        rows = RowPrefill(model, kv, max_num_seqs=256, max_blocks=max_blocks, max_rows=ROW_BUCKETS[-1])
+        assert rows.buckets[-1] * 8 * (_META + max_blocks) <= MAX_STAGING_BYTES
+        assert rows._static.numel() * 8 <= MAX_STAGING_BYTES
+    assert RowPrefill(model, kv, 256, 256, ROW_BUCKETS[-1]).buckets[-1] == ROW_BUCKETS[-1]  # 4k: all of them
+
+
 def test_rejects_unsupported_architecture():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 ROW_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # token rows of the captured graphs
 MAX_SEQ_TOKENS = 2048  # a longer new part prefills eagerly (FlashAttention: its tiles are larger)
 MAX_COPIES = 64  # prefix-cache block copies one graph step holds (more: eager)
+MAX_STAGING_BYTES = 8 << 20  # rows of the largest graph (ids, positions, slots, context lengths, block tables)
 _META = 4  # columns before the block table in a row: token, position, slot, context length
 
 
@@ -55,6 +56,9 @@ class RowPrefill:
         self.kv = kv
         self.device = model.device
         self.max_num_seqs = max_num_seqs
+        # Each step copies its rows to the device, block table included: at long max_model_len a row is tens of KB,
+        # so the largest graph is kept to MAX_STAGING_BYTES of rows.
+        max_rows = min(max_rows, max(ROW_BUCKETS[0], MAX_STAGING_BYTES // (8 * (_META + max_blocks))))
         self.buckets = [b for b in ROW_BUCKETS if b <= max_rows] or [max(1, max_rows)]
         rows = self.buckets[-1]
         self._static = torch.zeros(rows, _META + max_blocks, dtype=torch.int64, device=self.device)
