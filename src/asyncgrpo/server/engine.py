@@ -119,6 +119,7 @@ class Engine:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len ({self.max_model_len})")
         m = self._model
         elem = torch.empty((), dtype=self.dtype).element_size()
+        prefill_rows = min(ROW_BUCKETS[-1], budget)  # the largest row-wise prefill graph (row_prefill.py)
         self.num_blocks = plan_num_blocks(
             block_size=block_size,
             bytes_per_token=kv_bytes_per_token(
@@ -133,7 +134,7 @@ class Engine:
                 cfg.hidden_size,
                 getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
                 self.vocab_size,
-                budget + (0 if enforce_eager else min(ROW_BUCKETS[-1], budget)),  # + the prefill graphs' pool
+                budget + (0 if enforce_eager else prefill_rows),  # + the prefill graphs' pool
                 max_num_seqs,
                 elem,
             ),
@@ -156,7 +157,7 @@ class Engine:
             self._runner = GeneralRunner(m, self._kv)
         else:
             self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager,
-                                       max_prefill_rows=min(ROW_BUCKETS[-1], budget))  # fmt: skip
+                                       max_prefill_rows=prefill_rows)  # fmt: skip
         sampler = Sampler(self.device, seed)
         sampler.prepare(self.vocab_size, self.dtype)  # compiles the sampling kernels now, not in the first step
         self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)

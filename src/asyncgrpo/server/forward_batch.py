@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -39,3 +40,16 @@ class ForwardBatch:
     prefill_tiles: torch.Tensor | None = None
     # LoRA: (adapter, token indices [n] int64) per adapter used in this batch; None = base model only.
     lora_groups: list[tuple[object, torch.Tensor]] | None = None
+
+
+def staged_int64(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """A static int64 device buffer (what a CUDA graph reads), its host twin and a numpy view of the twin.
+
+    The host fills the twin through the numpy view (cheap per-row writes) and copies it over with
+    ``non_blocking=True``; on CUDA the twin is pinned so that copy does not wait for the host.
+    """
+    on_device = torch.zeros(shape, dtype=torch.int64, device=device)
+    host = torch.zeros(shape, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return on_device, host, host.numpy()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.attention import check_prefill_kernel
-from asyncgrpo.server.forward_batch import ForwardBatch
+from asyncgrpo.server.forward_batch import ForwardBatch, staged_int64
 from asyncgrpo.server.prefill_kernel import tile_rows
 
 if TYPE_CHECKING:
@@ -61,26 +61,15 @@ class RowPrefill:
         max_rows = min(max_rows, max(ROW_BUCKETS[0], MAX_STAGING_BYTES // (8 * (_META + max_blocks))))
         self.buckets = [b for b in ROW_BUCKETS if b <= max_rows] or [max(1, max_rows)]
         rows = self.buckets[-1]
-        self._static = torch.zeros(rows, _META + max_blocks, dtype=torch.int64, device=self.device)
-        self._staging = torch.zeros(rows, _META + max_blocks, dtype=torch.int64)
+        self._static, self._staging, self._staging_np = staged_int64((rows, _META + max_blocks), self.device)
         # [last row of each sequence..., copy sources..., copy destinations...]
-        self._meta = torch.zeros(max_num_seqs + 2 * MAX_COPIES, dtype=torch.int64, device=self.device)
-        self._meta_staging = torch.zeros_like(self._meta, device="cpu")
-        if self.device.type == "cuda":
-            self._staging = self._staging.pin_memory()
-            self._meta_staging = self._meta_staging.pin_memory()
-        self._staging_np = self._staging.numpy()
-        self._meta_np = self._meta_staging.numpy()
+        self._meta, self._meta_staging, self._meta_np = staged_int64((max_num_seqs + 2 * MAX_COPIES,), self.device)
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
         # query tiles of the tiled prefill kernel: at most rows / BLOCK_M + one partial tile per sequence
         self.tile_rows = tile_rows(model.num_heads // model.num_kv_heads)
         self.tiled = False  # set at capture once the kernel passed its check
         self._tile_count = {b: b // self.tile_rows + min(b, max_num_seqs) for b in self.buckets}
-        self._tiles = torch.zeros(self._tile_count[rows], 2, dtype=torch.int64, device=self.device)
-        self._tiles_staging = torch.zeros_like(self._tiles, device="cpu")
-        if self.device.type == "cuda":
-            self._tiles_staging = self._tiles_staging.pin_memory()
-        self._tiles_np = self._tiles_staging.numpy()
+        self._tiles, self._tiles_staging, self._tiles_np = staged_int64((self._tile_count[rows], 2), self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits_out: torch.Tensor | None = None
         self.enabled = False  # set once the graphs are captured (tests switch it on for the eager CPU path)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server import attention, fused
-from asyncgrpo.server.forward_batch import ForwardBatch
+from asyncgrpo.server.forward_batch import ForwardBatch, staged_int64
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import DecoderLM
 from asyncgrpo.server.row_prefill import ROW_BUCKETS, RowPrefill
@@ -53,11 +53,7 @@ class ModelRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_logits: dict[int, torch.Tensor] = {}
         # static decode inputs, one int64 row per sequence: [token, position, slot, context_len, block table...]
-        self._static = torch.zeros(max_num_seqs, 4 + self.max_blocks, dtype=torch.int64, device=self.device)
-        self._staging = torch.zeros(max_num_seqs, 4 + self.max_blocks, dtype=torch.int64)
-        if self.device.type == "cuda":
-            self._staging = self._staging.pin_memory()
-        self._staging_np = self._staging.numpy()
+        self._static, self._staging, self._staging_np = staged_int64((max_num_seqs, 4 + self.max_blocks), self.device)
         self._row_owner: list[tuple[list[int], int] | None] = [None] * max_num_seqs  # whose table each row holds
         # The H2D copy of the staging rows is asynchronous: the host must not rewrite them until it has run.
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
