@@ -283,10 +283,9 @@ def main() -> int:
             try:
                 for mode in args.in_thread_modes:
                     r = sync_rounds(server.base_url, model, args, mode, "cuda:1")
-                    r["ratio"] = r["median"]["total_s"] / bare
-                    report[f"in_thread_engine_sync_{mode.replace(':', '_')}"] = r
-                    print("engine thread in the HTTP process: " + _summary_line(mode, r), flush=True)
-                    write(args.out, report)
+                    _keep(
+                        report, "in_thread_engine_sync", "engine thread in the HTTP process: ", mode, r, bare, args.out
+                    )
             finally:
                 server.stop()
         server = launch_server(
@@ -295,24 +294,27 @@ def main() -> int:
         try:
             for mode in args.modes:  # one group per mode, formed again on the same server
                 r = sync_rounds(server.base_url, model, args, mode, "cuda:1")
-                r["ratio"] = r["median"]["total_s"] / bare
-                report[f"sync_{mode.replace(':', '_')}"] = r
-                print(_summary_line(mode, r), flush=True)
-                write(args.out, report)  # what is measured survives a later failure
+                _keep(report, "sync", "", mode, r, bare, args.out)
             if args.fsdp2:
                 del model
                 torch.cuda.empty_cache()
                 for mode, r in fsdp2_rounds(server.base_url, shape, args).items():
-                    r["ratio"] = r["median"]["total_s"] / bare
-                    report[f"fsdp2_sync_{mode.replace(':', '_')}"] = r
-                    print("FSDP2 (2 ranks) " + _summary_line(mode, r), flush=True)
-                write(args.out, report)
+                    _keep(report, "fsdp2_sync", "FSDP2 (2 ranks) ", mode, r, bare, args.out)
         finally:
             server.stop()
     report["wall_s"] = time.perf_counter() - start
     write(args.out, report)
     print(f"wrote {args.out}")
     return 0
+
+
+def _keep(report: dict, prefix: str, label: str, mode: str, rounds: dict, bare_s: float, out: Path | None) -> None:
+    """One mode's sync rounds into the report with their ratio to the bare broadcast, printed and written at once
+    (what is measured survives a later failure)."""
+    rounds["ratio"] = rounds["median"]["total_s"] / bare_s
+    report[f"{prefix}_{mode.replace(':', '_')}"] = rounds
+    print(label + _summary_line(mode, rounds), flush=True)
+    write(out, report)
 
 
 def write(path: Path | None, report: dict) -> None:
