@@ -105,7 +105,14 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     parser.set_defaults(debug=debug_default)  # HfArgumentParser expects every field in the namespace
     own = parser.add_argument_group(prog)
     own.add_argument("--config", required=True, help="the run's YAML file (see examples/demo.yaml)")
-    own.add_argument("--resume", nargs="?", const=True, default=None, help="resume from a checkpoint (or the newest)")
+    own.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        help="resume from a checkpoint folder; alone: the newest in output_dir; 'auto': the newest if any, else "
+        "start fresh (for jobs restarted after a crash or preemption)",
+    )
     own.add_argument("--debug", dest="show_traceback", action="store_true", help="show the traceback of user errors")
     own.add_argument("--log-full", action="store_true", help="print transformers' whole metrics dict every window")
     own.add_argument(

@@ -72,7 +72,7 @@ def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, si
         log = (tmp_path / "run" / "log.txt").read_text()
         if proc.returncode == 0:
             break
-        assert proc.returncode == -signal.SIGKILL, log[-3000:]
+        assert proc.returncode == -signal.SIGKILL, log[-3000:] + "\n--- server log ---\n" + server.log_tail()
     else:
         pytest.fail("the run never finished its epoch")
     assert done_kills == kills, f"only {done_kills} kills happened before the epoch ended; use more prompts"

@@ -240,7 +240,9 @@ class EngineLoop:
             self._pending = None  # the step ahead read this step's tokens
             self._fail(batch, exc)
             return
-        self.generation_tokens += sum(1 for s in batch.seqs if not s.finished)
+        live = sum(1 for s in batch.seqs if not s.finished)
+        self.generation_tokens += live
+        self._record_step("prefill" if batch.is_prefill else "decode", start, live)  # before any answer goes out
         done = []
         for seq, token, lp, top, mask in zip(batch.seqs, result.token_ids, result.logprobs, result.top_logprobs,
                                              result.masks):  # fmt: skip
@@ -256,13 +258,18 @@ class EngineLoop:
                 done.append((seq, stop))
         for seq, stop in done:
             self._finish(seq, *stop)
-        kind = "prefill" if batch.is_prefill else "decode"
+
+    def _record_step(self, kind: str, start: float, live: int) -> None:
+        """Count a step and its wall time. Called before the step's answers are handed out, so a client that
+        times its answer's arrival never sees the step end later; a step ahead whose rows all finished while
+        it ran (no live token) leaves the last-step clock alone."""
         self.step_counts[kind] += 1
-        if not batch.is_prefill:
+        if kind == "decode":
             self.scheduler.note_decode_step()
         now = time.perf_counter()
         self.step_seconds[kind] += now - max(start, self._last_step_end)  # steps ahead overlap: count wall time once
-        self.step_last_end_unix[kind] = time.time()
+        if live:
+            self.step_last_end_unix[kind] = time.time()
         self._last_step_end = now
 
     def _look_ahead_seqs(self, batch: Batch, sample: PendingSample) -> list[Sequence] | None:

@@ -136,21 +136,45 @@ def _complete_checkpoints(output_dir: str) -> list[Path]:
 
 
 def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
-    """``True`` means the newest checkpoint in ``output_dir``; a path is checked to exist."""
+    """Which checkpoint a run resumes from.
+
+    ``True``: the newest complete checkpoint in ``output_dir``; ``"auto"``: the same, or a fresh start when there
+    is none (a job that is simply restarted after a crash or preemption); a path is checked to exist. Complete
+    means its ``rollout_state.json`` exists: that file is written last, so a run killed while saving leaves a
+    folder without it, which cannot be resumed.
+    """
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
-    if resume_from_checkpoint is True:
+    if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
+        auto = resume_from_checkpoint == "auto"
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        complete = _complete_checkpoints(output_dir) if last is not None else []
+        if last is None and auto:
+            logger.info("resume_from_checkpoint='auto': %s holds no checkpoint yet, starting from step 0", output_dir)
+            return None
         if last is None:
-            raise ValueError(f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-* folder")
-        complete = _complete_checkpoints(output_dir)
-        if complete and Path(last) != complete[-1]:
+            raise ValueError(
+                f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-* folder; start without it, or "
+                "pass resume_from_checkpoint='auto' (resume when a checkpoint exists, else start fresh)"
+            )
+        if not complete:
+            cut = f"{last} has no {ROLLOUT_STATE_NAME}: the run stopped while saving it, so it cannot be resumed"
+            if auto:
+                logger.warning("%s; no complete checkpoint in %s, starting from step 0", cut, output_dir)
+                return None
+            raise ValueError(
+                f"{cut}, and {output_dir} holds no complete checkpoint. Delete {last} to start fresh, or pass "
+                "resume_from_checkpoint='auto' (--resume auto), which starts fresh in this case"
+            )
+        if Path(last) != complete[-1]:
             logger.warning("%s has no %s (a crash cut its save short): resuming from %s", last,
                            ROLLOUT_STATE_NAME, complete[-1])  # fmt: skip
-            return str(complete[-1])
-        return last
+        return str(complete[-1])
     if not os.path.isdir(resume_from_checkpoint):
-        raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory")
+        raise ValueError(
+            f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory; pass a checkpoint-* folder, "
+            "True (the newest in output_dir) or 'auto'"
+        )
     return str(resume_from_checkpoint)
 
 
@@ -168,12 +192,18 @@ class ResumePoint:
         return frozenset(i for i, outcome in self.settled.items() if outcome != "stale")
 
 
-def prepare_resume(checkpoint_dir: str | None, dataset_len: int | None, output_dir: str) -> ResumePoint:
+def prepare_resume(
+    checkpoint_dir: str | None, dataset_len: int | None, output_dir: str, *, restarted: bool = False
+) -> ResumePoint:
     """Read a checkpoint's rollout state and trim ``metrics.jsonl`` to its step (rank 0; X3).
 
-    The steps after the checkpoint are trained again, so their old lines would appear twice in the file.
+    The steps after the checkpoint are trained again, so their old lines would appear twice in the file. A run
+    ``restarted`` from step 0 (``resume_from_checkpoint="auto"`` found no complete checkpoint) drops them all.
     """
     if not checkpoint_dir:
+        cut = trim_metrics_file(Path(output_dir) / "metrics.jsonl", 0) if restarted else 0
+        if cut:
+            logger.warning("starting again from step 0: %d metrics.jsonl lines of the earlier attempt removed", cut)
         return ResumePoint()
     point = ResumePoint(
         read_rollout_state(checkpoint_dir, dataset_len), read_settled(checkpoint_dir), read_num_tokens(checkpoint_dir)

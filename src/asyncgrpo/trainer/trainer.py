@@ -353,12 +353,18 @@ class AsyncGRPOTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """Train until ``max_steps`` optimizer steps, or ``num_train_epochs`` passes over the prompts (T3).
 
-        ``resume_from_checkpoint`` (a path, or True for the newest checkpoint in ``output_dir``) restores the
-        model, optimizer and scheduler, and restarts generation at the first untrained prompt (T5).
+        ``resume_from_checkpoint`` (a path, True for the newest checkpoint in ``output_dir``, or ``"auto"``: the
+        newest if there is one, else a fresh start) restores the model, optimizer and scheduler, and restarts
+        generation at the first untrained prompt (T5).
         """
         ckpt = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
-        resume = prepare_resume(ckpt, n, self.args.output_dir) if self.is_world_process_zero() else ResumePoint()
+        restarted = resume_from_checkpoint == "auto"
+        resume = (
+            prepare_resume(ckpt, n, self.args.output_dir, restarted=restarted)
+            if self.is_world_process_zero()
+            else ResumePoint()
+        )
         self.step_stats.num_tokens_total = resume.num_tokens
         self._start_rollout(resume)
         try:

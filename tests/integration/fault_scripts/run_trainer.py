@@ -2,7 +2,7 @@
 
     python run_trainer.py SETTINGS.json
 
-SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``resume`` (bool) and ``config``
+SETTINGS: ``server_url``, ``model_dir``, ``output_dir``, ``dataset_size``, ``resume`` (bool or ``"auto"``) and ``config``
 (extra ``AsyncGRPOConfig`` keywords). The scenarios that kill nothing build the same run in the test process with
 ``build(settings, where)`` (the fault-matrix module puts this folder on ``sys.path``, so the spawned rollout
 worker imports the reward functions from ``run_trainer`` by name). It writes, next to the output dir:
@@ -12,7 +12,7 @@ worker imports the reward functions from ``run_trainer`` by name). It writes, ne
   step with the samples it trained per flat prompt index (the independent record the random-kill test checks
   the lineage against).
 
-``resume``: true, false, or ``"auto"`` (resume when ``output_dir`` holds a checkpoint).
+``resume``: true, false, or ``"auto"`` (the library's: resume from the newest complete checkpoint, if any).
 """
 
 from __future__ import annotations
@@ -96,9 +96,7 @@ def main(settings_path: str) -> None:
     s = json.loads(Path(settings_path).read_text())
     trainer = build(s, Path(settings_path).parent)
     resume = s.get("resume", False)
-    if resume == "auto":
-        resume = any(Path(s["output_dir"]).glob("checkpoint-*"))
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.train(resume_from_checkpoint=resume if resume == "auto" else (True if resume else None))
 
 
 if __name__ == "__main__":
