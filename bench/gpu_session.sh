@@ -7,6 +7,9 @@
 #   bash bench/gpu_session.sh model-b fsdp         # issue 12: two-rank FSDP2 run + one-rank run (two H200)
 #   bash bench/gpu_session.sh weightsync           # issue 12 B4: weight sync vs bare NCCL, breakdown, FSDP2 (two H200)
 #   bash bench/gpu_session.sh deltanet             # issue 11: Gated DeltaNet hybrids in the trie (one H200)
+#   bash bench/gpu_session.sh rollout              # issue 10 B5-HTTP: in process / HTTP / worker, both shapes (one H200)
+#   bash bench/gpu_session.sh learning             # issue 10 B6/B8: async vs sync, held-out accuracy (two H200, ~8 min)
+#   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -48,6 +51,16 @@ for stage in "$@"; do
         | tee "$OUT/deltanet_gpu_tests.log" | grep -E "PARITY|passed|failed|Error" | tail -20
       timeout 300 python3 bench/deltanet_packing.py --out "$OUT/deltanet_packing_h200.json" 2>&1 \
         | tee "$OUT/deltanet_packing.log" | grep -v "falling back" | tail -60 ;;
+    rollout)
+      timeout 300 python3 bench/rollout_path.py --repeats 3 --out "$OUT/rollout_path_h200.json" 2>&1 \
+        | tee "$OUT/rollout_path.log" | tail -40 ;;
+    learning)  # the settings of the last two-GPU runs (the data lies in bench/data)
+      timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \
+        --learning-rate 1e-5 --out "$OUT/learning_h200.json" 2>&1 | tee "$OUT/learning.log" \
+        | grep -vE "it/s\]|s/it\]" | tail -40 ;;
+    multiserver)
+      timeout 400 python3 bench/multi_server_sync.py --out "$OUT/multi_server_sync_h200x2.json" 2>&1 \
+        | tee "$OUT/multi_server_sync.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

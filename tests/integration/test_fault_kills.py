@@ -37,15 +37,16 @@ def _lineage(steps_file: Path) -> dict[int, dict[int, int]]:
     return lineage
 
 
-def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, size: int = 64):
+def _kill_and_resume(tmp_path, server, tiny_llama_dir, kills: int, seed: int, size: int = 64, max_staleness: int = 16):
     import random
 
     rng = random.Random(seed)
-    # max_staleness above the run's length: this test checks what kills and resumes do to the prompt accounting. With
+    # max_staleness above the run's length (16 for 64 prompts, 80 for the slow variants' 160, ~40 steps): this test checks what kills and resumes do to the prompt accounting. With
     # the default (4) this trainer-bound run keeps the queue's tail at the staleness bound, and a group that lands one
     # update late is dropped by G4 (by design, in an uninterrupted run too); with whole groups in a row (keep_groups)
     # that drops the prompt, which would read here as a prompt lost to the kill.
-    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1, "max_staleness": 16}
+    cfg = {"max_steps": -1, "num_train_epochs": 1.0, "save_strategy": "steps", "save_steps": 1,
+           "max_staleness": max_staleness}  # fmt: skip
     settings = {"dataset_size": size, "resume": "auto", "config": cfg}
     steps_file = tmp_path / "run" / "steps.jsonl"
     done_kills = 0
@@ -98,4 +99,4 @@ def test_random_sigkills_lose_and_duplicate_no_prompt(tmp_path, server, tiny_lla
 def test_random_sigkills_lose_and_duplicate_no_prompt_slow(tmp_path, server, tiny_llama_dir, seed):
     if not os.environ.get("ASYNCGRPO_SLOW_FAULTS"):
         pytest.skip("12 kills per seed (minutes each): set ASYNCGRPO_SLOW_FAULTS=1")
-    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=12, seed=seed, size=160) == 12
+    assert _kill_and_resume(tmp_path, server, tiny_llama_dir, kills=12, seed=seed, size=160, max_staleness=80) == 12
