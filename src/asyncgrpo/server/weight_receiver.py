@@ -128,6 +128,7 @@ class WeightReceiver:
         if not self._lock.acquire(blocking=False):
             raise ApiError(409, self._busy_message(target))
         self._joining = (target, time.monotonic())
+        logger.info("joining the %s weight-transfer group at %s as rank %d of %d", self.backend, target, offset, world)
         try:
             self._close_group()
             if unique_id is None:

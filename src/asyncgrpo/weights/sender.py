@@ -243,9 +243,9 @@ class WeightSender(RestartRecovery):
             if time.monotonic() > deadline:
                 raise WeightTransferError(f"timed out after {self.timeout_s:.0f}s joining the weight-transfer group")
         if "error" in box:
-            server = ""
-            if fut.done() and fut.exception() is not None:
-                server = f"; the server said: {fut.exception()}"
+            server = "; POST /init_weight_transfer_engine has not returned yet (see the server's log)"
+            if fut.done():
+                server = f"; the server said: {fut.exception()}" if fut.exception() is not None else ""
             raise WeightTransferError(f"joining the weight-transfer group failed: {box['error']}{server}") from box[
                 "error"
             ]
