@@ -12,3 +12,14 @@ from typing import Any
 def even_token_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
     """Fraction of even token ids in each completion (0.0 for an empty one)."""
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def recording_reward(completion_ids: list[list[int]], row: list[int], **kwargs: Any) -> list[float]:
+    """``even_token_reward``, and one JSON line per scored group appended to ``$ASYNCGRPO_TEST_RECORD``: the
+    dataset column ``row`` and the group's completion ids (tests compare them with requests of their own)."""
+    import json
+    import os
+
+    with open(os.environ["ASYNCGRPO_TEST_RECORD"], "a") as fh:
+        fh.write(json.dumps({"row": row[0], "completion_ids": completion_ids}) + "\n")
+    return even_token_reward(completion_ids)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from asyncgrpo.rollout.admission import ConcurrencyCap
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 
@@ -72,3 +74,26 @@ def test_a_cancelled_waiter_passes_its_wake_up_on():
         assert loop._running == 1
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("cap", "group", "most"), [(10, 4, 8), (10, 8, 8), (5, 8, 8), (16, 8, 16)])
+def test_groups_take_their_slots_at_once_and_never_deadlock(cap, group, most):
+    """A group sent as one request takes its G slots together: the cap holds (a group larger than the cap runs
+    alone), and groups that each took part of what they need can never block one another."""
+
+    async def main() -> int:
+        loop = _slots(cap=cap)
+        peak = 0
+
+        async def one_group() -> None:
+            nonlocal peak
+            await loop._acquire_slot(group)
+            peak = max(peak, loop._running)
+            await asyncio.sleep(0)
+            await loop._release_slot(group)
+
+        await asyncio.wait_for(asyncio.gather(*(one_group() for _ in range(60))), timeout=30)
+        assert loop._running == 0
+        return peak
+
+    assert asyncio.run(main()) == most  # whole groups up to the cap (or one group alone when it exceeds the cap)

@@ -73,6 +73,10 @@ class AsyncRolloutLoop:
             rollout gets an instance's public methods as extra tools (A4).
     """
 
+    # A single-turn group goes out as one request for its G completions (see _group_as_one_request); a subclass
+    # sets this False to send G requests instead.
+    group_requests: bool = True
+
     def __init__(
         self,
         settings: RolloutSettings,
@@ -128,8 +132,9 @@ class AsyncRolloutLoop:
             )
             self._tool_stats[rollout.rollout_id] = stats
             return rollout
-        prompt_ids = self.render_prompt(prompt)
-        turn = await self.generate_one_turn(prompt_ids)
+        return self._single_turn_rollout(await self.generate_one_turn(self.render_prompt(prompt)))
+
+    def _single_turn_rollout(self, turn: TurnRecord) -> Rollout:
         text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
         return Rollout(
             completion=[{"role": "assistant", "content": text}], completion_ids=turn.output_ids, turns=[turn]
@@ -137,24 +142,32 @@ class AsyncRolloutLoop:
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the run's sampling settings."""
-        sampling = self.settings.sampling
-        params = sampling.request_params(len(prompt_ids), seed=self._next_seed())
-        t0 = time.perf_counter()
+        params = self.settings.sampling.request_params(len(prompt_ids), seed=self._next_seed())
+        (res,) = await self._sample(prompt_ids, params)
+        self._last_finish[id(asyncio.current_task())] = res.finish_reason
+        return self._turn(prompt_ids, res)
+
+    async def _sample(self, prompt_ids: list[int], params: dict[str, Any]) -> list[Any]:
+        """One request (``params["n"]`` choices, default 1) to this group's server; a 400 becomes an error that
+        says what to change."""
         self.pool.drop_flagged(self.channels.dropped_server_mask())
         try:
-            res = await self._request(prompt_ids, params, self.request_model())
+            results = await self._request(prompt_ids, params, self.request_model())
         except ServerError as e:
             if e.status == 400 and is_length_error(e.message):
                 raise ValueError(
                     f"the generation server rejected a prompt of {len(prompt_ids)} tokens: {e}. Shorten the prompts "
-                    f"or start the server with a larger --max-model-len (now {sampling.max_model_len})"
+                    f"or start the server with a larger --max-model-len (now {self.settings.sampling.max_model_len})"
                 ) from e
             if e.status == 400:
                 raise ValueError(f"the generation server rejected a request (sampling settings {params}): {e}") from e
             raise
-        self._generated_tokens += len(res.token_ids)
-        self._gen_time += time.perf_counter() - t0
-        self._last_finish[id(asyncio.current_task())] = res.finish_reason
+        results = results if isinstance(results, list) else [results]
+        self._generated_tokens += sum(len(r.token_ids) for r in results)
+        return results
+
+    def _turn(self, prompt_ids: list[int], res: Any) -> TurnRecord:
+        sampling = self.settings.sampling
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=res.token_ids,
@@ -170,12 +183,17 @@ class AsyncRolloutLoop:
         return self.settings.request_model(self.channels.policy_version.value if version is None else version)
 
     async def _request(self, prompt_ids: list[int], params: dict[str, Any], model: str) -> Any:
-        """One request to this rollout's server (X5) naming ``model``."""
+        """One request to this rollout's server (X5) naming ``model``: one result, or a list when ``n`` > 1."""
         generate = self.settings.sampling.use_generate_endpoint
+        several = params.get("n", 1) != 1
 
         def call(m: str) -> Any:
-            return self.pool.call(self.server_index, lambda c: (c.generate if generate else c.complete)(
-                prompt_ids, params, model=m))  # fmt: skip
+            def send(c: AsyncServerClient) -> Any:
+                if several:
+                    return (c.generate_n if generate else c.complete_n)(prompt_ids, params, model=m)
+                return (c.generate if generate else c.complete)(prompt_ids, params, model=m)
+
+            return self.pool.call(self.server_index, send)
 
         try:
             return await call(model)
@@ -229,10 +247,13 @@ class AsyncRolloutLoop:
         """The client of this rollout's server (a live one if it died); hooks may call it directly."""
         return self.pool.client(_GROUP_SERVER.get())
 
-    def _next_seed(self) -> int:
-        # Unique per request (G7): data-parallel engines never decode identical text for one prompt.
-        self._seed_counter += 1
-        return (self.settings.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
+    def _next_seed(self, count: int = 1) -> int:
+        """The first of ``count`` consecutive request seeds. Unique per request (G7): data-parallel engines never
+        decode identical text for one prompt; a request for n choices takes n (servers seed choice i with seed+i)."""
+        first = self._seed_counter + 1
+        self._seed_counter += count
+        seed = (self.settings.seed * 1_000_003 + first) % SEED_MODULUS
+        return seed if seed + count <= SEED_MODULUS else 0  # the n seeds stay in range (wraps once in 2**31)
 
     # ------------------------------------------------------------------ the engine of the loop
 
@@ -242,7 +263,6 @@ class AsyncRolloutLoop:
         st = self.settings
         self._seed_counter = 0
         self._generated_tokens = 0
-        self._gen_time = 0.0
         self._failure: BaseException | None = None  # the first exception of a group task
         self._running = 0
         self._last_finish: dict[int, str] = {}
@@ -363,27 +383,30 @@ class AsyncRolloutLoop:
         if not task.cancelled() and task.exception() is not None and self._failure is None:
             self._failure = task.exception()
 
-    async def _acquire_slot(self) -> None:
+    async def _acquire_slot(self, count: int = 1) -> None:
+        """Take ``count`` rollout slots at once (a group sent as one request takes G): taking them one by one,
+        two groups could each hold part of what both need. More than the cap starts only when nothing runs."""
         async with self._slot_freed:
-            while self._running >= self.cap.cap:
+            while self._running and self._running + count > self.cap.cap:
                 try:
                     await self._slot_freed.wait()
                 except asyncio.CancelledError:  # pass on a wake-up this waiter may have taken (it holds the lock)
                     if self._running < self.cap.cap:
                         self._slot_freed.notify(1)
                     raise
-            self._running += 1
+            self._running += count
             if self._running < self.cap.cap:  # room left (the cap grew): pass the wake-up on to the next one
                 self._slot_freed.notify(1)
         self.channels.put_metric("rollout/concurrency", self._running)
 
-    async def _release_slot(self) -> None:
+    async def _release_slot(self, count: int = 1) -> None:
         async with self._slot_freed:
-            self._running -= 1
-            self.cap.on_rollout_completed()
-            # One slot freed, one waiter woken (it wakes the next if the cap grew): notify_all would wake every
-            # queued rollout on each completion, work that grows with concurrency.
-            self._slot_freed.notify(1)
+            self._running -= count
+            for _ in range(count):
+                self.cap.on_rollout_completed()
+            # As many waiters woken as slots freed (each wakes the next if room is left): notify_all would wake
+            # every queued rollout on each completion, work that grows with concurrency.
+            self._slot_freed.notify(count)
 
     async def _one_rollout(
         self, row: dict[str, Any], prompt: list[dict[str, Any]] | None, group_id: int, server: int
@@ -406,6 +429,48 @@ class AsyncRolloutLoop:
         finish = self._last_finish.pop(id(asyncio.current_task()), "stop")
         return rollout, finish, episode
 
+    def _group_as_one_request(self) -> bool:
+        """Whether a group's G rollouts go out as one request with ``n`` = G: single-turn groups (no tools, no
+        environments) whose loop keeps the default ``generate_one`` and ``generate_one_turn`` (an override owns
+        its requests), unless ``group_requests`` is False. The completions are those of G single requests: the
+        server seeds choice i with seed + i (vLLM's parallel sampling; the embedded server too), and the G seeds
+        come off the same counter. One HTTP call, body and answer per group instead of G, and the G requests
+        reach the server together (its prefix cache shares the prompt from the first step)."""
+        cls = type(self)
+        default_hooks = all(
+            getattr(cls, h) is getattr(AsyncRolloutLoop, h) for h in ("generate_one", "generate_one_turn")
+        )
+        single_turn = not self.agents.has_tools  # no tools of its own, no environment's
+        return self.group_requests and default_hooks and single_turn and self.settings.num_generations > 1
+
+    async def _one_request_group(
+        self, row: dict[str, Any], prompt: Any, server: int
+    ) -> list[tuple[Rollout, str, Episode]]:
+        """A group's G single-turn rollouts from one request for G choices (see ``_group_as_one_request``)."""
+        G = self.settings.num_generations
+        try:
+            await self._acquire_slot(G)
+            t0 = time.perf_counter()
+            try:
+                episodes = [await self.agents.start(row, prompt) for _ in range(G)]  # no environment: the prompt
+                prompt_ids = self.render_prompt(episodes[0].prompt)
+                params = self.settings.sampling.request_params(len(prompt_ids), seed=self._next_seed(G))
+                params["n"] = G
+                results = await self._sample(prompt_ids, params)
+            finally:
+                await self._release_slot(G)
+        finally:
+            for _ in range(G):
+                self.pool.finish(server)
+        if len(results) != G:
+            raise RuntimeError(f"the generation server answered {len(results)} choices to a request for n={G}")
+        duration = time.perf_counter() - t0
+        out = []
+        for res, episode in zip(results, episodes):
+            self.channels.put_metric("rollout/duration_s", duration)
+            out.append((self._single_turn_rollout(self._turn(prompt_ids, res)), res.finish_reason, episode))
+        return out
+
     async def _run_group(self, row_index: int, flat_index: int, row: dict[str, Any], epoch: int, group_id: int) -> None:
         prompt = row.get("prompt") if isinstance(row, dict) else None
         env_owns_prompt = self.environment_factory is not None and prompt is None  # reset() returns the prompt
@@ -423,7 +488,10 @@ class AsyncRolloutLoop:
         self.pool.drop_flagged(self.channels.dropped_server_mask())
         server = self.pool.assign(G)  # the G requests meet on one server: its prefix cache shares the prompt
         _GROUP_SERVER.set(server)  # this task's context; gather's tasks copy it
-        results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id, server) for _ in range(G)))
+        if self._group_as_one_request():
+            results = await self._one_request_group(row, prompt, server)
+        else:
+            results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id, server) for _ in range(G)))
         # Finished groups queue for a reward thread; generation never waits on that queue (score_block_s = 0).
         t_done = time.perf_counter()
         self._score_waiting += 1
