@@ -52,7 +52,7 @@ for stage in "$@"; do
       timeout 300 python3 bench/deltanet_packing.py --out "$OUT/deltanet_packing_h200.json" 2>&1 \
         | tee "$OUT/deltanet_packing.log" | grep -v "falling back" | tail -60 ;;
     rollout)
-      timeout 300 python3 bench/rollout_path.py --repeats 3 --out "$OUT/rollout_path_h200.json" 2>&1 \
+      timeout 480 python3 bench/rollout_path.py --repeats 3 --max-seconds 460 --out "$OUT/rollout_path_h200.json" 2>&1 \
         | tee "$OUT/rollout_path.log" | tail -40 ;;
     learning)  # the settings of the last two-GPU runs (the data lies in bench/data)
       timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \

@@ -9,10 +9,14 @@ worker sends them):
    sent at once through the project's client with the worker's request shape (``/v1/completions``,
    token ids in and out, ``logprobs=num_sampler_logprobs``);
 3. ``worker``: the real ``AsyncRolloutLoop`` spawned like the trainer spawns it (``RolloutWorker``),
-   a trivial reward, against the same server.
+   a trivial reward, against the same server, one request per rollout (its ``generate_one`` picks each
+   request's length, as a loop with tools or its own hooks does);
+4. ``worker_group``: the same with the default ``generate_one``, which sends a single-turn group as one
+   request with ``n`` = G; only at shapes whose groups share prompt and length (``grpo_n``).
 
-Two shapes: ``b5`` (256 requests, prompt 128, output 256) and ``grpo`` (64 prompts x G=8, prompts
-128-512 tokens, outputs 8-256). Model: random-init Qwen3-0.6B-shaped bf16, saved once to a temporary
+Three shapes: ``b5`` (256 requests, prompt 128, output 256), ``grpo`` (64 prompts x G=8, prompts
+128-512 tokens, outputs 8-256) and ``grpo_n`` (``grpo`` with one output length per group: one request
+for n choices has one ``max_tokens``). Model: random-init Qwen3-0.6B-shaped bf16, saved once to a temporary
 folder (no tokenizer: token ids in and out). Each variant's time is split into stages: engine prefill
 and decode (engine timers), sampler (in process only, from one extra untimed run: its syncs would slow
 the timed ones), server response build + JSON encode, client JSON parse, worker scoring/queueing (the worker's
@@ -63,8 +67,11 @@ QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads"
 TINY = {**QWEN3_06B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
 # name -> (groups, G, prompt_len range, output_len range, distinct prompts within a group)
-SHAPES = {"b5": (32, 8, (128, 128), (256, 256), True), "grpo": (64, 8, (128, 512), (8, 256), False)}
-TINY_SHAPES = {"b5": (2, 4, (16, 16), (16, 16), True), "grpo": (2, 4, (8, 32), (2, 16), False)}
+SHAPES = {"b5": (32, 8, (128, 128), (256, 256), True), "grpo": (64, 8, (128, 512), (8, 256), False),
+          "grpo_n": (64, 8, (128, 512), (8, 256), False)}  # fmt: skip
+TINY_SHAPES = {"b5": (2, 4, (16, 16), (16, 16), True), "grpo": (2, 4, (8, 32), (2, 16), False),
+               "grpo_n": (2, 4, (8, 32), (2, 16), False)}  # fmt: skip
+GROUP_LENGTH_SHAPES = {"grpo_n"}  # one output length per group: the worker_group variant runs on these
 SERVED_NAME = "bench"
 
 
@@ -75,8 +82,9 @@ class Req:
     group: int
 
 
-def make_workload(shape: tuple, vocab: int, seed: int) -> list[Req]:
-    """Requests of one shape; GRPO groups share their prompt, B5's 'groups' hold distinct prompts."""
+def make_workload(shape: tuple, vocab: int, seed: int, group_length: bool = False) -> list[Req]:
+    """Requests of one shape; GRPO groups share their prompt (and with ``group_length`` their output length),
+    B5's 'groups' hold distinct prompts."""
     groups, g, (p_lo, p_hi), (o_lo, o_hi), distinct = shape
     rng = random.Random(seed)
 
@@ -85,8 +93,9 @@ def make_workload(shape: tuple, vocab: int, seed: int) -> list[Req]:
 
     reqs = []
     for grp in range(groups):
-        shared = prompt()
-        reqs += [Req(prompt() if distinct else shared, rng.randint(o_lo, o_hi), grp) for _ in range(g)]
+        shared, length = prompt(), rng.randint(o_lo, o_hi)
+        reqs += [Req(prompt() if distinct else shared, length if group_length else rng.randint(o_lo, o_hi), grp)
+                 for _ in range(g)]  # fmt: skip
     return reqs
 
 
@@ -351,6 +360,23 @@ class BenchLoop(AsyncRolloutLoop):
         return Rollout(completion=[{"role": "assistant", "content": ""}], completion_ids=turn.output_ids, turns=[turn])
 
 
+class _NoText:
+    """The tokenizer the default loop decodes completions with: the bench has token ids only."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+class BenchGroupLoop(AsyncRolloutLoop):
+    """The real loop with the default ``generate_one`` (a group is one request for G choices); only the prompt's
+    rendering is the bench's: the group's token ids, and its output length for ``FixedLengthSampling``."""
+
+    def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
+        msg = prompt[0]
+        _OUT_LEN.set(msg["out_lens"][0])  # this group's task context; its request's parameters read it
+        return list(msg["ids"][0])
+
+
 def last_token_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
     """Trivial and cheap, but not constant (a constant reward would drop every group as zero-std)."""
     return [float(ids[-1] % 3) if ids else 0.0 for ids in completion_ids]
@@ -362,12 +388,20 @@ def run_worker(base_url: str, opts: argparse.Namespace, workloads: dict[str, lis
             for name, reqs in workloads.items()}  # fmt: skip
 
 
+def run_worker_group(base_url: str, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
+    """As :func:`run_worker` with the default loop (one request per group), at the shapes whose groups share
+    prompt and length."""
+    return {name: _median_row([_worker_run(base_url, opts, name, reqs, group=True) for _ in range(opts.repeats)])
+            for name, reqs in workloads.items() if name in GROUP_LENGTH_SHAPES}  # fmt: skip
+
+
 async def _reset_cache(base_url: str) -> None:
     async with AsyncServerClient(base_url) as client:
         await client.reset_prefix_cache()
 
 
-def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[Req]) -> dict[str, Any]:
+def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[Req], group: bool = False
+                ) -> dict[str, Any]:  # fmt: skip
     from asyncgrpo.rollout.worker import RolloutWorker
 
     g = sum(1 for r in reqs if r.group == 0)
@@ -380,7 +414,10 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
                                num_generations=g, max_staleness=1000, seed=0, max_concurrent_rollouts=len(reqs),
                                initial_tokens_per_step=10**12, num_epochs=1,
                                answer_parse_processes=opts.answer_parse_processes)  # fmt: skip
-    loop = BenchLoop(settings, rows, [last_token_reward], None)
+    if group:
+        loop: AsyncRolloutLoop = BenchGroupLoop(settings, rows, [last_token_reward], _NoText())
+    else:
+        loop = BenchLoop(settings, rows, [last_token_reward], None)
     asyncio.run(_reset_cache(base_url))
     before = asyncio.run(_stages_once(base_url))
     worker = RolloutWorker(loop, heartbeat_timeout=max(_remaining(), 1.0))
@@ -477,13 +514,14 @@ def _ratios(results: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(base, dict):
             continue
         r = {}
-        for v in ("http", "worker"):
+        for v in ("http", "worker", "worker_group"):
             if shape in results.get(v, {}):
                 r[f"{v}_over_in_process"] = results[v][shape]["generated_tok_per_s"] / base["generated_tok_per_s"]
-        if shape in results.get("worker", {}):
-            r["worker_steady_over_in_process"] = (
-                results["worker"][shape]["steady_generated_tok_per_s"] / base["generated_tok_per_s"]
-            )
+        for v in ("worker", "worker_group"):
+            if shape in results.get(v, {}):
+                r[f"{v}_steady_over_in_process"] = (
+                    results[v][shape]["steady_generated_tok_per_s"] / base["generated_tok_per_s"]
+                )
         out[shape] = r
     return out
 
@@ -493,8 +531,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks the script, not speed")
     ap.add_argument("--logprobs", type=int, default=8, help="top-N log-probs per token (num_sampler_logprobs)")
-    ap.add_argument("--shapes", default="b5,grpo", help="comma list of shapes: b5, grpo")
-    ap.add_argument("--variants", default="in_process,http,worker", help="comma list: in_process, http, worker")
+    ap.add_argument("--shapes", default="b5,grpo,grpo_n", help="comma list of shapes: b5, grpo, grpo_n")
+    ap.add_argument("--variants", default="in_process,http,worker,worker_group",
+                    help="comma list: in_process, http, worker, worker_group")  # fmt: skip
     ap.add_argument("--max-seconds", type=float, default=420.0, help="give up (non-zero exit) after this long")
     ap.add_argument(
         "--repeats",
@@ -532,7 +571,8 @@ def main() -> int:
     unknown = [s for s in names if s not in shapes]
     if unknown:
         ap.error(f"unknown shapes {unknown}; choose from {sorted(shapes)}")
-    workloads = {s: make_workload(shapes[s], model_shape["vocab_size"], seed=i) for i, s in enumerate(names)}
+    workloads = {s: make_workload(shapes[s], model_shape["vocab_size"], seed=i, group_length=s in GROUP_LENGTH_SHAPES)
+                 for i, s in enumerate(names)}  # fmt: skip
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16
     opts.max_num_seqs = 256 if not opts.tiny else 64
@@ -556,7 +596,7 @@ def main() -> int:
                 logger.exception("in-process variant failed")
                 failures.append(f"in_process: {type(exc).__name__}: {exc}")
             _free()  # the engine's KV cache and graphs go before the server takes the same GPU
-        if {"http", "worker"} & set(variants):
+        if {"http", "worker", "worker_group"} & set(variants):
             failures += _server_variants(model_dir, opts, workloads, variants, results, Path(tmp))
     results["ratios"] = _ratios(results)
     results["failures"] = failures
@@ -591,7 +631,7 @@ def _server_variants(model_dir: Path, opts: argparse.Namespace, workloads: dict,
         opts.server_kv_cache_tokens = asyncio.run(_server_kv_tokens(server.base_url))  # what the worker's G5 reads
         results["kv_cache_tokens"] = {"in_process": getattr(opts, "in_process_kv_cache_tokens", None),
                                       "server": opts.server_kv_cache_tokens}  # fmt: skip
-        for name, fn in (("http", run_http), ("worker", run_worker)):
+        for name, fn in (("http", run_http), ("worker", run_worker), ("worker_group", run_worker_group)):
             if name not in variants:
                 continue
             try:
@@ -607,12 +647,12 @@ def _report(results: dict[str, Any]) -> None:
     print(f"\nB5-HTTP rollout path, logprobs={results['logprobs']}, {results['machine']['gpu'] or 'CPU (tiny)'}")
     for shape in results["inputs"]:
         print(f"-- {shape}")
-        for v in ("in_process", "http", "worker"):
+        for v in ("in_process", "http", "worker", "worker_group"):
             row = results.get(v, {}).get(shape)
             if row:
                 stages = ", ".join(f"{k}={x:.3f}" for k, x in row["stages"].items() if "steps" not in k)
                 derived = ", ".join(f"{k}={x:.3f}" for k, x in row["derived"].items())
-                print(f"{v:11} {row['generated_tokens']:>8} tok {row['seconds']:>8.2f} s "
+                print(f"{v:12} {row['generated_tokens']:>8} tok {row['seconds']:>8.2f} s "
                       f"{row['generated_tok_per_s']:>10.0f} tok/s   {stages}; {derived}")  # fmt: skip
                 for phase, p in row.get("phases", {}).items():
                     print(f"  {phase:17} {p['seconds']:.3f} s, {p['decode_steps']} decode steps, engine busy "

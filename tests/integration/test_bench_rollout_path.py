@@ -41,12 +41,18 @@ def test_tiny_run_reports_every_variant_and_shape(tmp_path):
         # the answer path's tail: answers are built, parsed (and scored) after the engine's last step
         assert all(r["stages"]["tail_after_last_step_s"] >= 0 for r in rows[1:])
         assert rows[2]["trained_tokens_queued"] > 0  # the worker scored groups and queued training samples
+        group = result["worker_group"].get(shape)  # one request per group: only where groups share prompt and length
+        assert (group is not None) == (shape == "grpo_n")
+        if group is not None:
+            assert group["requests"] == expected_requests and group["generated_tokens"] == rows[0]["generated_tokens"]
+            assert group["trained_tokens_queued"] > 0
         # G5: the worker's first cap is the server's KV tokens / max_model_len, and it never ran more than that
         kv = result["kv_cache_tokens"]["server"]
         assert rows[2]["initial_concurrency_cap"] == min(expected_requests, kv // result["max_model_len"])
         assert 0 < rows[2]["max_concurrency"] <= rows[2]["initial_concurrency_cap"]
+        grouped = {"worker_group_over_in_process", "worker_group_steady_over_in_process"} if group else set()
         assert set(result["ratios"][shape]) == {"http_over_in_process", "worker_over_in_process",
-                                                "worker_steady_over_in_process"}  # fmt: skip
+                                                "worker_steady_over_in_process"} | grouped  # fmt: skip
 
 
 def test_a_variant_that_fails_makes_the_run_fail(tmp_path):
