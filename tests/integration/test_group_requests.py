@@ -2,8 +2,8 @@
 that G single requests with the same seeds give.
 
 A real worker process runs the default ``AsyncRolloutLoop`` against a real server; a reward function records each
-scored group. The reference is the same server answering G single requests with seeds seed+1 .. seed+G of the
-group's block (the server seeds choice i of an n-request with seed + i, as vLLM does).
+scored group. The reference is the same server answering G single requests with the seeds of the group's
+block (the server seeds choice i of an n-request with seed + i, as vLLM does).
 """
 
 from __future__ import annotations
@@ -66,16 +66,20 @@ def test_a_group_is_one_request_with_the_completions_of_single_seeded_requests(s
     assert [x["n"] for x in lines if "n" in x] == [G] * len(ROWS)  # one request per group, for its G choices
     groups = [x for x in lines if "row" in x]
     assert sorted(g["row"] for g in groups) == [0, 1, 2]
+    used = []
     for g in groups:
         ids = g["completion_ids"]
         assert len(ids) == G and len({tuple(c) for c in ids}) == G  # G different completions: G different seeds
         rendered = tok.apply_chat_template(ROWS[g["row"]]["prompt"], add_generation_prompt=True, tokenize=True)
         prompt_ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-        # Each group took one block of G seeds off the counter (seed 0: seeds 1.., block k = kG+1 .. kG+G).
+        # Group k (its place in the run) owns the block of seeds kG+1 .. kG+G (run seed 0).
         blocks = [range(k * G + 1, k * G + G + 1) for k in range(len(ROWS))]
         singles = {b.start: [r.token_ids for r in _single_requests(server.base_url, settings.sampling, prompt_ids, b)]
                    for b in blocks}  # fmt: skip
-        assert ids in singles.values(), f"row {g['row']}: {ids} is no block of single requests: {singles}"
+        match = [start for start, answers in singles.items() if answers == ids]
+        assert len(match) == 1, f"row {g['row']}: {ids} is no block of single requests: {singles}"
+        used += match
+    assert sorted(used) == [k * G + 1 for k in range(len(ROWS))]  # every group its own block
 
 
 class _OwnTurns(AsyncRolloutLoop):

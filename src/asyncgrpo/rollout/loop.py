@@ -247,13 +247,17 @@ class AsyncRolloutLoop:
         """The client of this rollout's server (a live one if it died); hooks may call it directly."""
         return self.pool.client(_GROUP_SERVER.get())
 
-    def _next_seed(self, count: int = 1) -> int:
-        """The first of ``count`` consecutive request seeds. Unique per request (G7): data-parallel engines never
-        decode identical text for one prompt; a request for n choices takes n (servers seed choice i with seed+i)."""
-        first = self._seed_counter + 1
-        self._seed_counter += count
-        seed = (self.settings.seed * 1_000_003 + first) % SEED_MODULUS
-        return seed if seed + count <= SEED_MODULUS else 0  # the n seeds stay in range (wraps once in 2**31)
+    def _next_seed(self) -> int:
+        # Unique per request (G7): data-parallel engines never decode identical text for one prompt.
+        self._seed_counter += 1
+        return (self.settings.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
+
+    def _group_seed(self, group_id: int) -> int:
+        """The seed of a group sent as one request: its G choices get seeds seed .. seed+G-1 (the server adds the
+        choice index), the block ``group_id`` owns. Fixed by the group's place in the run, not by when its request
+        goes out, so a run's samples do not depend on timing; unique per choice over the run (G7)."""
+        G = self.settings.num_generations
+        return (self.settings.seed * 1_000_003 + group_id * G) % (SEED_MODULUS - G) + 1  # seed+G-1 < 2**31 - 1
 
     # ------------------------------------------------------------------ the engine of the loop
 
@@ -433,8 +437,8 @@ class AsyncRolloutLoop:
         """Whether a group's G rollouts go out as one request with ``n`` = G: single-turn groups (no tools, no
         environments) whose loop keeps the default ``generate_one`` and ``generate_one_turn`` (an override owns
         its requests), unless ``group_requests`` is False. The completions are those of G single requests: the
-        server seeds choice i with seed + i (vLLM's parallel sampling; the embedded server too), and the G seeds
-        come off the same counter. One HTTP call, body and answer per group instead of G, and the G requests
+        server seeds choice i with seed + i (vLLM's parallel sampling; the embedded server too), and each group owns
+        a block of G seeds (``_group_seed``). One HTTP call, body and answer per group instead of G, and the G requests
         reach the server together (its prefix cache shares the prompt from the first step)."""
         cls = type(self)
         default_hooks = all(
@@ -444,7 +448,7 @@ class AsyncRolloutLoop:
         return self.group_requests and default_hooks and single_turn and self.settings.num_generations > 1
 
     async def _one_request_group(
-        self, row: dict[str, Any], prompt: Any, server: int
+        self, row: dict[str, Any], prompt: Any, group_id: int, server: int
     ) -> list[tuple[Rollout, str, Episode]]:
         """A group's G single-turn rollouts from one request for G choices (see ``_group_as_one_request``)."""
         G = self.settings.num_generations
@@ -454,7 +458,7 @@ class AsyncRolloutLoop:
             try:
                 episodes = [await self.agents.start(row, prompt) for _ in range(G)]  # no environment: the prompt
                 prompt_ids = self.render_prompt(episodes[0].prompt)
-                params = self.settings.sampling.request_params(len(prompt_ids), seed=self._next_seed(G))
+                params = self.settings.sampling.request_params(len(prompt_ids), seed=self._group_seed(group_id))
                 params["n"] = G
                 results = await self._sample(prompt_ids, params)
             finally:
@@ -489,7 +493,7 @@ class AsyncRolloutLoop:
         server = self.pool.assign(G)  # the G requests meet on one server: its prefix cache shares the prompt
         _GROUP_SERVER.set(server)  # this task's context; gather's tasks copy it
         if self._group_as_one_request():
-            results = await self._one_request_group(row, prompt, server)
+            results = await self._one_request_group(row, prompt, group_id, server)
         else:
             results = await asyncio.gather(*(self._one_rollout(row, prompt, group_id, server) for _ in range(G)))
         # Finished groups queue for a reward thread; generation never waits on that queue (score_block_s = 0).
