@@ -571,7 +571,8 @@ def main() -> int:
     unknown = [s for s in names if s not in shapes]
     if unknown:
         ap.error(f"unknown shapes {unknown}; choose from {sorted(shapes)}")
-    workloads = {s: make_workload(shapes[s], model_shape["vocab_size"], seed=i, group_length=s in GROUP_LENGTH_SHAPES)
+    vocab = model_shape["vocab_size"]
+    workloads = {s: make_workload(shapes[s], vocab, seed=i, group_length=s in GROUP_LENGTH_SHAPES)
                  for i, s in enumerate(names)}  # fmt: skip
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16

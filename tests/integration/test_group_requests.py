@@ -9,6 +9,7 @@ block (the server seeds choice i of an n-request with seed + i, as vLLM does).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -102,3 +103,5 @@ def test_only_default_single_turn_groups_go_as_one_request():
     off = AsyncRolloutLoop(settings, ROWS, [], None)
     off.group_requests = False
     assert not _eligible(off, [])
+    narrow = dataclasses.replace(settings, max_concurrent_rollouts=G - 1)  # G6: a group would run G at once
+    assert not _eligible(AsyncRolloutLoop(narrow, ROWS, [], None), [])

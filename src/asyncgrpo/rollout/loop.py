@@ -436,16 +436,20 @@ class AsyncRolloutLoop:
     def _group_as_one_request(self) -> bool:
         """Whether a group's G rollouts go out as one request with ``n`` = G: single-turn groups (no tools, no
         environments) whose loop keeps the default ``generate_one`` and ``generate_one_turn`` (an override owns
-        its requests), unless ``group_requests`` is False. The completions are those of G single requests: the
-        server seeds choice i with seed + i (vLLM's parallel sampling; the embedded server too), and each group owns
-        a block of G seeds (``_group_seed``). One HTTP call, body and answer per group instead of G, and the G requests
-        reach the server together (its prefix cache shares the prompt from the first step)."""
+        its requests), when ``max_concurrent_rollouts`` holds a group, unless ``group_requests`` is False.
+
+        The completions are those of G single requests: the server seeds choice i with seed + i (vLLM's parallel
+        sampling; the embedded server too), and each group owns a block of G seeds (``_group_seed``). One HTTP
+        call, body and answer per group instead of G, and the G requests reach the server together (its prefix
+        cache shares the prompt from the first step)."""
         cls = type(self)
         default_hooks = all(
             getattr(cls, h) is getattr(AsyncRolloutLoop, h) for h in ("generate_one", "generate_one_turn")
         )
         single_turn = not self.agents.has_tools  # no tools of its own, no environment's
-        return self.group_requests and default_hooks and single_turn and self.settings.num_generations > 1
+        G = self.settings.num_generations
+        fits = G <= self.settings.max_concurrent_rollouts  # G6 bounds running rollouts; a request of G runs G
+        return self.group_requests and default_hooks and single_turn and fits and G > 1
 
     async def _one_request_group(
         self, row: dict[str, Any], prompt: Any, group_id: int, server: int
