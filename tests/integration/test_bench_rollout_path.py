@@ -24,7 +24,8 @@ def _run(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProc
 
 def test_tiny_run_reports_every_variant_and_shape(tmp_path):
     out = tmp_path / "result.json"
-    proc = _run(tmp_path, "--out", str(out), "--max-seconds", "240", timeout=300)
+    # b5 (distinct prompts) and grpo_n (shared prompts, every variant); grpo differs from grpo_n only in lengths
+    proc = _run(tmp_path, "--shapes", "b5,grpo_n", "--out", str(out), "--max-seconds", "240", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["failures"] == [] and result["logprobs"] == 8
