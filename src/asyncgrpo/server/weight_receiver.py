@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 _INIT_KEYS = {"master_address", "master_port", "nccl_unique_id_b64", "rank_offset", "world_size", "packed",
               "packed_buffer_size_bytes", "packed_num_buffers"}  # fmt: skip
 _UPDATE_KEYS = {"names", "dtype_names", "shapes"}
+# How long a new init waits for an abandoned round to let go of the receiver (its collective waits poll every 5 ms).
+ABANDON_WAIT_S = 10.0
 NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
 
 
@@ -78,6 +80,7 @@ class WeightReceiver:
         self._last_metas: list[TensorMeta] | None = None
         self._lock = threading.Lock()  # one init/update at a time
         self._joining: tuple[str, float] | None = None  # (rendezvous target, since) while an init joins
+        self._receiving = False  # the engine thread is inside a round's collectives (read by a new init)
         self._lanes: Lanes | None = None  # chunk buffers and views, kept from round to round
         self._params: dict[str, torch.Tensor] | None = None  # where each weight lands (the engine's own storage)
         # Timelines of the rounds (ASYNCGRPO_WEIGHT_SYNC_PROFILE=1, or POST /weight_sync_profile): read after a round
@@ -126,7 +129,13 @@ class WeightReceiver:
                      "init_info needs master_address and master_port (or nccl_unique_id_b64)")  # fmt: skip
         target = "an NCCL unique id" if unique_id is not None else f"{addr}:{port}"
         if not self._lock.acquire(blocking=False):
-            raise ApiError(409, self._busy_message(target))
+            if self._joining is not None or not self._receiving:
+                raise ApiError(409, self._busy_message(target))
+            # A round is still being received on the old group: its trainer is gone (a trainer forms a new group
+            # only after its old one ended), and the collective may wait on it until the timeout. End it.
+            self._abandon_round()
+            if not self._lock.acquire(timeout=ABANDON_WAIT_S):
+                raise ApiError(409, self._busy_message(target))
         self._joining = (target, time.monotonic())
         logger.info("joining the %s weight-transfer group at %s as rank %d of %d", self.backend, target, offset, world)
         try:
@@ -209,6 +218,13 @@ class WeightReceiver:
         host = self._host = {}
 
         def receive_and_load() -> None:
+            self._receiving = True
+            try:
+                receive_into_engine()
+            finally:
+                self._receiving = False
+
+        def receive_into_engine() -> None:
             host["engine_start_ms"] = (time.perf_counter() - arrived) * 1e3
             landed = copied = 0
             # Tensors that travel alone are received straight into their parameter (no staging copy); the others
@@ -309,9 +325,19 @@ class WeightReceiver:
     async def finish_async(self, version: Any) -> str:
         return self.finish(version)
 
+    def _abandon_round(self) -> None:
+        group = self.group
+        if group is not None and self._receiving:
+            logger.warning("a new /init_weight_transfer_engine arrived while a weight round was still being "
+                           "received: that round's trainer is gone, so the round is abandoned")  # fmt: skip
+            group.abandon("the weight round was abandoned: a new /init_weight_transfer_engine replaced its group")
+
     def _close_group(self) -> None:
         if self.group is not None:
-            self.group.close()
+            if self._receiving:  # the round's collective may wait on a peer that is gone: do not wait with it
+                self._abandon_round()
+            else:
+                self.group.close()
         self.group = None
         self._lanes = self._params = None
         self.active = False

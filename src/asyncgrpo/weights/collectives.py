@@ -147,6 +147,20 @@ class TransferGroup(ABC):
     def close(self) -> None:
         """Drop the communicator."""
 
+    def abandon(self, reason: str) -> None:
+        """Give the group up while a round may still wait on a peer that is gone (another trainer formed a new
+        group): every wait on it raises ``reason`` at its next poll, and the communicator is released without
+        waiting for the stuck collective (gloo does not always notice a killed peer; NCCL never does)."""
+
+        def stop() -> None:
+            raise WeightTransferError(reason)
+
+        self.abort_check = stop
+        self._release_stuck()
+
+    def _release_stuck(self) -> None:
+        self.close()
+
 
 class GlooGroup(TransferGroup):
     """``ProcessGroupGloo`` on a TCPStore; CPU tensors; every collective waits with the group timeout."""
@@ -179,11 +193,16 @@ class GlooGroup(TransferGroup):
         self._wait(self._pg.allreduce([tensor]))
 
     def _wait(self, work: Any) -> None:
-        # gloo runs the collective on its own threads; poll so abort_check can cut the wait short.
-        # The group timeout (given at construction) bounds the work itself.
+        # gloo runs the collective on its own threads; poll so abort_check can cut the wait short. A peer killed
+        # mid-round can leave the work pending with no error, so the group timeout bounds the wait here too.
+        deadline = time.monotonic() + self._timeout.total_seconds()
         delay = 0.0
         while not work.is_completed():
             self._poll_abort()
+            if time.monotonic() > deadline:
+                raise WeightTransferError(
+                    f"a gloo collective did not finish within {self._timeout.total_seconds():.0f}s; a peer is gone"
+                )
             time.sleep(delay)
             delay = min(0.005, delay + 0.0002)
         work.wait(self._timeout)
@@ -191,6 +210,14 @@ class GlooGroup(TransferGroup):
     def close(self) -> None:
         self._pg = None
         self._store = None
+
+    def _release_stuck(self) -> None:
+        # Dropping a process group joins its worker threads, which wait for the pending collective (up to the
+        # group timeout): let a daemon thread hold the last reference instead of the caller.
+        held = [self._pg, self._store]
+        self._pg = self._store = None
+        threading.Thread(target=held.clear, name="asyncgrpo-gloo-release", daemon=True).start()
+        del held
 
 
 # dtypes NCCL moves natively; others travel as their bytes (uint8).
@@ -264,6 +291,12 @@ class NcclGroup(TransferGroup):
         if self._comm is not None:
             self._comm.destroy()
         self._comm = None
+
+    def _release_stuck(self) -> None:
+        # ncclCommDestroy would wait for the stuck broadcast; ncclCommAbort ends it (off the caller's thread).
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            threading.Thread(target=comm.abort, name="asyncgrpo-nccl-abort", daemon=True).start()
 
 
 def make_store(master_address: str, master_port: int, *, rank: int, world_size: int, timeout_s: float) -> Any:

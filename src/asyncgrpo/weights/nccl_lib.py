@@ -61,6 +61,7 @@ def library() -> ctypes.CDLL:
         lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
         lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+        lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
         return lib
     raise NcclError("could not load the NCCL library (is this a CUDA build of torch?): " + "; ".join(errors[-3:]))
 
@@ -117,3 +118,9 @@ class Communicator:
         if self._comm:
             library().ncclCommDestroy(self._comm)
             self._comm = ctypes.c_void_p()
+
+    def abort(self) -> None:
+        """End the communicator with its collectives still in flight (a peer is gone): destroy would wait."""
+        if self._comm:
+            comm, self._comm = self._comm, ctypes.c_void_p()
+            library().ncclCommAbort(comm)
