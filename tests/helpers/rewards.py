@@ -14,12 +14,17 @@ def even_token_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[fl
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def recording_reward(completion_ids: list[list[int]], row: list[int], **kwargs: Any) -> list[float]:
-    """``even_token_reward``, and one JSON line per scored group appended to ``$ASYNCGRPO_TEST_RECORD``: the
-    dataset column ``row`` and the group's completion ids (tests compare them with requests of their own)."""
+def append_record(entry: dict[str, Any]) -> None:
+    """One JSON line appended to ``$ASYNCGRPO_TEST_RECORD`` (the spawned worker inherits the variable)."""
     import json
     import os
 
     with open(os.environ["ASYNCGRPO_TEST_RECORD"], "a") as fh:
-        fh.write(json.dumps({"row": row[0], "completion_ids": completion_ids}) + "\n")
+        fh.write(json.dumps(entry) + "\n")
+
+
+def recording_reward(completion_ids: list[list[int]], row: list[int], **kwargs: Any) -> list[float]:
+    """``even_token_reward``, and one record per scored group: the dataset column ``row`` and the group's
+    completion ids (tests compare them with requests of their own)."""
+    append_record({"row": row[0], "completion_ids": completion_ids})
     return even_token_reward(completion_ids)

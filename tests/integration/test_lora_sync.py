@@ -165,7 +165,7 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
             outside = loop.request_model()  # no group: the current version
             _GROUP_VERSION.set(2)
             asked = loop.request_model()
-            got = await loop._request(PROMPT, GREEDY, asked)
+            (got,) = await loop._request(PROMPT, GREEDY, asked)  # one result: n = 1
             direct = await client.generate(PROMPT, GREEDY, model="t-step-3")
         finally:
             await client.unload_lora_adapter("t-step-3")

@@ -162,7 +162,6 @@ class AsyncRolloutLoop:
             if e.status == 400:
                 raise ValueError(f"the generation server rejected a request (sampling settings {params}): {e}") from e
             raise
-        results = results if isinstance(results, list) else [results]
         self._generated_tokens += sum(len(r.token_ids) for r in results)
         return results
 
@@ -183,17 +182,12 @@ class AsyncRolloutLoop:
         return self.settings.request_model(self.channels.policy_version.value if version is None else version)
 
     async def _request(self, prompt_ids: list[int], params: dict[str, Any], model: str) -> Any:
-        """One request to this rollout's server (X5) naming ``model``: one result, or a list when ``n`` > 1."""
+        """One request to this rollout's server (X5) naming ``model``; its ``n`` results (one unless ``n`` > 1)."""
         generate = self.settings.sampling.use_generate_endpoint
-        several = params.get("n", 1) != 1
 
         def call(m: str) -> Any:
-            def send(c: AsyncServerClient) -> Any:
-                if several:
-                    return (c.generate_n if generate else c.complete_n)(prompt_ids, params, model=m)
-                return (c.generate if generate else c.complete)(prompt_ids, params, model=m)
-
-            return self.pool.call(self.server_index, send)
+            return self.pool.call(self.server_index, lambda c: (c.generate_n if generate else c.complete_n)(
+                prompt_ids, params, model=m))  # fmt: skip
 
         try:
             return await call(model)

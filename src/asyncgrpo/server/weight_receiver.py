@@ -326,8 +326,9 @@ class WeightReceiver:
         return self.finish(version)
 
     def _abandon_round(self) -> None:
+        """End the round the engine thread is receiving (callers saw ``_receiving``): its trainer is gone."""
         group = self.group
-        if group is not None and self._receiving:
+        if group is not None:
             logger.warning("a new /init_weight_transfer_engine arrived while a weight round was still being "
                            "received: that round's trainer is gone, so the round is abandoned")  # fmt: skip
             group.abandon("the weight round was abandoned: a new /init_weight_transfer_engine replaced its group")
