@@ -195,14 +195,19 @@ class GlooGroup(TransferGroup):
     def _wait(self, work: Any) -> None:
         # gloo runs the collective on its own threads; poll so abort_check can cut the wait short. A peer killed
         # mid-round can leave the work pending with no error, so the group timeout bounds the wait here too.
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        start = time.monotonic()
+        deadline, next_log = start + self._timeout.total_seconds(), start + 30.0
         delay = 0.0
         while not work.is_completed():
             self._poll_abort()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise WeightTransferError(
                     f"a gloo collective did not finish within {self._timeout.total_seconds():.0f}s; a peer is gone"
                 )
+            if now > next_log:
+                logger.info("still waiting for a gloo weight-transfer collective (%.0fs so far)", now - start)
+                next_log = now + 30.0
             time.sleep(delay)
             delay = min(0.005, delay + 0.0002)
         work.wait(self._timeout)
