@@ -8,12 +8,20 @@ without top-N log-probs, so the fixed per-step cost (host work, graph launch, sa
     python bench/small_batch_probe.py --out bench/results/small_batch_probe_h200.json
     py-spy record -r 2000 -f raw -o prof.txt -- python bench/small_batch_probe.py --batches 8   # host profile
 CPU smoke (tiny model; checks the script, not speed):  python bench/small_batch_probe.py --tiny
+
+``--http`` runs the same batches through ``asyncgrpo serve`` (engine process, top-N over the wire), once as b
+single requests and once as one request with ``n`` = b, reading the engine's own step clock from
+``/server_info``: the difference to the in-process figure is what the server adds per step.
+``--py-spy DIR`` (with ``--http``) records the engine process and the API process during the batch-8 runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +39,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--http", action="store_true", help="also run the batches through the server over HTTP")
+    ap.add_argument("--py-spy", type=Path, default=None, help="with --http: write py-spy profiles (raw) here")
     a = ap.parse_args()
 
     import torch
@@ -65,7 +75,7 @@ def main() -> int:
                             continue
                         steps = after["decode"]["steps"] - before["decode"]["steps"]
                         dec_s = after["decode"]["seconds"] - before["decode"]["seconds"]
-                        row = {"batch": b, "logprobs": logprobs, "tokens": tokens, "seconds": seconds,
+                        row = {"path": "in_process", "batch": b, "logprobs": logprobs, "tokens": tokens, "seconds": seconds,
                                "decode_steps": steps, "decode_ms_per_step": 1e3 * dec_s / max(steps, 1),
                                "prefill_s": after["prefill"]["seconds"] - before["prefill"]["seconds"],
                                "tok_per_s": tokens / seconds}  # fmt: skip
@@ -73,12 +83,92 @@ def main() -> int:
                         print(json.dumps(row), flush=True)
         finally:
             engine.shutdown()
+        if a.http:
+            results += asyncio.run(_http_rows(a, model_dir, device, out_len))
     doc = {"benchmark": "decode step time against batch size (in process)", "shape": "tiny" if a.tiny else "qwen3-0.6b",
            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "time": time.strftime("%Y-%m-%d %H:%M"),
            "results": results}  # fmt: skip
     if a.out:
         a.out.write_text(json.dumps(doc, indent=1))
     return 0
+
+
+def _prompt(i: int, n: int, prompt_len: int) -> list[int]:
+    return [(7 * i + 3 * j + n) % 1000 + 2 for j in range(prompt_len)]
+
+
+async def _http_rows(a: argparse.Namespace, model_dir: Path, device: str, out_len: int) -> list[dict]:
+    """The batches over HTTP: b single requests, then one request for b choices (the worker's group request)."""
+    from asyncgrpo.client.http_client import AsyncServerClient
+    from asyncgrpo.server.launcher import launch_server
+
+    max_len = a.prompt_len + out_len + 16
+    args = ["--device", device, "--dtype", "float32" if a.tiny else "bfloat16", "--max-model-len", str(max_len),
+            "--max-num-seqs", "256", "--kv-cache-tokens", str(256 * max_len), "--max-logprobs", "20"]  # fmt: skip
+    server = launch_server(model_dir, extra_args=args, timeout=600)
+    rows = []
+    try:
+        async with AsyncServerClient(server.base_url, max_connections=300, timeout=300) as client:
+            engine_pid = (await client.server_info())["asyncgrpo"].get("engine_pid")
+            n = 1000
+            for logprobs in (8, 0):
+                for b in [int(x) for x in a.batches.split(",")]:
+                    for mode in ("requests", "n"):
+                        for rep in range(2):
+                            n += 1
+                            spy = _spy(a, engine_pid, server, b, logprobs, mode, rep)
+                            params = {"max_tokens": out_len, "min_tokens": out_len, "ignore_eos": True,
+                                      "temperature": 1.0, "logprobs": logprobs}  # fmt: skip
+                            await client.reset_prefix_cache()
+                            before = (await client.server_info())["asyncgrpo"]["engine_step_timings"]
+                            t0 = time.perf_counter()
+                            if mode == "n":
+                                got = await client.complete_n(
+                                    _prompt(0, n, a.prompt_len), {**params, "n": b, "seed": 1}
+                                )
+                            else:
+                                got = list(await asyncio.gather(*(client.complete(_prompt(i, n, a.prompt_len),
+                                                                                  {**params, "seed": i})
+                                                                  for i in range(b))))  # fmt: skip
+                            seconds = time.perf_counter() - t0
+                            after = (await client.server_info())["asyncgrpo"]["engine_step_timings"]
+                            for proc in spy:
+                                proc.wait(timeout=120)
+                            if rep == 0:
+                                continue
+                            steps = after["decode"]["steps"] - before["decode"]["steps"]
+                            dec_s = after["decode"]["seconds"] - before["decode"]["seconds"]
+                            tokens = sum(len(r.token_ids) for r in got)
+                            row = {"path": f"http_{mode}", "batch": b, "logprobs": logprobs, "tokens": tokens,
+                                   "seconds": seconds, "decode_steps": steps,
+                                   "decode_ms_per_step": 1e3 * dec_s / max(steps, 1),
+                                   "engine_busy_frac": (dec_s + after["prefill"]["seconds"]
+                                                        - before["prefill"]["seconds"]) / seconds,
+                                   "prefill_s": after["prefill"]["seconds"] - before["prefill"]["seconds"],
+                                   "tok_per_s": tokens / seconds}  # fmt: skip
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def _spy(a: argparse.Namespace, engine_pid: int | None, server, b: int, logprobs: int, mode: str, rep: int) -> list:
+    """py-spy recorders (engine process, API process) for the timed batch-8 runs with log-probs, if asked."""
+    if a.py_spy is None or b != 8 or logprobs == 0 or rep == 0:
+        return []
+    a.py_spy.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for name, pid in (("engine", engine_pid), ("api", server.proc.pid)):
+        if pid is None:
+            continue
+        out = a.py_spy / f"{name}_{mode}.txt"
+        cmd = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "2000", "-d", "2", "-f", "raw",
+               "--nonblocking", "-o", str(out)]  # fmt: skip
+        with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    time.sleep(0.5)  # let the recorders attach
+    return procs
 
 
 if __name__ == "__main__":
