@@ -273,14 +273,26 @@ class RemoteEngine:
             self._send(("stop",))
         except (RuntimeError, OSError):
             pass
-        self._proc.join(timeout=LOG_EVERY_S)
-        if self._proc.is_alive():  # it finishes its step and frees the GPU first; say what we wait for
+        if not self._wait_exit(LOG_EVERY_S):  # it finishes its step and frees the GPU first; say what we wait for
             logger.info("waiting for the engine process (pid %d) to stop", self._proc.pid)
-            self._proc.join(timeout=LOG_EVERY_S)
-        if self._proc.is_alive():
-            logger.warning("the engine process did not stop within %.0f s; killing it", 2 * LOG_EVERY_S)
-            self._proc.kill()
-            self._proc.join(timeout=10)
+            if not self._wait_exit(LOG_EVERY_S):
+                logger.warning("the engine process did not stop within %.0f s; killing it", 2 * LOG_EVERY_S)
+                self._proc.kill()
+                self._proc.join(timeout=10)
+
+    def _wait_exit(self, seconds: float) -> bool:
+        """Whether the engine process exited within ``seconds``. ``join`` alone can return early: the process's
+        sentinel closes with its file descriptors, before the kernel has finished tearing it down (a CUDA
+        context's teardown takes a while), so it is polled until the process is really gone."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            self._proc.join(timeout=max(left, 0.0))
+            if not self._proc.is_alive():
+                return True
+            if left <= 0:
+                return False
+            time.sleep(min(0.05, left))
 
     @property
     def is_alive(self) -> bool:
