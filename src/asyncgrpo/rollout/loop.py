@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 RENDER_CACHE_SIZE = 512  # rendered prompts kept (a group's G rollouts share one)
 ADMISSION_POLL_S = 0.01  # how often a waiting group start re-reads the trainer's counters
+END_POLL_S = 0.05  # how often the wait for the last groups re-reads the trainer's stop event
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
 # The policy version a group started under; its rollouts' tasks inherit it (adapter sync: the adapter they name).
 _GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_version", default=None)
@@ -359,9 +360,15 @@ class AsyncRolloutLoop:
                 raise ValueError(
                     f"filter_prompt rejected every prompt of epoch {epoch}; no batch can reach the trainer"
                 )
-        while tasks and not self.channels.stop.is_set():
+        # The last groups: woken as each one ends (a fixed sleep here held the end-of-data marker up to 50 ms after
+        # the last sample); the timeout only re-reads the trainer's stop event, which has no awaitable.
+        while not self.channels.stop.is_set():
             await self._raise_failed(tasks)
-            await asyncio.sleep(0.05)
+            pending = {t for t in tasks if not t.done()}
+            if not pending:
+                break
+            await asyncio.wait(pending, timeout=END_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0)  # the done-callbacks of groups that just ended record their failures first
         await self._raise_failed(tasks)
         if self.channels.stop.is_set():  # the trainer is done: drop in-flight rollouts quietly
             for t in tasks:

@@ -1,0 +1,80 @@
+"""The end-of-data marker follows the last group at once, and a group that fails at the end still stops the run.
+
+The loop used to poll its last groups every 50 ms, so the marker (which ends a run, and every timed worker run of
+``bench/rollout_path.py``) came up to 50 ms after the last sample. Here the poll interval is raised to 10 s: the
+marker must still come right after the slowest group, so the wait is woken by the group ending, not by a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from asyncgrpo.rollout import loop as loop_module
+from asyncgrpo.rollout.admission import StalenessAdmission
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.messages import GroupResult
+
+
+class _Samples:
+    def __init__(self) -> None:
+        self.items: list[tuple[float, GroupResult]] = []
+
+    def put(self, item: GroupResult) -> None:
+        self.items.append((time.monotonic(), item))
+
+
+class _Channels:
+    def __init__(self) -> None:
+        self.samples = _Samples()
+        self.stop = threading.Event()
+
+
+class _TimedGroups(AsyncRolloutLoop):
+    """Groups that take ``durations[i]`` seconds each and then hand in a marker sample; the last one may fail."""
+
+    def __init__(self, durations: list[float], fail_last: bool = False) -> None:  # no super(): no server here
+        self.durations = durations
+        self.fail_last = fail_last
+        self.dataset = [{"prompt": f"p{i}"} for i in range(len(durations))]
+        self.settings = type("S", (), {"dataset_start_index": 0, "num_epochs": 1, "skip_indices": frozenset()})()
+        self.channels = _Channels()
+        self.admission = StalenessAdmission(max_staleness=1000, initial_tokens_per_step=10**9)
+        self._failure: BaseException | None = None
+        self.ended: list[float] = []
+
+    async def _wait_for_admission(self, tasks: set[asyncio.Task]) -> None:
+        return None
+
+    async def _run_group(self, row_index: int, flat_index: int, row: dict[str, Any], epoch: int, group_id: int
+                         ) -> None:  # fmt: skip
+        await asyncio.sleep(self.durations[group_id])
+        self.ended.append(time.monotonic())
+        if self.fail_last and group_id == len(self.durations) - 1:
+            raise RuntimeError("reward function failed on the last group")
+        self.channels.samples.put(GroupResult(row_index=row_index, epoch=epoch))
+
+
+def test_end_of_data_follows_the_last_group_without_waiting_for_a_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_module, "END_POLL_S", 10.0)
+    loop = _TimedGroups([0.05, 0.3, 0.1])
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(loop._produce(), timeout=20))
+    items = loop.channels.samples.items
+    assert [it.end for _, it in items] == [False, False, False, True]
+    last_group_end = max(loop.ended)
+    marker_at = items[-1][0]
+    assert marker_at - last_group_end < 2.0, f"the end marker came {marker_at - last_group_end:.2f} s late"
+    assert marker_at - t0 < 5.0
+
+
+def test_a_group_failing_last_stops_the_run_instead_of_ending_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_module, "END_POLL_S", 10.0)
+    loop = _TimedGroups([0.02, 0.1], fail_last=True)
+    with pytest.raises(RuntimeError, match="failed on the last group"):
+        asyncio.run(asyncio.wait_for(loop._produce(), timeout=20))
+    assert not any(it.end for _, it in loop.channels.samples.items)  # no end marker after a failure
