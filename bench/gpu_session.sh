@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh deltanet             # issue 11: Gated DeltaNet hybrids in the trie (one H200)
 #   bash bench/gpu_session.sh rollout              # issue 10 B5-HTTP: in process / HTTP / worker, both shapes (one H200)
 #   bash bench/gpu_session.sh learning             # issue 10 B6/B8: async vs sync, held-out accuracy (two H200, ~8 min)
+#   bash bench/gpu_session.sh learning-b6          # issue 10 B6 with heavier training steps (checkpointing on; two H200)
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -57,6 +58,10 @@ for stage in "$@"; do
     learning)  # the settings of the last two-GPU runs (the data lies in bench/data)
       timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \
         --learning-rate 1e-5 --out "$OUT/learning_h200.json" 2>&1 | tee "$OUT/learning.log" \
+        | grep -vE "it/s\]|s/it\]" | tail -40 ;;
+    learning-b6)  # B6 where training weighs about as much as generation: checkpointing on (sync's split is in the JSON)
+      timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \
+        --learning-rate 1e-5 --gradient-checkpointing --out "$OUT/learning_h200_b6.json" 2>&1 | tee "$OUT/learning_b6.log" \
         | grep -vE "it/s\]|s/it\]" | tail -40 ;;
     multiserver)
       timeout 400 python3 bench/multi_server_sync.py --out "$OUT/multi_server_sync_h200x2.json" 2>&1 \

@@ -530,6 +530,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks the script, not speed")
+    ap.add_argument("--full-shapes", action="store_true",
+                    help="with --tiny: the GPU shapes' request counts and lengths (the answer path's CPU cost at size)")
     ap.add_argument("--logprobs", type=int, default=8, help="top-N log-probs per token (num_sampler_logprobs)")
     ap.add_argument("--shapes", default="b5,grpo,grpo_n", help="comma list of shapes: b5, grpo, grpo_n")
     ap.add_argument("--variants", default="in_process,http,worker,worker_group",
@@ -561,7 +563,7 @@ def main() -> int:
     import torch  # here, not at the top: the spawned rollout worker re-imports this file and needs no torch
 
     if opts.tiny:
-        model_shape, shapes, device, dtype = TINY, TINY_SHAPES, "cpu", "float32"
+        model_shape, shapes, device, dtype = TINY, SHAPES if opts.full_shapes else TINY_SHAPES, "cpu", "float32"
     elif not torch.cuda.is_available():
         print("rollout_path needs a CUDA GPU (use --tiny for the CPU smoke run); nothing was measured.")
         return 2
@@ -576,7 +578,7 @@ def main() -> int:
                  for i, s in enumerate(names)}  # fmt: skip
     longest = max(len(r.prompt) + r.out_len for w in workloads.values() for r in w)
     opts.max_model_len = -(-longest // 16) * 16
-    opts.max_num_seqs = 256 if not opts.tiny else 64
+    opts.max_num_seqs = 256 if not opts.tiny or opts.full_shapes else 64
     opts.kv_cache_tokens = opts.kv_cache_tokens or 2 * opts.max_num_seqs * opts.max_model_len
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
