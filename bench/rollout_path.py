@@ -271,8 +271,26 @@ async def _server_stages(client: AsyncServerClient) -> dict[str, Any]:
 
 def _tail_s(after: dict, end_unix: float) -> float:
     """Wall seconds from the engine's last step to ``end_unix`` (the answer path's tail after the GPU work)."""
-    last = max((t.get("last_end_unix", 0.0) for t in after["timings"].values()), default=0.0)
+    last = _last_step_unix(after)
     return end_unix - last if last else float("nan")
+
+
+def _last_step_unix(after: dict) -> float:
+    return max((t.get("last_end_unix", 0.0) for t in after["timings"].values()), default=0.0)
+
+
+def _tail_split(after: dict, end_unix: float) -> dict[str, float]:
+    """The tail after the engine's last step in three parts: until the last answer's outputs reached the API
+    process, building that answer's bytes, and the rest (sending, the client's parse, handing results over)."""
+    last, http = _last_step_unix(after), after["http"]
+    outputs, built = http.get("last_outputs_unix", 0.0), http.get("last_built_unix", 0.0)
+    if not (last and outputs and built):
+        return {}
+    return {
+        "tail_engine_to_api_s": outputs - last,
+        "tail_build_s": built - outputs,
+        "tail_after_build_s": end_unix - built,
+    }
 
 
 def _server_delta(before: dict, after: dict) -> dict[str, float]:
@@ -303,6 +321,7 @@ async def _http_run(base_url: str, opts: argparse.Namespace, reqs: list[Req], pa
         stages = _server_delta(before, after) | {
             "client_parse_s": getattr(client, "parse_seconds", 0.0),
             "tail_after_last_step_s": _tail_s(after, end_unix),
+            **_tail_split(after, end_unix),
         }
     return tokens, seconds, stages
 
@@ -445,7 +464,10 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
     if groups != len(rows):
         raise RuntimeError(f"worker {name}: {groups}/{len(rows)} groups came back")
     stages = (
-        _server_delta(before, after) | _worker_stages(metrics) | {"tail_after_last_step_s": _tail_s(after, end_unix)}
+        _server_delta(before, after)
+        | _worker_stages(metrics)
+        | {"tail_after_last_step_s": _tail_s(after, end_unix)}
+        | _tail_split(after, end_unix)
     )
     row = _row(reqs, tokens, seconds, stages)
     first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
@@ -530,8 +552,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks the script, not speed")
-    ap.add_argument("--full-shapes", action="store_true",
-                    help="with --tiny: the GPU shapes' request counts and lengths (the answer path's CPU cost at size)")
+    ap.add_argument(
+        "--full-shapes",
+        action="store_true",
+        help="with --tiny: the GPU shapes' request counts and lengths (the answer path's CPU cost at size)",
+    )
     ap.add_argument("--logprobs", type=int, default=8, help="top-N log-probs per token (num_sampler_logprobs)")
     ap.add_argument("--shapes", default="b5,grpo,grpo_n", help="comma list of shapes: b5, grpo, grpo_n")
     ap.add_argument("--variants", default="in_process,http,worker,worker_group",

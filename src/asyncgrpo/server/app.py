@@ -93,7 +93,7 @@ class ServerState:
             engine, config.weight_transfer_backend, config.weight_transfer_timeout_s
         )
         # Diagnostics (bench/rollout_path.py): generation answers sent and seconds spent building + encoding them.
-        self.http_stats = {"responses": 0, "response_build_s": 0.0}
+        self.http_stats = {"responses": 0, "response_build_s": 0.0, "last_outputs_unix": 0.0, "last_built_unix": 0.0}
         self.answers = AnswerEncoder(config.answer_workers)
 
     def encode(self, text: str) -> list[int]:
@@ -203,10 +203,15 @@ async def completions(request: web.Request) -> web.Response:
 
 async def _timed_json(state: ServerState, build: Awaitable[bytes]) -> web.Response:
     """A JSON answer whose build and encoding time is counted in ``state.http_stats`` (bench diagnostics)."""
-    t0 = time.perf_counter()
+    t0, ready_unix = time.perf_counter(), time.time()
     body = await build
-    state.http_stats["responses"] += 1
-    state.http_stats["response_build_s"] += time.perf_counter() - t0
+    stats = state.http_stats
+    stats["responses"] += 1
+    stats["response_build_s"] += time.perf_counter() - t0
+    # wall clock of the latest answer's outputs reaching this process and of its bytes being ready: a benchmark
+    # splits the tail after the engine's last step into engine -> API process, building, and the rest
+    stats["last_outputs_unix"] = max(stats["last_outputs_unix"], ready_unix)
+    stats["last_built_unix"] = max(stats["last_built_unix"], time.time())
     return web.Response(body=body, content_type="application/json")
 
 
