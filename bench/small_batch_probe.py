@@ -73,12 +73,7 @@ def main() -> int:
                         after = engine.step_timings()
                         if rep == 0:
                             continue
-                        steps = after["decode"]["steps"] - before["decode"]["steps"]
-                        dec_s = after["decode"]["seconds"] - before["decode"]["seconds"]
-                        row = {"path": "in_process", "batch": b, "logprobs": logprobs, "tokens": tokens, "seconds": seconds,
-                               "decode_steps": steps, "decode_ms_per_step": 1e3 * dec_s / max(steps, 1),
-                               "prefill_s": after["prefill"]["seconds"] - before["prefill"]["seconds"],
-                               "tok_per_s": tokens / seconds}  # fmt: skip
+                        row = _row("in_process", b, logprobs, tokens, seconds, before, after)
                         results.append(row)
                         print(json.dumps(row), flush=True)
         finally:
@@ -91,6 +86,16 @@ def main() -> int:
     if a.out:
         a.out.write_text(json.dumps(doc, indent=1))
     return 0
+
+
+def _row(path: str, b: int, logprobs: int, tokens: int, seconds: float, before: dict, after: dict) -> dict:
+    """One timed run from the engine's step clock before and after it."""
+    steps = after["decode"]["steps"] - before["decode"]["steps"]
+    dec_s = after["decode"]["seconds"] - before["decode"]["seconds"]
+    pre_s = after["prefill"]["seconds"] - before["prefill"]["seconds"]
+    return {"path": path, "batch": b, "logprobs": logprobs, "tokens": tokens, "seconds": seconds,
+            "decode_steps": steps, "decode_ms_per_step": 1e3 * dec_s / max(steps, 1), "prefill_s": pre_s,
+            "engine_busy_frac": (dec_s + pre_s) / seconds, "tok_per_s": tokens / seconds}  # fmt: skip
 
 
 def _prompt(i: int, n: int, prompt_len: int) -> list[int]:
@@ -136,16 +141,8 @@ async def _http_rows(a: argparse.Namespace, model_dir: Path, device: str, out_le
                                 proc.wait(timeout=120)
                             if rep == 0:
                                 continue
-                            steps = after["decode"]["steps"] - before["decode"]["steps"]
-                            dec_s = after["decode"]["seconds"] - before["decode"]["seconds"]
                             tokens = sum(len(r.token_ids) for r in got)
-                            row = {"path": f"http_{mode}", "batch": b, "logprobs": logprobs, "tokens": tokens,
-                                   "seconds": seconds, "decode_steps": steps,
-                                   "decode_ms_per_step": 1e3 * dec_s / max(steps, 1),
-                                   "engine_busy_frac": (dec_s + after["prefill"]["seconds"]
-                                                        - before["prefill"]["seconds"]) / seconds,
-                                   "prefill_s": after["prefill"]["seconds"] - before["prefill"]["seconds"],
-                                   "tok_per_s": tokens / seconds}  # fmt: skip
+                            row = _row(f"http_{mode}", b, logprobs, tokens, seconds, before, after)
                             rows.append(row)
                             print(json.dumps(row), flush=True)
     finally:
