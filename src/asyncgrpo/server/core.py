@@ -244,13 +244,20 @@ class EngineLoop:
         self.generation_tokens += live
         self._record_step("prefill" if batch.is_prefill else "decode", start, live)  # before any answer goes out
         done = []
-        for seq, token, lp, top, mask in zip(batch.seqs, result.token_ids, result.logprobs, result.top_logprobs,
-                                             result.masks):  # fmt: skip
+        top_ids, top_values, spans = result.top_ids, result.top_values, result.top_spans
+        for row, (seq, token, lp, mask) in enumerate(zip(batch.seqs, result.token_ids, result.logprobs, result.masks)):
             if seq.finished:  # finished (or aborted) while this step was in flight: its token is dropped
                 continue
             seq.append(token, lp, version)
-            if seq.top_logprobs is not None:
-                seq.top_logprobs.append(top or [])
+            if seq.top_counts is not None:
+                span = spans[row]
+                if span is None:
+                    seq.top_counts.append(0)
+                else:
+                    a, k = span
+                    seq.top_ids.extend(top_ids[a : a + k])  # type: ignore[union-attr]
+                    seq.top_values.extend(top_values[a : a + k])  # type: ignore[union-attr]
+                    seq.top_counts.append(k)
             if seq.sampling_mask is not None:
                 seq.sampling_mask.append(mask or [])
             stop = self._stop_reason(seq, token)

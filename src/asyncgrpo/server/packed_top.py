@@ -75,3 +75,17 @@ def packed_output(out: RequestOutput) -> RequestOutput:
     if top is None or isinstance(top, PackedTop) or sum(map(len, top)) < PACK_MIN_ENTRIES:
         return out
     return dataclasses.replace(out, top_logprobs=PackedTop.pack(out.top_logprobs))
+
+
+def engine_top(ids: list[int], values: list[float], counts: list[int]) -> PackedTop | list[list[tuple[int, float]]]:
+    """A finished sequence's top-N from the engine's flat lists (``counts`` entries per position): packed arrays, or
+    per-position pair lists below ``PACK_MIN_ENTRIES`` entries, the form :func:`packed_output` would leave them in."""
+    if len(ids) < PACK_MIN_ENTRIES:
+        rows, start = [], 0
+        for k in counts:
+            rows.append(list(zip(ids[start : start + k], values[start : start + k])))
+            start += k
+        return rows
+    return PackedTop(
+        np.array(ids, dtype=np.int64), np.array(values, dtype=np.float64), np.array(counts, dtype=np.int64)
+    )

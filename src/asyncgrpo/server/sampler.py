@@ -61,12 +61,27 @@ class SamplerRow:
 
 @dataclass
 class SampleResult:
-    """Per row: the sampled id, its processed log-prob, top-N and the sampling mask (None unless asked)."""
+    """Per row: the sampled id, its processed log-prob, top-N and the sampling mask (None unless asked).
+
+    Top-N stay flat: row i's entries are ``top_ids[a:a + k]`` / ``top_values[a:a + k]`` for ``top_spans[i] == (a, k)``
+    (None: the row did not ask). Ints and floats are not tracked by the garbage collector; an (id, log-prob) tuple
+    per entry was, about 2,000 new ones per step at batch 256, and the collections they set off cost the engine
+    thread ~0.8 ms per step (CPU probe; 0.2 ms for the flat lists).
+    """
 
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]] | None]
+    top_ids: list[int]
+    top_values: list[float]
+    top_spans: list[tuple[int, int] | None]
     masks: list[list[int] | None]
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]] | None]:
+        """Per row ``[(id, log-prob), ...]`` best first, None when not asked (the pairs view, off the step loop)."""
+        ids, values = self.top_ids, self.top_values
+        return [None if s is None else list(zip(ids[s[0] : s[0] + s[1]], values[s[0] : s[0] + s[1]]))
+                for s in self.top_spans]  # fmt: skip
 
 
 class PendingSample:
@@ -95,17 +110,19 @@ class PendingSample:
         params, asked, n = self._params, self._asked, self._n
         B = len(params)
         m = (B if self._all_rows else len(asked)) * n
-        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
+        spans: list[tuple[int, int] | None] = [(0, 0) if p.logprobs is not None else None for p in params]
+        top_ids: list[int] = []
+        top_values: list[float] = []
         if asked:
-            # ids convert to Python ints in one C pass and the (id, log-prob) pairs come from one zip: no Python
-            # frame per entry (this runs on the engine thread every step, batch x top-N entries)
-            pairs = list(zip(host[2 * B : 2 * B + m].to(torch.int64).tolist(), host[2 * B + m :].tolist()))
+            # two C passes to Python ints and floats; each row reads its slice of them (see SampleResult)
+            top_ids = host[2 * B : 2 * B + m].to(torch.int64).tolist()
+            top_values = host[2 * B + m :].tolist()
             for j, i in enumerate(asked):
                 slot = i if self._all_rows else j
-                top[i] = pairs[slot * n : slot * n + params[i].logprobs]
+                spans[i] = (slot * n, params[i].logprobs)
         self._done = SampleResult(
-            token_ids=host[:B].to(torch.int64).tolist(), logprobs=host[B : 2 * B].tolist(), top_logprobs=top,
-            masks=[None] * B,
+            token_ids=host[:B].to(torch.int64).tolist(), logprobs=host[B : 2 * B].tolist(), top_ids=top_ids,
+            top_values=top_values, top_spans=spans, masks=[None] * B,
         )  # fmt: skip
         return self._done
 
@@ -293,10 +310,13 @@ class Sampler:
         chosen_lp = x.gather(1, choice[:, None]).squeeze(1) - lse.squeeze(1)
         packed = torch.stack([choice.double(), chosen_lp.double()]).cpu()  # one device->host sync
         token_ids = [int(t) for t in packed[0].tolist()]
+        top_ids, top_values, top_spans = self._top_n(x, lse, params)
         return SampleResult(
             token_ids=token_ids,
             logprobs=packed[1].tolist(),
-            top_logprobs=self._top_n(x, lse, params),
+            top_ids=top_ids,
+            top_values=top_values,
+            top_spans=top_spans,
             masks=self._masks(x, params),
         )
 
@@ -372,12 +392,12 @@ class Sampler:
 
     def _top_n(
         self, x: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams]
-    ) -> list[list[tuple[int, float]] | None]:
-        out: list[list[tuple[int, float]] | None] = [None] * len(params)
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        for i in asked:
-            out[i] = []
-        asked = [i for i in asked if params[i].logprobs > 0]
+    ) -> tuple[list[int], list[float], list[tuple[int, int] | None]]:
+        """Flat top-N ids and log-probs and each row's span of them (see :class:`SampleResult`)."""
+        spans: list[tuple[int, int] | None] = [(0, 0) if p.logprobs is not None else None for p in params]
+        top_ids: list[int] = []
+        top_values: list[float] = []
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs > 0]
         for chunk in _chunks(asked):
             n = min(max(params[i].logprobs for i in chunk), x.shape[1])
             idx = torch.tensor(chunk, device=self.device)
@@ -385,9 +405,11 @@ class Sampler:
             vals = vals - lse.index_select(0, idx)
             vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
             for j, i in enumerate(chunk):
-                k = params[i].logprobs
-                out[i] = list(zip(ids[j][:k], vals[j][:k]))
-        return out
+                k = min(params[i].logprobs, n)
+                spans[i] = (len(top_ids), k)
+                top_ids.extend(ids[j][:k])
+                top_values.extend(vals[j][:k])
+        return top_ids, top_values, spans
 
     def _masks(self, x: torch.Tensor, params: list[SamplingParams]) -> list[list[int] | None]:
         out: list[list[int] | None] = [None] * len(params)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncgrpo.server.kv_cache import KVCache
+from asyncgrpo.server.packed_top import engine_top
 from asyncgrpo.server.request import Request, RequestOutput, WeightVersionSpan
 
 _arrival = itertools.count()
@@ -54,7 +55,10 @@ class Sequence:
     copy_src: int | None = None  # prefill only: cached block whose K/V is copied into the last-token block
     block_table: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # top-N per generated token, flat (see sampler.SampleResult): ``top_counts[i]`` entries for token i
+    top_ids: list[int] | None = None
+    top_values: list[float] | None = None
+    top_counts: list[int] | None = None
     sampling_mask: list[list[int]] | None = None
     spans: list[WeightVersionSpan] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
@@ -67,7 +71,7 @@ class Sequence:
         self.prompt_len = len(self.token_ids)
         params = self.request.params
         if params.logprobs is not None:
-            self.top_logprobs = []
+            self.top_ids, self.top_values, self.top_counts = [], [], []
         if params.return_sampling_mask:
             self.sampling_mask = []
 
@@ -104,7 +108,9 @@ class Sequence:
             logprobs=list(self.logprobs),
             finish_reason=finish_reason,  # type: ignore[arg-type]
             stop_reason=stop_reason,
-            top_logprobs=self.top_logprobs,
+            top_logprobs=None
+            if self.top_counts is None
+            else engine_top(self.top_ids, self.top_values, self.top_counts),
             sampling_mask=self.sampling_mask,
             weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in self.spans],
             error=error,
