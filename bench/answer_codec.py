@@ -7,8 +7,9 @@ answers of the B5 shape (``--requests`` answers of ``--tokens`` tokens, top-``--
 float32 values as the engine computes them, the sampled token in its top-N half of the time) and prints
 microseconds per generated token:
 
+- ``engine_finish``: the engine turning a finished sequence's flat top-N into the arrays it hands over;
 - ``pipe_send`` / ``pipe_recv``: an output's trip from the engine process to the API process (``--engine-process``,
-  auto on CUDA): the engine side's packing + pickle, the API side's unpickle (later stages start from its result);
+  auto on CUDA): the engine side's pickle (and packing, for pair lists), the API side's unpickle (later stages start from its result);
 - ``pool_send``: what the server's event loop pays to hand an answer to a helper process (``--answer-workers``:
   packing and pickling the engine's outputs); ``pool_helper``: the helper's unpickle + build + encode;
 - ``build``: ``completion_response`` (``/v1/completions``, the worker's endpoint) or ``generate_response``;
@@ -23,6 +24,7 @@ microseconds per generated token:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pickle
 import platform
@@ -51,6 +53,10 @@ try:
     from asyncgrpo.server.packed_top import packed_output
 except ImportError:  # before the packed hand-off
     packed_output = None  # type: ignore[assignment]
+try:
+    from asyncgrpo.server.packed_top import engine_top
+except ImportError:  # before the engine kept top-N flat (it handed over pair lists)
+    engine_top = None  # type: ignore[assignment]
 try:
     from asyncgrpo import json_codec
 
@@ -107,6 +113,14 @@ def measure(endpoint: str, outs: list[RequestOutput], k: int, repeats: int) -> d
 
         parse_choice = client_results.parse_generate_choice
 
+    # The engine hands a finished output over with its top-N as it keeps them: flat lists packed at finish now
+    # (engine_top, on the engine thread), pair lists before
+    t_finish = 0.0
+    if engine_top is not None:
+        flat = [([i for row in o.top_logprobs for i, _ in row], [v for row in o.top_logprobs for _, v in row],
+                 [len(row) for row in o.top_logprobs]) for o in outs]  # fmt: skip
+        t_finish, tops = _timed(lambda: [engine_top(*f) for f in flat], repeats)
+        outs = [dataclasses.replace(o, top_logprobs=t) for o, t in zip(outs, tops)]
     # --engine-process (auto on CUDA): each finished output crosses a pipe to the API process first
     ship = packed_output if packed_output is not None else (lambda o: o)
     t_pipe_send, piped = _timed(lambda: [pickle.dumps(("finish", ship(o)), protocol=5) for o in outs], repeats)
@@ -143,6 +157,7 @@ def measure(endpoint: str, outs: list[RequestOutput], k: int, repeats: int) -> d
     n = sum(len(o.token_ids) for o in outs)
     us = 1e6 / n
     return {
+        "engine_finish_us_per_token": t_finish * us,
         "pipe_send_us_per_token": t_pipe_send * us,
         "pipe_recv_us_per_token": t_pipe_recv * us,
         "pool_send_us_per_token": t_send * us,
