@@ -1,10 +1,10 @@
 """A sequence's top-N log-probs as three flat arrays, for the trips between processes and the answer build.
 
-The engine hands each finished sequence's top-N over as one ``[(id, log-prob), ...]`` list per position.
-Pickled as such (engine process -> API process, API process -> answer helper), every pair is a tuple, an int
-and a float to write and to read back: ~3 us per token to unpickle before any JSON is written. Three arrays
-(ids, log-probs, entries per position) pickle as bytes, and the completions writer (``wire_json.py``) works on
-them directly.
+The engine keeps each sequence's top-N flat while it generates (ids, log-probs, a count per token: no object per
+entry) and hands a finished one over as :class:`PackedTop` arrays (:func:`engine_top`). Pickled as per-position
+``[(id, log-prob), ...]`` lists, every pair was a tuple, an int and a float to write and to read back: ~3 us per
+token to unpickle before any JSON is written. Three arrays (ids, log-probs, entries per position) pickle as
+bytes, and the completions writer (``wire_json.py``) works on them directly. Short answers stay pair lists.
 """
 
 from __future__ import annotations
