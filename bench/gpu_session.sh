@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh model-b fsdp         # issue 12: two-rank FSDP2 run + one-rank run (two H200)
 #   bash bench/gpu_session.sh weightsync           # issue 12 B4: weight sync vs bare NCCL, breakdown, FSDP2 (two H200)
 #   bash bench/gpu_session.sh deltanet             # issue 11: Gated DeltaNet hybrids in the trie (one H200)
+#   bash bench/gpu_session.sh enginegc             # GC pauses inside the engine at B5's shape (one H200, ~1 min)
 #   bash bench/gpu_session.sh rollout              # issue 10 B5-HTTP: in process / HTTP / worker, both shapes (one H200)
 #   bash bench/gpu_session.sh learning             # issue 10 B6/B8: async vs sync, held-out accuracy (two H200, ~8 min)
 #   bash bench/gpu_session.sh learning-b6          # issue 10 B6 with heavier training steps (checkpointing on; two H200)
@@ -29,6 +30,8 @@ for stage in "$@"; do
         ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|PARITY|round|MiB|Error|error" | tail -40 ;;
     generation)
       timeout 260 python3 bench/generation.py --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" | tail -25 ;;
+    enginegc)  # GC pauses in the engine at B5's shape (the flat top-N change: CPU showed 6-7 full collections -> 0)
+      timeout 200 python3 bench/engine_gc.py --out "$OUT/engine_gc_h200.json" 2>&1 | tee "$OUT/engine_gc.log" | tail -6 ;;
     packing)
       timeout 340 python3 bench/tree_packing.py --max-seconds 300 --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/tree_packing.log" | tail -30 ;;
