@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.*
-from bench.engine_run import submit_and_wait
+from bench.engine_run import submit_and_wait, synthetic_prompt
 from bench.rollout_path import QWEN3_06B, TINY, build_model_dir
 
 
@@ -69,7 +69,7 @@ def main() -> int:
         engine.start()
         try:
             for rep in range(a.repeats + 1):  # the first run warms up
-                reqs = [Request(f"r{rep}-{i}", [(7 * i + 3 * j + rep) % 1000 + 2 for j in range(128)],
+                reqs = [Request(f"r{rep}-{i}", synthetic_prompt(i, rep, 128),
                                 SamplingParams(max_tokens=256, min_tokens=256, ignore_eos=True, temperature=1.0,
                                                logprobs=a.logprobs, seed=i))
                         for i in range(256)]  # fmt: skip

@@ -32,3 +32,9 @@ def submit_and_wait(engine: Any, requests: list[Any], tag: str, timeout: float) 
     if errors:
         raise RuntimeError(f"engine run {tag}: {errors[0]}")
     return sum(len(o.token_ids) for o in outs), seconds
+
+
+def synthetic_prompt(i: int, n: int, length: int) -> list[int]:
+    """Token ids of request ``i`` in run ``n``: distinct across requests and runs (no prefix-cache hits), no
+    tokenizer needed."""
+    return [(7 * i + 3 * j + n) % 1000 + 2 for j in range(length)]

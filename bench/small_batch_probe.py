@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.*
-from bench.engine_run import submit_and_wait
+from bench.engine_run import submit_and_wait, synthetic_prompt
 from bench.rollout_path import QWEN3_06B, TINY, build_model_dir
 
 
@@ -62,7 +62,7 @@ def main() -> int:
             for logprobs in (8, 0):
                 for b in [int(x) for x in a.batches.split(",")]:
                     for rep in range(2):  # the first run of a size compiles what it needs
-                        reqs = [Request(f"r{n}-{i}", [(7 * i + 3 * j + n) % 1000 + 2 for j in range(a.prompt_len)],
+                        reqs = [Request(f"r{n}-{i}", synthetic_prompt(i, n, a.prompt_len),
                                         SamplingParams(max_tokens=out_len, min_tokens=out_len, ignore_eos=True,
                                                        temperature=1.0, logprobs=logprobs, seed=i))
                                 for i in range(b)]  # fmt: skip
@@ -98,10 +98,6 @@ def _row(path: str, b: int, logprobs: int, tokens: int, seconds: float, before: 
             "engine_busy_frac": (dec_s + pre_s) / seconds, "tok_per_s": tokens / seconds}  # fmt: skip
 
 
-def _prompt(i: int, n: int, prompt_len: int) -> list[int]:
-    return [(7 * i + 3 * j + n) % 1000 + 2 for j in range(prompt_len)]
-
-
 async def _http_rows(a: argparse.Namespace, model_dir: Path, device: str, out_len: int) -> list[dict]:
     """The batches over HTTP: b single requests, then one request for b choices (the worker's group request)."""
     from asyncgrpo.client.http_client import AsyncServerClient
@@ -129,10 +125,10 @@ async def _http_rows(a: argparse.Namespace, model_dir: Path, device: str, out_le
                             t0 = time.perf_counter()
                             if mode == "n":
                                 got = await client.complete_n(
-                                    _prompt(0, n, a.prompt_len), {**params, "n": b, "seed": 1}
+                                    synthetic_prompt(0, n, a.prompt_len), {**params, "n": b, "seed": 1}
                                 )
                             else:
-                                got = list(await asyncio.gather(*(client.complete(_prompt(i, n, a.prompt_len),
+                                got = list(await asyncio.gather(*(client.complete(synthetic_prompt(i, n, a.prompt_len),
                                                                                   {**params, "seed": i})
                                                                   for i in range(b))))  # fmt: skip
                             seconds = time.perf_counter() - t0
