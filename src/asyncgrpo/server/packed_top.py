@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any
 
 import numpy as np
@@ -43,9 +43,7 @@ class PackedTop(Sequence[list[tuple[int, float]]]):
         return len(self.counts)
 
     def _rows(self) -> list[list[tuple[int, float]]]:
-        pairs = list(zip(self.ids.tolist(), self.values.tolist()))
-        ends = np.cumsum(self.counts).tolist()
-        return [pairs[e - k : e] for e, k in zip(ends, self.counts.tolist())]
+        return _pair_rows(self.ids.tolist(), self.values.tolist(), self.counts.tolist())
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
@@ -81,11 +79,14 @@ def engine_top(ids: list[int], values: list[float], counts: list[int]) -> Packed
     """A finished sequence's top-N from the engine's flat lists (``counts`` entries per position): packed arrays, or
     per-position pair lists below ``PACK_MIN_ENTRIES`` entries, the form :func:`packed_output` would leave them in."""
     if len(ids) < PACK_MIN_ENTRIES:
-        rows, start = [], 0
-        for k in counts:
-            rows.append(list(zip(ids[start : start + k], values[start : start + k])))
-            start += k
-        return rows
+        return _pair_rows(ids, values, counts)
     return PackedTop(
         np.array(ids, dtype=np.int64), np.array(values, dtype=np.float64), np.array(counts, dtype=np.int64)
     )
+
+
+def _pair_rows(ids: list[int], values: list[float], counts: list[int]) -> list[list[tuple[int, float]]]:
+    """Per position ``[(id, log-prob), ...]``: ``counts[i]`` consecutive entries of the flat lists for position i."""
+    pairs = list(zip(ids, values))
+    ends = list(accumulate(counts))
+    return [pairs[e - k : e] for e, k in zip(ends, counts)]
