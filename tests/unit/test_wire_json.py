@@ -230,7 +230,7 @@ def test_answers_built_in_a_helper_process_equal_the_inline_ones():
         try:
             a = [await inline.completion(completion, outs, decode), await inline.generate(generate, outs)]
             b = [await pooled.completion(completion, outs, decode), await pooled.generate(generate, outs)]
-            assert pooled._pool is not None  # it really went to a helper
+            assert pooled.helper_pids()  # it really went to a helper
         finally:
             pooled.close()
         return a, b
@@ -241,6 +241,52 @@ def test_answers_built_in_a_helper_process_equal_the_inline_ones():
         dx.pop("created"), dy.pop("created")
         assert dx == dy
     assert json.loads(pooled[0])["choices"][0]["text"] == decode(outs[0].token_ids)
+
+
+def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
+    """A helper SIGKILLed between answers: the next answer still comes (inline, or from a new helper) with the
+    same content, a new helper serves the one after; a job that fails in a helper is retried inline."""
+    import operator
+    import os
+    import signal
+
+    from asyncgrpo.server.answer_pool import AnswerEncoder
+
+    rng = random.Random(6)
+    outs = [_output(rng, 64, 8)]
+    parsed = ParsedRequest("g", "m", None, [1, 2, 3], [], 8)
+
+    async def main() -> tuple[list[bytes], list[int], list[int]]:
+        enc = AnswerEncoder(1, min_numbers=0)
+        try:
+            first = await enc.generate(parsed, outs)
+            before = enc.helper_pids()
+            os.kill(before[0], signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while os.path.exists(f"/proc/{before[0]}") and time.monotonic() < deadline:
+                try:
+                    with open(f"/proc/{before[0]}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            break
+                except FileNotFoundError:
+                    break
+                await asyncio.sleep(0.05)
+            second = await enc.generate(parsed, outs)
+            third = await enc.generate(parsed, outs)
+            after = enc.helper_pids()
+            with pytest.raises(ZeroDivisionError):  # failed in the helper, then inline: the caller sees the error
+                await enc._submit(operator.truediv, 1, 0)
+            assert enc.helper_pids() == after  # a failed job does not cost the helper
+        finally:
+            enc.close()
+        return [first, second, third], before, after
+
+    answers, before, after = asyncio.run(main())
+    docs = [json.loads(a) for a in answers]
+    for d in docs:
+        d.pop("created")
+    assert docs[0] == docs[1] == docs[2]
+    assert after and after != before
 
 
 def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
@@ -261,7 +307,7 @@ def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
         "    out = RequestOutput('r', [1], [5], [-0.5], 'length', None, [[(5, -0.5)]])\n"
         "    for _ in range(4):\n"
         "        await enc.generate(ParsedRequest('g', 'm', None, [1], [], 1), [out])\n"
-        "    print(*enc._pool._processes, flush=True)\n"
+        "    print(*enc.helper_pids(), flush=True)\n"
         "    await asyncio.sleep(120)\n"
         "if __name__ == '__main__':\n"
         "    asyncio.run(main())\n"

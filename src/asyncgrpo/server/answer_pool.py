@@ -6,6 +6,13 @@ token of pure interpreter work, and every millisecond of it is a millisecond the
 cannot run its step. With ``answer_workers > 0`` the handler only pickles the engine's outputs
 (lists of numbers: a fraction of the formatting cost) and a spawned helper builds the bytes.
 
+The helpers are plain processes on a duplex pipe each, driven from the event loop itself: the
+handler writes the job, and the loop reads the answer when the pipe turns readable. A
+``ProcessPoolExecutor`` adds two threads to the server process (one pickles the jobs, one reads
+the results and wakes the loop through a pipe of its own); when 256 answers finish together, the
+hand-offs between those threads, the pipe reader and the loop were a large share of the time the
+server process took per answer, which is the time the last answer waits.
+
 Small answers stay inline (a round trip to a helper costs more than it saves), and so do answers
 that need the tokenizer for per-token strings (completions without ``return_tokens_as_token_ids``).
 """
@@ -14,13 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
+import queue
+import socket
+import struct
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from asyncgrpo.server.http_protocol import (
@@ -36,6 +47,8 @@ from asyncgrpo.server.request import RequestOutput
 logger = logging.getLogger(__name__)
 
 MIN_OFFLOAD_NUMBERS = 2048  # answers with fewer log-prob numbers are built inline
+LOG_EVERY_S = 30.0  # a job a live helper keeps this long gets a line
+READ_CHUNK = 1 << 20  # bytes the loop takes from a helper's socket per read
 
 
 class _Texts:
@@ -81,24 +94,85 @@ def _numbers(parsed: ParsedRequest, outputs: list[RequestOutput]) -> int:
     return sum(len(o.token_ids) for o in outputs) * (parsed.logprobs + 2)
 
 
+class HelperFailed(RuntimeError):
+    """A helper process died or failed a job; the caller builds that answer inline."""
+
+
+_FRAME = struct.Struct("<QBQ")  # job id; 1 = an answer / 0 = an error message; length of what follows
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("the server closed the helper's socket")
+        got += k
+    return bytes(buf)
+
+
+def _helper_main(sock: socket.socket) -> None:
+    """A helper process: a thread drains the socket into a queue (so the server's writes never wait on a build in
+    progress), the main thread builds each job and writes its frame back."""
+    _exit_with_parent()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def drain() -> None:
+        try:
+            while True:
+                job, _, n = _FRAME.unpack(_read_exact(sock, _FRAME.size))
+                inbox.put((job, _read_exact(sock, n)))
+        except (EOFError, OSError):
+            inbox.put(None)
+
+    threading.Thread(target=drain, name="answer-jobs", daemon=True).start()
+    while (item := inbox.get()) is not None:
+        job, msg = item
+        try:
+            fn, args = pickle.loads(msg)
+            ok, body = 1, fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - reported to the server, which builds the answer inline
+            ok, body = 0, f"{type(exc).__name__}: {exc}".encode()
+        try:
+            sock.sendall(_FRAME.pack(job, ok, len(body)) + body)
+        except OSError:
+            return
+
+
+class _Helper:
+    """One helper process and the server's end of its socket: jobs not yet written out, bytes not yet framed,
+    jobs not yet answered. The server's end never blocks: the loop writes what the socket takes and reads what
+    it has."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.sock, child = socket.socketpair()
+        self.proc = ctx.Process(target=_helper_main, args=(child,), name="asyncgrpo-answer", daemon=True)
+        self.proc.start()
+        child.close()
+        self.sock.setblocking(False)
+        self.fd = self.sock.fileno()
+        self.out = bytearray()  # frames the socket did not take yet (the loop writes them when it can)
+        self.inbuf = bytearray()  # bytes read, not yet cut into frames
+        self.rbuf = bytearray(READ_CHUNK)
+        self.rview = memoryview(self.rbuf)
+        self.jobs: dict[int, asyncio.Future] = {}
+
+
 class AnswerEncoder:
-    """Encodes generation answers inline (``workers=0``) or in a pool of ``workers`` spawned processes."""
+    """Encodes generation answers inline (``workers=0``) or in ``workers`` spawned helper processes."""
 
     def __init__(self, workers: int, min_numbers: int = MIN_OFFLOAD_NUMBERS) -> None:
         if workers < 0:
             raise ValueError(f"answer workers must be >= 0, got {workers}")
         self.workers = workers
         self.min_numbers = min_numbers
-        self._pool: ProcessPoolExecutor | None = None
+        self._helpers: list[_Helper] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
 
-    def _get_pool(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            # spawn, never fork: the server process holds CUDA state and engine threads
-            self._pool = ProcessPoolExecutor(
-                self.workers, mp_context=mp.get_context("spawn"), initializer=_exit_with_parent
-            )
-            logger.info("answer encoding in %d helper processes", self.workers)
-        return self._pool
+    def helper_pids(self) -> list[int]:
+        return [h.proc.pid for h in self._helpers]
 
     async def generate(self, parsed: ParsedRequest, outputs: list[RequestOutput]) -> bytes:
         if not self.workers or _numbers(parsed, outputs) < self.min_numbers:
@@ -116,14 +190,129 @@ class AnswerEncoder:
         return await self._submit(_encode_completion, light, packed_outputs(outputs), texts)
 
     async def _submit(self, fn: Callable[..., bytes], *args: Any) -> bytes:
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._get_pool(), fn, *args)
-        except BrokenProcessPool as exc:  # a helper died (e.g. killed): answer inline, start a new pool next time
-            logger.warning("answer helper process failed (%s); encoding this answer inline", exc)
-            self._pool = None
+            helper = self._pick(loop)
+            job = next(self._ids)
+            fut = loop.create_future()
+            helper.jobs[job] = fut
+            msg = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+            self._write(helper, _FRAME.pack(job, 1, len(msg)) + msg)
+            return await self._answer(loop, fut, helper)
+        except HelperFailed as exc:  # a helper died or failed: answer inline, start a new helper next time
+            logger.warning("answer helper failed (%s); encoding this answer inline", exc)
             return fn(*args)
 
+    async def _answer(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, helper: _Helper) -> bytes:
+        """The job's bytes; a line every 30 s while a live helper keeps it (a build takes milliseconds)."""
+        t0 = time.monotonic()
+
+        def tick() -> None:
+            nonlocal handle
+            logger.info(
+                "still waiting for answer helper pid %d (%.0f s so far)", helper.proc.pid, time.monotonic() - t0
+            )
+            handle = loop.call_later(LOG_EVERY_S, tick)
+
+        handle = loop.call_later(LOG_EVERY_S, tick)
+        try:
+            return await fut
+        finally:
+            handle.cancel()
+
+    def _pick(self, loop: asyncio.AbstractEventLoop) -> _Helper:
+        """The helper with the fewest jobs in hand; helpers start on first use, bound to this loop."""
+        if self._loop is not loop:
+            self.close()
+            self._loop = loop
+        if len(self._helpers) < self.workers:
+            ctx = mp.get_context("spawn")  # spawn, never fork: the server process holds CUDA state and threads
+            while len(self._helpers) < self.workers:
+                helper = _Helper(ctx)
+                loop.add_reader(helper.fd, self._on_readable, helper)
+                self._helpers.append(helper)
+            logger.info("answer encoding in %d helper processes", self.workers)
+        return min(self._helpers, key=lambda h: len(h.jobs))
+
+    def _write(self, helper: _Helper, frame: bytes) -> None:
+        if not helper.out:
+            try:
+                sent = helper.sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self._drop(helper, f"writing to pid {helper.proc.pid} failed ({exc})")
+            if sent == len(frame):
+                return
+            frame = frame[sent:]
+            self._loop.add_writer(helper.fd, self._on_writable, helper)  # type: ignore[union-attr]
+        helper.out += frame
+
+    def _on_writable(self, helper: _Helper) -> None:
+        try:
+            sent = helper.sock.send(helper.out)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop(helper, f"writing to pid {helper.proc.pid} failed ({exc})", raise_=False)
+            return
+        del helper.out[:sent]
+        if not helper.out:
+            self._loop.remove_writer(helper.fd)  # type: ignore[union-attr]
+
+    def _on_readable(self, helper: _Helper) -> None:
+        try:
+            got = helper.sock.recv_into(helper.rbuf)  # into a buffer kept for it: no megabyte allocated per read
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            got, why = 0, str(exc)
+        else:
+            why = "its socket closed"
+        if not got:
+            self._drop(helper, f"pid {helper.proc.pid} exited ({why})", raise_=False)
+            return
+        buf = helper.inbuf
+        buf += helper.rview[:got]
+        at = 0
+        while len(buf) - at >= _FRAME.size:
+            job, ok, n = _FRAME.unpack_from(buf, at)
+            if len(buf) - at - _FRAME.size < n:
+                break
+            body = bytes(buf[at + _FRAME.size : at + _FRAME.size + n])
+            at += _FRAME.size + n
+            fut = helper.jobs.pop(job, None)
+            if fut is None or fut.done():
+                continue
+            if ok:
+                fut.set_result(body)
+            else:
+                fut.set_exception(HelperFailed(body.decode(errors="replace")))
+        del buf[:at]
+
+    def _drop(self, helper: _Helper, why: str, raise_: bool = True) -> None:
+        """Forget a failed helper: its jobs fail (their callers build inline) and a new one starts on next use."""
+        if helper in self._helpers:
+            self._helpers.remove(helper)
+            self._close_helper(helper)
+        for fut in helper.jobs.values():
+            if not fut.done():
+                fut.set_exception(HelperFailed(why))
+        helper.jobs.clear()
+        if raise_:
+            raise HelperFailed(why)
+
+    def _close_helper(self, helper: _Helper) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(helper.fd)
+            self._loop.remove_writer(helper.fd)
+        helper.sock.close()  # the helper's reader sees EOF and it exits
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for helper in self._helpers:
+            self._close_helper(helper)
+            for fut in helper.jobs.values():
+                if not fut.done():
+                    fut.cancel()
+        self._helpers = []
+        self._loop = None
