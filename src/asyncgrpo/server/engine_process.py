@@ -24,6 +24,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,12 @@ from asyncgrpo.server.request import Request, RequestOutput, validate_request
 logger = logging.getLogger(__name__)
 
 LOG_EVERY_S = 30.0  # a wait longer than this prints what it waits for
+# The engine thread gives up the GIL while it waits for the GPU and needs it back the moment a step ends; another
+# thread running Python gets it only after this interval (CPython's default is 5 ms, most of a decode step). Both
+# processes use it: in the API process the HTTP handlers share the lock with the pipe reader, in the engine process
+# the engine thread shares it with the pipe threads, whose requests and finished answers waited up to 5 ms per
+# hand-over at the default. A short interval bounds those waits; the extra switches cost microseconds.
+GIL_SWITCH_INTERVAL_S = 0.0005
 _BUILTIN_ERRORS = {e.__name__: e for e in (ValueError, TimeoutError, KeyError, RuntimeError, FileNotFoundError)}
 
 
@@ -64,6 +71,7 @@ def _error_output(request: Request, message: str) -> RequestOutput:
 def _engine_main(conn: Any, engine_kwargs: dict[str, Any], receiver_args: tuple, log_level: int) -> None:
     """Entry point of the engine process: build the engine, then serve the pipe until told to stop."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from asyncgrpo.server.engine import Engine
     from asyncgrpo.server.weight_receiver import WeightReceiver
 

@@ -32,10 +32,6 @@ from asyncgrpo.process_exit import exit_without_teardown
 logger = logging.getLogger(__name__)
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
-# The engine thread gives up the GIL while it waits for the GPU and needs it back the moment a step ends; while the
-# HTTP thread runs Python (request parsing, answer building) it gets it only after this interval (CPython's default
-# is 5 ms, most of a decode step). A short interval bounds that wait; the extra switches cost microseconds.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def _device(text: str) -> str:
@@ -264,6 +260,8 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", args.model, exc)
+    from asyncgrpo.server.engine_process import GIL_SWITCH_INTERVAL_S
+
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine.start()
     try:
