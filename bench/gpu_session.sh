@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh deltanet             # issue 11: Gated DeltaNet hybrids in the trie (one H200)
 #   bash bench/gpu_session.sh enginegc             # GC pauses inside the engine at B5's shape (one H200, ~1 min)
 #   bash bench/gpu_session.sh rollout              # issue 10 B5-HTTP: in process / HTTP / worker, both shapes (one H200)
+#   bash bench/gpu_session.sh rollout-long         # the same x4 (streaming through the worker, as in training; one H200)
 #   bash bench/gpu_session.sh learning             # issue 10 B6/B8: async vs sync, held-out accuracy (two H200, ~8 min)
 #   bash bench/gpu_session.sh learning-b6          # issue 10 B6 with heavier training steps (checkpointing on; two H200)
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
@@ -58,6 +59,9 @@ for stage in "$@"; do
     rollout)
       timeout 480 python3 bench/rollout_path.py --repeats 3 --max-seconds 460 --out "$OUT/rollout_path_h200.json" 2>&1 \
         | tee "$OUT/rollout_path.log" | tail -40 ;;
+    rollout-long)  # the same shapes x4 (1,024 requests, ~4 waves through 256 slots): the worker as a trainer feeds it
+      timeout 560 python3 bench/rollout_path.py --scale 4 --repeats 2 --max-seconds 540 --variants in_process,worker,worker_group \
+        --out "$OUT/rollout_path_h200_x4.json" 2>&1 | tee "$OUT/rollout_path_x4.log" | tail -40 ;;
     learning)  # the settings of the last two-GPU runs (the data lies in bench/data)
       timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \
         --learning-rate 1e-5 --out "$OUT/learning_h200.json" 2>&1 | tee "$OUT/learning.log" \

@@ -578,6 +578,10 @@ def main() -> int:
                     help="answer-parsing helpers of the HTTP client and the worker (default: the library's, "
                          "a quarter of the cores, at most 4)")  # fmt: skip
     ap.add_argument("--server-args", default="", help='extra `asyncgrpo serve` flags, e.g. "--answer-workers 0"')
+    ap.add_argument("--scale", type=int, default=1,
+                    help="groups per shape times this: at 4, 1,024 requests stream through max_num_seqs=256 in about "
+                         "four waves, as a trainer's worker keeps the server fed, so G3's first group (it runs "
+                         "alone) weighs a quarter as much as in one wave")  # fmt: skip
     opts = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     _DEADLINE[0] = time.monotonic() + opts.max_seconds
@@ -594,6 +598,9 @@ def main() -> int:
         return 2
     else:
         model_shape, shapes, device, dtype = QWEN3_06B, SHAPES, "cuda:0", "bfloat16"
+    if opts.scale < 1:
+        ap.error(f"--scale must be >= 1, got {opts.scale}")
+    shapes = {name: (groups * opts.scale, *rest) for name, (groups, *rest) in shapes.items()}
     names = [s for s in opts.shapes.split(",") if s]
     unknown = [s for s in names if s not in shapes]
     if unknown:
@@ -608,6 +615,7 @@ def main() -> int:
     opts.device, opts.dtype = device, dtype
     variants = [v for v in opts.variants.split(",") if v]
     results: dict[str, Any] = {"benchmark": "B5-HTTP rollout path", "tiny": opts.tiny, "logprobs": opts.logprobs,
+                               "scale": opts.scale,
                                "server_args": opts.server_args,
                                "inputs": {s: {"requests": len(w), "shape": shapes[s]} for s, w in workloads.items()},
                                "model_shape": model_shape, "max_model_len": opts.max_model_len,
