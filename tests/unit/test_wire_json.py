@@ -289,6 +289,74 @@ def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
     assert after and after != before
 
 
+def test_answer_helpers_carry_many_large_jobs_at_once_without_mixing_them():
+    """More bytes in flight than a socket holds, both ways: the loop queues what the socket does not take and
+    writes it when it drains, and cuts answers that span several reads back into the right jobs' bytes."""
+    from asyncgrpo.server.answer_pool import AnswerEncoder
+
+    rng = random.Random(7)
+    payloads = [bytes(rng.choice(b"abcdefgh") for _ in range(64)) * (4096 + i) for i in range(24)]  # ~6 MB each way
+
+    async def main() -> tuple[list[bytes], int]:
+        enc = AnswerEncoder(2, min_numbers=0)
+        try:
+            answers = await asyncio.gather(*(enc._submit(bytes.upper, p) for p in payloads))
+            return list(answers), len(enc.helper_pids())
+        finally:
+            enc.close()
+
+    answers, helpers = asyncio.run(main())
+    assert helpers == 2
+    assert answers == [p.upper() for p in payloads]
+
+
+def test_helpers_that_keep_dying_leave_the_answers_to_the_server_process(monkeypatch, caplog):
+    """Helpers lost three times in a row with no answer between (a helper that cannot start): the encoder stops
+    starting new ones, says so once, and every answer (those in flight too) is still built, inline."""
+    import socket
+    import types
+
+    from asyncgrpo.server import answer_pool
+
+    started = []
+
+    def dead_on_arrival(self: answer_pool._Helper, ctx: object) -> None:  # a helper whose process died at once
+        self.sock, child = socket.socketpair()
+        child.close()
+        self.proc = types.SimpleNamespace(pid=-1 - len(started))
+        started.append(self.proc.pid)
+        self.sock.setblocking(False)
+        self.fd = self.sock.fileno()
+        self.out, self.inbuf = bytearray(), bytearray()
+        self.rbuf = bytearray(answer_pool.READ_CHUNK)
+        self.rview = memoryview(self.rbuf)
+        self.jobs = {}
+
+    monkeypatch.setattr(answer_pool._Helper, "__init__", dead_on_arrival)
+    rng = random.Random(8)
+    outs = [_output(rng, 64, 8)]
+    parsed = ParsedRequest("g", "m", None, [1, 2, 3], [], 8)
+    expected = json.loads(answer_pool._encode_generate(parsed, outs))
+
+    async def main() -> list[bytes]:
+        enc = answer_pool.AnswerEncoder(1, min_numbers=0)
+        try:
+            answers = [await enc.generate(parsed, outs) for _ in range(5)]
+            assert enc.workers == 0 and enc.helper_pids() == []
+            return answers
+        finally:
+            enc.close()
+
+    with caplog.at_level("WARNING", logger="asyncgrpo.server.answer_pool"):
+        answers = asyncio.run(main())
+    assert len(started) == answer_pool.MAX_HELPER_DEATHS  # none started after the third loss
+    for a in answers:
+        doc = json.loads(a)
+        doc.pop("created"), expected.pop("created", None)
+        assert doc == expected
+    assert sum("building every answer in the server process" in r.message for r in caplog.records) == 1
+
+
 def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
     """A SIGKILLed server leaves no helper process behind (they watch their parent)."""
     import os

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MIN_OFFLOAD_NUMBERS = 2048  # answers with fewer log-prob numbers are built inline
 LOG_EVERY_S = 30.0  # a job a live helper keeps this long gets a line
+MAX_HELPER_DEATHS = 3  # helpers lost in a row (none answering between) before the server stops starting new ones
 READ_CHUNK = 1 << 20  # bytes the loop takes from a helper's socket per read
 
 
@@ -159,6 +160,14 @@ class _Helper:
         self.jobs: dict[int, asyncio.Future] = {}
 
 
+def _fail_jobs(helper: _Helper, why: str) -> None:
+    """The helper's unanswered jobs fail with :class:`HelperFailed`: their handlers build those answers inline."""
+    for fut in helper.jobs.values():
+        if not fut.done() and not fut.get_loop().is_closed():
+            fut.set_exception(HelperFailed(why))
+    helper.jobs.clear()
+
+
 class AnswerEncoder:
     """Encodes generation answers inline (``workers=0``) or in ``workers`` spawned helper processes."""
 
@@ -170,6 +179,7 @@ class AnswerEncoder:
         self._helpers: list[_Helper] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
+        self._deaths = 0  # helpers lost since one last answered
 
     def helper_pids(self) -> list[int]:
         return [h.proc.pid for h in self._helpers]
@@ -285,6 +295,7 @@ class AnswerEncoder:
             if fut is None or fut.done():
                 continue
             if ok:
+                self._deaths = 0
                 fut.set_result(body)
             else:
                 fut.set_exception(HelperFailed(body.decode(errors="replace")))
@@ -295,10 +306,13 @@ class AnswerEncoder:
         if helper in self._helpers:
             self._helpers.remove(helper)
             self._close_helper(helper)
-        for fut in helper.jobs.values():
-            if not fut.done():
-                fut.set_exception(HelperFailed(why))
-        helper.jobs.clear()
+            self._deaths += 1
+            if self._deaths >= MAX_HELPER_DEATHS and self.workers:
+                logger.error("%d answer helpers failed in a row (last: %s); building every answer in the server "
+                             "process from now on", self._deaths, why)  # fmt: skip
+                self.workers = 0
+                self.close()
+        _fail_jobs(helper, why)
         if raise_:
             raise HelperFailed(why)
 
@@ -309,10 +323,8 @@ class AnswerEncoder:
         helper.sock.close()  # the helper's reader sees EOF and it exits
 
     def close(self) -> None:
-        for helper in self._helpers:
+        helpers, self._helpers = self._helpers, []
+        for helper in helpers:
             self._close_helper(helper)
-            for fut in helper.jobs.values():
-                if not fut.done():
-                    fut.cancel()
-        self._helpers = []
+            _fail_jobs(helper, "the answer helpers were closed")
         self._loop = None
