@@ -243,6 +243,15 @@ def test_answers_built_in_a_helper_process_equal_the_inline_ones():
     assert json.loads(pooled[0])["choices"][0]["text"] == decode(outs[0].token_ids)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
     """A helper SIGKILLed between answers: the next answer still comes (inline, or from a new helper) with the
     same content, a new helper serves the one after; a job that fails in a helper is retried inline."""
@@ -263,13 +272,7 @@ def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
             before = enc.helper_pids()
             os.kill(before[0], signal.SIGKILL)
             deadline = time.monotonic() + 20
-            while os.path.exists(f"/proc/{before[0]}") and time.monotonic() < deadline:
-                try:
-                    with open(f"/proc/{before[0]}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                            break
-                except FileNotFoundError:
-                    break
+            while _alive(before[0]) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             second = await enc.generate(parsed, outs)
             third = await enc.generate(parsed, outs)
@@ -388,17 +391,10 @@ def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
         proc.wait(timeout=30)
     assert pids
 
-    def alive(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
     deadline = time.monotonic() + 20
-    while any(map(alive, pids)) and time.monotonic() < deadline:
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(map(alive, pids)), f"helpers {pids} outlived their server"
+    assert not any(map(_alive, pids)), f"helpers {pids} outlived their server"
 
 
 @pytest.mark.parametrize("library", ["orjson", "stdlib"])
