@@ -313,6 +313,38 @@ def test_answer_helpers_carry_many_large_jobs_at_once_without_mixing_them():
     assert answers == [p.upper() for p in payloads]
 
 
+def test_a_helper_that_keeps_a_job_too_long_is_killed_and_the_job_built_inline(monkeypatch, caplog):
+    """A stuck helper (here: a job that sleeps) gets a line while it keeps the job, then is killed at the timeout;
+    the job is built in the server process and a new helper serves the next one."""
+    import operator
+
+    from asyncgrpo.server import answer_pool
+
+    monkeypatch.setattr(answer_pool, "LOG_EVERY_S", 0.2)
+    monkeypatch.setattr(answer_pool, "HELPER_TIMEOUT_S", 0.7)
+
+    async def main() -> tuple[object, float, list[int], list[int], object]:
+        enc = answer_pool.AnswerEncoder(1, min_numbers=0)
+        try:
+            await enc._submit(operator.add, b"a", b"b")  # the helper is up
+            stuck = enc.helper_pids()
+            t0 = time.monotonic()
+            result = await enc._submit(time.sleep, 0.9)  # 0.9 s in the helper; killed at 0.7 s, then 0.9 s inline
+            took = time.monotonic() - t0
+            return result, took, stuck, enc.helper_pids(), await enc._submit(operator.add, b"c", b"d")
+        finally:
+            enc.close()
+
+    with caplog.at_level("INFO", logger="asyncgrpo.server.answer_pool"):
+        result, took, stuck, after, next_answer = asyncio.run(main())
+    assert result is None and next_answer == b"cd"
+    assert 1.5 < took < 5.0  # the timeout, then the inline run; not the helper's sleep followed by its answer
+    assert after == [] and not _alive(stuck[0])
+    messages = [r.message for r in caplog.records]
+    assert any("still waiting for answer helper pid" in m for m in messages)
+    assert any("kept a job" in m and "killed it" in m for m in messages)
+
+
 def test_helpers_that_keep_dying_leave_the_answers_to_the_server_process(monkeypatch, caplog):
     """Helpers lost three times in a row with no answer between (a helper that cannot start): the encoder stops
     starting new ones, says so once, and every answer (those in flight too) is still built, inline."""

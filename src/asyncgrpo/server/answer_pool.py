@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MIN_OFFLOAD_NUMBERS = 2048  # answers with fewer log-prob numbers are built inline
 LOG_EVERY_S = 30.0  # a job a live helper keeps this long gets a line
+HELPER_TIMEOUT_S = 120.0  # a helper that keeps a job this long is killed; its jobs are built inline
 MAX_HELPER_DEATHS = 3  # helpers lost in a row (none answering between) before the server stops starting new ones
 READ_CHUNK = 1 << 20  # bytes the loop takes from a helper's socket per read
 
@@ -214,17 +215,21 @@ class AnswerEncoder:
             return fn(*args)
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, helper: _Helper) -> bytes:
-        """The job's bytes; a line every 30 s while a live helper keeps it (a build takes milliseconds)."""
+        """The job's bytes. A build takes milliseconds: a line every ``LOG_EVERY_S`` while a live helper keeps the
+        job, and after ``HELPER_TIMEOUT_S`` the helper is killed and its jobs are built inline."""
         t0 = time.monotonic()
 
         def tick() -> None:
             nonlocal handle
-            logger.info(
-                "still waiting for answer helper pid %d (%.0f s so far)", helper.proc.pid, time.monotonic() - t0
-            )
-            handle = loop.call_later(LOG_EVERY_S, tick)
+            waited = time.monotonic() - t0
+            if waited >= HELPER_TIMEOUT_S:
+                helper.proc.kill()
+                self._drop(helper, f"pid {helper.proc.pid} kept a job {waited:.0f} s; killed it", raise_=False)
+                return
+            logger.info("still waiting for answer helper pid %d (%.0f s so far)", helper.proc.pid, waited)
+            handle = loop.call_later(min(LOG_EVERY_S, HELPER_TIMEOUT_S - waited), tick)
 
-        handle = loop.call_later(LOG_EVERY_S, tick)
+        handle = loop.call_later(min(LOG_EVERY_S, HELPER_TIMEOUT_S), tick)
         try:
             return await fut
         finally:
@@ -232,6 +237,8 @@ class AnswerEncoder:
 
     def _pick(self, loop: asyncio.AbstractEventLoop) -> _Helper:
         """The helper with the fewest jobs in hand; helpers start on first use, bound to this loop."""
+        if not self.workers:
+            raise HelperFailed("the answer helpers are off")
         if self._loop is not loop:
             self.close()
             self._loop = loop
