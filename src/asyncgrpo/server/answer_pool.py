@@ -6,12 +6,16 @@ token of pure interpreter work, and every millisecond of it is a millisecond the
 cannot run its step. With ``answer_workers > 0`` the handler only pickles the engine's outputs
 (lists of numbers: a fraction of the formatting cost) and a spawned helper builds the bytes.
 
-The helpers are plain processes on a duplex pipe each, driven from the event loop itself: the
-handler writes the job, and the loop reads the answer when the pipe turns readable. A
+The helpers are plain processes on a socket pair each, driven from the event loop itself: the
+handler writes the job, and the loop reads the answer when the socket turns readable. A
 ``ProcessPoolExecutor`` adds two threads to the server process (one pickles the jobs, one reads
 the results and wakes the loop through a pipe of its own); when 256 answers finish together, the
 hand-offs between those threads, the pipe reader and the loop were a large share of the time the
 server process took per answer, which is the time the last answer waits.
+
+A helper that dies or fails a job costs no answer: the handler builds it inline. A helper that keeps a
+job past ``HELPER_TIMEOUT_S`` is killed; after ``MAX_HELPER_DEATHS`` losses in a row the server builds
+every answer itself.
 
 Small answers stay inline (a round trip to a helper costs more than it saves), and so do answers
 that need the tokenizer for per-token strings (completions without ``return_tokens_as_token_ids``).
