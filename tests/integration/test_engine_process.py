@@ -97,3 +97,51 @@ def test_a_killed_engine_process_fails_requests_and_health_with_its_exit_code(se
     failed, healthy = asyncio.run(kill_mid_request())
     assert "engine process exited" in failed.message and str(-signal.SIGKILL) in failed.message
     assert not healthy
+
+
+def _outputs(engine, requests) -> list:
+    """Each request alone, one after another (the same batch shapes in both engines: the same float results)."""
+    import queue
+
+    outs = []
+    for req in requests:
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        engine.submit(req, box.put)
+        outs.append(box.get(timeout=120))
+    return outs
+
+
+def test_outputs_cross_the_pipe_unchanged():
+    """What the API process gets from the engine process equals what the engine hands out in process: the prompt
+    (which no longer crosses the pipe), tokens, log-probs and top-N (one byte block), long answers and short ones."""
+    from asyncgrpo.recipes import tiny_model_dir
+    from asyncgrpo.server.engine import Engine
+    from asyncgrpo.server.engine_process import RemoteEngine
+    from asyncgrpo.server.request import Request, SamplingParams
+
+    kwargs = {"model": tiny_model_dir("qwen3"), "device": "cpu", "max_model_len": 96, "max_num_seqs": 8}
+    shapes = [(48, 8), (3, 8), (40, None), (48, 0)]  # (tokens, logprobs): packed top-N, pairs, none, none
+    requests = []
+    for i, (n, k) in enumerate(shapes):
+        params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, seed=i, logprobs=k)
+        requests.append(Request(f"r{i}", [5 + i, 6, 7, 8, 9][: 2 + i], params))
+    local = Engine(**kwargs)
+    local.start()
+    try:
+        want = _outputs(local, requests)
+    finally:
+        local.shutdown()
+    remote = RemoteEngine(kwargs, (None, 60.0))
+    try:
+        got = _outputs(remote, requests)
+    finally:
+        remote.shutdown()
+    for w, g in zip(want, got):
+        assert g.prompt_token_ids == w.prompt_token_ids and g.prompt_token_ids  # restored from the request
+        assert (g.token_ids, g.logprobs, g.finish_reason) == (w.token_ids, w.logprobs, w.finish_reason)
+        if w.top_logprobs is None:
+            assert g.top_logprobs is None
+        else:
+            assert list(g.top_logprobs) == list(w.top_logprobs)
+    assert len(got[0].top_logprobs) == 48 and type(got[0].top_logprobs).__name__ == "PackedTop"
+    assert type(got[1].top_logprobs) is list  # short: pairs, as before

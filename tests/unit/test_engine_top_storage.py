@@ -25,8 +25,32 @@ def test_engine_top_packs_large_and_keeps_small_as_pairs() -> None:
     assert small == [[(5, -0.1), (9, -2.0)], [], [(7, -0.3), (1, -0.5), (2, -4.0)]]
     n = PACK_MIN_ENTRIES
     big = engine_top(list(range(n)), [-float(i) for i in range(n)], [4] * (n // 4))
-    assert isinstance(big, PackedTop) and big.ids.dtype == np.int64 and big.values.dtype == np.float64
+    # the sampler's values are float32 values: kept as float32; one value that is not keeps all of them as doubles
+    assert isinstance(big, PackedTop) and big.ids.dtype == np.int64 and big.values.dtype == np.float32
     assert big[1] == [(4, -4.0), (5, -5.0), (6, -6.0), (7, -7.0)] and len(big) == n // 4
+    odd = engine_top(list(range(n)), [-0.1] + [-float(i) for i in range(1, n)], [4] * (n // 4))
+    assert odd.values.dtype == np.float64 and odd[0][0] == (0, -0.1)
+
+
+def test_packed_top_pickles_as_one_block_and_reads_back_the_same() -> None:
+    """A 256-token top-8 answer's top-N: one block of int32 ids and counts and float32 values (~20 KB, where
+    three int64/float64 arrays took ~37 KB); the pairs read back are the same, doubles stay doubles."""
+    import pickle
+    import random
+
+    rng = random.Random(3)
+    ids = [rng.randrange(151_936) for _ in range(2048)]
+    singles = np.array([-rng.random() * 9 for _ in range(2048)], dtype=np.float32).tolist()
+    counts = [8] * 256
+    top = engine_top(ids, singles, counts)
+    blob = pickle.dumps(top, protocol=pickle.HIGHEST_PROTOCOL)
+    back = pickle.loads(blob)
+    assert len(blob) < 2048 * 8 + 256 * 4 + 200
+    assert back.values.dtype == np.float32 and list(back) == list(top)
+    assert [p for row in back for p in row] == list(zip(ids, singles))
+    doubles = [-rng.random() for _ in range(2048)]
+    back = pickle.loads(pickle.dumps(engine_top(ids, doubles, counts)))
+    assert back.values.dtype == np.float64 and [v for row in back for _, v in row] == doubles
 
 
 def test_generation_adds_no_collected_object_per_top_entry() -> None:

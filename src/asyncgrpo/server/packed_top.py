@@ -42,6 +42,13 @@ class PackedTop(Sequence[list[tuple[int, float]]]):
     def __len__(self) -> int:
         return len(self.counts)
 
+    def __reduce__(self) -> tuple:
+        """Pickled as one byte block (ids as int32, counts as int32, the values in their own dtype): one object to
+        write and read back, and the arrays come back as views of it, not copies."""
+        values = self.values
+        blob = b"".join((self.ids.astype(np.int32).tobytes(), self.counts.astype(np.int32).tobytes(), values.tobytes()))
+        return (_unpack, (blob, len(self.ids), len(self.counts), values.dtype.str))
+
     def _rows(self) -> list[list[tuple[int, float]]]:
         return _pair_rows(self.ids.tolist(), self.values.tolist(), self.counts.tolist())
 
@@ -63,6 +70,13 @@ class PackedTop(Sequence[list[tuple[int, float]]]):
     __hash__ = None  # type: ignore[assignment]
 
 
+def _unpack(blob: bytes, entries: int, positions: int, values_dtype: str) -> PackedTop:
+    ids = np.frombuffer(blob, dtype=np.int32, count=entries)
+    counts = np.frombuffer(blob, dtype=np.int32, count=positions, offset=4 * entries)
+    values = np.frombuffer(blob, dtype=np.dtype(values_dtype), count=entries, offset=4 * (entries + positions))
+    return PackedTop(ids, values, counts)
+
+
 PACK_MIN_ENTRIES = 256  # fewer top-N entries pickle as tuples for less than numpy's fixed cost of packing
 
 
@@ -80,9 +94,10 @@ def engine_top(ids: list[int], values: list[float], counts: list[int]) -> Packed
     per-position pair lists below ``PACK_MIN_ENTRIES`` entries, the form :func:`packed_output` would leave them in."""
     if len(ids) < PACK_MIN_ENTRIES:
         return _pair_rows(ids, values, counts)
-    return PackedTop(
-        np.array(ids, dtype=np.int64), np.array(values, dtype=np.float64), np.array(counts, dtype=np.int64)
-    )
+    doubles = np.array(values, dtype=np.float64)
+    singles = doubles.astype(np.float32)  # the sampler's log-probs are float32 values (wire_json): half the bytes
+    kept = singles if np.array_equal(singles, doubles) else doubles  # any other value keeps every bit
+    return PackedTop(np.array(ids, dtype=np.int64), kept, np.array(counts, dtype=np.int64))
 
 
 def _pair_rows(ids: list[int], values: list[float], counts: list[int]) -> list[list[tuple[int, float]]]:
