@@ -160,7 +160,8 @@ def test_answer_build_is_linear_and_close_to_the_c_encoder():
                 for x in (tok, lp, lp, *(v for e in top for v in e))]  # fmt: skip
         return lambda: json.dumps(flat)
 
-    t_small, t_large, floor = _cpu_seconds(build(small), build(large), numbers(large))
+    t_small, t_large, floor = _cpu_seconds(build(small), build(large), numbers(large), repeats=11)  # one full-suite
+    # run on the 2-core box read 1.53x at 7 repeats, while the other test process ran
     assert t_large < 1.5 * floor, (
         f"answer build {t_large * 1e3:.1f} ms vs json.dumps of its numbers {floor * 1e3:.1f} ms"
     )
