@@ -62,6 +62,42 @@ class BlockingLoop:
         time.sleep(60)  # noqa: ASYNC251 - blocking the event loop is the point of this test
 
 
+class GcProbeLoop:
+    """Counts the full collections between its unpickling in the child and its ``run``, and the frozen objects."""
+
+    def __init__(self) -> None:
+        self.full: list[int] = []  # some state, so that unpickling calls __setstate__
+
+    def __setstate__(self, state: dict) -> None:
+        import gc
+
+        self.__dict__.update(state)
+        self.full = []
+        gc.callbacks.append(
+            lambda phase, info: self.full.append(1) if phase == "start" and info["generation"] == 2 else None
+        )
+
+    async def run(self, channels) -> None:
+        import gc
+
+        channels.samples.put({"full_collections": len(self.full), "frozen": gc.get_freeze_count()})
+        while not channels.stop.is_set():
+            await asyncio.sleep(0.05)
+
+
+def test_the_child_freezes_its_start_up_objects_without_walking_them_first():
+    """No full collection between taking the loop and running it (one walked ~180 k objects for 0.14-0.19 s, all of
+    it in the first group's time), and the start-up objects are frozen out of later collections."""
+    w = RolloutWorker(GcProbeLoop(), heartbeat_timeout=30)
+    w.start()
+    try:
+        got = w.get_sample(timeout=60)
+    finally:
+        w.stop()
+    assert got["full_collections"] == 0
+    assert got["frozen"] > 10_000
+
+
 def test_samples_flow_and_child_is_cpu_only():
     w = RolloutWorker(CountingLoop(3), heartbeat_timeout=30)
     w.set_policy_version(7)
