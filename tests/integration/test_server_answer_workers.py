@@ -41,3 +41,45 @@ def test_large_answers_from_helpers_follow_the_protocol(server):
         ranked = {f"token_id:{e['token_id']}": e["logprob"] for e in entry["top_logprobs"][1:]}
         assert len(ranked) == 8 and all(top[k] == v for k, v in ranked.items())
     assert "answer encoding in 2 helper processes" in server.log_tail(200_000)
+
+
+def _helper_pids(server_pid: int) -> list[int]:
+    """The server's spawned children (its answer helpers; the resource tracker is not a spawn_main child)."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmd:
+            pids.append(int(entry))
+    return pids
+
+
+def test_killed_helpers_cost_no_answer(server):
+    """Every helper SIGKILLed between two requests: the next answer still comes, equal to the first (built in the
+    server process or by a new helper), and the server says what happened."""
+    import os
+    import signal
+
+    params = {"max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 1.0, "seed": 11,
+              "logprobs": 8}  # fmt: skip
+    body = {"prompt": [5, 6, 7], "return_tokens_as_token_ids": True, **params}
+    status, first = raw(server.base_url, "POST", "/v1/completions", json=body)
+    assert status == 200, first
+    helpers = _helper_pids(server.proc.pid)
+    assert len(helpers) == 2, helpers
+    for pid in helpers:
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(2):  # the first may find the dead sockets, the second a fresh helper
+        status, again = raw(server.base_url, "POST", "/v1/completions", json=body)
+        assert status == 200, again
+        assert again["choices"] == first["choices"]
+    assert "lost an answer helper: pid" in server.log_tail(200_000)

@@ -215,7 +215,7 @@ class AnswerEncoder:
             self._write(helper, _FRAME.pack(job, 1, len(msg)) + msg)
             return await self._answer(loop, fut, helper)
         except HelperFailed as exc:  # a helper died or failed: answer inline, start a new helper next time
-            logger.warning("answer helper failed (%s); encoding this answer inline", exc)
+            logger.info("building this answer in the server process: %s", exc)
             return fn(*args)
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, helper: _Helper) -> bytes:
@@ -309,7 +309,9 @@ class AnswerEncoder:
                 self._deaths = 0
                 fut.set_result(body)
             else:
-                fut.set_exception(HelperFailed(body.decode(errors="replace")))
+                why = f"helper pid {helper.proc.pid} failed a job: {body.decode(errors='replace')}"
+                logger.warning("%s; building it here", why)
+                fut.set_exception(HelperFailed(why))
         del buf[:at]
 
     def _drop(self, helper: _Helper, why: str, raise_: bool = True) -> None:
@@ -317,6 +319,7 @@ class AnswerEncoder:
         if helper in self._helpers:
             self._helpers.remove(helper)
             self._close_helper(helper)
+            logger.warning("lost an answer helper: %s; its %d unanswered jobs are built here", why, len(helper.jobs))
             self._deaths += 1
             if self._deaths >= MAX_HELPER_DEATHS and self.workers:
                 logger.error("%d answer helpers failed in a row (last: %s); building every answer in the server "
