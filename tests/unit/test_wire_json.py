@@ -281,6 +281,7 @@ def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
             with pytest.raises(ZeroDivisionError):  # failed in the helper, then inline: the caller sees the error
                 await enc._submit(operator.truediv, 1, 0)
             assert enc.helper_pids() == after  # a failed job does not cost the helper
+            assert await enc._submit(lambda: b"inline") == b"inline"  # a job that does not pickle: built here
         finally:
             enc.close()
         return [first, second, third], before, after

@@ -208,11 +208,14 @@ class AnswerEncoder:
         loop = asyncio.get_running_loop()
         try:
             helper = self._pick(loop)
+            try:
+                msg = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise HelperFailed(f"the job does not pickle ({exc})") from exc
             job = next(self._ids)
-            fut = loop.create_future()
+            self._write(helper, _FRAME.pack(job, 1, len(msg)) + msg)  # a failed write drops the helper and raises
+            fut = loop.create_future()  # registered after the write: no job of a dropped helper is left unread
             helper.jobs[job] = fut
-            msg = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-            self._write(helper, _FRAME.pack(job, 1, len(msg)) + msg)
             return await self._answer(loop, fut, helper)
         except HelperFailed as exc:  # a helper died or failed: answer inline, start a new helper next time
             logger.info("building this answer in the server process: %s", exc)
