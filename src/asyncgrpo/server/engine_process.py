@@ -37,7 +37,6 @@ import torch
 
 from asyncgrpo.server.awaiting import awaited
 from asyncgrpo.server.http_protocol import ApiError
-from asyncgrpo.server.packed_top import packed_output
 from asyncgrpo.server.request import Request, RequestOutput, validate_request
 
 logger = logging.getLogger(__name__)
@@ -88,10 +87,8 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any], receiver_args: tuple,
 
     def send_all() -> None:  # the only writer of the pipe: the engine thread never blocks on a full pipe
         while (msg := outbox.get()) is not None:
-            if msg[0] == "finish":  # top-N as arrays: bytes to pickle here and to unpickle in the API process
-                out = packed_output(msg[1])
-                out.prompt_token_ids = None  # type: ignore[assignment]  # the API process has it (its request)
-                msg = ("finish", out)
+            if msg[0] == "finish":  # its top-N is packed already (packed_top.engine_top, at the finish)
+                msg[1].prompt_token_ids = None  # type: ignore[assignment]  # the API process has it (its request)
             try:
                 conn.send(msg)
             except (OSError, ValueError):
