@@ -36,6 +36,7 @@ from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.trainer import rollout_source
 from tests.helpers.fault_runs import metric_rows, start_run, wait_for
+from tests.helpers.procs import pid_alive
 
 SERVER_FLAGS = ("--max-model-len", "256", "--kv-cache-tokens", "16384")
 
@@ -60,15 +61,6 @@ def server(servers) -> ServerProcess:
     return servers["shared"]
 
 
-def _pid_alive(pid: int) -> bool:
-    """Running (a zombie, killed but not yet reaped by its new parent, counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def _server_counter(base_url: str, name: str) -> float:
     text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
     m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
@@ -86,11 +78,11 @@ def test_worker_dies_with_a_sigkilled_trainer_and_stops_sending(tmp_path, server
         wait_for(lambda: proc.poll() is not None or pid_file.exists(), 240, "step 1 of the trainer process")
         assert proc.poll() is None, (tmp_path / "run" / "log.txt").read_text()[-3000:]
         worker_pid = int(pid_file.read_text())
-        assert _pid_alive(worker_pid)
+        assert pid_alive(worker_pid)
         proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         proc.wait(timeout=30)
-        wait_for(lambda: not _pid_alive(worker_pid), 10, f"the rollout worker (pid {worker_pid}) to exit")
+        wait_for(lambda: not pid_alive(worker_pid), 10, f"the rollout worker (pid {worker_pid}) to exit")
         gone_after = time.monotonic() - t0
         assert gone_after < 5.0
         # In-flight requests end within a few seconds; after that the server sees no new ones.

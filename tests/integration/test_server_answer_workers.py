@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.procs import spawned_children
 from tests.helpers.raw_http import raw
 
 MAX_TOKENS = 300
@@ -43,26 +44,6 @@ def test_large_answers_from_helpers_follow_the_protocol(server):
     assert "answer encoding in 2 helper processes" in server.log_tail(200_000)
 
 
-def _helper_pids(server_pid: int) -> list[int]:
-    """The server's spawned children (its answer helpers; the resource tracker is not a spawn_main child)."""
-    import os
-
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-            continue
-        if ppid == server_pid and b"spawn_main" in cmd:
-            pids.append(int(entry))
-    return pids
-
-
 def test_killed_helpers_cost_no_answer(server):
     """Every helper SIGKILLed between two requests: the next answer still comes, equal to the first (built in the
     server process or by a new helper), and the server says what happened."""
@@ -74,7 +55,7 @@ def test_killed_helpers_cost_no_answer(server):
     body = {"prompt": [5, 6, 7], "return_tokens_as_token_ids": True, **params}
     status, first = raw(server.base_url, "POST", "/v1/completions", json=body)
     assert status == 200, first
-    helpers = _helper_pids(server.proc.pid)
+    helpers = spawned_children(server.proc.pid)  # its answer helpers
     assert len(helpers) == 2, helpers
     for pid in helpers:
         os.kill(pid, signal.SIGKILL)

@@ -31,6 +31,7 @@ from asyncgrpo.server.wire_json import RawJSON, encode_with_raw
 from asyncgrpo.types import Rollout, TurnRecord
 from tests.helpers.answers import engine_output as _output
 from tests.helpers.answers import float32_output as _float32_output
+from tests.helpers.procs import pid_alive
 
 
 def _wire(x: float) -> float | None:
@@ -244,15 +245,6 @@ def test_answers_built_in_a_helper_process_equal_the_inline_ones():
     assert json.loads(pooled[0])["choices"][0]["text"] == decode(outs[0].token_ids)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
     """A helper SIGKILLed between answers: the next answer still comes (inline, or from a new helper) with the
     same content, a new helper serves the one after; a job that fails in a helper is retried inline."""
@@ -273,7 +265,7 @@ def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
             before = enc.helper_pids()
             os.kill(before[0], signal.SIGKILL)
             deadline = time.monotonic() + 20
-            while _alive(before[0]) and time.monotonic() < deadline:
+            while pid_alive(before[0]) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             second = await enc.generate(parsed, outs)
             third = await enc.generate(parsed, outs)
@@ -341,7 +333,7 @@ def test_a_helper_that_keeps_a_job_too_long_is_killed_and_the_job_built_inline(m
         result, took, stuck, after, next_answer = asyncio.run(main())
     assert result is None and next_answer == b"cd"
     assert 1.5 < took < 5.0  # the timeout, then the inline run; not the helper's sleep followed by its answer
-    assert after == [] and not _alive(stuck[0])
+    assert after == [] and not pid_alive(stuck[0])
     messages = [r.message for r in caplog.records]
     assert any("still waiting for answer helper pid" in m for m in messages)
     assert any("kept a job" in m and "killed it" in m for m in messages)
@@ -426,9 +418,9 @@ def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
     assert pids
 
     deadline = time.monotonic() + 20
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(map(_alive, pids)), f"helpers {pids} outlived their server"
+    assert not any(map(pid_alive, pids)), f"helpers {pids} outlived their server"
 
 
 @pytest.mark.parametrize("library", ["orjson", "stdlib"])
