@@ -174,7 +174,7 @@ def test_killed_worker_stops_the_trainer(tmp_path, server, tiny_llama_dir, datas
     """A SIGKILLed worker after step 1: the trainer stops within 30 s, naming the exit code (fault matrix, kept)."""
     from transformers import TrainerCallback
 
-    from tests.integration.test_fault_matrix import _pid_alive
+    from tests.helpers.procs import pid_alive
 
     killed: dict[str, float] = {}
 
@@ -192,7 +192,7 @@ def test_killed_worker_stops_the_trainer(tmp_path, server, tiny_llama_dir, datas
     with pytest.raises(RolloutWorkerError, match=r"exited unexpectedly \(exit code -9\)"):
         trainer.train()
     assert time.monotonic() - t0 < 60
-    assert time.monotonic() - killed["at"] < 30 and not _pid_alive(int(killed["pid"]))
+    assert time.monotonic() - killed["at"] < 30 and not pid_alive(int(killed["pid"]))
 
 
 def test_resume_restarts_at_the_first_untrained_prompt(tmp_path, server, tiny_llama_dir, dataset, monkeypatch):
