@@ -31,6 +31,7 @@ from asyncgrpo.server.http_protocol import (
     parse_completion,
     parse_generate,
 )
+from asyncgrpo.server.launcher import SERVER_PID_HEADER
 from asyncgrpo.server.request import RequestOutput
 from asyncgrpo.server.weight_receiver import WeightReceiver, add_weight_routes
 
@@ -219,9 +220,10 @@ async def _timed_json(state: ServerState, build: Awaitable[bytes]) -> web.Respon
 
 
 async def health(request: web.Request) -> web.Response:
+    ours = {SERVER_PID_HEADER: str(os.getpid())}  # whoever started this process can tell that it is the one answering
     if not _state(request).engine_alive():
-        return web.json_response(error_body(503, "the engine thread is not running"), status=503)
-    return web.Response(status=200)
+        return web.json_response(error_body(503, "the engine thread is not running"), status=503, headers=ours)
+    return web.Response(status=200, headers=ours)
 
 
 async def version(request: web.Request) -> web.Response:

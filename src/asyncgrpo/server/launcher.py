@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Self
 
 logger = logging.getLogger(__name__)
+
+SERVER_PID_HEADER = "X-Asyncgrpo-Server-Pid"  # the server's /health names its process (server/app.py)
 
 
 def free_port() -> int:
@@ -61,6 +64,13 @@ class ServerProcess:
         self.stop()
 
 
+START_ATTEMPTS = 3  # ports tried when the caller left the port to us and another process took the one we chose
+
+
+class PortTaken(RuntimeError):
+    """Another process answers on the port this server was started on (it cannot bind it)."""
+
+
 def launch_server(
     model: str | os.PathLike,
     *,
@@ -71,21 +81,48 @@ def launch_server(
     log_path: str | os.PathLike | None = None,
     timeout: float = 300.0,
 ) -> ServerProcess:
-    """Start ``python -m asyncgrpo serve MODEL`` and wait for ``/health`` to answer 200.
+    """Start ``python -m asyncgrpo serve MODEL`` and wait until it answers ``/health`` with 200 as itself.
+
+    A free port is only free until someone binds it: when another process answers on the port (``/health`` names
+    another pid in its ``X-Asyncgrpo-Server-Pid`` header, or none), the start fails at once instead of handing back that other server. With
+    ``port=None`` another free port is tried, up to ``START_ATTEMPTS`` in all.
 
     Raises:
         TimeoutError: the server did not become healthy within ``timeout`` seconds (the message
             carries the tail of its log).
         RuntimeError: the server process exited during start-up (with its log tail).
+        PortTaken: another process answers on ``port`` (a ``RuntimeError``; the message names the fix).
     """
-    port = port or free_port()
-    log = Path(log_path) if log_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncgrpo-serve-{port}.log"
-    cmd = [sys.executable, "-m", "asyncgrpo", "serve", str(model), "--host", host, "--port", str(port), *extra_args]
-    logger.info("starting the generation server: %s (log: %s)", " ".join(cmd), log)
-    with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = ServerProcess(proc, f"http://{host}:{port}", log)
     deadline = time.monotonic() + timeout
+    attempts = START_ATTEMPTS if port is None else 1
+    for attempt in range(1, attempts + 1):
+        chosen = port or free_port()
+        log = Path(log_path) if log_path else _log_file(chosen)
+        cmd = [sys.executable, "-m", "asyncgrpo", "serve", str(model), "--host", host, "--port", str(chosen),
+               *extra_args]  # fmt: skip
+        logger.info("starting the generation server: %s (log: %s)", " ".join(cmd), log)
+        with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        server = ServerProcess(proc, f"http://{host}:{chosen}", log)
+        try:
+            return _await_ready(server, deadline, timeout)
+        except PortTaken as exc:
+            server.stop()
+            if attempt == attempts:
+                raise
+            logger.warning("%s; trying another port", exc)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _log_file(port: int) -> Path:
+    """A log file of this start alone (two launchers that chose one port must not write one file)."""
+    fd, name = tempfile.mkstemp(prefix=f"asyncgrpo-serve-{port}-", suffix=".log")
+    os.close(fd)
+    return Path(name)
+
+
+def _await_ready(server: ServerProcess, deadline: float, timeout: float) -> ServerProcess:
+    proc = server.proc
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(
@@ -93,9 +130,16 @@ def launch_server(
             )
         try:
             with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
-                if r.status == 200:
+                healthy, answering = r.status == 200, r.headers.get(SERVER_PID_HEADER)
+            if healthy:
+                if answering == str(proc.pid):
                     return server
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                who = f"pid {answering}" if answering else "a process that is not an asyncgrpo server"
+                raise PortTaken(
+                    f"{server.base_url} is answered by {who}, not by the server just started (pid {proc.pid}); "
+                    "give it a free --port"
+                )
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
             pass
         time.sleep(0.25)
     server.stop()

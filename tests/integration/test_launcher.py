@@ -1,0 +1,51 @@
+"""``launch_server`` starts a server of its own, never hands back another process that answers on its port.
+
+The reference: a plain HTTP server (``http.server``) that answers 200 to everything, bound to the port first, as a
+second test process's server could be after ``free_port`` handed both launchers the same number.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import urllib.request
+
+import pytest
+
+from asyncgrpo.server import launcher
+
+
+class _AnswersEverything(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def squatter():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AnswersEverything)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_taken_port_fails_the_start_with_the_fix_and_a_chosen_one_moves_on(squatter, tiny_llama_dir, monkeypatch):
+    with pytest.raises(launcher.PortTaken, match=rf"127.0.0.1:{squatter} is answered by a process that is not an "
+                                                 r"asyncgrpo server.*give it a free --port"):  # fmt: skip
+        launcher.launch_server(tiny_llama_dir, port=squatter, extra_args=["--device", "cpu"], timeout=120)
+
+    ports = iter([squatter, launcher.free_port()])
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports))
+    server = launcher.launch_server(tiny_llama_dir, extra_args=["--device", "cpu"], timeout=120)
+    try:
+        assert not server.base_url.endswith(f":{squatter}")
+        with urllib.request.urlopen(server.base_url + "/health", timeout=10) as r:
+            assert r.status == 200 and r.headers[launcher.SERVER_PID_HEADER] == str(server.proc.pid)
+    finally:
+        server.stop()
