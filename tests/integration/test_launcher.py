@@ -49,3 +49,12 @@ def test_a_taken_port_fails_the_start_with_the_fix_and_a_chosen_one_moves_on(squ
             assert r.status == 200 and r.headers[launcher.SERVER_PID_HEADER] == str(server.proc.pid)
     finally:
         server.stop()
+
+
+def test_a_slow_start_says_what_it_waits_for(tiny_llama_dir, monkeypatch, caplog):
+    monkeypatch.setattr(launcher, "LOG_EVERY_S", 0.5)  # a real start takes seconds (minutes for a large model)
+    with caplog.at_level("INFO", logger="asyncgrpo.server.launcher"):
+        server = launcher.launch_server(tiny_llama_dir, extra_args=["--device", "cpu"], timeout=120)
+    server.stop()
+    lines = [r.message for r in caplog.records if "waiting for the generation server at" in r.message]
+    assert lines and server.base_url in lines[0] and str(server.log_path) in lines[0]

@@ -64,6 +64,7 @@ class ServerProcess:
         self.stop()
 
 
+LOG_EVERY_S = 30.0  # a start that takes longer prints a line this often
 START_ATTEMPTS = 3  # ports tried when the caller left the port to us and another process took the one we chose
 
 
@@ -123,7 +124,12 @@ def _log_file(port: int) -> Path:
 
 def _await_ready(server: ServerProcess, deadline: float, timeout: float) -> ServerProcess:
     proc = server.proc
+    t0 = last_line = time.monotonic()
     while time.monotonic() < deadline:
+        if time.monotonic() >= last_line + LOG_EVERY_S:  # loading a large model takes minutes: say what we wait for
+            last_line = time.monotonic()
+            logger.info("waiting for the generation server at %s to answer /health (%.0f s so far; log: %s)",
+                        server.base_url, last_line - t0, server.log_path)  # fmt: skip
         if proc.poll() is not None:
             raise RuntimeError(
                 f"the generation server exited with code {proc.returncode} during start-up:\n{server.log_tail()}"
