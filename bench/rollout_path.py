@@ -20,7 +20,8 @@ for n choices has one ``max_tokens``). Model: random-init Qwen3-0.6B-shaped bf16
 folder (no tokenizer: token ids in and out). Each variant's time is split into stages: engine prefill
 and decode (engine timers), sampler (in process only, from one extra untimed run: its syncs would slow
 the timed ones), server response build + JSON encode, client JSON parse, worker scoring/queueing (the worker's
-own metrics). Every variant reports the median of ``--repeats`` timed runs per shape; each timed run starts on an
+own metrics), and the worker's start ramp (when its first request started, how long its rollouts took to
+start). Every variant reports the median of ``--repeats`` timed runs per shape; each timed run starts on an
 empty prefix cache (a second run of the same prompts would otherwise hit the first run's blocks), after one untimed
 run of the shape (kernels compiled for its sizes). The worker spawns a fresh ``RolloutWorker`` for every run.
 
@@ -372,6 +373,7 @@ class BenchLoop(AsyncRolloutLoop):
         self._taken[group_id] = k + 1
         msg = prompt[0]
         token = _OUT_LEN.set(msg["out_lens"][k])
+        self.channels.put_metric("bench/request_start_unix", time.time())  # the worker's send ramp (see _ramp)
         try:
             turn = await self.generate_one_turn(msg["ids"][k])
         finally:
@@ -441,7 +443,7 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
     before = asyncio.run(_stages_once(base_url))
     worker = RolloutWorker(loop, heartbeat_timeout=max(_remaining(), 1.0))
     worker.start(timeout=_remaining())
-    t0 = time.perf_counter()
+    t0, t0_unix = time.perf_counter(), time.time()
     metrics: list[tuple[str, float, float]] = []
     first_s, groups, trained_tokens = None, 0, 0
     try:
@@ -465,10 +467,13 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
         raise RuntimeError(f"worker {name}: {groups}/{len(rows)} groups came back")
     stages = (
         _server_delta(before, after)
-        | _worker_stages(metrics)
+        | _worker_stages(metrics, g)
         | {"tail_after_last_step_s": _tail_s(after, end_unix)}
         | _tail_split(after, end_unix)
     )
+    starts = [v for n, v, _ in metrics if n == "bench/request_start_unix"]
+    if starts:  # the first group's phase = this + the engine's work + scoring it and handing it over
+        stages["worker_first_request_after_start_s"] = min(starts) - t0_unix
     row = _row(reqs, tokens, seconds, stages)
     first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
     row["first_group_s"] = first_s
@@ -496,7 +501,7 @@ async def _stages_once(base_url: str) -> dict[str, Any]:
         return await _server_stages(client)
 
 
-def _worker_stages(metrics: list[tuple[str, float, float]]) -> dict[str, float]:
+def _worker_stages(metrics: list[tuple[str, float, float]], group_size: int) -> dict[str, float]:
     """Per-group scoring and admission waits summed (wall seconds; groups overlap, so sums can pass the run's
     time), and the mean rollout latency (a rollout's request-to-answer time, not a stage of the run)."""
     wanted = ("rollout/score_s", "rollout/backpressure_s", "rollout/score_wait_s", "rollout/duration_s")
@@ -506,7 +511,7 @@ def _worker_stages(metrics: list[tuple[str, float, float]]) -> dict[str, float]:
         if name in wanted:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
-    out = {}
+    out = _ramp([v for n, v, _ in metrics if n == "bench/request_start_unix"], group_size)
     for name, total in sums.items():
         short = name.split("/")[1]
         if name == "rollout/duration_s":
@@ -514,6 +519,19 @@ def _worker_stages(metrics: list[tuple[str, float, float]]) -> dict[str, float]:
         else:
             out[f"worker_{short}_sum"] = total
             out[f"worker_{short}_mean"] = total / counts[name]
+    return out
+
+
+def _ramp(starts: list[float], group_size: int) -> dict[str, float]:
+    """How long the worker took to start its rollouts: the first group's (it runs alone, G3) and the rest's,
+    first start to last. Requests the engine receives over a longer ramp finish over a longer tail."""
+    if not starts:
+        return {}
+    starts = sorted(starts)
+    first, rest = starts[:group_size], starts[group_size:]
+    out = {"worker_first_group_start_spread_s": first[-1] - first[0]}
+    if rest:
+        out["worker_rest_start_spread_s"] = rest[-1] - rest[0]
     return out
 
 

@@ -42,6 +42,11 @@ def test_tiny_run_reports_every_variant_and_shape(tmp_path):
         # the answer path's tail: answers are built, parsed (and scored) after the engine's last step
         assert all(r["stages"]["tail_after_last_step_s"] >= 0 for r in rows[1:])
         assert rows[2]["trained_tokens_queued"] > 0  # the worker scored groups and queued training samples
+        # the worker's start ramp: its rollouts all started (G3: the first group alone, then the rest) within the run
+        ramp = rows[2]["stages"]
+        assert 0 <= ramp["worker_first_request_after_start_s"] <= rows[2]["first_group_s"]
+        assert 0 <= ramp["worker_first_group_start_spread_s"] <= rows[2]["first_group_s"]
+        assert 0 <= ramp["worker_rest_start_spread_s"] <= rows[2]["seconds"] - rows[2]["first_group_s"]
         group = result["worker_group"].get(shape)  # one request per group: only where groups share prompt and length
         assert (group is not None) == (shape == "grpo_n")
         if group is not None:
@@ -61,3 +66,13 @@ def test_a_variant_that_fails_makes_the_run_fail(tmp_path):
     proc = _run(tmp_path, "--variants", "in_process", "--max-seconds", "0.01", timeout=120)
     assert proc.returncode != 0
     assert "FAILED: in_process: TimeoutError" in proc.stderr
+
+
+def test_the_ramp_splits_the_first_group_from_the_rest():
+    """Start stamps of two groups of 3 rollouts, out of order: the first 3 (by time) are the lone first group."""
+    sys.path.insert(0, str(ROOT))
+    from bench.rollout_path import _ramp
+
+    out = _ramp([10.5, 10.0, 10.2, 12.0, 11.0, 11.4], group_size=3)
+    assert out == {"worker_first_group_start_spread_s": 0.5, "worker_rest_start_spread_s": 1.0}
+    assert _ramp([], group_size=3) == {}
