@@ -13,6 +13,8 @@ CPU smoke (tiny model; checks the script, not speed):  python bench/small_batch_
 single requests and once as one request with ``n`` = b, reading the engine's own step clock from
 ``/server_info``: the difference to the in-process figure is what the server adds per step.
 ``--py-spy DIR`` (with ``--http``) records the engine process and the API process during the batch-8 runs.
+``--idle-s S`` times each batch once more after S idle seconds, as the worker's first group follows its start
+(on an H200 the idle runs match the back-to-back ones: ``small_batch_probe_idle_h200.json``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--http", action="store_true", help="also run the batches through the server over HTTP")
     ap.add_argument("--py-spy", type=Path, default=None, help="with --http: write py-spy profiles (raw) here")
+    ap.add_argument("--idle-s", type=float, default=0.0,
+                    help="also time each batch once more after this many idle seconds (paths tagged _after_idle): "
+                         "the worker's first group follows seconds of an idle server (the worker's start)")  # fmt: skip
     a = ap.parse_args()
 
     import torch
@@ -61,19 +66,21 @@ def main() -> int:
             n = 0
             for logprobs in (8, 0):
                 for b in [int(x) for x in a.batches.split(",")]:
-                    for rep in range(2):  # the first run of a size compiles what it needs
+                    for rep in range(3 if a.idle_s else 2):  # the first run of a size compiles what it needs
                         reqs = [Request(f"r{n}-{i}", synthetic_prompt(i, n, a.prompt_len),
                                         SamplingParams(max_tokens=out_len, min_tokens=out_len, ignore_eos=True,
                                                        temperature=1.0, logprobs=logprobs, seed=i))
                                 for i in range(b)]  # fmt: skip
                         n += 1
                         engine.reset_prefix_cache()
+                        if rep == 2:
+                            time.sleep(a.idle_s)
                         before = engine.step_timings()
                         tokens, seconds = submit_and_wait(engine, reqs, f"b{b}", timeout=300)
                         after = engine.step_timings()
                         if rep == 0:
                             continue
-                        row = _row("in_process", b, logprobs, tokens, seconds, before, after)
+                        row = _row("in_process" + _IDLE[rep], b, logprobs, tokens, seconds, before, after)
                         results.append(row)
                         print(json.dumps(row), flush=True)
         finally:
@@ -86,6 +93,9 @@ def main() -> int:
     if a.out:
         a.out.write_text(json.dumps(doc, indent=1))
     return 0
+
+
+_IDLE = ("", "", "_after_idle")  # path suffix per run: warm-up, back to back, after --idle-s
 
 
 def _row(path: str, b: int, logprobs: int, tokens: int, seconds: float, before: dict, after: dict) -> dict:
@@ -115,12 +125,14 @@ async def _http_rows(a: argparse.Namespace, model_dir: Path, device: str, out_le
             for logprobs in (8, 0):
                 for b in [int(x) for x in a.batches.split(",")]:
                     for mode in ("requests", "n"):
-                        for rep in range(2):
+                        for rep in range(3 if a.idle_s else 2):
                             n += 1
                             spy = _spy(a, engine_pid, server, b, logprobs, mode, rep)
                             params = {"max_tokens": out_len, "min_tokens": out_len, "ignore_eos": True,
                                       "temperature": 1.0, "logprobs": logprobs}  # fmt: skip
                             await client.reset_prefix_cache()
+                            if rep == 2:
+                                await asyncio.sleep(a.idle_s)
                             before = (await client.server_info())["asyncgrpo"]["engine_step_timings"]
                             t0 = time.perf_counter()
                             if mode == "n":
@@ -138,7 +150,7 @@ async def _http_rows(a: argparse.Namespace, model_dir: Path, device: str, out_le
                             if rep == 0:
                                 continue
                             tokens = sum(len(r.token_ids) for r in got)
-                            row = _row(f"http_{mode}", b, logprobs, tokens, seconds, before, after)
+                            row = _row(f"http_{mode}{_IDLE[rep]}", b, logprobs, tokens, seconds, before, after)
                             rows.append(row)
                             print(json.dumps(row), flush=True)
     finally:
