@@ -48,10 +48,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from asyncgrpo.client.answer_parse import AnswerParsers, default_parse_processes
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.metrics_text import vllm_metrics
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.sampling import SamplingSettings
 from asyncgrpo.rollout.settings import RolloutSettings
@@ -149,6 +150,53 @@ def run_engine(engine: Any, reqs: list[Req], tag: str, logprobs: int, timeout: f
     return submit_and_wait(engine, requests, f"in-process {tag}", timeout)
 
 
+class Occupancy:
+    """The engine's running and waiting counts, read every ``interval_s`` by a thread while a timed run goes:
+    whether the batch stays full (in process every request waits from the start; through the worker, requests
+    stream in as groups end, and a server whose queue runs dry decodes smaller batches)."""
+
+    def __init__(self, read: Any, interval_s: float = 0.02) -> None:
+        self.read, self.interval_s = read, interval_s
+        self.samples: list[tuple[int, int]] = []
+        self.failed_reads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="occupancy", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.samples.append(self.read())
+            except Exception:  # noqa: BLE001 - a failed read loses one sample (counted), never the run
+                self.failed_reads += 1
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def summary(self) -> dict[str, float]:
+        """Means over the samples taken while anything ran or waited (the idle start and end left out)."""
+        busy = [(r, w) for r, w in self.samples if r or w]
+        if not busy:
+            return {}
+        n = len(busy)
+        return {"occupancy_running_mean": sum(r for r, _ in busy) / n, "occupancy_waiting_mean": sum(w for _, w in busy) / n,
+                "occupancy_waiting_zero_frac": sum(1 for _, w in busy if w == 0) / n, "occupancy_samples": n,
+                "occupancy_failed_reads": self.failed_reads}  # fmt: skip
+
+
+def _server_counts(base_url: str) -> tuple[int, int]:
+    """Running and waiting requests from the server's Prometheus text (a blocking read: the sampler's thread)."""
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=5) as resp:
+        found = vllm_metrics(resp.read().decode())
+    return int(found.get("vllm:num_requests_running", 0)), int(found.get("vllm:num_requests_waiting", 0))
+
+
 def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
     from asyncgrpo.server.engine import Engine
 
@@ -203,8 +251,9 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
             for rep in range(opts.repeats):  # timed runs: the engine exactly as shipped, no syncs added
                 engine.reset_prefix_cache()  # each run prefills its prompts: no hits left by the run before
                 before = engine.step_timings()
-                tokens, seconds = run(reqs, f"{name}-{rep}")
-                rows.append(_row(reqs, tokens, seconds, _timing_delta(before, engine.step_timings())))
+                with Occupancy(lambda: (engine.stats().num_running, engine.stats().num_waiting)) as occ:
+                    tokens, seconds = run(reqs, f"{name}-{rep}")
+                rows.append(_row(reqs, tokens, seconds, _timing_delta(before, engine.step_timings()) | occ.summary()))
             results[name] = _median_row(rows)
             # One extra, untimed run with the sampler timer: its syncs break the engine's overlap of the sampler
             # with the next forward, so it only says how long the sampler itself takes.
@@ -443,6 +492,7 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
     before = asyncio.run(_stages_once(base_url))
     worker = RolloutWorker(loop, heartbeat_timeout=max(_remaining(), 1.0))
     worker.start(timeout=_remaining())
+    occ = Occupancy(lambda: _server_counts(base_url)).__enter__()
     t0, t0_unix = time.perf_counter(), time.time()
     metrics: list[tuple[str, float, float]] = []
     first_s, groups, trained_tokens = None, 0, 0
@@ -459,6 +509,7 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
                 at_first = asyncio.run(_stages_once(base_url))  # the engine's work on group 0 (alone)
         seconds, end_unix = time.perf_counter() - t0, time.time()
     finally:
+        occ.__exit__()
         worker.stop()
     metrics += worker.drain_metrics()
     after = asyncio.run(_stages_once(base_url))
@@ -471,6 +522,7 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
         | {"tail_after_last_step_s": _tail_s(after, end_unix)}
         | _tail_split(after, end_unix)
     )
+    stages |= occ.summary()
     starts = [v for n, v, _ in metrics if n == "bench/request_start_unix"]
     if starts:  # the first group's phase = this + the engine's work + scoring it and handing it over
         stages["worker_first_request_after_start_s"] = min(starts) - t0_unix

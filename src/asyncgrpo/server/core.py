@@ -1,5 +1,8 @@
 """The engine thread: a command queue drained between steps, pause states, and the step itself.
 
+New requests have a queue of their own, drained even while a step decoded ahead is in flight: queuing one
+changes nothing that step uses. Every other command waits until no step is in flight.
+
 Everything here runs on one thread (or inline in the caller before that thread
 starts), so scheduler, cache and sequences need no locks. Other threads only
 post commands ``(kind, arg, future)`` and wait on the future when they must.
@@ -49,6 +52,11 @@ class EngineLoop:
         self.step_seconds = {"prefill": 0.0, "decode": 0.0}
         self.step_last_end_unix = {"prefill": 0.0, "decode": 0.0}  # wall clock: benchmarks time what follows a step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # New requests wait here, apart from the other commands: adding one to the waiting queue touches nothing a
+        # step in flight uses, so it never stops the engine from decoding ahead (a server fed by a rollout worker
+        # receives a request nearly every step; as a command, each one ended the step ahead).
+        self._submits: queue.SimpleQueue = queue.SimpleQueue()
+        self.decode_steps_ahead = 0  # diagnostics: decode steps launched before the previous step's results
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._inline = threading.Lock()  # serialises command handling while no thread runs
@@ -83,7 +91,7 @@ class EngineLoop:
         """Post ``(kind, arg)``; handled on the engine thread, or right here if it is not running."""
         fut: Future = Future()
         if self.running():
-            self._commands.put((*cmd, fut))
+            (self._submits if cmd[0] == "submit" else self._commands).put((*cmd, fut))
             self._wake.set()
         else:
             with self._inline:
@@ -104,6 +112,7 @@ class EngineLoop:
         with torch.no_grad():
             while not self._stopping:
                 self._wake.clear()
+                self._drain_submits()
                 if self._pending is not None and not self._commands.empty():
                     self._finish_pending()  # commands run between steps: nothing may be in flight
                 self._drain_commands()
@@ -125,6 +134,15 @@ class EngineLoop:
         while True:
             try:
                 cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._drain_submits()  # a request sent before this command (its abort, a pause) is known first
+            self._handle(cmd)
+
+    def _drain_submits(self) -> None:
+        while True:
+            try:
+                cmd = self._submits.get_nowait()
             except queue.Empty:
                 return
             self._handle(cmd)
@@ -229,6 +247,7 @@ class EngineLoop:
                     tokens = tokens.index_select(0, torch.tensor(rows, device=tokens.device))
                 nxt = Batch(is_prefill=False, seqs=ahead)
                 self._pending = (nxt, self._launch(nxt, tokens), version, t0)
+                self.decode_steps_ahead += 1
             except Exception:
                 logger.exception("decoding one step ahead failed; stepping synchronously from now on")
                 self.look_ahead = False

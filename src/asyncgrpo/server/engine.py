@@ -360,12 +360,15 @@ class Engine:
 
     def step_timings(self) -> dict[str, dict[str, float]]:
         """Diagnostics: number of prefill/decode steps so far, their total wall seconds, and when the last one ended
-        (Unix time, to time what happens after the engine's work, e.g. the answer path's tail)."""
+        (Unix time, to time what happens after the engine's work, e.g. the answer path's tail); for decode also how
+        many steps were launched ahead (before the previous step's results reached the host)."""
         c = self._core
-        return {
+        out = {
             k: {"steps": c.step_counts[k], "seconds": c.step_seconds[k], "last_end_unix": c.step_last_end_unix[k]}
             for k in c.step_counts
         }
+        out["decode"]["steps_ahead"] = c.decode_steps_ahead
+        return out
 
     def stats(self) -> EngineStats:
         s = self._scheduler
