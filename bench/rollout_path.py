@@ -132,9 +132,12 @@ def _sync() -> None:
 
 
 def _timing_delta(before: dict, after: dict) -> dict[str, float]:
-    return {f"{k}_s": after[k]["seconds"] - before.get(k, {}).get("seconds", 0.0) for k in after} | {
+    out = {f"{k}_s": after[k]["seconds"] - before.get(k, {}).get("seconds", 0.0) for k in after} | {
         f"{k}_steps": after[k]["steps"] - before.get(k, {}).get("steps", 0) for k in after
     }
+    if "steps_ahead" in after.get("decode", {}):  # decode steps launched before the previous step's results
+        out["decode_steps_ahead"] = after["decode"]["steps_ahead"] - before.get("decode", {}).get("steps_ahead", 0)
+    return out
 
 
 # ---------------------------------------------------------------------- variant 1: engine in process
