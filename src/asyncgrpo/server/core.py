@@ -30,6 +30,14 @@ _NO_BAN: list[int] = []  # shared, never mutated
 IDLE_WAIT_S = 0.05  # how long the idle engine thread sleeps before re-checking its queue
 
 
+def _next(q: queue.SimpleQueue) -> tuple | None:
+    """The next command in ``q``, or None when it is empty (never blocks)."""
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return None
+
+
 class EngineLoop:
     """Owns the step loop of :class:`~asyncgrpo.server.engine.Engine`."""
 
@@ -131,20 +139,12 @@ class EngineLoop:
         logger.info("engine thread stopped")
 
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        while (cmd := _next(self._commands)) is not None:
             self._drain_submits()  # a request sent before this command (its abort, a pause) is known first
             self._handle(cmd)
 
     def _drain_submits(self) -> None:
-        while True:
-            try:
-                cmd = self._submits.get_nowait()
-            except queue.Empty:
-                return
+        while (cmd := _next(self._submits)) is not None:
             self._handle(cmd)
 
     def _handle(self, cmd: tuple) -> None:
