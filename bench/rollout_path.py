@@ -527,7 +527,9 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
     )
     stages |= occ.summary()
     starts = [v for n, v, _ in metrics if n == "bench/request_start_unix"]
-    if starts:  # the first group's phase = this + the engine's work + scoring it and handing it over
+    # The first group's phase = this + the engine's work + scoring it and handing it over. A few milliseconds below
+    # zero at times: the child starts generating as soon as it reports ready, before start() has returned here.
+    if starts:
         stages["worker_first_request_after_start_s"] = min(starts) - t0_unix
     row = _row(reqs, tokens, seconds, stages)
     first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone

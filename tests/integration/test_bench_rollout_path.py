@@ -44,7 +44,8 @@ def test_tiny_run_reports_every_variant_and_shape(tmp_path):
         assert rows[2]["trained_tokens_queued"] > 0  # the worker scored groups and queued training samples
         # the worker's start ramp: its rollouts all started (G3: the first group alone, then the rest) within the run
         ramp = rows[2]["stages"]
-        assert 0 <= ramp["worker_first_request_after_start_s"] <= rows[2]["first_group_s"]
+        # the child starts right after it reports ready, so its first request may precede start()'s return a little
+        assert -0.05 <= ramp["worker_first_request_after_start_s"] <= rows[2]["first_group_s"]
         assert 0 <= ramp["worker_first_group_start_spread_s"] <= rows[2]["first_group_s"]
         assert 0 <= ramp["worker_rest_start_spread_s"] <= rows[2]["seconds"] - rows[2]["first_group_s"]
         group = result["worker_group"].get(shape)  # one request per group: only where groups share prompt and length
