@@ -191,6 +191,12 @@ class Occupancy:
                 "occupancy_failed_reads": self.failed_reads}  # fmt: skip
 
 
+def _engine_counts(engine: Any) -> tuple[int, int]:
+    """Running and waiting requests of an engine in this process, from one ``stats()`` read."""
+    stats = engine.stats()
+    return stats.num_running, stats.num_waiting
+
+
 def _server_counts(base_url: str) -> tuple[int, int]:
     """Running and waiting requests from the server's Prometheus text (a blocking read: the sampler's thread)."""
     import urllib.request
@@ -254,7 +260,7 @@ def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[st
             for rep in range(opts.repeats):  # timed runs: the engine exactly as shipped, no syncs added
                 engine.reset_prefix_cache()  # each run prefills its prompts: no hits left by the run before
                 before = engine.step_timings()
-                with Occupancy(lambda: (engine.stats().num_running, engine.stats().num_waiting)) as occ:
+                with Occupancy(lambda: _engine_counts(engine)) as occ:
                     tokens, seconds = run(reqs, f"{name}-{rep}")
                 rows.append(_row(reqs, tokens, seconds, _timing_delta(before, engine.step_timings()) | occ.summary()))
             results[name] = _median_row(rows)
@@ -521,16 +527,12 @@ def _worker_run(base_url: str, opts: argparse.Namespace, name: str, reqs: list[R
         raise RuntimeError(f"worker {name}: {groups}/{len(rows)} groups came back")
     stages = (
         _server_delta(before, after)
-        | _worker_stages(metrics, g)
+        | _worker_stages(metrics)
+        | _ramp([v for n, v, _ in metrics if n == "bench/request_start_unix"], g, t0_unix)
         | {"tail_after_last_step_s": _tail_s(after, end_unix)}
         | _tail_split(after, end_unix)
     )
     stages |= occ.summary()
-    starts = [v for n, v, _ in metrics if n == "bench/request_start_unix"]
-    # The first group's phase = this + the engine's work + scoring it and handing it over. A few milliseconds below
-    # zero at times: the child starts generating as soon as it reports ready, before start() has returned here.
-    if starts:
-        stages["worker_first_request_after_start_s"] = min(starts) - t0_unix
     row = _row(reqs, tokens, seconds, stages)
     first_group_tokens = sum(r.out_len for r in reqs if r.group == 0)  # the admission runs group 0 alone
     row["first_group_s"] = first_s
@@ -558,7 +560,7 @@ async def _stages_once(base_url: str) -> dict[str, Any]:
         return await _server_stages(client)
 
 
-def _worker_stages(metrics: list[tuple[str, float, float]], group_size: int) -> dict[str, float]:
+def _worker_stages(metrics: list[tuple[str, float, float]]) -> dict[str, float]:
     """Per-group scoring and admission waits summed (wall seconds; groups overlap, so sums can pass the run's
     time), and the mean rollout latency (a rollout's request-to-answer time, not a stage of the run)."""
     wanted = ("rollout/score_s", "rollout/backpressure_s", "rollout/score_wait_s", "rollout/duration_s")
@@ -568,7 +570,7 @@ def _worker_stages(metrics: list[tuple[str, float, float]], group_size: int) -> 
         if name in wanted:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
-    out = _ramp([v for n, v, _ in metrics if n == "bench/request_start_unix"], group_size)
+    out = {}
     for name, total in sums.items():
         short = name.split("/")[1]
         if name == "rollout/duration_s":
@@ -579,9 +581,13 @@ def _worker_stages(metrics: list[tuple[str, float, float]], group_size: int) -> 
     return out
 
 
-def _ramp(starts: list[float], group_size: int) -> dict[str, float]:
+def _ramp(starts: list[float], group_size: int, started_unix: float | None = None) -> dict[str, float]:
     """How long the worker took to start its rollouts: the first group's (it runs alone, G3) and the rest's,
-    first start to last. Requests the engine receives over a longer ramp finish over a longer tail."""
+    first start to last. Requests the engine receives over a longer ramp finish over a longer tail.
+
+    With ``started_unix`` (when ``start()`` returned) also how long the first request took to start: the first
+    group's phase is this + the engine's work + scoring it and handing it over. A few milliseconds below zero at
+    times: the child starts generating as soon as it reports ready, before ``start()`` has returned."""
     if not starts:
         return {}
     starts = sorted(starts)
@@ -589,6 +595,8 @@ def _ramp(starts: list[float], group_size: int) -> dict[str, float]:
     out = {"worker_first_group_start_spread_s": first[-1] - first[0]}
     if rest:
         out["worker_rest_start_spread_s"] = rest[-1] - rest[0]
+    if started_unix is not None:
+        out["worker_first_request_after_start_s"] = starts[0] - started_unix
     return out
 
 
