@@ -1,10 +1,14 @@
-"""A tiny Llama that really emits tool calls: the cached result of a short supervised warm-up on CPU.
+"""A tiny Llama that really emits tool calls: a short supervised warm-up on CPU, checked, then cached.
 
 The agent integration tests need tool calls written by a real model through the real server. A random-init
 tiny Llama (real SmolLM2 tokenizer) is fine-tuned with ``recipes.tool_warmup`` on transcripts of exactly the
 prompts and tools the document's examples use (tests/helpers/agent_examples). Where the tests need reward
-variance, a prompt has two continuations in the data, so sampling picks either. The model is cached by a hash
-of the rendered training data, so the warm-up runs once per machine.
+variance, a prompt has two continuations in the data, so sampling picks either.
+
+Another CPU rounds the warm-up's floats differently and gets another model, so the model is never trusted
+because it was trained: ``warm_up_checked`` trains until ``tool_model_check`` finds every transcript turn
+reproduced (greedy, with a margin), or fails naming the turns it still gets wrong. The cache key covers the
+data, the warm-up settings, torch, transformers and ``FIXTURE_VERSION``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +28,17 @@ from asyncgrpo.recipes import cache_dir, smollm2_tokenizer, tiny_model
 from asyncgrpo.recipes.tool_warmup import Transcript, supervised_tool_warmup, transcript_sequences
 from asyncgrpo.rollout.agents import prepare_tool_template
 from tests.helpers.agent_examples import doc_env_dict, doc_env_self, doc_tools
+from tests.helpers.tool_model_check import MIN_MARGIN_NATS, transcript_mistakes
 
 logger = logging.getLogger(__name__)
 
-WARMUP_STEPS = 120
+FIXTURE_VERSION = 2  # bump on any change to how the model is built or checked: older cached models are not reused
+WARMUP_ROUNDS = ((120, 1e-2), (60, 3e-3), (60, 1e-3))  # (steps, learning rate): a step decay (a constant 1e-2
+# plateaus with calls that are right on average but lose the user's numbers and names)
+EXTRA_ROUND = (60, 3e-4)  # trained again while the check still finds a mistake, at most EXTRA_ROUNDS times
+EXTRA_ROUNDS = 3
+WARMUP_NEGATIVES = 4096
+WARMUP_SEED = 0
 SAMPLING_TEMPERATURE = 0.5  # sharpens the warmed-up model; a two-way choice stays two-way
 REASONING_DROPPING_TEMPLATE = (  # ChatML that drops <think> blocks from all but the last assistant message
     "{%- for m in messages -%}{%- if m.role == 'assistant' and not loop.last and '</think>' in m.content -%}"
@@ -100,33 +112,81 @@ def transcripts() -> list[Transcript]:
     out.append(
         Transcript(_conv(SLOW_PROMPT, (call("slow_multiply", a=3, b=4), "12"), ("Done.", None)), [slow_multiply])
     )
-    fork = _conv(FORK_PROMPT, ("<think>I multiply.</think>" + call("multiply", a=5, b=5), "25"),
-                 ("<think>I answer.</think>Done.", None))  # fmt: skip
-    out.append(Transcript(fork, [doc_tools.multiply], chat_template=REASONING_DROPPING_TEMPLATE))
+    out.append(fork_transcript())
     return out
 
 
-def tool_model_dir() -> Path:
-    """The warmed-up tiny Llama + patched SmolLM2 tokenizer (built once, then read from the cache)."""
+def fork_transcript() -> Transcript:
+    """A call after a think block, then an answer: the template drops the first block, so the rollout forks."""
+    fork = _conv(FORK_PROMPT, ("<think>I multiply.</think>" + call("multiply", a=5, b=5), "25"),
+                 ("<think>I answer.</think>Done.", None))  # fmt: skip
+    return Transcript(fork, [doc_tools.multiply], chat_template=REASONING_DROPPING_TEMPLATE)
+
+
+class ToolModelNotReady(AssertionError):
+    """The warm-up ended (extra rounds included) with transcripts the model still gets wrong."""
+
+
+def warm_up_checked(
+    rounds: Sequence[tuple[int, float]] = WARMUP_ROUNDS, extra_rounds: int = EXTRA_ROUNDS
+) -> tuple[Any, Any]:
+    """A fresh tiny Llama warmed up on ``transcripts()`` until it reproduces every one (model, tokenizer).
+
+    After ``rounds`` of supervised steps the model is checked (``tool_model_check``); while it still gets a turn
+    wrong it trains ``EXTRA_ROUND`` more, at most ``extra_rounds`` times, then fails naming what it gets wrong.
+    """
+    import torch
+
     tok = smollm2_tokenizer()
     prepare_tool_template(tok)
     data = transcripts()
-    seqs = [s.input_ids for t in data for s in transcript_sequences(tok, t)]
-    key = hashlib.sha1(json.dumps([seqs, WARMUP_STEPS]).encode()).hexdigest()[:12]
-    out = cache_dir() / "tiny" / f"tool-llama-{key}"
-    if (out / "config.json").is_file():
-        return out
+    torch.manual_seed(WARMUP_SEED)
+    model = tiny_model("llama", seed=WARMUP_SEED)
+    plan = list(rounds) + [EXTRA_ROUND] * extra_rounds
+    mistakes: list[str] = []
+    for i, (steps, lr) in enumerate(plan):
+        losses = supervised_tool_warmup(
+            model, tok, data, steps=steps, lr=lr, batch_size=len(data) * 4, negatives=WARMUP_NEGATIVES
+        )
+        logger.info("tool warm-up: %d steps at lr %g, loss %.3f -> %.3f", steps, lr, losses[0], losses[-1])
+        if i < len(rounds) - 1:
+            continue
+        mistakes = transcript_mistakes(model, tok, data)
+        if not mistakes:
+            return model, tok
+        logger.warning("tool warm-up: %d turns not reproduced yet, first: %s", len(mistakes), mistakes[0])
+    raise ToolModelNotReady(
+        f"the tool model does not reproduce {len(mistakes)} transcript turn(s) after its warm-up ({list(rounds)} "
+        f"and {extra_rounds} extra rounds of {EXTRA_ROUND}; (steps, learning rate)):\n  " + "\n  ".join(mistakes)
+    )
+
+
+def _cache_key() -> str:
+    """Everything the cached model depends on: the data, the warm-up settings, torch and this file's version."""
+    import torch
+    import transformers
+
+    tok = smollm2_tokenizer()
+    prepare_tool_template(tok)
+    seqs = [s.input_ids for t in transcripts() for s in transcript_sequences(tok, t)]
+    settings = [FIXTURE_VERSION, WARMUP_ROUNDS, EXTRA_ROUND, EXTRA_ROUNDS, WARMUP_NEGATIVES, WARMUP_SEED,
+                MIN_MARGIN_NATS, torch.__version__, transformers.__version__]  # fmt: skip
+    return hashlib.sha1(json.dumps([seqs, settings]).encode()).hexdigest()[:12]
+
+
+def tool_model_dir() -> Path:
+    """The warmed-up tiny Llama + patched SmolLM2 tokenizer: built and checked once, then read from the cache.
+
+    A cached model is checked again when loaded (a few seconds), so a model left by a crashed or older build is
+    rebuilt instead of trusted.
+    """
+    out = cache_dir() / "tiny" / f"tool-llama-{_cache_key()}"
     with FileLock(str(out) + ".lock", timeout=900):
         if (out / "config.json").is_file():
-            return out
-        import torch
-
-        torch.manual_seed(0)
-        model = tiny_model("llama", seed=0)
-        losses = supervised_tool_warmup(
-            model, tok, data, steps=WARMUP_STEPS, lr=1e-2, batch_size=len(data) * 4, negatives=4096
-        )
-        logger.info("tool warm-up: loss %.3f -> %.3f", losses[0], losses[-1])
+            if not _cached_mistakes(out):
+                return out
+            logger.warning("the cached tool model %s does not reproduce its transcripts: building it again", out)
+        model, tok = warm_up_checked()
         staging = Path(tempfile.mkdtemp(dir=out.parent))
         model.save_pretrained(staging)
         tok.save_pretrained(staging)
@@ -134,3 +194,11 @@ def tool_model_dir() -> Path:
             shutil.rmtree(out)
         staging.rename(out)
     return out
+
+
+def _cached_mistakes(path: Path) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return transcript_mistakes(model, AutoTokenizer.from_pretrained(path), transcripts())
