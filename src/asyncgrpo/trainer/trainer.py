@@ -271,13 +271,18 @@ class AsyncGRPOTrainer(Trainer):
         """One server: ``WeightSender`` (it survives a restart of its server). Several: ``FanoutSender``, one group
         per server; a server that stops answering is dropped and the worker told to stop routing there (X5)."""
         args, urls = self.args, self.args.server_urls
-        backend = facts.weight_backend or "auto"
+        backend = args.weight_sync_backend  # auto: ipc / nccl / gloo from the server's /server_info (weights/ipc.py)
         if len(urls) == 1:
             sender = WeightSender(
                 timeout_s=args.vllm_server_timeout, restart_timeout_s=args.vllm_server_restart_timeout
             )
             sender.init(AsyncServerClient(urls[0]), facts.world_size, backend=backend, device=args.device)
             return sender
+        if backend == "ipc":
+            raise ValueError("weight_sync_backend='ipc' shares the trainer's GPU with one server; several servers "
+                             "(vllm_server_base_url) need 'nccl' or 'auto'")  # fmt: skip
+        if backend == "auto":
+            backend = facts.weight_backend or "auto"
         worker = self.worker
         assert worker is not None
         fanout = FanoutSender(timeout_s=args.vllm_server_timeout, topology=args.weight_sync_topology,

@@ -1,0 +1,202 @@
+"""The server's end of the ``ipc`` weight transfer (CUDA IPC, trainer on this GPU): see ``weights/ipc.py``.
+
+``WeightReceiver`` hands a round here once ``/init_weight_transfer_engine`` carried
+``{"packed": bool}`` to a server that accepts ipc (``--weight-transfer-config
+'{"backend": "ipc"}'``, or ``auto`` on a GPU). Each ``/update_weights`` is checked
+on the HTTP side (names, shapes, the environment switch vLLM needs before it
+unpickles handles, that the handles are for this GPU), then run on the engine
+thread between steps: the trainer's memory is opened, copied straight into the
+engine's parameters (no staging clone) and the call is answered only after the
+copies finished, so the trainer may refill its buffer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from asyncgrpo.server.http_protocol import ApiError
+from asyncgrpo.weights.collectives import TensorMeta
+from asyncgrpo.weights.ipc import decode_handles, device_uuid, rebuild_args
+from asyncgrpo.weights.wire import copy_all
+
+if TYPE_CHECKING:
+    from asyncgrpo.server.weight_receiver import WeightReceiver
+
+logger = logging.getLogger(__name__)
+
+_INIT_KEYS = {"packed"}  # vLLM 0.33's IPCWeightTransferInitInfo
+# IPCWeightTransferUpdateInfo's fields; ``ipc_handles`` (raw tuples) cannot travel in JSON, only as null
+_UPDATE_KEYS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
+_NCCL_KEYS = {"master_address", "master_port", "nccl_unique_id_b64", "rank_offset", "world_size"}
+
+
+def accepted_backends(configured: str | None, device_type: str) -> tuple[str, ...]:
+    """The weight transfers a server takes, the one it reports to vLLM clients first.
+
+    ``auto`` on a GPU takes NCCL (a trainer on another GPU) and ipc (a trainer on this one): the trainer
+    decides by comparing GPU UUIDs; on CPU it takes gloo. ``none`` (or None) takes nothing.
+    """
+    if configured in (None, "none"):
+        return ()
+    if configured == "auto":
+        return ("nccl", "ipc") if device_type == "cuda" else ("gloo",)
+    return (configured,)
+
+
+def is_ipc_init(info: dict[str, Any], accepted: tuple[str, ...]) -> bool:
+    """Whether ``init_info`` starts an ipc transfer (no rendezvous fields), refusing a mismatch.
+
+    Raises:
+        ApiError: an ipc init (only ``packed``) to a server without ipc, or a rendezvous init to an ipc-only server.
+    """
+    keys = set(info)
+    if "ipc" not in accepted:
+        if keys and keys <= _INIT_KEYS:
+            raise ApiError(400, f"init_info {sorted(info)} is an ipc init (CUDA IPC), but this server receives "
+                           f"weights over {list(accepted)}: restart it with --weight-transfer-config "
+                           "'{\"backend\": \"ipc\"}' on the trainer's GPU, or send the rendezvous fields of its "
+                           "backend", param="init_info")  # fmt: skip
+        return False
+    if keys & _NCCL_KEYS:
+        if accepted == ("ipc",):
+            raise ApiError(400, "this server receives weights over ipc (CUDA IPC, trainer on its GPU): init_info is "
+                           '{"packed": bool}, with no rendezvous fields', param="init_info")  # fmt: skip
+        return False
+    return True
+
+
+class IpcEndpoint:
+    """One ipc transfer on the engine's side, from its init to the next init or shutdown.
+
+    The packed buffer's mapping is opened once per export and kept until the next export or ``finish``: torch
+    pairs each export with one release, and the trainer sends the same export with every chunk of a round.
+    """
+
+    def __init__(self, engine: Any, info: dict[str, Any]) -> None:
+        unknown = sorted(set(info) - _INIT_KEYS)
+        if unknown:
+            raise ApiError(400, f"unknown init_info keys {unknown} for ipc; allowed: {sorted(_INIT_KEYS)}", "init_info")
+        packed = info.get("packed", False)
+        if not isinstance(packed, bool):
+            raise ApiError(400, f"init_info.packed must be a boolean, got {packed!r}", param="init_info")
+        if engine.device.type != "cuda":
+            raise ApiError(400, f"the ipc backend needs the engine on a GPU; this server runs on {engine.device}")
+        self.packed = packed
+        self.device: torch.device = engine.device
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.uuid = device_uuid(self.index)
+        self._mapped: tuple[tuple, torch.Tensor] | None = None  # (rebuild arguments, the packed buffer)
+
+    def prepare(
+        self, receiver: WeightReceiver, info: Any, arrived: float
+    ) -> tuple[list[TensorMeta], Callable[[], None], None]:
+        """Check one ``update_info`` (HTTP side) and build the engine-thread job that copies it in."""
+        if not isinstance(info, dict):
+            raise ApiError(400, "update_info must be an object", param="update_info")
+        unknown = sorted(set(info) - _UPDATE_KEYS)
+        if unknown:
+            raise ApiError(400, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)}", "update_info")
+        if info.get("ipc_handles") is not None:
+            raise ApiError(400, "ipc_handles cannot travel in JSON: send them pickled in ipc_handles_pickled")
+        if info.get("ipc_handles_pickled") is None:
+            raise ApiError(400, "update_info needs ipc_handles_pickled (the ipc backend's CUDA IPC handles)")
+        if not receiver.active:
+            raise ApiError(409, "no active weight update: call /start_weight_update first")
+        if not info.get("names"):
+            raise ApiError(400, "update_info.names is empty: an ipc update names the tensors its handles hold")
+        metas = receiver._metas(info)
+        try:
+            handles = decode_handles(info["ipc_handles_pickled"])
+        except PermissionError as exc:
+            raise ApiError(500, str(exc)) from exc  # vLLM answers this one with 500 too (a worker error)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="ipc_handles_pickled") from exc
+        try:
+            if self.packed:
+                job = self._packed_job(receiver, metas, handles, info.get("tensor_sizes"))
+            else:
+                job = self._unpacked_job(receiver, metas, handles)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="update_info") from exc
+
+        def run() -> None:
+            receiver._host = {"engine_start_ms": (time.perf_counter() - arrived) * 1e3}
+            job()
+
+        return metas, run, None
+
+    def _unpacked_job(self, receiver: WeightReceiver, metas: list[TensorMeta], handles: Any) -> Callable[[], None]:
+        if not isinstance(handles, list) or len(handles) != len(metas):
+            raise ValueError(f"unpacked: ipc_handles must be a list of one handle per name ({len(metas)}), got "
+                             f"{type(handles).__name__} of {len(handles) if isinstance(handles, list) else '?'}")  # fmt: skip
+        args = [rebuild_args(h, self.uuid, self.index) for h in handles]
+        for meta, a in zip(metas, args):
+            if tuple(a[1]) != meta.shape or a[5] != meta.dtype:
+                raise ValueError(f"the handle of {meta.name!r} holds {a[5]} {tuple(a[1])}, not the announced "
+                                 f"{meta.dtype} {meta.shape}")  # fmt: skip
+
+        def job() -> None:
+            with torch.no_grad(), torch.cuda.device(self.index):
+                tensors = [(m.name, rebuild_cuda_tensor(*a)) for m, a in zip(metas, args)]
+                self._load(receiver, tensors)
+                del tensors  # each mapping released once: the trainer may free the memory
+
+        return job
+
+    def _packed_job(
+        self, receiver: WeightReceiver, metas: list[TensorMeta], handle: Any, sizes: Any
+    ) -> Callable[[], None]:
+        if not isinstance(sizes, list) or len(sizes) != len(metas):
+            raise ValueError(f"packed: tensor_sizes must list the byte size of each of the {len(metas)} tensors")
+        for meta, size in zip(metas, sizes):
+            if size != meta.nbytes:
+                raise ValueError(f"tensor_sizes gives {size!r} bytes for {meta.name!r}, which is {meta.nbytes}")
+        args = rebuild_args(handle, self.uuid, self.index)
+        if args[5] != torch.uint8 or len(args[1]) != 1 or sum(sizes) > args[1][0]:
+            raise ValueError(f"packed: the handle must be a flat uint8 buffer of at least {sum(sizes)} bytes, got "
+                             f"{args[5]} {tuple(args[1])}")  # fmt: skip
+        key = tuple(args)
+
+        def job() -> None:
+            with torch.no_grad(), torch.cuda.device(self.index):
+                if self._mapped is None or self._mapped[0] != key:
+                    self._mapped = None  # the previous export's mapping released before the next opens
+                    self._mapped = (key, rebuild_cuda_tensor(*args))
+                buf, views, at = self._mapped[1], [], 0
+                for meta in metas:
+                    views.append((meta.name, buf[at : at + meta.nbytes].view(meta.dtype).view(meta.shape)))
+                    at += meta.nbytes
+                self._load(receiver, views)
+
+        return job
+
+    def _load(self, receiver: WeightReceiver, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy into the engine's parameters (dtype converted), then wait: the answer frees the trainer's bytes."""
+        params = receiver._params
+        if params is None:
+            params = receiver._params = {name: p.detach() for name, p in receiver.engine.named_parameters()}
+        dsts, srcs, rest = [], [], []
+        for name, t in tensors:
+            p = params.get(name)
+            if p is None or p.device != t.device:
+                rest.append((name, t))  # an alias (a tied head): the engine resolves it
+            else:
+                dsts.append(p)
+                srcs.append(t)
+        if dsts:
+            copy_all(dsts, srcs)
+        if rest:
+            receiver.engine.load_weights(rest)
+        torch.cuda.current_stream(self.index).synchronize()
+        if dsts:
+            receiver.engine.reset_prefix_cache()  # cached K/V was computed with the old weights
+
+    def release(self) -> None:
+        """At ``finish`` (and shutdown): let go of the packed buffer, so the trainer can free or reuse it."""
+        self._mapped = None
