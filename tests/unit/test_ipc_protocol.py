@@ -166,3 +166,26 @@ def test_server_side_backends_and_init_shapes():
         is_ipc_init({"packed": False}, ("gloo",))
     with pytest.raises(ApiError, match='init_info is {"packed": bool}'):
         is_ipc_init(rendezvous, ("ipc",))
+
+
+# ---------------------------------------------------------------------- the one-GPU recipe
+
+
+def test_embedded_server_on_the_trainers_gpu_gets_a_share_and_the_ipc_switch():
+    from asyncgrpo.launch import embedded_env, server_flags
+
+    share = ["--gpu-memory-utilization", "0.3"]
+    assert server_flags({"device": "auto"}) == ["--device", "auto", *share]
+    assert server_flags({"device": "cuda:1"}) == ["--device", "cuda:1"]  # another GPU: its own default
+    own = server_flags({"device": "cuda", "args": ["--gpu-memory-utilization=0.5"]})
+    assert own == ["--device", "cuda", "--gpu-memory-utilization=0.5"]
+    assert embedded_env(server_flags({"device": "auto"})) == {INSECURE_ENV: "1"}
+    assert embedded_env(["--device", "cuda", "--host", "0.0.0.0"]) == {}  # pickles never from off the machine
+
+
+def test_an_out_of_memory_error_names_the_split_to_change():
+    from asyncgrpo.trainer.gpu_share import shared_gpu_oom
+
+    err = shared_gpu_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), "cpu")
+    assert isinstance(err, torch.OutOfMemoryError)
+    assert "lower the server's --gpu-memory-utilization" in str(err) and "Tried to allocate 2.00 GiB" in str(err)

@@ -74,8 +74,12 @@ def is_ipc_init(info: dict[str, Any], accepted: tuple[str, ...]) -> bool:
 class IpcEndpoint:
     """One ipc transfer on the engine's side, from its init to the next init or shutdown.
 
-    The packed buffer's mapping is opened once per export and kept until the next export or ``finish``: torch
-    pairs each export with one release, and the trainer sends the same export with every chunk of a round.
+    Mappings of the trainer's memory are kept from round to round when the same storage came in two rounds in a
+    row (the trainer's parameters, its packed buffer): opening one costs far more than the copy of a small
+    tensor, and torch answers a new export of a storage that is still mapped by releasing that export at once
+    (one release per export, as the trainer's allocator needs). A storage seen once (a merged or gathered
+    tensor) is let go at ``finish``; a kept one pins the trainer's block until a round no longer sends it.
+    Each export is rebuilt once: the trainer sends one export of its buffer with every chunk of a round.
     """
 
     def __init__(self, engine: Any, info: dict[str, Any]) -> None:
@@ -92,6 +96,9 @@ class IpcEndpoint:
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.uuid = device_uuid(self.index)
         self._mapped: tuple[tuple, torch.Tensor] | None = None  # (rebuild arguments, the packed buffer)
+        self._held: dict[tuple, torch.Tensor] = {}  # (storage handle, offset) -> a tensor keeping it mapped
+        self._seen: set[tuple] = set()  # storages of this round
+        self._seen_last: set[tuple] = set()  # and of the last one
 
     def prepare(
         self, receiver: WeightReceiver, info: Any, arrived: float
@@ -143,7 +150,7 @@ class IpcEndpoint:
 
         def job() -> None:
             with torch.no_grad(), torch.cuda.device(self.index):
-                tensors = [(m.name, rebuild_cuda_tensor(*a)) for m, a in zip(metas, args)]
+                tensors = [(m.name, self._rebuild(a)) for m, a in zip(metas, args)]
                 self._load(receiver, tensors)
                 del tensors  # each mapping released once: the trainer may free the memory
 
@@ -166,8 +173,7 @@ class IpcEndpoint:
         def job() -> None:
             with torch.no_grad(), torch.cuda.device(self.index):
                 if self._mapped is None or self._mapped[0] != key:
-                    self._mapped = None  # the previous export's mapping released before the next opens
-                    self._mapped = (key, rebuild_cuda_tensor(*args))
+                    self._mapped = (key, self._rebuild(args))
                 buf, views, at = self._mapped[1], [], 0
                 for meta in metas:
                     views.append((meta.name, buf[at : at + meta.nbytes].view(meta.dtype).view(meta.shape)))
@@ -197,6 +203,24 @@ class IpcEndpoint:
         if dsts:
             receiver.engine.reset_prefix_cache()  # cached K/V was computed with the old weights
 
-    def release(self) -> None:
-        """At ``finish`` (and shutdown): let go of the packed buffer, so the trainer can free or reuse it."""
+    def _rebuild(self, args: list[Any]) -> torch.Tensor:
+        """The tensor of one export; a storage still mapped is reused (torch then releases the export at once)."""
+        t = rebuild_cuda_tensor(*args)
+        storage = (args[7], args[9])  # the trainer's allocation handle and the storage's offset in it
+        self._seen.add(storage)
+        self._held.setdefault(storage, t)
+        return t
+
+    def end_round(self) -> None:
+        """At ``finish``: keep the mappings of storages sent in this round and the last, let the others go."""
+        keep = self._seen & self._seen_last
+        self._held = {k: t for k, t in self._held.items() if k in keep}
         self._mapped = None
+        self._seen_last, self._seen = self._seen, set()
+
+    def release(self) -> None:
+        """At shutdown or a new init: let go of every mapping, so the trainer can free or reuse its memory."""
+        self._mapped = None
+        self._held.clear()
+        self._seen.clear()
+        self._seen_last.clear()

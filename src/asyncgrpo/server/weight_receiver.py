@@ -331,7 +331,7 @@ class WeightReceiver:
         if not self.active:
             raise ApiError(400, "no active weight update to finish")
         if self.ipc is not None:
-            self.ipc.release()
+            self.ipc.end_round()
         if version is not None:
             self.engine.set_weight_version(str(version))
         self.active = False

@@ -49,6 +49,7 @@ from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
@@ -374,6 +375,10 @@ class AsyncGRPOTrainer(Trainer):
         self._start_rollout(resume)
         try:
             return super().train(resume_from_checkpoint=ckpt, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if getattr(self.sender, "backend", None) != "ipc":
+                raise
+            raise shared_gpu_oom(exc, self.args.device) from exc  # the split of the one GPU is what to change
         finally:
             self._stop_rollout()
 

@@ -261,6 +261,9 @@ class IpcExport:
             yield update_body(chunk, pickled, packed=packed)
             if kind == "alone":
                 self.keep.pop()  # the server copied it out: each call is answered after its copies
+                # The server let go of the buffer's mapping to open this tensor: the buffer's next chunk needs an
+                # export of its own (torch pairs one export with one release).
+                self._buffer_pickled = None
 
     def _take(self, it: Iterator[torch.Tensor], meta: TensorMeta) -> torch.Tensor:
         try:
