@@ -31,8 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-TASK = "basic_arithmetic"
-TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
+TASKS = {  # reasoning-gym task -> its settings (chain_sum: the demo's task)
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]},
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},  # held-out questions need 2 digits
+}
 DATA_DIR = Path(__file__).parent / "data"
 MODES = {
     "async": {"max_staleness": 2},
@@ -40,14 +42,14 @@ MODES = {
 }
 
 
-def make_data(out: Path, train_size: int = 1024, heldout_size: int = 200) -> None:
+def make_data(out: Path, task: str, train_size: int = 1024, heldout_size: int = 200) -> None:
     """Train and held-out JSONL (``{"prompt": messages, "answer": str}``); held-out questions never trained on."""
     from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 
     out.mkdir(parents=True, exist_ok=True)
-    train = reasoning_gym_dataset(TASK, size=train_size, seed=0, **TASK_CONFIG)
+    train = reasoning_gym_dataset(task, size=train_size, seed=0, **TASKS[task])
     seen = {p[-1]["content"] for p in train["prompt"]}
-    held = reasoning_gym_dataset(TASK, size=heldout_size * 20, seed=1, **TASK_CONFIG)
+    held = reasoning_gym_dataset(task, size=heldout_size * 20, seed=1, **TASKS[task])
     held_rows = [r for r in held if r["prompt"][-1]["content"] not in seen]
     unique: dict[str, dict] = {}
     for r in held_rows:
@@ -56,7 +58,7 @@ def make_data(out: Path, train_size: int = 1024, heldout_size: int = 200) -> Non
     if len(held_rows) < heldout_size:
         raise SystemExit(f"only {len(held_rows)} held-out questions are not in the training set; lower the size")
     for name, rows in (("train", train), ("heldout", held_rows)):
-        with open(out / f"{TASK}_{name}.jsonl", "w") as fh:
+        with open(out / f"{task}_{name}.jsonl", "w") as fh:
             fh.writelines(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows)
     print(f"wrote {len(train)} training and {len(held_rows)} held-out problems to {out}")
 
@@ -77,8 +79,8 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
     from asyncgrpo.server.launcher import launch_server
 
-    train_rows = _read(Path(a.data) / f"{TASK}_train.jsonl")
-    held_rows = _read(Path(a.data) / f"{TASK}_heldout.jsonl")[: a.heldout_limit]
+    train_rows = _read(Path(a.data) / f"{a.task}_train.jsonl")
+    held_rows = _read(Path(a.data) / f"{a.task}_heldout.jsonl")[: a.heldout_limit]
     model = demo_model_dir()
     tok = AutoTokenizer.from_pretrained(model)
     out_dir = Path(a.work_dir) / mode
@@ -93,6 +95,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             self.eval_s = 0.0
             self.curve: list[dict] = []
             self.next_eval = 0.0
+            self.backend: str | None = None  # the weight sync's backend (ipc when server and trainer share a GPU)
 
         def train_s(self) -> float:
             return time.perf_counter() - self.t0 - self.eval_s
@@ -112,6 +115,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             self.evaluate(0)
 
         def on_step_end(self, args, state, control, **kw):
+            self.backend = self.backend or getattr(getattr(trainer, "sender", None), "backend", None)
             clock = self.train_s()
             if clock >= a.train_seconds:
                 control.should_training_stop = True
@@ -158,6 +162,10 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     per_step = [m for m in metrics if "perf/rollout_wait_s" in m]
     wait = sum(m["perf/rollout_wait_s"] for m in per_step)
 
+    def mean(name: str) -> float | None:
+        xs = [m[name] for m in per_step if name in m]
+        return sum(xs) / len(xs) if xs else None
+
     def median(name: str) -> float | None:
         xs = sorted(m[name] for m in per_step if name in m)
         return xs[len(xs) // 2] if xs else None
@@ -177,6 +185,11 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             )
         },
         "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (smoke run)",
+        "task": a.task,
+        "server_gpu": a.server_gpu,
+        "trainer_gpu": a.trainer_gpu,
+        "weight_sync_backend": clock.backend,
+        "weight_sync_s_mean": mean("perf/weight_sync_s"),
         "steps": steps,
         "train_s": trained_s,
         "eval_s": clock.eval_s,
@@ -250,6 +263,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/learning_h200.json")
     p.add_argument("--make-data", help="write the task's JSONL files into this folder and exit")
+    p.add_argument("--task", default="basic_arithmetic", choices=sorted(TASKS))
     p.add_argument("--data", default=str(DATA_DIR))
     p.add_argument("--work-dir", default=None, help="run folders (default: beside --out)")
     p.add_argument("--modes", default="async,sync")
@@ -269,7 +283,7 @@ def main() -> int:
     p.add_argument("--trainer-gpu", default="1")
     a = p.parse_args()
     if a.make_data:
-        make_data(Path(a.make_data))
+        make_data(Path(a.make_data), a.task)
         return 0
     a.work_dir = a.work_dir or str(Path(a.out).with_suffix(""))
     if a.mode:
@@ -286,8 +300,9 @@ def main() -> int:
             return rc
         runs[mode] = json.loads(Path(a.work_dir, f"{mode}.json").read_text())
     summary = {
-        "what": "B6/B8: SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (2 one-digit terms, +/-), server "
-        "bf16 on GPU 0, trainer on GPU 1, NCCL sync; held-out greedy accuracy against the training clock",
+        "what": f"B6/B8: SmolLM2-135M-Instruct, reasoning-gym {a.task} ({TASKS[a.task]}), server bf16 on GPU "
+        f"{a.server_gpu}, trainer on GPU {a.trainer_gpu} (weight sync: see runs.*.weight_sync_backend); held-out "
+        "greedy accuracy against the training clock",
         "note": "the training clock excludes evaluations; during one, the async worker may keep generating up to "
         "its staleness window, the sync worker does not",
         "runs": runs,
