@@ -176,7 +176,10 @@ class IpcEndpoint:
                     self._mapped = (key, self._rebuild(args))
                 buf, views, at = self._mapped[1], [], 0
                 for meta in metas:
-                    views.append((meta.name, buf[at : at + meta.nbytes].view(meta.dtype).view(meta.shape)))
+                    piece = buf[at : at + meta.nbytes]
+                    if at % meta.dtype.itemsize:  # after an odd-sized tensor of a narrower dtype: not viewable
+                        piece = piece.clone()
+                    views.append((meta.name, piece.view(meta.dtype).view(meta.shape)))
                     at += meta.nbytes
                 self._load(receiver, views)
 
