@@ -24,6 +24,7 @@ training time over the time async needed to reach sync's final accuracy).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -117,7 +118,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
         def on_step_end(self, args, state, control, **kw):
             self.backend = self.backend or getattr(getattr(trainer, "sender", None), "backend", None)
             clock = self.train_s()
-            if clock >= a.train_seconds:
+            if clock >= (a.sync_train_seconds if mode == "sync" and a.sync_train_seconds else a.train_seconds):
                 control.should_training_stop = True
             elif clock >= self.next_eval:
                 self.evaluate(state.global_step)
@@ -127,7 +128,8 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     with launch_server(
         model, extra_args=["--device", a.device, "--dtype", "bfloat16" if a.device == "cuda" else "float32",
                            "--max-model-len", "1024", *a.server_args.split()],
-        env={"CUDA_VISIBLE_DEVICES": a.server_gpu}, log_path=str(server_log), timeout=600,
+        env={"CUDA_VISIBLE_DEVICES": a.server_gpu, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # ipc on one GPU
+        log_path=str(server_log), timeout=600,
     ) as server:  # fmt: skip
         args = AsyncGRPOConfig(
             output_dir=str(out_dir),
@@ -234,6 +236,15 @@ def time_to_reach(curve: list[dict], target: float) -> float | None:
     return next((p["train_s"] for p in curve if p["accuracy"] >= target), None)
 
 
+def steps_at(curve: list[dict], train_s: float) -> float:
+    """Optimizer steps done after ``train_s`` seconds of training, interpolated between evaluation points."""
+    for a, b in itertools.pairwise(curve):
+        if a["train_s"] <= train_s <= b["train_s"]:
+            span = b["train_s"] - a["train_s"]
+            return a["step"] + (b["step"] - a["step"]) * ((train_s - a["train_s"]) / span if span else 1.0)
+    return float(curve[-1]["step"])
+
+
 def compare(runs: dict[str, dict]) -> dict:
     a, s = runs["async"], runs["sync"]
     target = s["accuracy_after"]
@@ -247,6 +258,10 @@ def compare(runs: dict[str, dict]) -> dict:
         "sync_training_s_per_step": train,
         "ideal_async_ratio": (gen + train) / max(gen, train, 1e-9),
         "b6_steps_per_min_ratio": a["steps_per_min"] / s["steps_per_min"],
+        # The same over the same stretch of training clock (the shorter run's): steps grow heavier as completions
+        # shorten (a fixed token_budget takes more samples), so runs of different lengths compare unlike steps.
+        "b6_equal_clock_steps_ratio": steps_at(a["curve"], min(a["train_s"], s["train_s"]))
+        / max(steps_at(s["curve"], min(a["train_s"], s["train_s"])), 1e-9),
         "async_rollout_wait_share": a["rollout_wait_share"],
         "sync_rollout_wait_share": s["rollout_wait_share"],
         "sync_final_accuracy": target,
@@ -269,6 +284,7 @@ def main() -> int:
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     p.add_argument("--train-seconds", type=float, default=180.0)
+    p.add_argument("--sync-train-seconds", type=float, default=None, help="the sync run's budget (default: the same)")
     p.add_argument("--eval-every", type=float, default=30.0)
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--token-budget", type=int, default=4096)

@@ -333,12 +333,15 @@ def ipc_round(
         raise
     t2 = time.perf_counter()
     step("start")
-    calls = 0
+    calls, posting = 0, 0.0  # the time in update calls (the server's side), the rest of "updates" is this side's
     try:
         for body in export.bodies(tensors, metas, packed=sender.packed):
+            t = time.perf_counter()
             sender._http(client.update_weights(body, timeout=sender.timeout_s), "POST /update_weights")
+            posting += time.perf_counter() - t
             calls += 1
         step("updates")
+        steps["update_calls_ms"] = posting * 1e3
         sender._http(sender._finish_round(version), "POST /finish_weight_update and /reset_prefix_cache")
     except (ServerError, WeightTransferError) as exc:
         _end_failed_round(sender)
