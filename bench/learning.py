@@ -24,6 +24,7 @@ training time over the time async needed to reach sync's final accuracy).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -31,8 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-TASK = "basic_arithmetic"
-TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
+TASKS = {  # reasoning-gym task -> its settings (chain_sum: the demo's task)
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]},
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},  # held-out questions need 2 digits
+}
 DATA_DIR = Path(__file__).parent / "data"
 MODES = {
     "async": {"max_staleness": 2},
@@ -40,14 +43,14 @@ MODES = {
 }
 
 
-def make_data(out: Path, train_size: int = 1024, heldout_size: int = 200) -> None:
+def make_data(out: Path, task: str, train_size: int = 1024, heldout_size: int = 200) -> None:
     """Train and held-out JSONL (``{"prompt": messages, "answer": str}``); held-out questions never trained on."""
     from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 
     out.mkdir(parents=True, exist_ok=True)
-    train = reasoning_gym_dataset(TASK, size=train_size, seed=0, **TASK_CONFIG)
+    train = reasoning_gym_dataset(task, size=train_size, seed=0, **TASKS[task])
     seen = {p[-1]["content"] for p in train["prompt"]}
-    held = reasoning_gym_dataset(TASK, size=heldout_size * 20, seed=1, **TASK_CONFIG)
+    held = reasoning_gym_dataset(task, size=heldout_size * 20, seed=1, **TASKS[task])
     held_rows = [r for r in held if r["prompt"][-1]["content"] not in seen]
     unique: dict[str, dict] = {}
     for r in held_rows:
@@ -56,7 +59,7 @@ def make_data(out: Path, train_size: int = 1024, heldout_size: int = 200) -> Non
     if len(held_rows) < heldout_size:
         raise SystemExit(f"only {len(held_rows)} held-out questions are not in the training set; lower the size")
     for name, rows in (("train", train), ("heldout", held_rows)):
-        with open(out / f"{TASK}_{name}.jsonl", "w") as fh:
+        with open(out / f"{task}_{name}.jsonl", "w") as fh:
             fh.writelines(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows)
     print(f"wrote {len(train)} training and {len(held_rows)} held-out problems to {out}")
 
@@ -77,8 +80,8 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
     from asyncgrpo.server.launcher import launch_server
 
-    train_rows = _read(Path(a.data) / f"{TASK}_train.jsonl")
-    held_rows = _read(Path(a.data) / f"{TASK}_heldout.jsonl")[: a.heldout_limit]
+    train_rows = _read(Path(a.data) / f"{a.task}_train.jsonl")
+    held_rows = _read(Path(a.data) / f"{a.task}_heldout.jsonl")[: a.heldout_limit]
     model = demo_model_dir()
     tok = AutoTokenizer.from_pretrained(model)
     out_dir = Path(a.work_dir) / mode
@@ -93,6 +96,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             self.eval_s = 0.0
             self.curve: list[dict] = []
             self.next_eval = 0.0
+            self.backend: str | None = None  # the weight sync's backend (ipc when server and trainer share a GPU)
 
         def train_s(self) -> float:
             return time.perf_counter() - self.t0 - self.eval_s
@@ -112,8 +116,9 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             self.evaluate(0)
 
         def on_step_end(self, args, state, control, **kw):
+            self.backend = self.backend or getattr(getattr(trainer, "sender", None), "backend", None)
             clock = self.train_s()
-            if clock >= a.train_seconds:
+            if clock >= (a.sync_train_seconds if mode == "sync" and a.sync_train_seconds else a.train_seconds):
                 control.should_training_stop = True
             elif clock >= self.next_eval:
                 self.evaluate(state.global_step)
@@ -123,7 +128,8 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     with launch_server(
         model, extra_args=["--device", a.device, "--dtype", "bfloat16" if a.device == "cuda" else "float32",
                            "--max-model-len", "1024", *a.server_args.split()],
-        env={"CUDA_VISIBLE_DEVICES": a.server_gpu}, log_path=str(server_log), timeout=600,
+        env={"CUDA_VISIBLE_DEVICES": a.server_gpu, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # ipc on one GPU
+        log_path=str(server_log), timeout=600,
     ) as server:  # fmt: skip
         args = AsyncGRPOConfig(
             output_dir=str(out_dir),
@@ -158,6 +164,10 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     per_step = [m for m in metrics if "perf/rollout_wait_s" in m]
     wait = sum(m["perf/rollout_wait_s"] for m in per_step)
 
+    def mean(name: str) -> float | None:
+        xs = [m[name] for m in per_step if name in m]
+        return sum(xs) / len(xs) if xs else None
+
     def median(name: str) -> float | None:
         xs = sorted(m[name] for m in per_step if name in m)
         return xs[len(xs) // 2] if xs else None
@@ -177,6 +187,11 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             )
         },
         "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (smoke run)",
+        "task": a.task,
+        "server_gpu": a.server_gpu,
+        "trainer_gpu": a.trainer_gpu,
+        "weight_sync_backend": clock.backend,
+        "weight_sync_s_mean": mean("perf/weight_sync_s"),
         "steps": steps,
         "train_s": trained_s,
         "eval_s": clock.eval_s,
@@ -221,6 +236,15 @@ def time_to_reach(curve: list[dict], target: float) -> float | None:
     return next((p["train_s"] for p in curve if p["accuracy"] >= target), None)
 
 
+def steps_at(curve: list[dict], train_s: float) -> float:
+    """Optimizer steps done after ``train_s`` seconds of training, interpolated between evaluation points."""
+    for a, b in itertools.pairwise(curve):
+        if a["train_s"] <= train_s <= b["train_s"]:
+            span = b["train_s"] - a["train_s"]
+            return a["step"] + (b["step"] - a["step"]) * ((train_s - a["train_s"]) / span if span else 1.0)
+    return float(curve[-1]["step"])
+
+
 def compare(runs: dict[str, dict]) -> dict:
     a, s = runs["async"], runs["sync"]
     target = s["accuracy_after"]
@@ -234,6 +258,10 @@ def compare(runs: dict[str, dict]) -> dict:
         "sync_training_s_per_step": train,
         "ideal_async_ratio": (gen + train) / max(gen, train, 1e-9),
         "b6_steps_per_min_ratio": a["steps_per_min"] / s["steps_per_min"],
+        # The same over the same stretch of training clock (the shorter run's): steps grow heavier as completions
+        # shorten (a fixed token_budget takes more samples), so runs of different lengths compare unlike steps.
+        "b6_equal_clock_steps_ratio": steps_at(a["curve"], min(a["train_s"], s["train_s"]))
+        / max(steps_at(s["curve"], min(a["train_s"], s["train_s"])), 1e-9),
         "async_rollout_wait_share": a["rollout_wait_share"],
         "sync_rollout_wait_share": s["rollout_wait_share"],
         "sync_final_accuracy": target,
@@ -250,11 +278,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/learning_h200.json")
     p.add_argument("--make-data", help="write the task's JSONL files into this folder and exit")
+    p.add_argument("--task", default="basic_arithmetic", choices=sorted(TASKS))
     p.add_argument("--data", default=str(DATA_DIR))
     p.add_argument("--work-dir", default=None, help="run folders (default: beside --out)")
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     p.add_argument("--train-seconds", type=float, default=180.0)
+    p.add_argument("--sync-train-seconds", type=float, default=None, help="the sync run's budget (default: the same)")
     p.add_argument("--eval-every", type=float, default=30.0)
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--token-budget", type=int, default=4096)
@@ -269,7 +299,7 @@ def main() -> int:
     p.add_argument("--trainer-gpu", default="1")
     a = p.parse_args()
     if a.make_data:
-        make_data(Path(a.make_data))
+        make_data(Path(a.make_data), a.task)
         return 0
     a.work_dir = a.work_dir or str(Path(a.out).with_suffix(""))
     if a.mode:
@@ -286,8 +316,9 @@ def main() -> int:
             return rc
         runs[mode] = json.loads(Path(a.work_dir, f"{mode}.json").read_text())
     summary = {
-        "what": "B6/B8: SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (2 one-digit terms, +/-), server "
-        "bf16 on GPU 0, trainer on GPU 1, NCCL sync; held-out greedy accuracy against the training clock",
+        "what": f"B6/B8: SmolLM2-135M-Instruct, reasoning-gym {a.task} ({TASKS[a.task]}), server bf16 on GPU "
+        f"{a.server_gpu}, trainer on GPU {a.trainer_gpu} (weight sync: see runs.*.weight_sync_backend); held-out "
+        "greedy accuracy against the training clock",
         "note": "the training clock excludes evaluations; during one, the async worker may keep generating up to "
         "its staleness window, the sync worker does not",
         "runs": runs,

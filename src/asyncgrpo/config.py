@@ -284,6 +284,14 @@ class AsyncGRPOConfig(TrainingArguments):
             "(each tensor sent once; every rank needs its own GPU). One server: unused."
         },
     )
+    weight_sync_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "How weights reach the server: 'auto' (CUDA IPC when the server reports the trainer's own GPU, "
+            "NCCL when another GPU, gloo on CPU; a real vLLM's own --weight-transfer-config backend otherwise), "
+            "'ipc', 'nccl' or 'gloo'. An explicit choice the server cannot take stops the run at start."
+        },
+    )
     rollout_worker_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds since the rollout worker's last heartbeat after which the trainer stops the run."},
@@ -430,6 +438,8 @@ class AsyncGRPOConfig(TrainingArguments):
             p.append(f"answer_parse_processes={self.answer_parse_processes}: must be >= 0, or None for the default")
         if self.weight_sync_topology not in ("per_server", "shared"):
             p.append(f"weight_sync_topology={self.weight_sync_topology!r}: must be 'per_server' or 'shared'")
+        if self.weight_sync_backend not in ("auto", "ipc", "nccl", "gloo"):
+            p.append(f"weight_sync_backend={self.weight_sync_backend!r}: must be 'auto', 'ipc', 'nccl' or 'gloo'")
         if self.weight_sync_steps < 1:
             p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
         if self.eval_temperature < 0 or self.eval_num_generations < 1:

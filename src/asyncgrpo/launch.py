@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, import_object, load_yaml
+from asyncgrpo.trainer.gpu_share import EMBEDDED_GPU_SHARE, SHARE_FLAG
 
 __all__ = ["build_dataset", "import_object", "load_run_config", "parse_train", "run_train", "train_from_config"]
 
@@ -205,20 +206,49 @@ def start_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[str
     from asyncgrpo.server.launcher import launch_server
 
     timeout = float(server_cfg.get("timeout", 600))
+    flags = server_flags(server_cfg)
     try:
-        return stack.enter_context(launch_server(model, extra_args=server_flags(server_cfg), timeout=timeout)).base_url
+        server = launch_server(model, extra_args=flags, timeout=timeout, env=embedded_env(flags))
+        return stack.enter_context(server).base_url
     except RuntimeError as e:
-        raise UserError(f"the embedded generation server did not start (check the YAML's server section): {e}") from e
+        hint = ""
+        if "out of memory" in str(e).lower() or "KV-cache tokens fit" in str(e):
+            hint = (f"\n(the server's share of the GPU is its {SHARE_FLAG}, set in the YAML's server.args; on the "
+                    "trainer's GPU the two must fit together: see the README's One GPU section)")  # fmt: skip
+        raise UserError(
+            f"the embedded generation server did not start (check the YAML's server section): {e}{hint}"
+        ) from e
     except TimeoutError as e:
         raise UserError(f"{e}\n(raise server.timeout if the machine is just slow)") from e
 
 
 def server_flags(server_cfg: dict[str, Any]) -> list[str]:
-    """``asyncgrpo serve`` flags of the YAML's ``server`` section (device, dtype, then its own args)."""
-    extra = ["--device", str(server_cfg.get("device", "auto"))]
+    """``asyncgrpo serve`` flags of the YAML's ``server`` section (device, dtype, then its own args).
+
+    A server on the trainer's GPU (device ``auto``, ``cuda`` or ``cuda:0``: the trainer's default) gets
+    ``--gpu-memory-utilization`` 0.3 unless its args set one, so the trainer keeps most of the GPU.
+    """
+    device = str(server_cfg.get("device", "auto"))
+    extra = ["--device", device]
     if "dtype" in server_cfg:
         extra += ["--dtype", str(server_cfg["dtype"])]
-    return extra + [str(a) for a in server_cfg.get("args", [])]
+    own = [str(a) for a in server_cfg.get("args", [])]
+    if device in ("auto", "cuda", "cuda:0") and not any(a.split("=")[0] == SHARE_FLAG for a in own):
+        extra += [SHARE_FLAG, str(EMBEDDED_GPU_SHARE)]
+    return extra + own
+
+
+def embedded_env(flags: list[str]) -> dict[str, str]:
+    """The embedded server's environment: the switch vLLM's ipc backend needs to unpickle the trainer's CUDA IPC
+    handles, set only while the server listens on this machine alone (a pickle is code: never off-host)."""
+    from asyncgrpo.weights.ipc import INSECURE_ENV
+
+    host = next((flags[i + 1] for i, a in enumerate(flags[:-1]) if a == "--host"), "127.0.0.1")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("the embedded server listens on %s: %s stays unset, so weights cannot travel over ipc (CUDA "
+                       "IPC) and a trainer on its GPU stops at start", host, INSECURE_ENV)  # fmt: skip
+        return {}
+    return {INSECURE_ENV: "1"}
 
 
 def _write_run_config(spec: RunSpec) -> None:

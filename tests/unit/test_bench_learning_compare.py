@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.learning import compare, time_to_reach
+from bench.learning import compare, steps_at, time_to_reach
 
 
 def _run(steps_per_min: float, wait_share: float, step_s: float, wait_s: float, curve: list[tuple[float, float]]
@@ -35,3 +35,11 @@ def test_async_that_never_reaches_sync_has_no_b8_ratio() -> None:
     got = compare({"async": asyn, "sync": sync})
     assert got["b8_sooner_ratio"] is None and got["async_s_to_sync_final_accuracy"] is None
     assert time_to_reach(asyn["curve"], 0.05) == 0  # the base model already meets a low target
+
+
+def test_b6_over_the_same_stretch_of_training_clock() -> None:
+    sync = _run(12.0, 0.6, 2.0, 1.2, [(0, 0.1), (50, 0.3), (100, 0.5)])  # steps 0, 1, 2 at 0, 50, 100 s
+    asyn = _run(8.0, 0.7, 10.0, 8.0, [(0, 0.1), (80, 0.5), (160, 0.55), (300, 0.6)])  # steps 0..3
+    assert steps_at(asyn["curve"], 100.0) == pytest.approx(1.25)  # a quarter of the way from step 1 to step 2
+    got = compare({"async": asyn, "sync": sync})
+    assert got["b6_equal_clock_steps_ratio"] == pytest.approx(1.25 / 2)

@@ -31,6 +31,7 @@ from asyncgrpo.server.http_protocol import (
     parse_completion,
     parse_generate,
 )
+from asyncgrpo.server.ipc_receiver import accepted_backends
 from asyncgrpo.server.launcher import SERVER_PID_HEADER
 from asyncgrpo.server.request import RequestOutput
 from asyncgrpo.server.weight_receiver import WeightReceiver, add_weight_routes
@@ -254,7 +255,8 @@ async def server_info(request: web.Request) -> web.Response:
     state = _state(request)
     e, cfg = state.engine, state.config
     dtype = str(e.dtype)
-    wt = {"backend": cfg.weight_transfer_backend} if cfg.weight_transfer_backend else None
+    accepts = accepted_backends(cfg.weight_transfer_backend, e.device.type)  # auto on a GPU: nccl and ipc
+    wt = {"backend": accepts[0]} if accepts else None
     vllm_config = {
         "model_config": {"model": cfg.model, "served_model_name": cfg.served_model_name,
                          "max_model_len": e.max_model_len, "dtype": dtype, "seed": cfg.seed,
@@ -275,7 +277,9 @@ async def server_info(request: web.Request) -> web.Response:
             "return_sampling_mask": cfg.return_sampling_mask, "enable_scale_out": cfg.enable_scale_out,
             "enable_lora": cfg.enable_lora, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
             "weight_version": e.weight_version, "http_stats": dict(state.http_stats),
-            "engine_pid": getattr(e, "pid", os.getpid())}  # fmt: skip
+            "engine_pid": getattr(e, "pid", os.getpid()),
+            # the trainer compares this with its own GPU's to choose ipc (same GPU) or NCCL (weights/ipc.py)
+            "weight_transfer_backends": list(accepts), "gpu_uuid": getattr(e, "gpu_uuid", None)}  # fmt: skip
     if hasattr(e, "step_timings"):
         ours["engine_step_timings"] = e.step_timings()
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},

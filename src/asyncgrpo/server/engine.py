@@ -39,6 +39,7 @@ from asyncgrpo.server.row_prefill import ROW_BUCKETS
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.sampler import Sampler
 from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.weights.ipc import device_uuid
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,6 +109,7 @@ class Engine:
         self._model = GeneralLM(hf) if self.general_path else DecoderLM(hf, self.max_model_len)
         self.dtype = self._model.dtype
         self.device = self._model.device
+        self.gpu_uuid = device_uuid(self.device) if self.device.type == "cuda" else None  # ipc: same GPU as a trainer?
         max_num_seqs = max_num_seqs or default_max_num_seqs(self.device)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = self._model.vocab_size

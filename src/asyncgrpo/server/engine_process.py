@@ -137,7 +137,7 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any], receiver_args: tuple,
 
 def _static_info(engine: Any) -> dict[str, Any]:
     names = ("max_model_len", "vocab_size", "block_size", "num_blocks", "kv_cache_tokens", "max_num_seqs",
-             "eos_token_ids", "general_path", "decode_backend")  # fmt: skip
+             "eos_token_ids", "general_path", "decode_backend", "gpu_uuid")  # fmt: skip
     info = {n: getattr(engine, n) for n in names}
     info["device"], info["dtype"] = str(engine.device), str(engine.dtype).removeprefix("torch.")
     return info

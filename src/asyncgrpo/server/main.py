@@ -46,10 +46,12 @@ def _weight_transfer_config(text: str) -> dict[str, Any]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--weight-transfer-config is not JSON: {exc}") from exc
     if not isinstance(cfg, dict) or set(cfg) - {"backend", "timeout_s"}:
-        raise argparse.ArgumentTypeError('--weight-transfer-config takes {"backend": "nccl"|"gloo"|"auto"|"none"}')
-    if cfg.get("backend", "auto") not in ("nccl", "gloo", "auto", "none"):
         raise argparse.ArgumentTypeError(
-            f"weight-transfer backend must be nccl, gloo, auto or none; got {cfg['backend']!r}"
+            '--weight-transfer-config takes {"backend": "nccl"|"gloo"|"ipc"|"auto"|"none"}'
+        )
+    if cfg.get("backend", "auto") not in ("nccl", "gloo", "ipc", "auto", "none"):
+        raise argparse.ArgumentTypeError(
+            f"weight-transfer backend must be nccl, gloo, ipc, auto or none; got {cfg['backend']!r}"
         )
     return cfg
 
@@ -97,7 +99,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-lora-rank", type=int, default=16, choices=LORA_RANKS, help="largest adapter rank")
     a("--max-loras", type=int, default=1, help="adapters per batch")
     a("--weight-transfer-config", type=_weight_transfer_config, default={"backend": "auto"},
-      help='JSON {"backend": "nccl"|"gloo"|"auto"}; auto = nccl on CUDA, gloo on CPU')  # fmt: skip
+      help='JSON {"backend": "nccl"|"gloo"|"ipc"|"auto"}; auto = nccl and ipc (a trainer on this GPU, CUDA IPC: '
+           'needs VLLM_ALLOW_INSECURE_SERIALIZATION=1) on CUDA, gloo on CPU')  # fmt: skip
     a("--enable-scale-out", action="store_true",
       help="accepted for vLLM compatibility: /inference/v1/generate is always on here")  # fmt: skip
     a("--return-sampling-mask", action="store_true",
@@ -139,11 +142,10 @@ def _device_type(args: argparse.Namespace) -> str:
 
 
 def _weight_backend(args: argparse.Namespace, device_type: str) -> str:
+    """The configured backend, checked against the device (``auto`` is resolved by the receiver)."""
     backend = args.weight_transfer_config.get("backend", "auto")
-    if backend == "auto":
-        backend = "nccl" if device_type == "cuda" else "gloo"
-    if backend == "nccl" and device_type != "cuda":
-        raise ValueError("the nccl weight-transfer backend needs the engine on CUDA; use gloo on CPU")
+    if backend in ("nccl", "ipc") and device_type != "cuda":
+        raise ValueError(f"the {backend} weight-transfer backend needs the engine on CUDA; use gloo on CPU")
     return backend
 
 
@@ -240,10 +242,11 @@ def run_serve(args: argparse.Namespace) -> int:
     }  # fmt: skip
     try:
         device_type = _device_type(args)
+        backend = _weight_backend(args, device_type)  # before loading: a backend the device cannot run fails fast
         if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
             from asyncgrpo.server.engine_process import RemoteEngine
 
-            engine = RemoteEngine(engine_kwargs, (_weight_backend(args, device_type), _weight_timeout_s(args)))
+            engine = RemoteEngine(engine_kwargs, (backend, _weight_timeout_s(args)))
             logger.info("the engine runs in its own process (pid %d)", engine.pid)
         else:
             engine = Engine(**engine_kwargs)

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from asyncgrpo.server.awaiting import awaited
 from asyncgrpo.server.http_protocol import ApiError
+from asyncgrpo.server.ipc_receiver import IpcEndpoint, accepted_backends, is_ipc_init
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -63,14 +64,16 @@ class WeightReceiver:
 
     Args:
         engine: the :class:`~asyncgrpo.server.engine.Engine`.
-        backend: ``nccl`` or ``gloo`` (the server's ``--weight-transfer-config``); None: not configured, every
-            step answers 500 as vLLM does without ``--weight-transfer-config``.
+        backend: ``nccl``, ``gloo``, ``ipc`` or ``auto`` (nccl and ipc on a GPU, gloo on CPU: the server's
+            ``--weight-transfer-config``); None: not configured, every step answers 500 as vLLM does without it.
         timeout_s: bound on the rendezvous and on one round's collectives.
     """
 
     def __init__(self, engine: Any, backend: str | None, timeout_s: float) -> None:
         self.engine = engine
-        self.backend = backend
+        self.accepts = accepted_backends(backend, engine.device.type)
+        self.backend = self.accepts[0] if backend == "auto" else backend  # the group's backend (or "ipc")
+        self.ipc: IpcEndpoint | None = None  # an ipc transfer (trainer on this GPU) instead of a group
         self.timeout_s = timeout_s
         self.group: TransferGroup | None = None
         self.packed = False
@@ -99,6 +102,9 @@ class WeightReceiver:
         """Validate ``init_info`` and join the group; blocks until every rank joined."""
         self._check_configured()
         _require(isinstance(info, dict), "init_info must be an object", "init_info")
+        if is_ipc_init(info, self.accepts):
+            self._init_ipc(info)
+            return
         unknown = sorted(set(info) - _INIT_KEYS)
         _require(not unknown, f"unknown init_info keys {unknown}; allowed: {sorted(_INIT_KEYS)}", "init_info")
         missing = sorted({"rank_offset", "world_size"} - set(info))  # required fields of vLLM's init info
@@ -156,6 +162,20 @@ class WeightReceiver:
             self._joining = None
             self._lock.release()
 
+    def _init_ipc(self, info: dict[str, Any]) -> None:
+        """Start an ipc transfer: nothing to join, the trainer's handles come with each update."""
+        endpoint = IpcEndpoint(self.engine, info)
+        if not self._lock.acquire(timeout=ABANDON_WAIT_S):
+            raise ApiError(409, self._busy_message("ipc"))
+        try:
+            self._close_group()
+            self.ipc, self.packed = endpoint, endpoint.packed
+            self._params = {name: p.detach() for name, p in self.engine.named_parameters()}
+            self._last_metas = None
+        finally:
+            self._lock.release()
+        logger.info("weight transfer over ipc (CUDA IPC on GPU %s, packed=%s)", endpoint.uuid, endpoint.packed)
+
     def _busy_message(self, target: str) -> str:
         """Why an init is refused: a join (perhaps a stray request's, to an address no trainer serves) is pending."""
         joining = self._joining
@@ -171,7 +191,7 @@ class WeightReceiver:
 
     def start(self) -> None:
         self._check_configured()
-        if self.group is None:
+        if self.group is None and self.ipc is None:
             raise ApiError(400, "no weight-transfer group: call /init_weight_transfer_engine first")
         if self.active:
             raise ApiError(409, "a weight update is already active; call /finish_weight_update first")
@@ -202,6 +222,8 @@ class WeightReceiver:
     def _prepare(self, info: Any, arrived: float) -> tuple[list[TensorMeta], Callable[[], None], WireProfile | None]:
         """Validate ``update_info`` and build the engine-thread job that receives and loads the round."""
         self._check_configured()
+        if self.ipc is not None:
+            return self.ipc.prepare(self, info, arrived)
         _require(isinstance(info, dict), "update_info must be an object", "update_info")
         unknown = sorted(set(info) - _UPDATE_KEYS)
         _require(not unknown, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)} (packing is "
@@ -308,6 +330,8 @@ class WeightReceiver:
         self._check_configured()
         if not self.active:
             raise ApiError(400, "no active weight update to finish")
+        if self.ipc is not None:
+            self.ipc.end_round()
         if version is not None:
             self.engine.set_weight_version(str(version))
         self.active = False
@@ -340,7 +364,9 @@ class WeightReceiver:
             else:
                 self.group.close()
         self.group = None
-        self._lanes = self._params = None
+        if self.ipc is not None:
+            self.ipc.release()
+        self._lanes = self._params = self.ipc = None
         self.active = False
 
     def shutdown(self) -> None:

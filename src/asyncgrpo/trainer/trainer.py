@@ -49,6 +49,7 @@ from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
@@ -271,13 +272,18 @@ class AsyncGRPOTrainer(Trainer):
         """One server: ``WeightSender`` (it survives a restart of its server). Several: ``FanoutSender``, one group
         per server; a server that stops answering is dropped and the worker told to stop routing there (X5)."""
         args, urls = self.args, self.args.server_urls
-        backend = facts.weight_backend or "auto"
+        backend = args.weight_sync_backend  # auto: ipc / nccl / gloo from the server's /server_info (weights/ipc.py)
         if len(urls) == 1:
             sender = WeightSender(
                 timeout_s=args.vllm_server_timeout, restart_timeout_s=args.vllm_server_restart_timeout
             )
             sender.init(AsyncServerClient(urls[0]), facts.world_size, backend=backend, device=args.device)
             return sender
+        if backend == "ipc":
+            raise ValueError("weight_sync_backend='ipc' shares the trainer's GPU with one server; several servers "
+                             "(vllm_server_base_url) need 'nccl' or 'auto'")  # fmt: skip
+        if backend == "auto":
+            backend = facts.weight_backend or "auto"
         worker = self.worker
         assert worker is not None
         fanout = FanoutSender(timeout_s=args.vllm_server_timeout, topology=args.weight_sync_topology,
@@ -369,6 +375,10 @@ class AsyncGRPOTrainer(Trainer):
         self._start_rollout(resume)
         try:
             return super().train(resume_from_checkpoint=ckpt, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if getattr(self.sender, "backend", None) != "ipc":
+                raise
+            raise shared_gpu_oom(exc, self.args.device) from exc  # the split of the one GPU is what to change
         finally:
             self._stop_rollout()
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncgrpo.client.errors import ServerError, WeightTransferError
-from asyncgrpo.client.http_client import AsyncServerClient, config_section
+from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.weights import nccl_lib
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -42,6 +42,7 @@ from asyncgrpo.weights.collectives import (
     join_group,
     make_store,
 )
+from asyncgrpo.weights.ipc import IpcExport, choose_backend, ipc_round
 from asyncgrpo.weights.loop_thread import LoopThread as _LoopThread
 from asyncgrpo.weights.loop_thread import local_address_towards as _local_address_towards
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
@@ -118,6 +119,7 @@ class WeightSender(RestartRecovery):
         self.packed = True
         self.backend: str | None = None
         self.group: TransferGroup | None = None
+        self._ipc: IpcExport | None = None  # the ipc backend (server on this GPU): no group, handles instead
         self._client: AsyncServerClient | None = None
         self._loop: _LoopThread | None = None
         self._last_metas: list[TensorMeta] | None = None
@@ -133,20 +135,14 @@ class WeightSender(RestartRecovery):
         return self._loop.run(coro, self.timeout_s, what)
 
     def _pick_backend(self, backend: str, device: torch.device) -> str:
-        if backend in ("nccl", "gloo"):
-            return backend
-        if backend != "auto":
-            raise ValueError(f"backend {backend!r} is not one of 'auto', 'nccl', 'gloo'")
+        """``backend`` checked against the server, or (``auto``) chosen from it: ``weights/ipc.choose_backend``."""
         assert self._client is not None
         try:
             info = self._http(self._client.server_info(), "GET /server_info")
-            chosen = config_section(info, "vllm_config", "weight_transfer_config").get("backend")
         except ServerError as exc:
             logger.info("GET /server_info failed (%s); choosing the backend from the device", exc)
-            chosen = None
-        if chosen in ("nccl", "gloo"):
-            return chosen
-        return "nccl" if device.type == "cuda" else "gloo"
+            info = None
+        return choose_backend(backend, info if isinstance(info, dict) else None, device)
 
     def init(
         self,
@@ -164,7 +160,8 @@ class WeightSender(RestartRecovery):
         Args:
             client: a client of the server (cloned: the sender runs its own event loop).
             server_world_size: the server's worker count (``GET /get_world_size`` when None).
-            backend: ``nccl``, ``gloo`` or ``auto`` (the server's choice in ``/server_info``, else by device).
+            backend: ``nccl``, ``gloo``, ``ipc`` or ``auto`` (``ipc`` when the server is on this GPU, else the
+                server's choice in ``/server_info``, else by device).
             device: where rank 0's tensors go for broadcasting (a CUDA device for nccl; default cuda/cpu).
             packed: default packing of rounds (sent in ``init_info``).
             master_address: the address the server reaches this machine at (gloo); guessed from the route.
@@ -172,7 +169,7 @@ class WeightSender(RestartRecovery):
         Raises:
             WeightTransferError: the server rejected the init, or the rendezvous timed out.
         """
-        if self.group is not None:
+        if self.group is not None or self._ipc is not None:
             raise RuntimeError("WeightSender.init() was already called; close() first")
         self._init_kwargs = {"client": client, "server_world_size": server_world_size, "backend": backend,
                              "device": device, "packed": packed, "master_address": master_address}  # fmt: skip
@@ -188,6 +185,9 @@ class WeightSender(RestartRecovery):
         self.backend = self._pick_backend(backend, dev)
         world_size = server_world_size + 1
         self.packed = packed
+        if self.backend == "ipc":
+            self._init_ipc(dev, packed)
+            return
         init_info: dict[str, Any] = {
             "rank_offset": 1,
             "world_size": world_size,
@@ -215,6 +215,18 @@ class WeightSender(RestartRecovery):
                 f"POST /init_weight_transfer_engine failed after the group formed: {exc}"
             ) from exc
         logger.info("weight transfer to %s ready (%s, world size %d)", self._client.base_url, self.backend, world_size)
+
+    def _init_ipc(self, dev: torch.device, packed: bool) -> None:
+        """No group to form: tell the server the packing (``init_info = {"packed": bool}``, vLLM's ipc)."""
+        assert self._client is not None
+        self._ipc = IpcExport(dev, self.packed_buffer_size_bytes)
+        try:
+            self._http(self._client.init_weight_transfer_engine({"packed": packed}, timeout=self.timeout_s),
+                       "POST /init_weight_transfer_engine")  # fmt: skip
+        except ServerError as exc:
+            self._ipc = None
+            raise WeightTransferError(f"the server rejected POST /init_weight_transfer_engine (ipc): {exc}") from exc
+        logger.info("weight transfer to %s ready (ipc: CUDA IPC on GPU %s)", self._client.base_url, self._ipc.uuid)
 
     def _join(
         self, fut: concurrent.futures.Future, world_size: int, dev: torch.device, store: Any, unique_id: bytes | None
@@ -303,7 +315,7 @@ class WeightSender(RestartRecovery):
         barrier: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """One round of :meth:`update` (after checking the server is the one we formed the group with)."""
-        if self.group is None or self._client is None or self._loop is None:
+        if (self.group is None and self._ipc is None) or self._client is None or self._loop is None:
             raise RuntimeError("call WeightSender.init() before update()")
         self._ensure_server()
         client, group = self._client, self.group
@@ -319,6 +331,8 @@ class WeightSender(RestartRecovery):
         if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
             raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
                              "group forms: close() and init() again with the packing you want")  # fmt: skip
+        if self._ipc is not None:
+            return ipc_round(self, tensors, metas, version=version, barrier=barrier)
         # Before the clock starts: the same metadata as last round travels as empty lists (vLLM reuses its last),
         # and the very list object lets the wire's cached plan be found without comparing it again.
         reuse = metas == self._last_metas
@@ -446,12 +460,13 @@ class WeightSender(RestartRecovery):
     def close(self, *, shutdown_server_side: bool = True) -> None:
         """Leave the group (and ask the server to drop its side); the sender can be ``init``-ed again."""
         if self._client is not None and self._loop is not None:
-            if shutdown_server_side and self.group is not None:
+            if shutdown_server_side and (self.group is not None or self._ipc is not None):
                 # Both ranks tear down together: NCCL's communicator destroy may wait for the peer's, so post the
                 # server's shutdown first, leave the group here, then collect the answer.
                 fut = self._loop.submit(self._client.shutdown_weight_transfer_engine(timeout=30.0))
-                self.group.close()
-                self.group = None
+                if self.group is not None:
+                    self.group.close()
+                    self.group = None
                 try:
                     fut.result(timeout=35.0)
                 except (ServerError, WeightTransferError, concurrent.futures.TimeoutError) as exc:
@@ -463,5 +478,7 @@ class WeightSender(RestartRecovery):
             self._loop.close()
         if self.group is not None:
             self.group.close()
-        self.group = self._client = self._loop = None
+        if self._ipc is not None:
+            self._ipc.close()
+        self.group = self._client = self._loop = self._ipc = None
         self._last_metas = self._lanes = self._server_profiles = None

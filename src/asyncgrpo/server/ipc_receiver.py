@@ -1,0 +1,229 @@
+"""The server's end of the ``ipc`` weight transfer (CUDA IPC, trainer on this GPU): see ``weights/ipc.py``.
+
+``WeightReceiver`` hands a round here once ``/init_weight_transfer_engine`` carried
+``{"packed": bool}`` to a server that accepts ipc (``--weight-transfer-config
+'{"backend": "ipc"}'``, or ``auto`` on a GPU). Each ``/update_weights`` is checked
+on the HTTP side (names, shapes, the environment switch vLLM needs before it
+unpickles handles, that the handles are for this GPU), then run on the engine
+thread between steps: the trainer's memory is opened, copied straight into the
+engine's parameters (no staging clone) and the call is answered only after the
+copies finished, so the trainer may refill its buffer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from asyncgrpo.server.http_protocol import ApiError
+from asyncgrpo.weights.collectives import TensorMeta
+from asyncgrpo.weights.ipc import decode_handles, device_uuid, rebuild_args
+from asyncgrpo.weights.wire import copy_all
+
+if TYPE_CHECKING:
+    from asyncgrpo.server.weight_receiver import WeightReceiver
+
+logger = logging.getLogger(__name__)
+
+_INIT_KEYS = {"packed"}  # vLLM 0.33's IPCWeightTransferInitInfo
+# IPCWeightTransferUpdateInfo's fields; ``ipc_handles`` (raw tuples) cannot travel in JSON, only as null
+_UPDATE_KEYS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
+_NCCL_KEYS = {"master_address", "master_port", "nccl_unique_id_b64", "rank_offset", "world_size"}
+
+
+def accepted_backends(configured: str | None, device_type: str) -> tuple[str, ...]:
+    """The weight transfers a server takes, the one it reports to vLLM clients first.
+
+    ``auto`` on a GPU takes NCCL (a trainer on another GPU) and ipc (a trainer on this one): the trainer
+    decides by comparing GPU UUIDs; on CPU it takes gloo. ``none`` (or None) takes nothing.
+    """
+    if configured in (None, "none"):
+        return ()
+    if configured == "auto":
+        return ("nccl", "ipc") if device_type == "cuda" else ("gloo",)
+    return (configured,)
+
+
+def is_ipc_init(info: dict[str, Any], accepted: tuple[str, ...]) -> bool:
+    """Whether ``init_info`` starts an ipc transfer (no rendezvous fields), refusing a mismatch.
+
+    Raises:
+        ApiError: an ipc init (only ``packed``) to a server without ipc, or a rendezvous init to an ipc-only server.
+    """
+    keys = set(info)
+    if "ipc" not in accepted:
+        if keys and keys <= _INIT_KEYS:
+            raise ApiError(400, f"init_info {sorted(info)} is an ipc init (CUDA IPC), but this server receives "
+                           f"weights over {list(accepted)}: restart it with --weight-transfer-config "
+                           "'{\"backend\": \"ipc\"}' on the trainer's GPU, or send the rendezvous fields of its "
+                           "backend", param="init_info")  # fmt: skip
+        return False
+    if keys & _NCCL_KEYS:
+        if accepted == ("ipc",):
+            raise ApiError(400, "this server receives weights over ipc (CUDA IPC, trainer on its GPU): init_info is "
+                           '{"packed": bool}, with no rendezvous fields', param="init_info")  # fmt: skip
+        return False
+    return True
+
+
+class IpcEndpoint:
+    """One ipc transfer on the engine's side, from its init to the next init or shutdown.
+
+    Mappings of the trainer's memory are kept from round to round when the same storage came in two rounds in a
+    row (the trainer's parameters, its packed buffer): opening one costs far more than the copy of a small
+    tensor, and torch answers a new export of a storage that is still mapped by releasing that export at once
+    (one release per export, as the trainer's allocator needs). A storage seen once (a merged or gathered
+    tensor) is let go at ``finish``; a kept one pins the trainer's block until a round no longer sends it.
+    Each export is rebuilt once: the trainer sends one export of its buffer with every chunk of a round.
+    """
+
+    def __init__(self, engine: Any, info: dict[str, Any]) -> None:
+        unknown = sorted(set(info) - _INIT_KEYS)
+        if unknown:
+            raise ApiError(400, f"unknown init_info keys {unknown} for ipc; allowed: {sorted(_INIT_KEYS)}", "init_info")
+        packed = info.get("packed", False)
+        if not isinstance(packed, bool):
+            raise ApiError(400, f"init_info.packed must be a boolean, got {packed!r}", param="init_info")
+        if engine.device.type != "cuda":
+            raise ApiError(400, f"the ipc backend needs the engine on a GPU; this server runs on {engine.device}")
+        self.packed = packed
+        self.device: torch.device = engine.device
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.uuid = device_uuid(self.index)
+        self._mapped: tuple[tuple, torch.Tensor] | None = None  # (rebuild arguments, the packed buffer)
+        self._held: dict[tuple, torch.Tensor] = {}  # (storage handle, offset) -> a tensor keeping it mapped
+        self._seen: set[tuple] = set()  # storages of this round
+        self._seen_last: set[tuple] = set()  # and of the last one
+
+    def prepare(
+        self, receiver: WeightReceiver, info: Any, arrived: float
+    ) -> tuple[list[TensorMeta], Callable[[], None], None]:
+        """Check one ``update_info`` (HTTP side) and build the engine-thread job that copies it in."""
+        if not isinstance(info, dict):
+            raise ApiError(400, "update_info must be an object", param="update_info")
+        unknown = sorted(set(info) - _UPDATE_KEYS)
+        if unknown:
+            raise ApiError(400, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)}", "update_info")
+        if info.get("ipc_handles") is not None:
+            raise ApiError(400, "ipc_handles cannot travel in JSON: send them pickled in ipc_handles_pickled")
+        if info.get("ipc_handles_pickled") is None:
+            raise ApiError(400, "update_info needs ipc_handles_pickled (the ipc backend's CUDA IPC handles)")
+        if not receiver.active:
+            raise ApiError(409, "no active weight update: call /start_weight_update first")
+        if not info.get("names"):
+            raise ApiError(400, "update_info.names is empty: an ipc update names the tensors its handles hold")
+        metas = receiver._metas(info)
+        try:
+            handles = decode_handles(info["ipc_handles_pickled"])
+        except PermissionError as exc:
+            raise ApiError(500, str(exc)) from exc  # vLLM answers this one with 500 too (a worker error)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="ipc_handles_pickled") from exc
+        try:
+            if self.packed:
+                job = self._packed_job(receiver, metas, handles, info.get("tensor_sizes"))
+            else:
+                job = self._unpacked_job(receiver, metas, handles)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="update_info") from exc
+
+        def run() -> None:
+            receiver._host = {"engine_start_ms": (time.perf_counter() - arrived) * 1e3}
+            job()
+
+        return metas, run, None
+
+    def _unpacked_job(self, receiver: WeightReceiver, metas: list[TensorMeta], handles: Any) -> Callable[[], None]:
+        if not isinstance(handles, list) or len(handles) != len(metas):
+            raise ValueError(f"unpacked: ipc_handles must be a list of one handle per name ({len(metas)}), got "
+                             f"{type(handles).__name__} of {len(handles) if isinstance(handles, list) else '?'}")  # fmt: skip
+        args = [rebuild_args(h, self.uuid, self.index) for h in handles]
+        for meta, a in zip(metas, args):
+            if tuple(a[1]) != meta.shape or a[5] != meta.dtype:
+                raise ValueError(f"the handle of {meta.name!r} holds {a[5]} {tuple(a[1])}, not the announced "
+                                 f"{meta.dtype} {meta.shape}")  # fmt: skip
+
+        def job() -> None:
+            with torch.no_grad(), torch.cuda.device(self.index):
+                tensors = [(m.name, self._rebuild(a)) for m, a in zip(metas, args)]
+                self._load(receiver, tensors)
+                del tensors  # each mapping released once: the trainer may free the memory
+
+        return job
+
+    def _packed_job(
+        self, receiver: WeightReceiver, metas: list[TensorMeta], handle: Any, sizes: Any
+    ) -> Callable[[], None]:
+        if not isinstance(sizes, list) or len(sizes) != len(metas):
+            raise ValueError(f"packed: tensor_sizes must list the byte size of each of the {len(metas)} tensors")
+        for meta, size in zip(metas, sizes):
+            if size != meta.nbytes:
+                raise ValueError(f"tensor_sizes gives {size!r} bytes for {meta.name!r}, which is {meta.nbytes}")
+        args = rebuild_args(handle, self.uuid, self.index)
+        if args[5] != torch.uint8 or len(args[1]) != 1 or sum(sizes) > args[1][0]:
+            raise ValueError(f"packed: the handle must be a flat uint8 buffer of at least {sum(sizes)} bytes, got "
+                             f"{args[5]} {tuple(args[1])}")  # fmt: skip
+        key = tuple(args)
+
+        def job() -> None:
+            with torch.no_grad(), torch.cuda.device(self.index):
+                if self._mapped is None or self._mapped[0] != key:
+                    self._mapped = (key, self._rebuild(args))
+                buf, views, at = self._mapped[1], [], 0
+                for meta in metas:
+                    piece = buf[at : at + meta.nbytes]
+                    if at % meta.dtype.itemsize:  # after an odd-sized tensor of a narrower dtype: not viewable
+                        piece = piece.clone()
+                    views.append((meta.name, piece.view(meta.dtype).view(meta.shape)))
+                    at += meta.nbytes
+                self._load(receiver, views)
+
+        return job
+
+    def _load(self, receiver: WeightReceiver, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy into the engine's parameters (dtype converted), then wait: the answer frees the trainer's bytes."""
+        params = receiver._params
+        if params is None:
+            params = receiver._params = {name: p.detach() for name, p in receiver.engine.named_parameters()}
+        dsts, srcs, rest = [], [], []
+        for name, t in tensors:
+            p = params.get(name)
+            if p is None or p.device != t.device:
+                rest.append((name, t))  # an alias (a tied head): the engine resolves it
+            else:
+                dsts.append(p)
+                srcs.append(t)
+        if dsts:
+            copy_all(dsts, srcs)
+        if rest:
+            receiver.engine.load_weights(rest)
+        torch.cuda.current_stream(self.index).synchronize()
+        if dsts:
+            receiver.engine.reset_prefix_cache()  # cached K/V was computed with the old weights
+
+    def _rebuild(self, args: list[Any]) -> torch.Tensor:
+        """The tensor of one export; a storage still mapped is reused (torch then releases the export at once)."""
+        t = rebuild_cuda_tensor(*args)
+        storage = (args[7], args[9])  # the trainer's allocation handle and the storage's offset in it
+        self._seen.add(storage)
+        self._held.setdefault(storage, t)
+        return t
+
+    def end_round(self) -> None:
+        """At ``finish``: keep the mappings of storages sent in this round and the last, let the others go."""
+        keep = self._seen & self._seen_last
+        self._held = {k: t for k, t in self._held.items() if k in keep}
+        self._mapped = None
+        self._seen_last, self._seen = self._seen, set()
+
+    def release(self) -> None:
+        """At shutdown or a new init: let go of every mapping, so the trainer can free or reuse its memory."""
+        self._mapped = None
+        self._held.clear()
+        self._seen.clear()
+        self._seen_last.clear()
