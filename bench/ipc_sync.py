@@ -102,6 +102,8 @@ def sync_rounds(url: str, model: torch.nn.Module, mode: str, iters: int, warmup:
                 rounds.append(t)
                 steps.append(dict(sender.last_breakdown))
         extra = torch.cuda.max_memory_allocated() - base
+        server = _server_profile(sender)
+        rtt = round_trips(sender)
     finally:
         sender.close()
     keys = [k for k, v in steps[0].items() if isinstance(v, float)]
@@ -112,7 +114,51 @@ def sync_rounds(url: str, model: torch.nn.Module, mode: str, iters: int, warmup:
         "update_calls": steps[0].get("update_calls"),
         "packed_buffer_size_bytes": size if packed else None,
         "trainer_peak_extra_bytes": extra,
+        "server_last_round": server,  # per update call, ms from its arrival in the engine process (new code only)
+        "round_trips_ms": rtt,
     }
+
+
+def _server_profile(sender) -> object:
+    """The server's timings of the last round (``GET /weight_sync_profile``); None where it keeps none."""
+    try:
+        return sender._http(sender._client.request("GET", "/weight_sync_profile"), "GET /weight_sync_profile")
+    except Exception as exc:  # noqa: BLE001 - the old code has no ipc timings: recorded as such
+        return f"unavailable: {exc}"
+
+
+def round_trips(sender, n: int = 30) -> dict:
+    """Median ms of bare HTTP round trips through the sender's own client: ``/v1/models`` (API process only) and
+    ``/weight_info`` (API process -> engine process -> back): the floor under each step of a round."""
+    out = {}
+    for path in ("/v1/models", "/weight_info"):
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            sender._http(sender._client.request("GET", path), f"GET {path}")
+            times.append((time.perf_counter() - t) * 1e3)
+        out[path] = round(statistics.median(times), 3)
+    return out
+
+
+def run_baseline(args: argparse.Namespace) -> dict:
+    """This script under ``--baseline-src`` (PYTHONPATH), in a child process, with ``--baseline-modes``."""
+    import subprocess
+
+    out = Path(tempfile.mkdtemp()) / "baseline.json"
+    cmd = [sys.executable, __file__, "--out", str(out), "--iters", str(args.iters), "--warmup", str(args.warmup),
+           "--modes", *args.baseline_modes, f"--server-args={args.server_args}"] + (["--smoke"] if args.smoke else [])  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(args.baseline_src.resolve()), os.environ.get("PYTHONPATH", "")]),
+    }
+    print(f"baseline: {' '.join(cmd[1:])} with PYTHONPATH={env['PYTHONPATH']}", flush=True)
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0 or not out.is_file():
+        return {"failed": f"exit {rc}"}
+    report = json.loads(out.read_text())
+    report["src"] = str(args.baseline_src)
+    return report
 
 
 def main() -> int:
@@ -121,7 +167,11 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny model")
-    ap.add_argument("--modes", nargs="*", default=["unpacked", "packed:1024", "packed:256"])
+    ap.add_argument("--modes", nargs="*", default=["unpacked", "packed:1024", "packed:256", "packed:4096"])
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="also run this script against another checkout's src (e.g. the commit before a change), "
+                         "first, in a child process; its report lands under 'baseline' (before/after in one call)")  # fmt: skip
+    ap.add_argument("--baseline-modes", nargs="*", default=["unpacked", "packed:1024", "packed:256"])
     ap.add_argument("--server-args", default="", help="extra `asyncgrpo serve` flags")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -136,6 +186,7 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    baseline = run_baseline(args) if args.baseline_src else None
     shape = SMOKE if args.smoke else QWEN3_1_7B
     torch.manual_seed(0)
     with torch.device("cuda:0"):
@@ -176,6 +227,12 @@ def main() -> int:
                       f"{r['update_calls']} update call(s); steps {r['host_steps_ms']}", flush=True)  # fmt: skip
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1))
+    if baseline is not None:
+        report["baseline"] = baseline
+        report["speedup_vs_baseline"] = {
+            m: baseline["sync"][m]["median"]["total_s"] / report["sync"][m]["median"]["total_s"]
+            for m in report["sync"] if m in baseline.get("sync", {})
+        }  # fmt: skip
     report["wall_s"] = time.perf_counter() - start
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

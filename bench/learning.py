@@ -64,6 +64,42 @@ def make_data(out: Path, task: str, train_size: int = 1024, heldout_size: int = 
     print(f"wrote {len(train)} training and {len(held_rows)} held-out problems to {out}")
 
 
+RANDOM_SHAPES = {  # random-init Llama shapes for B6 throughput runs (SmolLM2's vocabulary and tokenizer)
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "head_dim": 64},
+    "smollm2-360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
+                     "num_key_value_heads": 5, "head_dim": 64},
+}  # fmt: skip
+
+
+def hashed_reward(completions: list, **kwargs) -> list[float]:
+    """A reward in [0, 1) from a hash of the completion: random weights never tie a group (no zero-std drops)."""
+    import zlib
+
+    return [(zlib.crc32(repr(c).encode()) % 1000) / 1000 for c in completions]
+
+
+def make_random_model(out: Path, shape: str, tokenizer_dir: Path) -> Path:
+    """A random-init fp32 Llama of ``shape`` with SmolLM2's tokenizer: fixed-length completions (sampling at
+    temperature 1 over 49,152 tokens meets EOS about once in 49k tokens), so every step has the same work."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**RANDOM_SHAPES[shape], vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2, max_position_embeddings=8192, rope_theta=100000.0)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out)
+    del model
+    for f in tokenizer_dir.iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.suffix == ".jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -82,8 +118,9 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
 
     train_rows = _read(Path(a.data) / f"{a.task}_train.jsonl")
     held_rows = _read(Path(a.data) / f"{a.task}_heldout.jsonl")[: a.heldout_limit]
-    model = demo_model_dir()
+    model = Path(a.random_model) if a.random_model else demo_model_dir()
     tok = AutoTokenizer.from_pretrained(model)
+    rewards = [hashed_reward] if a.random_model else [numeric_answer_reward, format_reward]
     out_dir = Path(a.work_dir) / mode
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -104,6 +141,10 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
         def evaluate(self, step: int) -> None:
             t = time.perf_counter()
             clock = self.train_s()
+            if a.random_model:  # throughput only: the curve keeps the step counts, no accuracy to measure
+                self.curve.append({"train_s": round(clock, 2), "step": step, "accuracy": None})
+                self.next_eval = clock + a.eval_every
+                return
             got = evaluate_sync(tok, held_rows, [numeric_answer_reward], self.settings)
             acc = got["eval/rewards/numeric_answer_reward/mean"]
             self.curve.append({"train_s": round(clock, 2), "step": step, "accuracy": acc})
@@ -142,6 +183,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             report_to=[],
             save_strategy="no",
             gradient_checkpointing=a.gradient_checkpointing,
+            gradient_accumulation_steps=a.gradient_accumulation_steps,
             bf16=a.device == "cuda",
             use_cpu=a.device == "cpu",
             logging_steps=1,
@@ -151,7 +193,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
         )
         clock = Clock(server.base_url)
         trainer = AsyncGRPOTrainer(
-            str(model), reward_funcs=[numeric_answer_reward, format_reward], args=args, train_dataset=train_rows,
+            str(model), reward_funcs=rewards, args=args, train_dataset=train_rows,
             callbacks=[clock],
         )  # fmt: skip
         engine_before = _engine_stats(server.base_url)
@@ -184,6 +226,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
                 "token_budget",
                 "learning_rate",
                 "gradient_checkpointing",
+                "gradient_accumulation_steps",
             )
         },
         "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (smoke run)",
@@ -202,6 +245,9 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
         "rollout_wait_s_median": median("perf/rollout_wait_s"),
         "weight_sync_s_median": median("perf/weight_sync_s"),
         "staleness_mean_median": median("sample/staleness_mean"),
+        "fwd_bwd_s_median": median("perf/fwd_bwd_s"),
+        "samples_per_step_median": median("batch/samples_per_step"),
+        "optimizer_s_median": median("perf/optimizer_s"),
         "generated_tokens_per_s_median": median("rollout/generated_tokens_per_s"),
         "completion_mean_length_median": median("completions/mean_length"),
         "server_engine": engine,
@@ -248,7 +294,7 @@ def steps_at(curve: list[dict], train_s: float) -> float:
 def compare(runs: dict[str, dict]) -> dict:
     a, s = runs["async"], runs["sync"]
     target = s["accuracy_after"]
-    reach = time_to_reach(a["curve"], target)
+    reach = time_to_reach(a["curve"], target) if target is not None else None
     # In the sync run generation and training take turns: its rollout wait is the generation time of a step and
     # the rest of the step is training. B6 asks for a setting where the two are similar (ideal async gain: 2x).
     gen = s["rollout_wait_s_median"] or 0.0
@@ -269,9 +315,15 @@ def compare(runs: dict[str, dict]) -> dict:
         # None when async never reached it; a target met by the base model (reach 0) says nothing either.
         "b8_sooner_ratio": (s["train_s"] / reach) if reach else None,
         "base_model_meets_sync_final": reach == 0,
-        "async_gain_points": 100 * (a["accuracy_after"] - a["accuracy_before"]),
-        "sync_gain_points": 100 * (s["accuracy_after"] - s["accuracy_before"]),
-    }
+        "async_gain_points": None if target is None else 100 * (a["accuracy_after"] - a["accuracy_before"]),
+        "sync_gain_points": None if target is None else 100 * (s["accuracy_after"] - s["accuracy_before"]),
+        # Time-slicing on one GPU: each side's time per step alone (sync: they take turns) against together (async).
+        "fwd_bwd_s_alone_vs_together": [s.get("fwd_bwd_s_median"), a.get("fwd_bwd_s_median")],
+        "decode_ms_per_step_alone_vs_together": [s["server_engine"].get("decode", {}).get("ms_per_step"),
+                                                 a["server_engine"].get("decode", {}).get("ms_per_step")],
+        "prefill_ms_per_step_alone_vs_together": [s["server_engine"].get("prefill", {}).get("ms_per_step"),
+                                                  a["server_engine"].get("prefill", {}).get("ms_per_step")],
+    }  # fmt: skip
 
 
 def main() -> int:
@@ -295,6 +347,15 @@ def main() -> int:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward (heavier training steps: a B6 setting where training "
                         "takes about as long as generation)")  # fmt: skip
+    p.add_argument(
+        "--random-init",
+        choices=sorted(RANDOM_SHAPES),
+        default=None,
+        help="B6 throughput: a random-init model of this shape (fixed-length completions, hashed reward)",
+    )
+    p.add_argument("--tokenizer", default=None, help="with --random-init: a folder with SmolLM2's tokenizer files")
+    p.add_argument("--random-model", help=argparse.SUPPRESS)  # internal: the random model's folder
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
     p.add_argument("--server-gpu", default="0")
     p.add_argument("--trainer-gpu", default="1")
     a = p.parse_args()
@@ -307,16 +368,27 @@ def main() -> int:
         Path(a.work_dir, f"{a.mode}.json").write_text(json.dumps(result, indent=2))
         return 0
     runs: dict[str, dict] = {}
+    extra: list[str] = []
+    if a.random_init:
+        if not a.tokenizer:
+            raise SystemExit("--random-init needs --tokenizer (a folder with SmolLM2's tokenizer files)")
+        folder = make_random_model(Path(a.work_dir) / f"random-{a.random_init}", a.random_init, Path(a.tokenizer))
+        extra = ["--random-model", str(folder)]
     for mode in a.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode, *sys.argv[1:]]
+        cmd = [sys.executable, __file__, "--mode", mode, *sys.argv[1:], *extra]
         print(f"=== {mode}: {' '.join(cmd[2:])}", flush=True)
         rc = subprocess.call(cmd)
         if rc != 0:
             print(f"the {mode} run failed (exit {rc}); see {a.work_dir}/{mode}/", file=sys.stderr)
             return rc
         runs[mode] = json.loads(Path(a.work_dir, f"{mode}.json").read_text())
+    model_what = (
+        f"random-init {a.random_init} (fixed-length completions, hashed reward)"
+        if a.random_init
+        else ("SmolLM2-135M-Instruct")
+    )
     summary = {
-        "what": f"B6/B8: SmolLM2-135M-Instruct, reasoning-gym {a.task} ({TASKS[a.task]}), server bf16 on GPU "
+        "what": f"B6/B8: {model_what}, reasoning-gym {a.task} ({TASKS[a.task]}) prompts, server bf16 on GPU "
         f"{a.server_gpu}, trainer on GPU {a.trainer_gpu} (weight sync: see runs.*.weight_sync_backend); held-out "
         "greedy accuracy against the training clock",
         "note": "the training clock excludes evaluations; during one, the async worker may keep generating up to "

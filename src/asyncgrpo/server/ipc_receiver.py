@@ -99,6 +99,12 @@ class IpcEndpoint:
         self._held: dict[tuple, torch.Tensor] = {}  # (storage handle, offset) -> a tensor keeping it mapped
         self._seen: set[tuple] = set()  # storages of this round
         self._seen_last: set[tuple] = set()  # and of the last one
+        # Per packed layout (buffer storage, names): the (parameter, view of the buffer) pairs, kept while the
+        # buffer's mapping is: a round of a whole model then costs one multi-tensor copy, not 310 views and lookups.
+        self._plans: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[str, torch.Tensor]]]] = {}
+        self._last_info: tuple[list, list, list, list[TensorMeta]] | None = None  # the last update's checked lists
+        self.calls: list[dict[str, float]] = []  # this round's timings per update call (ms), see ``timed``
+        self.last_round: list[dict[str, float]] = []  # the last finished round's (GET /weight_sync_profile)
 
     def prepare(
         self, receiver: WeightReceiver, info: Any, arrived: float
@@ -117,7 +123,13 @@ class IpcEndpoint:
             raise ApiError(409, "no active weight update: call /start_weight_update first")
         if not info.get("names"):
             raise ApiError(400, "update_info.names is empty: an ipc update names the tensors its handles hold")
-        metas = receiver._metas(info)
+        lists = [info.get("names"), info.get("dtype_names"), info.get("shapes")]
+        last = self._last_info
+        if last is not None and last[:3] == lists:
+            metas = last[3]  # the same layout as the last call's (every round sends the same): checked then
+        else:
+            metas = receiver._metas(info)
+            self._last_info = (*lists, metas)  # type: ignore[assignment]
         try:
             handles = decode_handles(info["ipc_handles_pickled"])
         except PermissionError as exc:
@@ -132,9 +144,15 @@ class IpcEndpoint:
         except ValueError as exc:
             raise ApiError(400, str(exc), param="update_info") from exc
 
+        checked = (time.perf_counter() - arrived) * 1e3
+
         def run() -> None:
-            receiver._host = {"engine_start_ms": (time.perf_counter() - arrived) * 1e3}
-            job()
+            start = time.perf_counter()
+            timing = {"checked_ms": checked, "engine_start_ms": (start - arrived) * 1e3}
+            receiver._host = timing
+            job(timing)
+            timing["done_ms"] = (time.perf_counter() - arrived) * 1e3
+            self.calls.append(timing)
 
         return metas, run, None
 
@@ -148,10 +166,12 @@ class IpcEndpoint:
                 raise ValueError(f"the handle of {meta.name!r} holds {a[5]} {tuple(a[1])}, not the announced "
                                  f"{meta.dtype} {meta.shape}")  # fmt: skip
 
-        def job() -> None:
+        def job(timing: dict[str, float]) -> None:
             with torch.no_grad(), torch.cuda.device(self.index):
+                t0 = time.perf_counter()
                 tensors = [(m.name, self._rebuild(a)) for m, a in zip(metas, args)]
-                self._load(receiver, tensors)
+                timing["rebuild_ms"] = (time.perf_counter() - t0) * 1e3
+                self._load(receiver, *self._split(receiver, tensors), timing)
                 del tensors  # each mapping released once: the trainer may free the memory
 
         return job
@@ -169,24 +189,36 @@ class IpcEndpoint:
             raise ValueError(f"packed: the handle must be a flat uint8 buffer of at least {sum(sizes)} bytes, got "
                              f"{args[5]} {tuple(args[1])}")  # fmt: skip
         key = tuple(args)
+        layout = ((args[7], args[9]), tuple(m.name for m in metas))  # (the buffer's storage, what it holds)
 
-        def job() -> None:
+        def job(timing: dict[str, float]) -> None:
             with torch.no_grad(), torch.cuda.device(self.index):
+                t0 = time.perf_counter()
                 if self._mapped is None or self._mapped[0] != key:
                     self._mapped = (key, self._rebuild(args))
-                buf, views, at = self._mapped[1], [], 0
-                for meta in metas:
-                    piece = buf[at : at + meta.nbytes]
-                    if at % meta.dtype.itemsize:  # after an odd-sized tensor of a narrower dtype: not viewable
-                        piece = piece.clone()
-                    views.append((meta.name, piece.view(meta.dtype).view(meta.shape)))
-                    at += meta.nbytes
-                self._load(receiver, views)
+                t1 = time.perf_counter()
+                plan = self._plans.get(layout)
+                if plan is None:
+                    buf, views, at, aligned = self._mapped[1], [], 0, True
+                    for meta in metas:
+                        piece = buf[at : at + meta.nbytes]
+                        if at % meta.dtype.itemsize:  # after an odd-sized tensor of a narrower dtype: not viewable
+                            piece, aligned = piece.clone(), False
+                        views.append((meta.name, piece.view(meta.dtype).view(meta.shape)))
+                        at += meta.nbytes
+                    plan = self._split(receiver, views)
+                    if aligned:  # views of the mapping itself (a clone is a copy of this round's bytes)
+                        self._plans[layout] = plan
+                timing["rebuild_ms"], timing["plan_ms"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+                self._load(receiver, *plan, timing)
 
         return job
 
-    def _load(self, receiver: WeightReceiver, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy into the engine's parameters (dtype converted), then wait: the answer frees the trainer's bytes."""
+    @staticmethod
+    def _split(
+        receiver: WeightReceiver, tensors: list[tuple[str, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
+        """(parameters, their sources, the rest): the rest are aliases (a tied head) that the engine resolves."""
         params = receiver._params
         if params is None:
             params = receiver._params = {name: p.detach() for name, p in receiver.engine.named_parameters()}
@@ -194,17 +226,33 @@ class IpcEndpoint:
         for name, t in tensors:
             p = params.get(name)
             if p is None or p.device != t.device:
-                rest.append((name, t))  # an alias (a tied head): the engine resolves it
+                rest.append((name, t))
             else:
                 dsts.append(p)
                 srcs.append(t)
+        return dsts, srcs, rest
+
+    def _load(
+        self,
+        receiver: WeightReceiver,
+        dsts: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        rest: list[tuple[str, torch.Tensor]],
+        timing: dict[str, float],
+    ) -> None:
+        """Copy into the engine's parameters (dtype converted), then wait: the answer frees the trainer's bytes."""
+        t0 = time.perf_counter()
         if dsts:
             copy_all(dsts, srcs)
         if rest:
             receiver.engine.load_weights(rest)
+        t1 = time.perf_counter()
         torch.cuda.current_stream(self.index).synchronize()
+        t2 = time.perf_counter()
         if dsts:
             receiver.engine.reset_prefix_cache()  # cached K/V was computed with the old weights
+        timing.update(copy_launch_ms=(t1 - t0) * 1e3, copy_wait_ms=(t2 - t1) * 1e3,
+                      reset_ms=(time.perf_counter() - t2) * 1e3, tensors=len(dsts) + len(rest))  # fmt: skip
 
     def _rebuild(self, args: list[Any]) -> torch.Tensor:
         """The tensor of one export; a storage still mapped is reused (torch then releases the export at once)."""
@@ -218,12 +266,15 @@ class IpcEndpoint:
         """At ``finish``: keep the mappings of storages sent in this round and the last, let the others go."""
         keep = self._seen & self._seen_last
         self._held = {k: t for k, t in self._held.items() if k in keep}
+        self._plans = {k: v for k, v in self._plans.items() if k[0] in keep}
         self._mapped = None
+        self.last_round, self.calls = self.calls, []
         self._seen_last, self._seen = self._seen, set()
 
     def release(self) -> None:
         """At shutdown or a new init: let go of every mapping, so the trainer can free or reuse its memory."""
         self._mapped = None
+        self._plans.clear()
         self._held.clear()
         self._seen.clear()
         self._seen_last.clear()

@@ -320,6 +320,8 @@ class WeightReceiver:
         """The last profiled round: host steps in ms since ``/update_weights`` arrived (``engine_start``: the engine
         thread took it, ``enqueued``: every receive and copy queued, ``synchronized``: done on the device, ``done``)
         and the device timeline (``wire_profile``)."""
+        if self.ipc is not None:  # ipc: the last round's timings per update call, in ms (no device timeline)
+            return {"ipc_calls": self.ipc.last_round}
         if self._last_profile is None:
             return None
         host, profile = self._last_profile

@@ -18,7 +18,7 @@ GPU memory and the server copies the weights out itself (VLLM_PROTOCOL.md,
   layer-wise reload may read them until then).
 
 This module holds what both ends share (the GPU's UUID, the handle codec, the
-backend choice) and the trainer's end of a round (:class:`IpcExport`, :func:`ipc_round`).
+backend choice) and the trainer's exports (:class:`IpcExport`); ``weights/ipc_round.py`` runs a round.
 """
 
 from __future__ import annotations
@@ -28,19 +28,16 @@ import io
 import logging
 import os
 import pickle
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.client.errors import WeightTransferError
 from asyncgrpo.client.server_rules import config_section
 from asyncgrpo.weights.collectives import TensorMeta, dtype_name
-
-if TYPE_CHECKING:
-    from asyncgrpo.weights.sender import WeightSender
+from asyncgrpo.weights.wire import PACK_BATCH_BYTES, copy_all
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +228,7 @@ class IpcExport:
         self._buffer: torch.Tensor | None = None
         self._buffer_pickled: str | None = None  # the buffer's handle, exported once per round
         self.keep: list[torch.Tensor] = []  # alive until the round's finish returned
+        self.ours: bool | None = None  # the server is the embedded one (pause and start together); None: not asked
 
     def _share(self, t: torch.Tensor) -> dict[str, tuple]:
         self.keep.append(t)
@@ -249,13 +247,7 @@ class IpcExport:
             elif kind == "alone":  # larger than the buffer: shared from where it lies, as its own "buffer"
                 pickled = encode_handles(self._share(self._take(it, chunk[0]).reshape(-1).view(torch.uint8)))
             else:
-                buf, used = self._ensure_buffer(), 0
-                for m in chunk:
-                    t = self._take(it, m)
-                    if m.nbytes:
-                        buf[used : used + m.nbytes].copy_(t.reshape(-1).view(torch.uint8))
-                    used += m.nbytes
-                    del t
+                self._pack(it, chunk)
                 pickled = self._buffer_handle()
             torch.cuda.current_stream(self.device).synchronize()  # the server reads the bytes as soon as it gets them
             yield update_body(chunk, pickled, packed=packed)
@@ -264,6 +256,28 @@ class IpcExport:
                 # The server let go of the buffer's mapping to open this tensor: the buffer's next chunk needs an
                 # export of its own (torch pairs one export with one release).
                 self._buffer_pickled = None
+
+    def _pack(self, it: Iterator[torch.Tensor], chunk: Sequence[TensorMeta]) -> None:
+        """Copy one chunk's tensors back to back into the buffer: large ones one device memcpy each, small ones
+        (norms) in one multi-tensor launch (``wire.copy_all``), not one launch and a Python round per tensor.
+        A tensor made on the fly (a merged LoRA weight) is held until its batch is copied: at most
+        ``PACK_BATCH_BYTES`` beyond the buffer, never more than the chunk."""
+        buf, used, pending = self._ensure_buffer(), 0, 0
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for m in chunk:
+            t = self._take(it, m)
+            if m.nbytes:
+                dsts.append(buf[used : used + m.nbytes])
+                srcs.append(t.reshape(-1).view(torch.uint8))
+                pending += m.nbytes
+            used += m.nbytes
+            del t
+            if pending >= PACK_BATCH_BYTES:
+                copy_all(dsts, srcs)
+                dsts, srcs, pending = [], [], 0
+        if dsts:
+            copy_all(dsts, srcs)
 
     def _take(self, it: Iterator[torch.Tensor], meta: TensorMeta) -> torch.Tensor:
         try:
@@ -296,76 +310,6 @@ class IpcExport:
     def close(self) -> None:
         self.end_round()
         self._buffer = None
-
-
-def ipc_round(
-    sender: WeightSender,
-    tensors: Iterable[torch.Tensor],
-    metas: list[TensorMeta],
-    *,
-    version: str,
-    barrier: Callable[[], None] | None,
-) -> dict[str, float]:
-    """One ipc round of :meth:`WeightSender.update`: pause, start, one call per body, finish, resume.
-
-    Every call is answered after the server copied its tensors, so nothing runs beside the HTTP calls; a call
-    that fails ends the round on the server (finish, resume) and the sender stays usable (no group to rebuild).
-    """
-    export, client = sender._ipc, sender._client
-    assert export is not None and client is not None
-    t0 = time.perf_counter()
-    steps: dict[str, Any] = {}
-
-    def step(name: str) -> None:
-        steps[name] = (time.perf_counter() - t0) * 1e3
-
-    sender._http(client.pause("keep", timeout=sender.timeout_s), "POST /pause?mode=keep")
-    t1 = time.perf_counter()
-    step("pause")
-    try:
-        if barrier is not None:
-            barrier()
-            step("barrier")
-        sender._http(client.start_weight_update(timeout=sender.timeout_s), "POST /start_weight_update")
-    except (ServerError, WeightTransferError):
-        export.end_round()
-        sender._resume_quietly()
-        raise
-    t2 = time.perf_counter()
-    step("start")
-    calls, posting = 0, 0.0  # the time in update calls (the server's side), the rest of "updates" is this side's
-    try:
-        for body in export.bodies(tensors, metas, packed=sender.packed):
-            t = time.perf_counter()
-            sender._http(client.update_weights(body, timeout=sender.timeout_s), "POST /update_weights")
-            posting += time.perf_counter() - t
-            calls += 1
-        step("updates")
-        steps["update_calls_ms"] = posting * 1e3
-        sender._http(sender._finish_round(version), "POST /finish_weight_update and /reset_prefix_cache")
-    except (ServerError, WeightTransferError) as exc:
-        _end_failed_round(sender)
-        raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc
-    finally:
-        export.end_round()
-    sender._pushed_version = str(version)
-    step("finish_and_reset")
-    sender._http(client.resume(timeout=sender.timeout_s), "POST /resume")
-    t3 = time.perf_counter()
-    step("resume")
-    steps["update_calls"] = calls
-    sender.last_breakdown = steps
-    return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
-
-
-def _end_failed_round(sender: WeightSender) -> None:
-    """Close the server's half-done round (its finish may refuse: vLLM clears the round on a failed update)."""
-    assert sender._client is not None
-    try:
-        sender._http(sender._client.finish_weight_update(None, timeout=30.0), "POST /finish_weight_update")
-    except (ServerError, WeightTransferError) as exc:
-        logger.info("finish after a failed ipc update: %s", exc)
-    sender._resume_quietly()
 
 
 def plan_calls(metas: Sequence[TensorMeta], packed: bool, buffer_size_bytes: int) -> list[tuple[str, list[int]]]:

@@ -42,7 +42,8 @@ from asyncgrpo.weights.collectives import (
     join_group,
     make_store,
 )
-from asyncgrpo.weights.ipc import IpcExport, choose_backend, ipc_round
+from asyncgrpo.weights.ipc import IpcExport, choose_backend
+from asyncgrpo.weights.ipc_round import ipc_round
 from asyncgrpo.weights.loop_thread import LoopThread as _LoopThread
 from asyncgrpo.weights.loop_thread import local_address_towards as _local_address_towards
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights

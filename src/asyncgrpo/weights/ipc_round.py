@@ -1,0 +1,137 @@
+"""One ``ipc`` weight round on the trainer's side: the HTTP steps around :class:`~asyncgrpo.weights.ipc.IpcExport`.
+
+Kept apart from ``weights/ipc.py`` (the codec, the backend choice and the exports, which the server side imports
+too): this is the part that talks to the server through :class:`~asyncgrpo.weights.sender.WeightSender`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.weights.collectives import TensorMeta
+
+if TYPE_CHECKING:
+    from asyncgrpo.weights.sender import WeightSender
+
+logger = logging.getLogger(__name__)
+
+
+def ipc_round(
+    sender: WeightSender,
+    tensors: Iterable[torch.Tensor],
+    metas: list[TensorMeta],
+    *,
+    version: str,
+    barrier: Callable[[], None] | None,
+) -> dict[str, float]:
+    """One ipc round of :meth:`WeightSender.update`: pause, start, one call per body, finish, resume.
+
+    Without a ``barrier`` the first body (the first packed chunk, or every export when unpacked) is made before
+    the pause: the bytes are the trainer's own, so the server keeps generating while they are copied, and a whole
+    model in one buffer leaves only the server's copy inside the pause. With a barrier (FSDP: the other ranks join
+    the gathers after it) the order stays pause, barrier, start, bodies. Our server takes ``start`` together with
+    the pause (one round trip); a server of another kind (a real vLLM) gets them one after the other. Every call
+    is answered after the server copied its tensors; a call that fails ends the round on the server (finish,
+    resume) and the sender stays usable (no group to rebuild).
+    """
+    export, client = sender._ipc, sender._client
+    assert export is not None and client is not None
+    if export.ours is None:
+        export.ours = _is_ours(sender)
+    t_pre = time.perf_counter()
+    bodies = export.bodies(tensors, metas, packed=sender.packed)
+    first: dict[str, Any] | None = None
+    if barrier is None:
+        try:
+            first = next(bodies, None)
+        except BaseException:
+            export.end_round()
+            raise
+    t0 = time.perf_counter()
+    steps: dict[str, Any] = {"prepared_before_pause_ms": (t0 - t_pre) * 1e3}
+
+    def step(name: str) -> None:
+        steps[name] = (time.perf_counter() - t0) * 1e3
+
+    try:
+        if barrier is None and export.ours:
+            sender._http(_pause_and_start(sender), "POST /pause?mode=keep and /start_weight_update")
+            t1 = t2 = time.perf_counter()
+            step("pause")
+        else:
+            sender._http(client.pause("keep", timeout=sender.timeout_s), "POST /pause?mode=keep")
+            t1 = time.perf_counter()
+            step("pause")
+            if barrier is not None:
+                barrier()
+                step("barrier")
+            sender._http(client.start_weight_update(timeout=sender.timeout_s), "POST /start_weight_update")
+            t2 = time.perf_counter()
+    except (ServerError, WeightTransferError):
+        bodies.close()
+        export.end_round()
+        _end_failed_round(sender)  # a start that went through is finished; the pause is lifted
+        raise
+    step("start")
+    calls, posting = 0, 0.0  # the time in update calls (the server's side), the rest of "updates" is this side's
+    try:
+        body = first if barrier is None else next(bodies, None)
+        while body is not None:
+            t = time.perf_counter()
+            sender._http(client.update_weights(body, timeout=sender.timeout_s), "POST /update_weights")
+            posting += time.perf_counter() - t
+            calls += 1
+            body = next(bodies, None)
+        step("updates")
+        steps["update_calls_ms"] = posting * 1e3
+        sender._http(sender._finish_round(version), "POST /finish_weight_update and /reset_prefix_cache")
+    except (ServerError, WeightTransferError) as exc:
+        _end_failed_round(sender)
+        raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc
+    finally:
+        bodies.close()
+        export.end_round()
+    sender._pushed_version = str(version)
+    step("finish_and_reset")
+    sender._http(client.resume(timeout=sender.timeout_s), "POST /resume")
+    t3 = time.perf_counter()
+    step("resume")
+    steps["update_calls"] = calls
+    sender.last_breakdown = steps
+    return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+
+async def _pause_and_start(sender: WeightSender) -> None:
+    """``/pause?mode=keep`` and ``/start_weight_update`` side by side (our server: start only opens the round)."""
+    assert sender._client is not None
+    await asyncio.gather(
+        sender._client.pause("keep", timeout=sender.timeout_s),
+        sender._client.start_weight_update(timeout=sender.timeout_s),
+    )
+
+
+def _is_ours(sender: WeightSender) -> bool:
+    """Whether the server is the embedded one (its ``/server_info`` has an ``asyncgrpo`` section); once per sender."""
+    assert sender._client is not None
+    try:
+        info = sender._http(sender._client.server_info(), "GET /server_info")
+    except (ServerError, WeightTransferError):
+        return False
+    return isinstance(info, dict) and isinstance(info.get("asyncgrpo"), dict)
+
+
+def _end_failed_round(sender: WeightSender) -> None:
+    """Close the server's half-done round (its finish may refuse: vLLM clears the round on a failed update)."""
+    assert sender._client is not None
+    try:
+        sender._http(sender._client.finish_weight_update(None, timeout=30.0), "POST /finish_weight_update")
+    except (ServerError, WeightTransferError) as exc:
+        logger.info("finish after a failed ipc update: %s", exc)
+    sender._resume_quietly()
