@@ -246,6 +246,9 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
         "weight_sync_s_median": median("perf/weight_sync_s"),
         "staleness_mean_median": median("sample/staleness_mean"),
         "fwd_bwd_s_median": median("perf/fwd_bwd_s"),
+        # After the warm-up (the first steps compile and autotune: 10-25 s on an H200): steps per minute between the
+        # end of step `skip` and the last step, from the metrics' wall-clock stamps.
+        "steady_steps_per_min": _steady_rate(per_step, a.steady_skip),
         "samples_per_step_median": median("batch/samples_per_step"),
         "optimizer_s_median": median("perf/optimizer_s"),
         "generated_tokens_per_s_median": median("rollout/generated_tokens_per_s"),
@@ -255,6 +258,14 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
         "accuracy_before": clock.curve[0]["accuracy"],
         "accuracy_after": clock.curve[-1]["accuracy"],
     }
+
+
+def _steady_rate(per_step: list[dict], skip: int) -> float | None:
+    """Optimizer steps per minute after the first ``skip`` steps (None when too few steps are left)."""
+    stamps = [m["time"] for m in per_step if "time" in m][skip:]
+    if len(stamps) < 2 or stamps[-1] <= stamps[0]:
+        return None
+    return 60.0 * (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def _engine_stats(base_url: str) -> dict:
@@ -304,6 +315,8 @@ def compare(runs: dict[str, dict]) -> dict:
         "sync_training_s_per_step": train,
         "ideal_async_ratio": (gen + train) / max(gen, train, 1e-9),
         "b6_steps_per_min_ratio": a["steps_per_min"] / s["steps_per_min"],
+        "b6_steady_steps_per_min_ratio": (a.get("steady_steps_per_min") or 0.0) / (s.get("steady_steps_per_min") or 1e-9),
+        "step_s_median_sync_over_async": (s["step_s_median"] or 0.0) / max(a["step_s_median"] or 0.0, 1e-9),
         # The same over the same stretch of training clock (the shorter run's): steps grow heavier as completions
         # shorten (a fixed token_budget takes more samples), so runs of different lengths compare unlike steps.
         "b6_equal_clock_steps_ratio": steps_at(a["curve"], min(a["train_s"], s["train_s"]))
@@ -356,6 +369,7 @@ def main() -> int:
     p.add_argument("--tokenizer", default=None, help="with --random-init: a folder with SmolLM2's tokenizer files")
     p.add_argument("--random-model", help=argparse.SUPPRESS)  # internal: the random model's folder
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--steady-skip", type=int, default=3, help="warm-up steps left out of steady_steps_per_min")
     p.add_argument("--server-gpu", default="0")
     p.add_argument("--trainer-gpu", default="1")
     a = p.parse_args()

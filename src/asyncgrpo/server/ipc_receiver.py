@@ -125,7 +125,7 @@ class IpcEndpoint:
             raise ApiError(400, "update_info.names is empty: an ipc update names the tensors its handles hold")
         lists = [info.get("names"), info.get("dtype_names"), info.get("shapes")]
         last = self._last_info
-        if last is not None and last[:3] == lists:
+        if last is not None and list(last[:3]) == lists:
             metas = last[3]  # the same layout as the last call's (every round sends the same): checked then
         else:
             metas = receiver._metas(info)
