@@ -332,10 +332,10 @@ def compare(runs: dict[str, dict]) -> dict:
         "sync_gain_points": None if target is None else 100 * (s["accuracy_after"] - s["accuracy_before"]),
         # Time-slicing on one GPU: each side's time per step alone (sync: they take turns) against together (async).
         "fwd_bwd_s_alone_vs_together": [s.get("fwd_bwd_s_median"), a.get("fwd_bwd_s_median")],
-        "decode_ms_per_step_alone_vs_together": [s["server_engine"].get("decode", {}).get("ms_per_step"),
-                                                 a["server_engine"].get("decode", {}).get("ms_per_step")],
-        "prefill_ms_per_step_alone_vs_together": [s["server_engine"].get("prefill", {}).get("ms_per_step"),
-                                                  a["server_engine"].get("prefill", {}).get("ms_per_step")],
+        "decode_ms_per_step_alone_vs_together": [s.get("server_engine", {}).get("decode", {}).get("ms_per_step"),
+                                                 a.get("server_engine", {}).get("decode", {}).get("ms_per_step")],
+        "prefill_ms_per_step_alone_vs_together": [s.get("server_engine", {}).get("prefill", {}).get("ms_per_step"),
+                                                  a.get("server_engine", {}).get("prefill", {}).get("ms_per_step")],
     }  # fmt: skip
 
 
