@@ -78,6 +78,9 @@ class PeerProcess:
 
 def _check_round(record: dict, payload, sizes: list[int], version: str) -> None:
     assert record["version"] == version
+    # Every round pauses in keep mode and asks for clear_cache explicitly (vLLM's router calls the parameter
+    # deprecated; its engine core still preempts and clears only with it).
+    assert record["pauses"] == [{"mode": "keep", "clear_cache": "true"}]
     assert record["warmup_sum"] == 0.0  # both ends contribute zeros; nothing checks the sum
     assert record["broadcast_sizes"] == sizes
     assert set(record["tensors"]) == {n for n, _ in payload}
@@ -141,21 +144,22 @@ def hf_and_sender(target, tiny_llama_dir):
 
 
 def test_update_info_has_no_packed_field(target, hf_and_sender):
-    """NCCLWeightTransferUpdateInfo has names/dtype_names/shapes only: anything else is a 400 before any
-    collective (packing is fixed by init_info)."""
+    """NCCLWeightTransferUpdateInfo has names/dtype_names/shapes only: anything else fails before any collective
+    (packing is fixed by init_info), as a 500 (the worker's ValueError), and the failed update ends the open one,
+    so the finish after it is a 500 too (v1/worker/gpu_worker.py)."""
 
     async def go():
         async with AsyncServerClient(target.base_url, retries=0) as c:
             await c.start_weight_update()
-            try:
-                with pytest.raises(ServerError) as info:
-                    await c.update_weights({"names": [], "dtype_names": [], "shapes": [], "packed": True})
-            finally:
+            with pytest.raises(ServerError) as info:
+                await c.update_weights({"names": [], "dtype_names": [], "shapes": [], "packed": True})
+            with pytest.raises(ServerError) as finish:
                 await c.finish_weight_update(None)
-            return info.value
+            return info.value, finish.value
 
-    err = asyncio.run(go())
-    assert err.status == 400 and "packed" in err.message
+    err, finish = asyncio.run(go())
+    assert err.status == 500 and "packed" in err.message
+    assert finish.status == 500
 
 
 def test_keep_pause_recomputes_kv_with_the_new_weights(target, hf_and_sender):

@@ -8,8 +8,8 @@ from our receiver, so our :class:`~asyncgrpo.weights.sender.WeightSender` can be
 checked against it:
 
 * ``init_info`` / ``update_info`` are parsed like vLLM's dataclasses: an unknown
-  or missing key is a 400; exactly one rendezvous mode (unique id *or* master
-  address/port).
+  or missing key is a 500 (vLLM's worker raises; the API answers 500); exactly one
+  rendezvous mode (unique id *or* master address/port).
 * The worker joins as rank ``rank_offset`` and contributes ``torch.zeros(1)`` to
   the one-element warm-up all-reduce (vLLM's PyNccl communicator).
 * Unpacked rounds: one broadcast per tensor in ``names`` order, zero-element
@@ -19,7 +19,8 @@ checked against it:
   on gloo, our CPU backend, zero-byte broadcasts are skipped on every rank).
 
 Each finished round is saved to ``OUT/round-<k>.pt``: the tensors received, the
-byte size of every broadcast, the warm-up sum and the version.
+byte size of every broadcast, the warm-up sum, the version and the query of every
+``/pause`` since the previous round (the sender must ask for ``clear_cache``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Peer:
         self.rounds = 0
         self.received: dict[str, torch.Tensor] = {}
         self.broadcast_sizes: list[int] = []
+        self.pauses: list[dict[str, str]] = []  # query parameters of each /pause since the last round
 
     # ------------------------------------------------------------------ the group
 
@@ -166,9 +168,9 @@ class Peer:
     def finish(self, version: str | None) -> None:
         self.rounds += 1
         record = {"version": version, "tensors": self.received, "broadcast_sizes": self.broadcast_sizes,
-                  "warmup_sum": self.warmup_sum, "packed": self.packed}  # fmt: skip
+                  "warmup_sum": self.warmup_sum, "packed": self.packed, "pauses": self.pauses}  # fmt: skip
         torch.save(record, self.out / f"round-{self.rounds}.pt")
-        self.received, self.broadcast_sizes, self.active = {}, [], False
+        self.received, self.broadcast_sizes, self.active, self.pauses = {}, [], False, []
 
     def shutdown(self) -> None:
         if self.backend == "nccl" and self.comm is not None:
@@ -190,7 +192,7 @@ def make_app(peer: Peer) -> web.Application:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, locked)
         except BadRequest as exc:
-            raise web.HTTPBadRequest(text=str(exc)) from exc
+            raise web.HTTPInternalServerError(text=str(exc)) from exc
 
     async def body(request: web.Request) -> dict:
         return (await request.json()) if request.can_read_body else {}
@@ -219,7 +221,10 @@ def make_app(peer: Peer) -> web.Application:
         return await ok("Weight transfer shut down")
 
     async def static(request):
+        if request.path == "/pause":
+            peer.pauses.append(dict(request.query))
         answers = {
+            "/version": {"version": "0.33.0"},
             "/health": None,
             "/get_world_size": {"world_size": 1},
             "/pause": {"status": "paused"},
@@ -236,7 +241,7 @@ def make_app(peer: Peer) -> web.Application:
     app.router.add_post("/update_weights", update)
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
-    for path in ("/health", "/get_world_size", "/server_info"):
+    for path in ("/health", "/get_world_size", "/server_info", "/version"):
         app.router.add_get(path, static)
     for path in ("/pause", "/resume", "/reset_prefix_cache"):
         app.router.add_post(path, static)
