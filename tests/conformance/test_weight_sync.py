@@ -51,11 +51,11 @@ UNPACKED_SIZES = [30, 28, 0, 48, 5, 16, 0, 48, 0]
 
 
 class PeerProcess:
-    def __init__(self, backend: str, device: str, out: Path) -> None:
+    def __init__(self, backend: str, device: str, out: Path, version: str = "0.33.0") -> None:
         self.port, self.out = free_port(), out
         self.log = out / "peer.log"
         cmd = [sys.executable, "-m", "tests.helpers.vllm_peer", "--port", str(self.port), "--backend", backend,
-               "--device", device, "--out", str(out), "--timeout-s", "60"]  # fmt: skip
+               "--device", device, "--out", str(out), "--timeout-s", "60", "--version", version]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
@@ -121,6 +121,27 @@ def test_sender_against_a_vllm_like_peer(backend, tmp_path):
         unpacked.update(third, version="v3")
         unpacked.close()
         _check_round(peer.round(3), third, UNPACKED_SIZES, "v3")
+    except BaseException:
+        print(peer.log.read_text()[-3000:])
+        raise
+    finally:
+        peer.stop()
+
+
+def test_a_032_server_gets_the_metadata_every_round(tmp_path):
+    """vLLM 0.32's NCCLWeightTransferUpdateInfo has no "empty lists = last round's metadata" rule: it receives
+    zero tensors while the trainer broadcasts them all (a hang). The sender reads /version and sends the lists
+    every round to a server older than 0.33."""
+    peer = PeerProcess("gloo", "cpu", tmp_path, version="0.32.0")
+    try:
+        sender = WeightSender(timeout_s=30, packed_buffer_size_bytes=BUFFER)
+        sender.init(AsyncServerClient(peer.base_url), backend="gloo", device="cpu")
+        first, second = _payload(1), _payload(2)
+        sender.update(first, version="v1")
+        sender.update(second, version="v2")  # the same metadata again
+        sender.close()
+        _check_round(peer.round(1), first, PACKED_SIZES, "v1")
+        _check_round(peer.round(2), second, PACKED_SIZES, "v2")
     except BaseException:
         print(peer.log.read_text()[-3000:])
         raise

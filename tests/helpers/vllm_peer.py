@@ -18,6 +18,9 @@ checked against it:
   one uint8 broadcast, a zero-byte one included (NCCL treats count 0 as a no-op;
   on gloo, our CPU backend, zero-byte broadcasts are skipped on every rank).
 
+``--version 0.32.0`` gives 0.32's update semantics: empty ``update_info`` lists
+mean zero tensors (0.33 reads them as "the last round's metadata again").
+
 Each finished round is saved to ``OUT/round-<k>.pt``: the tensors received, the
 byte size of every broadcast, the warm-up sum, the version and the query of every
 ``/pause`` since the previous round (the sender must ask for ``clear_cache``).
@@ -54,8 +57,10 @@ class BadRequest(Exception):
 class Peer:
     """One vLLM worker (TP=PP=DP=1) holding nothing but what it receives."""
 
-    def __init__(self, backend: str, device: str, out: Path, timeout_s: float) -> None:
+    def __init__(self, backend: str, device: str, out: Path, timeout_s: float, version: str = "0.33.0") -> None:
         self.backend, self.device, self.out, self.timeout_s = backend, torch.device(device), out, timeout_s
+        self.version = version
+        self.reuses_metadata = tuple(int(x) for x in version.split(".")[:2]) >= (0, 33)
         self.comm: Any = None
         self.packed, self.buffer_size = False, 1 << 30
         self.last_update: dict[str, list] | None = None
@@ -138,7 +143,7 @@ class Peer:
             raise BadRequest("`dtype_names` and `shapes` should be of the same size as `names`")
         if names:
             self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-        elif self.last_update is not None:
+        elif self.last_update is not None and self.reuses_metadata:
             names, dtypes, shapes = (self.last_update[k] for k in ("names", "dtype_names", "shapes"))
         metas = [(n, getattr(torch, d), [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
         if not self.packed:
@@ -224,7 +229,7 @@ def make_app(peer: Peer) -> web.Application:
         if request.path == "/pause":
             peer.pauses.append(dict(request.query))
         answers = {
-            "/version": {"version": "0.33.0"},
+            "/version": {"version": peer.version},
             "/health": None,
             "/get_world_size": {"world_size": 1},
             "/pause": {"status": "paused"},
@@ -256,9 +261,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--version", default="0.33.0", help="the vLLM release to answer as (0.32.0: no metadata reuse)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    peer = Peer(args.backend, args.device, args.out, args.timeout_s)
+    peer = Peer(args.backend, args.device, args.out, args.timeout_s, args.version)
     web.run_app(make_app(peer), host="127.0.0.1", port=args.port, print=None)
 
 

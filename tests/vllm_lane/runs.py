@@ -72,7 +72,9 @@ def logprob_gap(model: torch.nn.Module, result: Any, prompt: Sequence[int] = PRO
     gap = 0.0
     for i, t in enumerate(result.token_ids):
         best = float(ref[i].max())
-        assert float(ref[i, t]) >= best - FP32_NOISE, f"token {i}: the server chose {t}, the model {int(ref[i].argmax())}"
+        assert float(ref[i, t]) >= best - FP32_NOISE, (
+            f"token {i}: the server chose {t}, the model {int(ref[i].argmax())}"
+        )
         gap = max(gap, abs(result.logprobs[i] - float(ref[i, t])))
         for tok, v in result.top_logprobs[i].items():
             gap = max(gap, abs(v - float(ref[i, tok])))

@@ -21,7 +21,7 @@ from tests.vllm_lane.runs import LORA, lane_config, metric_rows, server_complete
 
 pytestmark = pytest.mark.slow
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
 def done_reward(completions, **kwargs) -> list[float]:

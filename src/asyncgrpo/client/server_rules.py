@@ -8,6 +8,7 @@ the KV-cache capacity.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,10 +80,12 @@ def release_tuple(version: str) -> tuple[int, ...]:
     """``"0.32.0+cpu"`` -> ``(0, 32, 0)``: the leading numeric parts of a ``/version`` answer (``()`` if none)."""
     parts = []
     for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
             break
-        parts.append(int(digits))
+        parts.append(int(digits.group()))
+        if digits.end() < len(piece):  # "1rc1": a pre-release tag ends the release number
+            break
     return tuple(parts)
 
 
