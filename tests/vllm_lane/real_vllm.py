@@ -35,7 +35,7 @@ def vllm_command(python: str, model_dir: Path, port: int, *, weight_transfer: bo
         "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
         "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill", "--no-async-scheduling",
         "--enforce-eager", "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS),
-        "--api-server-count", "1",
+        "--api-server-count", "1", "--enable-scale-out",
     ]  # fmt: skip
     if weight_transfer:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]

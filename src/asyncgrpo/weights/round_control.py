@@ -33,6 +33,7 @@ from asyncgrpo.client.http_client import AsyncServerClient
 logger = logging.getLogger(__name__)
 
 ABANDON_CALL_TIMEOUT_S = 30.0  # each closing call of a failed round (the server answered, so it is not stuck)
+RESUME_RETRIES = 3  # a resume is idempotent: worth repeating after a dropped connection
 
 RunFn = Callable[[Coroutine[Any, Any, Any], float, str], Any]  # LoopThread.run: (coroutine, timeout, what) -> result
 
@@ -73,23 +74,43 @@ class RoundControl:
     def abandon(self) -> bool:
         """End a failed round on a server that answered: close its update, then resume it.
 
-        The close may itself fail (vLLM clears its active flag when an update fails, so the finish is a 500 then):
-        only logged. Returns whether the server was resumed; the caller raises the round's error either way.
+        vLLM clears its active flag when an update fails, so the finish is a 500 then; the update is closed with a
+        start/finish pair instead (see the comment below). Returns whether the server was resumed; the caller
+        raises the round's error either way.
         """
-        url = self.client.base_url
+        url, limit = self.client.base_url, ABANDON_CALL_TIMEOUT_S
+        # Both calls are retried on a dropped connection: vLLM's server closes the connection after a 500 that an
+        # unhandled worker error produced, and the next call on the pooled connection is reset.
+        if not self._close():
+            # vLLM ended the update when it failed, but its start had moved the model's weights to the meta device
+            # (layerwise reload); only a finish puts them back, and a forward before that kills the engine
+            # (EngineDeadError). A start/finish pair with nothing loaded restores the weights held since the start.
+            logger.info("closing the failed weight update on %s with a start/finish pair", url)
+            try:
+                self._run(self.client.request("POST", "/start_weight_update", timeout=limit, retries=2),
+                          3 * limit + 5, "POST /start_weight_update")  # fmt: skip
+            except (ServerError, WeightTransferError) as exc:
+                logger.warning("could not reopen the failed weight update on %s: %s", url, exc)
+            self._close()
         try:
-            self._run(self.client.finish_weight_update(None, timeout=ABANDON_CALL_TIMEOUT_S),
-                      ABANDON_CALL_TIMEOUT_S + 5, "POST /finish_weight_update")  # fmt: skip
-        except (ServerError, WeightTransferError) as exc:
-            logger.info("closing the failed weight update on %s: %s (expected when the server already ended it)",
-                        url, exc)  # fmt: skip
-        try:
-            self._run(self.client.resume(timeout=ABANDON_CALL_TIMEOUT_S), ABANDON_CALL_TIMEOUT_S + 5, "POST /resume")
+            resume = self.client.request("POST", "/resume", timeout=limit, retries=RESUME_RETRIES)
+            self._run(resume, (RESUME_RETRIES + 1) * limit + 5, "POST /resume")
         except (ServerError, WeightTransferError) as exc:
             logger.error("could not resume %s after a failed weight round: %s. It stays paused (every request "
                          "queues): POST %s/resume, or restart it", url, exc, url)  # fmt: skip
             return False
         logger.warning("weight round on %s failed; the round was closed and the server resumed", url)
+        return True
+
+    def _close(self) -> bool:
+        """``/finish_weight_update`` without a version (the old label stays); False when the server refused it."""
+        limit = ABANDON_CALL_TIMEOUT_S
+        finish = self.client.request("POST", "/finish_weight_update", json_body={}, timeout=limit, retries=2)
+        try:
+            self._run(finish, 3 * limit + 5, "POST /finish_weight_update")
+        except (ServerError, WeightTransferError) as exc:
+            logger.info("finishing the failed weight update on %s: %s", self.client.base_url, exc)
+            return False
         return True
 
     def left_paused_message(self) -> str:
