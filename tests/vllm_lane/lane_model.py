@@ -1,8 +1,8 @@
 """The model the real-vLLM lane serves: a tiny Llama with head_dim 64 that really writes one tool call.
 
-vLLM's CPU attention refuses the project's usual tiny Llama (head_dim 16), so the lane builds its own: hidden 128,
-two heads of 64, the real SmolLM2 tokenizer with the tool-calling template. A short supervised warm-up
-(``recipes.tool_warmup``) teaches it two conversations, each with a tool call and two endings ("Done." or
+vLLM's CPU attention refuses the project's usual tiny Llama (head_dim 16), so the lane builds its own: hidden 64
+in one head of 64, the real SmolLM2 tokenizer with the tool-calling template. A short supervised warm-up
+(``recipes.tool_warmup``) teaches it one conversation: a tool call, its result, and one of two endings ("Done." or
 "Finished.", so sampled groups have reward variance). The tools test does not trust the warm-up: it first checks
 through the server that greedy decoding of its prompt is the tool call. Cached by a hash of the training data.
 """
@@ -25,9 +25,9 @@ from tests.helpers.agent_examples.doc_tools import async_add, multiply
 
 logger = logging.getLogger(__name__)
 
-SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2}  # hd 64
-WARMUP_STEPS = 80
-TOOL_PROMPTS = {"Add 2 and 5.": ("async_add", {"a": 2, "b": 5}, "7"), "Multiply 3 by 4.": ("multiply", {"a": 3, "b": 4}, "12")}  # fmt: skip
+SHAPE = {"num_attention_heads": 1, "num_key_value_heads": 1}  # hidden 64 in one head: head_dim 64
+WARMUP_STEPS = 100
+TOOL_PROMPTS = {"Add 2 and 5.": ("async_add", {"a": 2, "b": 5}, "7")}  # one prompt: a tiny model learns it surely
 TOOLS = [multiply, async_add]
 
 

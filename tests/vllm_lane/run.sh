@@ -16,6 +16,6 @@ t1=$(date +%s)
 echo "[vllm lane] venv ready in $((t1 - t0))s: $ASYNCGRPO_VLLM_PYTHON"
 # -n 0: one test process (the tests share one vLLM server); -p: the plugin that starts it.
 PYTHONPATH=. "$PROJECT_PY" -m pytest -n 0 -p tests.vllm_lane.plugin -p no:cacheprovider -q \
-  tests/conformance tests/vllm_lane "$@"
+  --durations=15 tests/conformance tests/vllm_lane "$@"
 t2=$(date +%s)
 echo "[vllm lane] passed: venv $((t1 - t0))s, tests $((t2 - t1))s, total $((t2 - t0))s"

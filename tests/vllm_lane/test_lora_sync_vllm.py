@@ -70,4 +70,7 @@ def test_adapter_sync_over_several_steps_matches_the_trainers_model(tmp_path, re
     assert parity.seen[-1]["adapters"] == [f"asyncgrpo-lora-step-{i}" for i in (2, 3, 4)]
     trained = [r for r in metric_rows(tmp_path / "out") if "sampling/sampling_logp_difference/max" in r]
     assert len(trained) == 4
-    assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in trained), trained
+    # Step 1 trains samples of version 0, the trainer's own weights: sampler and trainer log-probs agree to fp32
+    # noise (later steps may train samples up to max_staleness versions old, which differ by design).
+    diffs = [r["sampling/sampling_logp_difference/max"] for r in trained]
+    assert diffs[0] < FP32_NOISE, diffs
