@@ -20,6 +20,8 @@ from tests.vllm_lane.real_vllm import RealVllm
 PYTHON_ENV = "ASYNCGRPO_VLLM_PYTHON"
 LANE_ENV = "ASYNCGRPO_VLLM_LANE"  # set while the lane runs: tests/vllm_lane is collected only then
 _SERVER: RealVllm | None = None
+# Set on import (``-p`` loads this module before the first conftest files, whose collect_ignore reads it).
+os.environ[LANE_ENV] = "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,7 +32,6 @@ def pytest_configure(config: pytest.Config) -> None:
                                 "tests/vllm_lane/install.sh, or `make test-vllm`)")  # fmt: skip
     from tests.vllm_lane.lane_model import lane_model_dir
 
-    os.environ[LANE_ENV] = "1"
     logs = Path(os.environ.get("ASYNCGRPO_VLLM_LOG_DIR") or tempfile.mkdtemp(prefix="asyncgrpo-vllm-lane-"))
     _SERVER = RealVllm(python, lane_model_dir(), logs)
     _SERVER.start()
