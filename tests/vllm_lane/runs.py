@@ -20,7 +20,10 @@ from asyncgrpo.client.http_client import AsyncServerClient
 PROMPT = [1, 504, 3032, 314, 260, 3241]  # small ids of the SmolLM2 vocabulary
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "lora_dropout": 0.0}
-FP32_NOISE = 1e-4  # log-prob gap allowed between vLLM's CPU kernels and a transformers forward, both fp32
+# Log-prob gap allowed between vLLM's CPU kernels (oneDNN matmuls) and a transformers forward, both fp32. The lane's
+# warmed-up model has sharp logits (tens of nats), whose rounding differences reach ~1.2e-4 in log-prob; a trained
+# adapter moves them by ~0.1-0.3, three orders more.
+FP32_NOISE = 5e-4
 
 
 def parity_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:

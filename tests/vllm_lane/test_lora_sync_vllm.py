@@ -2,8 +2,7 @@
 
 Before every step and at the end, the server, asked for the newest adapter by name, decodes greedily what the
 trainer's PEFT model decodes, with log-probs within fp32 noise; ``max_staleness + 1`` versions stay registered.
-The server also runs without ``--weight-transfer-config`` in the restart test; here it has it, and adapter sync
-does not use it.
+Adapter sync does not use the server's weight transfer (``test_tools_vllm.py`` runs against a server without it).
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ def test_adapter_sync_over_several_steps_matches_the_trainers_model(tmp_path, re
     assert [s["step"] for s in parity.seen] == [0, 1, 2, 3, 4]
     assert all(s["gap"] <= FP32_NOISE for s in parity.seen), parity.seen
     assert parity.seen[0]["moved"] < FP32_NOISE  # a fresh LoRA (B = 0) is the base model
-    assert parity.seen[-1]["moved"] > 1e-3, parity.seen  # training moved the policy: the parity is not vacuous
+    assert parity.seen[-1]["moved"] > 10 * FP32_NOISE, parity.seen  # training moved the policy: not vacuous
     # max_staleness + 1 = 3 versions stay registered; older ones are unloaded.
     assert parity.seen[-1]["adapters"] == [f"asyncgrpo-lora-step-{i}" for i in (2, 3, 4)]
     trained = [r for r in metric_rows(tmp_path / "out") if "sampling/sampling_logp_difference/max" in r]

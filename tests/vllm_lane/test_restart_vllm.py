@@ -3,8 +3,8 @@
 The server is killed (SIGKILL: a crash) at the end of step 2 and started again, this time without
 ``--weight-transfer-config``. The restarted server knows none of the run's adapters: the trainer's next load
 waits for it to answer, and rollouts that name a lost version register it again from the run's adapter
-directory. Then a second run starts against that server: adapter sync needs no weight transfer (issue 26).
-The lane's later tests use the restarted server.
+directory. The lane's later tests use the restarted server: ``test_tools_vllm.py`` starts a run against it, which
+shows that adapter sync needs no weight transfer (issue 26).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
-from tests.helpers.raw_http import raw
 from tests.vllm_lane.runs import FP32_NOISE, LORA, lane_config, logprob_gap, parity_reward, server_complete
 
 pytestmark = pytest.mark.slow
@@ -67,18 +66,3 @@ def test_a_run_survives_a_vllm_restart(tmp_path, real_vllm):
     newest = server_complete(url, trainer.served_adapter)
     assert trainer.served_adapter == "asyncgrpo-lora-step-4"
     assert logprob_gap(trainer.model, newest) <= FP32_NOISE
-
-
-def test_adapter_sync_needs_no_weight_transfer(tmp_path, real_vllm):
-    """Against a vLLM started with --enable-lora and no --weight-transfer-config, a PEFT run trains (before the
-    fix it stopped at start: "has no weight transfer")."""
-    if real_vllm.has_weight_transfer:
-        real_vllm.restart(weight_transfer=False)  # the restart test above normally left it so
-    status, info = raw(real_vllm.base_url, "GET", "/server_info", params={"config_format": "json"})
-    assert status == 200 and not info["vllm_config"].get("weight_transfer_config")
-    args = lane_config(tmp_path, real_vllm.base_url, max_steps=1)
-    dataset = reasoning_gym_dataset("chain_sum", size=8, seed=2, system_prompt=None)
-    trainer = AsyncGRPOTrainer(str(real_vllm.model_dir), reward_funcs=[parity_reward], args=args,
-                               train_dataset=dataset, peft_config=LoraConfig(**LORA))  # fmt: skip
-    trainer.train()
-    assert trainer.state.global_step == 1 and trainer.served_adapter == "asyncgrpo-lora-step-1"

@@ -16,6 +16,7 @@ from peft import LoraConfig
 
 from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.rollout.agents.tool_loop import schemas_of
+from tests.helpers.raw_http import raw
 from tests.vllm_lane.lane_model import TOOL_PROMPTS, TOOLS, lane_tokenizer
 from tests.vllm_lane.runs import LORA, lane_config, metric_rows, server_complete
 
@@ -43,6 +44,11 @@ def test_the_model_calls_the_tool_greedily_through_vllm(real_vllm):
 
 
 def test_a_multi_turn_tool_run_trains_against_vllm(tmp_path, real_vllm):
+    """Also issue 26's "adapter sync needs no weight transfer": in the lane this runs after the restart test,
+    which started the server again without --weight-transfer-config (before the fix the run stopped at start)."""
+    status, info = raw(real_vllm.base_url, "GET", "/server_info", params={"config_format": "json"})
+    assert status == 200
+    assert bool(info["vllm_config"].get("weight_transfer_config")) is real_vllm.has_weight_transfer
     prompts = [[{"role": "user", "content": p}] for p in TOOL_PROMPTS] * 8
     dataset = Dataset.from_dict({"prompt": prompts})
     args = lane_config(tmp_path, real_vllm.base_url, max_steps=2, temperature=0.5, max_completion_length=40,
