@@ -84,6 +84,8 @@ class FanoutSender:
         packed_buffer_size_bytes, packed_num_buffers: sent in each ``init_info`` (as ``WeightSender``).
         topology: ``per_server`` (one group per server) or ``shared`` (one group for all).
         on_drop: called with a dropped server's index (its place in the ``init`` list).
+        check_names: check each round's names and shapes against every server's checkpoint before broadcasting
+            (``weights/name_check.py``), as ``WeightSender`` does.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class FanoutSender:
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         topology: str = "per_server",
         on_drop: Callable[[int], None] | None = None,
+        check_names: bool = True,
     ) -> None:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology {topology!r} is not one of {TOPOLOGIES}")
@@ -106,6 +109,7 @@ class FanoutSender:
         self.backend = "gloo"
         self.device = torch.device("cpu")
         self.restarts = 0  # WeightSender's field: a dropped server is never taken back
+        self.check_names = check_names
         self._loop: _LoopThread | None = None
 
     # ------------------------------------------------------------------ forming the groups
@@ -140,7 +144,8 @@ class FanoutSender:
         for url, link in self.links.items():
             version = self._loop.run(link.client.version(), self.timeout_s, f"GET /version of {url}")
             link.reuse_metadata = reuses_update_metadata(version)
-            link.weights = self._loop.run(server_weights(link.client), self.timeout_s, f"GET /server_info of {url}")
+            if self.check_names:
+                link.weights = self._loop.run(server_weights(link.client), self.timeout_s, f"GET /server_info of {url}")
 
     def _form_groups(self) -> None:
         if self.topology == "shared":

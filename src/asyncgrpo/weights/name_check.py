@@ -124,6 +124,6 @@ def check_round(metas: Sequence[TensorMeta], server: ServerWeights | None, url: 
         + "\n  - ".join(lines)
         + (f"\n  - ... and {more} more" if more > 0 else "")
         + "\nvLLM would fail inside the broadcast on these. Serve the checkpoint the trainer starts from (same "
-        "architecture and sizes), or pass check_names=False to the weight sender if the server loads these names "
-        "under another layout"
+        "architecture and sizes); if the server does load these names under another layout, WeightSender / "
+        "FanoutSender(check_names=False) turns this check off"
     )
