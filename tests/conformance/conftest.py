@@ -36,7 +36,7 @@ def real_vllm_url() -> str | None:
 
 def needs_embedded(reason: str) -> None:
     if real_vllm_url():
-        pytest.skip(f"{reason} (restarts the server with special flags / needs the tiny model; {VLLM_URL_ENV} set)")
+        pytest.skip(f"embedded server only: {reason} ({VLLM_URL_ENV} is set)")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def embedded(serve: Callable[..., ServerProcess]) -> Callable[..., ServerProcess
     """Factory: ``embedded(model_dir, *flags, env=...)`` -> a running embedded server (skips against a real vLLM)."""
 
     def start(model_dir: Path | str, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
-        needs_embedded("embedded-server variant")
+        needs_embedded("starts servers of its own with other flags")
         return serve(model_dir, *flags, env=env)
 
     return start

@@ -17,7 +17,7 @@ from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.sampling import SamplingSettings
 from asyncgrpo.server.launcher import ServerProcess
-from asyncgrpo.trainer.server_setup import check_sampling_limits, probe_server
+from asyncgrpo.trainer.server_setup import check_sampling_limits, check_weight_transfer, probe_server
 from tests.helpers.raw_http import NEG_INF_WIRE, PROMPT, raw
 
 MASK_MESSAGE = (
@@ -181,8 +181,11 @@ def test_without_weight_transfer_config_the_routes_answer_500_and_the_client_say
             return info.value
 
     assert """--weight-transfer-config '{"backend": "nccl"}'""" in asyncio.run(go()).message
+    facts = probe_server(url, 60, want_masks=False)  # the probe reads it; only merged sync needs it (issue 26)
+    assert facts.weight_transfer is False
     with pytest.raises(RuntimeError, match="--weight-transfer-config"):
-        probe_server(url, 60, want_masks=False)
+        check_weight_transfer(facts, [url], adapter_sync=False)
+    check_weight_transfer(facts, [url], adapter_sync=True)  # adapters only write files and call load_lora_adapter
 
 
 def test_worker_says_shorten_the_prompts_only_for_a_length_400(mask_server):

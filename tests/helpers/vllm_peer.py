@@ -8,8 +8,8 @@ from our receiver, so our :class:`~asyncgrpo.weights.sender.WeightSender` can be
 checked against it:
 
 * ``init_info`` / ``update_info`` are parsed like vLLM's dataclasses: an unknown
-  or missing key is a 400; exactly one rendezvous mode (unique id *or* master
-  address/port).
+  or missing key is a 500 (vLLM's worker raises; the API answers 500); exactly one
+  rendezvous mode (unique id *or* master address/port).
 * The worker joins as rank ``rank_offset`` and contributes ``torch.zeros(1)`` to
   the one-element warm-up all-reduce (vLLM's PyNccl communicator).
 * Unpacked rounds: one broadcast per tensor in ``names`` order, zero-element
@@ -18,8 +18,12 @@ checked against it:
   one uint8 broadcast, a zero-byte one included (NCCL treats count 0 as a no-op;
   on gloo, our CPU backend, zero-byte broadcasts are skipped on every rank).
 
+``--version 0.32.0`` gives 0.32's update semantics: empty ``update_info`` lists
+mean zero tensors (0.33 reads them as "the last round's metadata again").
+
 Each finished round is saved to ``OUT/round-<k>.pt``: the tensors received, the
-byte size of every broadcast, the warm-up sum and the version.
+byte size of every broadcast, the warm-up sum, the version and the query of every
+``/pause`` since the previous round (the sender must ask for ``clear_cache``).
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ class BadRequest(Exception):
 class Peer:
     """One vLLM worker (TP=PP=DP=1) holding nothing but what it receives."""
 
-    def __init__(self, backend: str, device: str, out: Path, timeout_s: float) -> None:
+    def __init__(self, backend: str, device: str, out: Path, timeout_s: float, version: str = "0.33.0") -> None:
         self.backend, self.device, self.out, self.timeout_s = backend, torch.device(device), out, timeout_s
+        self.version = version
+        self.reuses_metadata = tuple(int(x) for x in version.split(".")[:2]) >= (0, 33)
         self.comm: Any = None
         self.packed, self.buffer_size = False, 1 << 30
         self.last_update: dict[str, list] | None = None
@@ -63,6 +69,7 @@ class Peer:
         self.rounds = 0
         self.received: dict[str, torch.Tensor] = {}
         self.broadcast_sizes: list[int] = []
+        self.pauses: list[dict[str, str]] = []  # query parameters of each /pause since the last round
 
     # ------------------------------------------------------------------ the group
 
@@ -136,7 +143,7 @@ class Peer:
             raise BadRequest("`dtype_names` and `shapes` should be of the same size as `names`")
         if names:
             self.last_update = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-        elif self.last_update is not None:
+        elif self.last_update is not None and self.reuses_metadata:
             names, dtypes, shapes = (self.last_update[k] for k in ("names", "dtype_names", "shapes"))
         metas = [(n, getattr(torch, d), [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
         if not self.packed:
@@ -166,9 +173,9 @@ class Peer:
     def finish(self, version: str | None) -> None:
         self.rounds += 1
         record = {"version": version, "tensors": self.received, "broadcast_sizes": self.broadcast_sizes,
-                  "warmup_sum": self.warmup_sum, "packed": self.packed}  # fmt: skip
+                  "warmup_sum": self.warmup_sum, "packed": self.packed, "pauses": self.pauses}  # fmt: skip
         torch.save(record, self.out / f"round-{self.rounds}.pt")
-        self.received, self.broadcast_sizes, self.active = {}, [], False
+        self.received, self.broadcast_sizes, self.active, self.pauses = {}, [], False, []
 
     def shutdown(self) -> None:
         if self.backend == "nccl" and self.comm is not None:
@@ -190,7 +197,7 @@ def make_app(peer: Peer) -> web.Application:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, locked)
         except BadRequest as exc:
-            raise web.HTTPBadRequest(text=str(exc)) from exc
+            raise web.HTTPInternalServerError(text=str(exc)) from exc
 
     async def body(request: web.Request) -> dict:
         return (await request.json()) if request.can_read_body else {}
@@ -219,7 +226,10 @@ def make_app(peer: Peer) -> web.Application:
         return await ok("Weight transfer shut down")
 
     async def static(request):
+        if request.path == "/pause":
+            peer.pauses.append(dict(request.query))
         answers = {
+            "/version": {"version": peer.version},
             "/health": None,
             "/get_world_size": {"world_size": 1},
             "/pause": {"status": "paused"},
@@ -236,7 +246,7 @@ def make_app(peer: Peer) -> web.Application:
     app.router.add_post("/update_weights", update)
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
-    for path in ("/health", "/get_world_size", "/server_info"):
+    for path in ("/health", "/get_world_size", "/server_info", "/version"):
         app.router.add_get(path, static)
     for path in ("/pause", "/resume", "/reset_prefix_cache"):
         app.router.add_post(path, static)
@@ -251,9 +261,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--version", default="0.33.0", help="the vLLM release to answer as (0.32.0: no metadata reuse)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    peer = Peer(args.backend, args.device, args.out, args.timeout_s)
+    peer = Peer(args.backend, args.device, args.out, args.timeout_s, args.version)
     web.run_app(make_app(peer), host="127.0.0.1", port=args.port, print=None)
 
 

@@ -177,3 +177,17 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
     assert got.token_ids == direct.token_ids and got.logprobs == direct.logprobs
     model = peft_model.eval()
     check_greedy(model, got)  # and it is the adapter's output, not the base model's
+
+
+def test_adapter_sync_needs_no_weight_transfer(tmp_path, serve, tiny_llama_dir):
+    """A server with --enable-lora and no weight transfer: adapter sync only writes files and calls
+    /v1/load_lora_adapter, so the run trains (it stopped at start before issue 26: "has no weight transfer")."""
+    server = serve(tiny_llama_dir, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-model-len",
+                   "256", "--weight-transfer-config", '{"backend": "none"}')  # fmt: skip
+    dataset = reasoning_gym_dataset("chain_sum", size=4, seed=0, system_prompt=None)
+    trainer = AsyncGRPOTrainer(
+        str(tiny_llama_dir), reward_funcs=[parity_reward], args=_config(tmp_path, server, max_steps=1),
+        train_dataset=dataset, peft_config=LoraConfig(**LORA),
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.served_adapter == "asyncgrpo-lora-step-1"

@@ -423,11 +423,21 @@ class AsyncServerClient:
 
     # ------------------------------------------------------------------ pause / resume
 
-    async def pause(self, mode: str = "abort", timeout: float | None = None) -> None:
-        """``POST /pause?mode=...``; returns once the pause is in effect (``wait`` drains first)."""
+    async def pause(
+        self, mode: str = "abort", timeout: float | None = None, *, clear_cache: bool | None = None
+    ) -> None:
+        """``POST /pause?mode=...``; returns once the pause is in effect (``wait`` drains first).
+
+        ``clear_cache`` is sent only when given. Weight rounds pass True: vLLM's router calls the parameter
+        deprecated, yet its engine core still preempts the frozen requests and clears the caches only with it, so
+        their KV is recomputed with the new weights; relying on the default would break silently if it changed.
+        """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode {mode!r} is not one of 'abort', 'wait', 'keep'")
-        await self.request("POST", "/pause", params={"mode": mode}, timeout=timeout)
+        params = {"mode": mode}
+        if clear_cache is not None:
+            params["clear_cache"] = "true" if clear_cache else "false"
+        await self.request("POST", "/pause", params=params, timeout=timeout)
 
     async def resume(self, timeout: float | None = None) -> None:
         await self.request("POST", "/resume", timeout=timeout)

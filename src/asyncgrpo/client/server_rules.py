@@ -8,6 +8,7 @@ the KV-cache capacity.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,3 +69,26 @@ def kv_capacity(info: Mapping[str, Any]) -> int | None:
     if isinstance(blocks, int) and isinstance(size, int):
         return blocks * size
     return None
+
+
+# vLLM 0.33 reads empty update_info lists as "the last round's metadata again"; 0.32's NCCLWeightTransferUpdateInfo
+# has no such rule and receives zero tensors, so a sender reusing metadata there broadcasts into the void.
+METADATA_REUSE_SINCE = (0, 33)
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``: the leading numeric parts of a ``/version`` answer (``()`` if none)."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.end() < len(piece):  # "1rc1": a pre-release tag ends the release number
+            break
+    return tuple(parts)
+
+
+def reuses_update_metadata(version: str) -> bool:
+    """Whether a server of this ``/version`` takes empty ``update_info`` lists as the last round's metadata."""
+    return release_tuple(version) >= METADATA_REUSE_SINCE

@@ -26,6 +26,7 @@ import contextvars
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -193,11 +194,33 @@ class AsyncRolloutLoop:
         try:
             return await call(model)
         except ServerError as e:
+            if e.status != 404 or self.settings.lora_name is None:
+                raise
+            if await self._register_again(model):  # the server restarted and lost the adapters
+                return await call(model)
             current = self.settings.request_model(self.channels.policy_version.value)
-            if e.status != 404 or self.settings.lora_name is None or model == current:
+            if model == current:
                 raise
             # The group's adapter left the staleness window: its samples will be dropped as stale anyway.
             return await call(current)
+
+    async def _register_again(self, name: str) -> bool:
+        """Adapter sync: a server that restarted lost every adapter, so a rollout registers its own again from
+        the run's adapter directory (while it is still there: retired versions are deleted). True when the server
+        has it now (another rollout may have registered it first)."""
+        if self.settings.lora_dir is None:
+            return False
+        path = Path(self.settings.lora_dir) / name
+        if not (path / "adapter_config.json").is_file():
+            return False
+        try:
+            await self.pool.call(self.server_index, lambda c: c.load_lora_adapter(name, str(path.resolve())))
+        except ServerError as e:
+            if e.status != 400 or "already" not in e.message:
+                logger.warning("could not register LoRA adapter %s again: %s", name, e)
+                return False
+        logger.warning("the server had lost LoRA adapter %s (did it restart?): registered it again from %s", name, path)
+        return True
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group; 0 for unscored rollouts."""

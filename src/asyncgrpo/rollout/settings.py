@@ -43,6 +43,8 @@ class RolloutSettings:
             ``vllm_server_restart_timeout``).
         lora_name: adapter sync (T6): requests name the LoRA adapter ``<lora_name>-step-<version>`` of the policy
             version their rollout started under instead of ``model_name`` (None: merged weights, ``model_name``).
+        lora_dir: adapter sync: the directory holding each adapter version (``<output_dir>/.vllm_lora``), from which
+            a rollout registers its adapter again on a server that lost it (it restarted).
         sync_rollouts: start groups only while the trainer waits for samples (the config's ``sync_rollouts``).
         answer_parse_processes: helper processes that parse large answers off the worker's event loop
             (``client/answer_parse.py``); None: a quarter of the machine's cores, at most 4; 0: inline.
@@ -69,6 +71,7 @@ class RolloutSettings:
     answer_parse_processes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None
+    lora_dir: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

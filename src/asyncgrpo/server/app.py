@@ -56,6 +56,7 @@ class ServerConfig:
     max_loras: int = 1
     weight_transfer_backend: str | None = "gloo"  # None: started without weight transfer (500 on its routes)
     weight_transfer_timeout_s: float = 1800.0
+    weight_transfer_checks: str = "vllm"  # "vllm": vLLM's statuses and traps; "strict": 400 before any collective
     seed: int = 0
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.85
@@ -92,7 +93,7 @@ class ServerState:
         self.registry = prometheus.make_registry(engine.stats, config.served_model_name)
         # an engine in its own process brings the receiver that runs beside its weights (engine_process)
         self.receiver = getattr(engine, "receiver", None) or WeightReceiver(
-            engine, config.weight_transfer_backend, config.weight_transfer_timeout_s
+            engine, config.weight_transfer_backend, config.weight_transfer_timeout_s, config.weight_transfer_checks
         )
         # Diagnostics (bench/rollout_path.py): generation answers sent and seconds spent building + encoding them.
         self.http_stats = {"responses": 0, "response_build_s": 0.0, "last_outputs_unix": 0.0, "last_built_unix": 0.0}

@@ -101,6 +101,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--weight-transfer-config", type=_weight_transfer_config, default={"backend": "auto"},
       help='JSON {"backend": "nccl"|"gloo"|"ipc"|"auto"}; auto = nccl and ipc (a trainer on this GPU, CUDA IPC: '
            'needs VLLM_ALLOW_INSECURE_SERIALIZATION=1) on CUDA, gloo on CPU')  # fmt: skip
+    a("--weight-transfer-checks", default="vllm", choices=["vllm", "strict"],
+      help="how weight-transfer errors are answered: vllm (default) as vLLM 0.32/0.33 answer them, traps included "
+           "(500s, a start before init accepted, names checked only while loading), so clients meet vLLM's "
+           "behaviour here; strict: bad input refused with a 400 before any collective")  # fmt: skip
     a("--enable-scale-out", action="store_true",
       help="accepted for vLLM compatibility: /inference/v1/generate is always on here")  # fmt: skip
     a("--return-sampling-mask", action="store_true",
@@ -170,6 +174,7 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         max_loras=args.max_loras,
         weight_transfer_backend=None if backend == "none" else backend,
         weight_transfer_timeout_s=_weight_timeout_s(args),
+        weight_transfer_checks=args.weight_transfer_checks,
         seed=args.seed,
         max_num_seqs=engine.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -246,7 +251,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
             from asyncgrpo.server.engine_process import RemoteEngine
 
-            engine = RemoteEngine(engine_kwargs, (backend, _weight_timeout_s(args)))
+            engine = RemoteEngine(engine_kwargs, (backend, _weight_timeout_s(args), args.weight_transfer_checks))
             logger.info("the engine runs in its own process (pid %d)", engine.pid)
         else:
             engine = Engine(**engine_kwargs)

@@ -6,6 +6,14 @@
 never steps on half-loaded weights and at most one packed chunk is held. The
 wire format lives in :mod:`asyncgrpo.weights.collectives`, shared with the
 trainer's sender.
+
+Two ways to answer a bad step (``--weight-transfer-checks``). ``vllm`` (the default) answers as vLLM 0.32/0.33
+do, traps included, so a client tested here takes the paths it takes against vLLM: every worker-side error is a
+500 (a bad ``init_info`` or ``update_info``, update or finish without start, a second start, a shutdown during an
+update), a start before init answers 200 and the update fails, a failed update ends the open one (the finish
+after it is a 500 too), and names and shapes are not checked before the broadcast: a wrong one fails while
+loading, inside the round. ``strict`` refuses bad input before any collective with a 400 (409 for a clash) that
+says what to change, for debugging a sender of one's own.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ _UPDATE_KEYS = {"names", "dtype_names", "shapes"}
 # How long a new init waits for an abandoned round to let go of the receiver (its collective waits poll every 5 ms).
 ABANDON_WAIT_S = 10.0
 NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
+CHECK_MODES = ("vllm", "strict")
 
 
 def _require(ok: bool, message: str, param: str | None = None) -> None:
@@ -67,9 +76,13 @@ class WeightReceiver:
         backend: ``nccl``, ``gloo``, ``ipc`` or ``auto`` (nccl and ipc on a GPU, gloo on CPU: the server's
             ``--weight-transfer-config``); None: not configured, every step answers 500 as vLLM does without it.
         timeout_s: bound on the rendezvous and on one round's collectives.
+        checks: ``vllm`` (answer errors as vLLM does) or ``strict`` (400 before any collective); module docstring.
     """
 
-    def __init__(self, engine: Any, backend: str | None, timeout_s: float) -> None:
+    def __init__(self, engine: Any, backend: str | None, timeout_s: float, checks: str = "vllm") -> None:
+        if checks not in CHECK_MODES:
+            raise ValueError(f"weight-transfer checks must be one of {CHECK_MODES}, got {checks!r}")
+        self.vllm_like = checks == "vllm"
         self.engine = engine
         self.accepts = accepted_backends(backend, engine.device.type)
         self.backend = self.accepts[0] if backend == "auto" else backend  # the group's backend (or "ipc")
@@ -98,6 +111,14 @@ class WeightReceiver:
         if self.backend is None:
             raise ApiError(500, NOT_CONFIGURED)
 
+    def _reject(self, status: int, message: str) -> ApiError:
+        """The error of a bad step: vLLM's worker raises, and the API answers 500 with its message."""
+        return ApiError(500 if self.vllm_like else status, message)
+
+    def _expect(self, ok: bool, message: str) -> None:
+        if not ok:
+            raise self._reject(400, message)
+
     def init(self, info: Any) -> None:
         """Validate ``init_info`` and join the group; blocks until every rank joined."""
         self._check_configured()
@@ -106,32 +127,32 @@ class WeightReceiver:
             self._init_ipc(info)
             return
         unknown = sorted(set(info) - _INIT_KEYS)
-        _require(not unknown, f"unknown init_info keys {unknown}; allowed: {sorted(_INIT_KEYS)}", "init_info")
+        self._expect(not unknown, f"unknown init_info keys {unknown}; allowed: {sorted(_INIT_KEYS)}")
         missing = sorted({"rank_offset", "world_size"} - set(info))  # required fields of vLLM's init info
-        _require(not missing, f"init_info is missing {missing}", "init_info")
+        self._expect(not missing, f"init_info is missing {missing}")
         world, offset = info["world_size"], info["rank_offset"]
-        _require(_is_int(world) and world >= 2, f"init_info.world_size must be an integer >= 2, got {world!r}")
-        _require(_is_int(offset) and 1 <= offset < world, f"init_info.rank_offset must be in [1, world_size), got {offset!r}")  # fmt: skip
+        self._expect(_is_int(world) and world >= 2, f"init_info.world_size must be an integer >= 2, got {world!r}")
+        self._expect(_is_int(offset) and 1 <= offset < world, f"init_info.rank_offset must be in [1, world_size), got {offset!r}")  # fmt: skip
         packed = info.get("packed", False)
         size = info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
         nbuf = info.get("packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)
-        _require(isinstance(packed, bool), f"init_info.packed must be a boolean, got {packed!r}")
-        _require(_is_int(size) and size > 0, f"init_info.packed_buffer_size_bytes must be > 0, got {size!r}")
-        _require(_is_int(nbuf) and nbuf >= 1, f"init_info.packed_num_buffers must be >= 1, got {nbuf!r}")
+        self._expect(isinstance(packed, bool), f"init_info.packed must be a boolean, got {packed!r}")
+        self._expect(_is_int(size) and size > 0, f"init_info.packed_buffer_size_bytes must be > 0, got {size!r}")
+        self._expect(_is_int(nbuf) and nbuf >= 1, f"init_info.packed_num_buffers must be >= 1, got {nbuf!r}")
         unique_id = store = None
         has_addr = info.get("master_address") is not None or info.get("master_port") is not None
         if info.get("nccl_unique_id_b64") and has_addr:
-            raise ApiError(400, "init_info: pass nccl_unique_id_b64 OR master_address/master_port, not both")
+            raise self._reject(400, "init_info: pass nccl_unique_id_b64 OR master_address/master_port, not both")
         if info.get("nccl_unique_id_b64"):
-            _require(self.backend == "nccl", "nccl_unique_id_b64 needs the nccl backend; this server uses gloo")
+            self._expect(self.backend == "nccl", "nccl_unique_id_b64 needs the nccl backend; this server uses gloo")
             try:
                 unique_id = base64.b64decode(str(info["nccl_unique_id_b64"]), validate=True)
             except (binascii.Error, ValueError) as exc:
-                raise ApiError(400, f"init_info.nccl_unique_id_b64 is not base64: {exc}") from exc
-            _require(len(unique_id) == 128, f"the NCCL unique id must be 128 bytes, got {len(unique_id)}")
+                raise self._reject(400, f"init_info.nccl_unique_id_b64 is not base64: {exc}") from exc
+            self._expect(len(unique_id) == 128, f"the NCCL unique id must be 128 bytes, got {len(unique_id)}")
         else:
             addr, port = info.get("master_address"), info.get("master_port")
-            _require(isinstance(addr, str) and _is_int(port) and 0 < port < 65536,
+            self._expect(isinstance(addr, str) and _is_int(port) and 0 < port < 65536,
                      "init_info needs master_address and master_port (or nccl_unique_id_b64)")  # fmt: skip
         target = "an NCCL unique id" if unique_id is not None else f"{addr}:{port}"
         if not self._lock.acquire(blocking=False):
@@ -191,33 +212,45 @@ class WeightReceiver:
 
     def start(self) -> None:
         self._check_configured()
-        if self.group is None and self.ipc is None:
+        if (
+            self.group is None and self.ipc is None and not self.vllm_like
+        ):  # vLLM starts without a group; its update fails
             raise ApiError(400, "no weight-transfer group: call /init_weight_transfer_engine first")
         if self.active:
-            raise ApiError(409, "a weight update is already active; call /finish_weight_update first")
+            raise self._reject(409, "a weight update is already active; call /finish_weight_update first")
         self.active = True
 
     def _metas(self, info: dict[str, Any]) -> list[TensorMeta]:
         names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
-        _require(all(isinstance(x, list) for x in (names, dtypes, shapes)),
-                 "update_info needs the lists names, dtype_names and shapes")  # fmt: skip
-        _require(len(names) == len(dtypes) == len(shapes),
-                 f"names ({len(names)}), dtype_names ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")  # fmt: skip
+        self._expect(all(isinstance(x, list) for x in (names, dtypes, shapes)),
+                     "update_info needs the lists names, dtype_names and shapes")  # fmt: skip
+        self._expect(len(names) == len(dtypes) == len(shapes),
+                     f"names ({len(names)}), dtype_names ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")  # fmt: skip
         if not names:
-            _require(self._last_metas is not None, "empty update_info lists reuse the last round, but there was none")
+            self._expect(self._last_metas is not None, "empty update_info lists reuse the last round, but there was none")  # fmt: skip
             return self._last_metas
         params = self.engine.parameter_shapes()
         metas = []
         for name, dname, shape in zip(names, dtypes, shapes):
-            _require(isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape), f"bad shape {shape!r} for {name!r}")  # fmt: skip
+            self._expect(isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape), f"bad shape {shape!r} for {name!r}")  # fmt: skip
             try:
                 dtype = dtype_from_name(dname)
             except ValueError as exc:
-                raise ApiError(400, str(exc), param="dtype_names") from exc
-            _require(name in params, f"unknown weight name {name!r}: the server's model has no such parameter")
-            _require(tuple(shape) == params[name], f"weight {name!r} has shape {params[name]}, not {tuple(shape)}")
+                raise self._reject(400, str(exc)) from exc
+            if not self.vllm_like:  # vLLM finds these only while loading, inside the round (_check_landing)
+                _require(name in params, f"unknown weight name {name!r}: the server's model has no such parameter")
+                _require(tuple(shape) == params[name], f"weight {name!r} has shape {params[name]}, not {tuple(shape)}")
             metas.append(TensorMeta(name, dtype, tuple(shape)))
         return metas
+
+    @staticmethod
+    def _check_landing(name: str, tensor: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> None:
+        """vLLM-like: a received tensor the model cannot load fails the round here, as vLLM's load_weights does
+        after the broadcast of its chunk (the sender's later broadcasts find no receiver)."""
+        if name not in shapes:
+            raise ValueError(f"load_weights: the model has no parameter {name!r}")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"load_weights: {name!r} has shape {shapes[name]}, the update sent {tuple(tensor.shape)}")
 
     def _prepare(self, info: Any, arrived: float) -> tuple[list[TensorMeta], Callable[[], None], WireProfile | None]:
         """Validate ``update_info`` and build the engine-thread job that receives and loads the round."""
@@ -226,10 +259,13 @@ class WeightReceiver:
             return self.ipc.prepare(self, info, arrived)
         _require(isinstance(info, dict), "update_info must be an object", "update_info")
         unknown = sorted(set(info) - _UPDATE_KEYS)
-        _require(not unknown, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)} (packing is "
-                 "fixed by init_info)", "update_info")  # fmt: skip
-        if not self.active or self.group is None:
-            raise ApiError(409, "no active weight update: call /start_weight_update first")
+        self._expect(not unknown, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)} (packing is "
+                     "fixed by init_info)")  # fmt: skip
+        if not self.active:
+            raise self._reject(409, "no active weight update: call /start_weight_update first")
+        if self.group is None:  # vLLM-like start before init; a failed update ends the active one there
+            self.active = False
+            raise ApiError(500, "weight transfer not initialized: call /init_weight_transfer_engine first")
         metas = self._metas(info)
         packed, size, nbuf = self.packed, self.buffer_size, self.num_buffers
         group, engine, lanes = self.group, self.engine, self._lanes
@@ -238,6 +274,7 @@ class WeightReceiver:
         params = self._params
         profile = WireProfile(group.device) if self.profile else None
         host = self._host = {}
+        shapes = self.engine.parameter_shapes() if self.vllm_like else None
 
         def receive_and_load() -> None:
             self._receiving = True
@@ -257,6 +294,8 @@ class WeightReceiver:
                                              profile=profile):  # fmt: skip
                     dsts, srcs, rest = [], [], []
                     for name, t in batch:
+                        if shapes is not None:
+                            self._check_landing(name, t, shapes)
                         p = params.get(name)
                         if p is None or p.device != t.device:
                             rest.append((name, t))  # an alias (a tied head): the engine resolves it
@@ -284,15 +323,25 @@ class WeightReceiver:
             self._host["done_ms"] = (time.perf_counter() - arrived) * 1e3
             self._last_profile = (self._host, profile)
 
+    def _failed_update(self) -> None:
+        """vLLM's worker ends the open update when one fails: the finish after it is an error too."""
+        if self.vllm_like:
+            self.active = False
+
     def update(self, info: Any) -> None:
         """Receive and load one round; blocks until every tensor is in (its timeline kept when profiling)."""
         arrived = time.perf_counter()
-        metas, job, profile = self._prepare(info, arrived)
+        try:
+            metas, job, profile = self._prepare(info, arrived)
+        except ApiError:
+            self._failed_update()
+            raise
         with self._lock:
             try:
                 self.engine.run_between_steps(job, timeout=self.timeout_s + 30)
             except Exception:
                 self._done(None, None, arrived)
+                self._failed_update()
                 raise
         self._done(metas, profile, arrived)
 
@@ -305,12 +354,17 @@ class WeightReceiver:
             return
         try:
             arrived = time.perf_counter()
-            metas, job, profile = self._prepare(info, arrived)
+            try:
+                metas, job, profile = self._prepare(info, arrived)
+            except ApiError:
+                self._failed_update()
+                raise
             try:
                 fut = self.engine.between_steps_future(job)
                 await awaited(fut, "the weight update on the engine thread", self.timeout_s + 30)
             except Exception:
                 self._done(None, None, arrived)
+                self._failed_update()
                 raise
             self._done(metas, profile, arrived)
         finally:
@@ -331,7 +385,7 @@ class WeightReceiver:
         """End the update, labelling what the engine generates from now on ``version``; returns the version."""
         self._check_configured()
         if not self.active:
-            raise ApiError(400, "no active weight update to finish")
+            raise self._reject(400, "no active weight update to finish (a failed update ends the one it was in)")
         if self.ipc is not None:
             self.ipc.end_round()
         if version is not None:
@@ -372,6 +426,8 @@ class WeightReceiver:
         self.active = False
 
     def shutdown(self) -> None:
+        if self.vllm_like and self.active:
+            raise ApiError(500, "Cannot release a trainer connection during a weight update")
         with self._lock:
             self._close_group()
 

@@ -40,6 +40,7 @@ class ServerFacts:
     max_lora_rank: int | None = None  # --max-lora-rank when the server runs with --enable-lora, else None
     max_loras: int | None = None  # --max-loras (with --enable-lora)
     lora_adapters: tuple[str, ...] = ()  # adapters already registered (their /v1/models cards have a parent)
+    weight_transfer: bool = True  # started with --weight-transfer-config (merged sync needs it; adapter sync does not)
 
     @property
     def lora_enabled(self) -> bool:
@@ -70,10 +71,9 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
         if not max_len:
             raise RuntimeError(f"/v1/models of {base_url} reports no max_model_len; is it a vLLM-compatible server?")
         info = await _server_info(client)
+        await resume_if_paused(client)
         model_cfg = config_section(info, "vllm_config", "model_config")
         transfer = config_section(info, "vllm_config", "weight_transfer_config")
-        if "vllm_config" in info and not transfer:
-            raise RuntimeError(f"the generation server at {base_url} has no weight transfer: {NOT_CONFIGURED_HINT}")
         try:
             await client.metrics()
             has_metrics = True
@@ -97,7 +97,36 @@ async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
             max_lora_rank=int(lora.get("max_lora_rank") or 16) if lora else None,  # vLLM's default rank: 16
             max_loras=int(lora.get("max_loras") or 1) if lora else None,
             lora_adapters=tuple(m["id"] for m in models if m.get("parent") not in (None, "")),
+            weight_transfer=bool(transfer) or "vllm_config" not in info,
         )
+
+
+async def resume_if_paused(client: AsyncServerClient) -> None:
+    """A server left paused (e.g. by a run that crashed mid-sync) queues or refuses every request, so the run
+    would wait out its timeouts: resume it, saying so (SPEC X4)."""
+    try:
+        paused = await client.is_paused()
+    except ServerError as exc:
+        logger.info("no /is_paused from %s (%s): not checking for a paused server", client.base_url, exc)
+        return
+    if paused:
+        logger.warning("the generation server at %s is paused (left so by an earlier run or another client?): "
+                       "resuming it before this run starts", client.base_url)  # fmt: skip
+        await client.resume()
+
+
+def check_weight_transfer(facts: ServerFacts, base_urls: Sequence[str], adapter_sync: bool) -> None:
+    """Merged-weight sync needs the server's weight transfer; adapter sync (T6) only writes files and calls
+    ``/v1/load_lora_adapter``, so a server with ``--enable-lora`` and no ``--weight-transfer-config`` is fine.
+
+    Raises:
+        RuntimeError: merged sync against a server without weight transfer (says which flag to add).
+    """
+    if adapter_sync or facts.weight_transfer:
+        return
+    raise RuntimeError(f"the generation server at {', '.join(base_urls)} has no weight transfer: "
+                       f"{NOT_CONFIGURED_HINT} (or, for a PEFT model, start it with --enable-lora: adapter sync "
+                       "needs no weight transfer)")  # fmt: skip
 
 
 def check_sampling_limits(facts: ServerFacts, *, temperature: float, top_k: int, num_sampler_logprobs: int) -> None:
@@ -175,6 +204,7 @@ def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) ->
         max_lora_rank=min(f.max_lora_rank or 0 for f in each) if lora else None,
         max_loras=min(f.max_loras or 0 for f in each) if lora else None,
         lora_adapters=tuple(sorted({a for f in each for a in f.lora_adapters})),
+        weight_transfer=all(f.weight_transfer for f in each),
     )
 
 

@@ -62,12 +62,19 @@ from asyncgrpo.trainer.server_setup import (
     check_completion_length,
     check_dtype,
     check_sampling_limits,
+    check_weight_transfer,
     probe_servers,
 )
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.fanout import FanoutSender
-from asyncgrpo.weights.lora_sync import AdapterPublisher, AdapterSyncSettings, adapter_state, start_adapter_sync
+from asyncgrpo.weights.lora_sync import (
+    AdapterPublisher,
+    AdapterSyncSettings,
+    adapter_state,
+    lora_cache_dir,
+    start_adapter_sync,
+)
 from asyncgrpo.weights.policy import is_peft_model, join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
@@ -209,7 +216,9 @@ class AsyncGRPOTrainer(Trainer):
         """
         eos = self.processing_class.eos_token_id
         settings = build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
-        return dataclasses.replace(settings, lora_name=self.lora_prefix) if self.adapter_mode else settings
+        if not self.adapter_mode:
+            return settings
+        return dataclasses.replace(settings, lora_name=self.lora_prefix, lora_dir=lora_cache_dir(self.args.output_dir))
 
     def _start_rollout(self, resume: ResumePoint) -> None:
         """Probe the server; build the loop, source and sender. The worker starts in ``start_rollout_worker``."""
@@ -227,9 +236,11 @@ class AsyncGRPOTrainer(Trainer):
         facts = self._broadcast_object(self.facts)
         self.facts = facts
         self.adapter_mode = self.needs_initial_sync = facts.lora_enabled and is_peft_model(self.model)
+        check_weight_transfer(facts, args.server_urls, self.adapter_mode)
         if self.adapter_mode and self.is_world_process_zero():  # T6: checks the server's LoRA limits first
             sync = AdapterSyncSettings(tuple(args.server_urls), args.output_dir, args.max_staleness,
-                                       self.lora_prefix, args.vllm_server_timeout)  # fmt: skip
+                                       self.lora_prefix, args.vllm_server_timeout,
+                                       args.vllm_server_restart_timeout)  # fmt: skip
             self.adapter_sync = start_adapter_sync(self.model, sync, facts.max_lora_rank, facts.max_loras,
                                                    facts.lora_adapters, args.save_strategy)  # fmt: skip
         self.token_budget = args.token_budget or facts.max_model_len

@@ -39,6 +39,7 @@ import torch
 
 from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.server_rules import reuses_update_metadata
 from asyncgrpo.weights import nccl_lib
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -51,7 +52,9 @@ from asyncgrpo.weights.collectives import (
 from asyncgrpo.weights.fanout_group import FanoutGroup, join_watching
 from asyncgrpo.weights.loop_thread import LoopThread as _LoopThread
 from asyncgrpo.weights.loop_thread import local_address_towards as _local_address_towards
+from asyncgrpo.weights.name_check import ServerWeights, check_round, server_weights
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
+from asyncgrpo.weights.round_control import RoundControl
 from asyncgrpo.weights.sender import DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S
 from asyncgrpo.weights.wire import send_tensors
 
@@ -69,6 +72,8 @@ class _Link:
         self.group: TransferGroup | None = None  # per_server topology
         self.last_metas: list[TensorMeta] | None = None
         self.pushed: str | None = None  # the version the last finished round labelled
+        self.weights: ServerWeights | None = None  # its checkpoint's names and shapes (checked before broadcasting)
+        self.reuse_metadata = True  # it takes empty update_info lists as the last round's (vLLM >= 0.33)
 
 
 class FanoutSender:
@@ -79,6 +84,8 @@ class FanoutSender:
         packed_buffer_size_bytes, packed_num_buffers: sent in each ``init_info`` (as ``WeightSender``).
         topology: ``per_server`` (one group per server) or ``shared`` (one group for all).
         on_drop: called with a dropped server's index (its place in the ``init`` list).
+        check_names: check each round's names and shapes against every server's checkpoint before broadcasting
+            (``weights/name_check.py``), as ``WeightSender`` does.
     """
 
     def __init__(
@@ -89,6 +96,7 @@ class FanoutSender:
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         topology: str = "per_server",
         on_drop: Callable[[int], None] | None = None,
+        check_names: bool = True,
     ) -> None:
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology {topology!r} is not one of {TOPOLOGIES}")
@@ -101,6 +109,7 @@ class FanoutSender:
         self.backend = "gloo"
         self.device = torch.device("cpu")
         self.restarts = 0  # WeightSender's field: a dropped server is never taken back
+        self.check_names = check_names
         self._loop: _LoopThread | None = None
 
     # ------------------------------------------------------------------ forming the groups
@@ -132,6 +141,11 @@ class FanoutSender:
         for i, (c, size) in enumerate(zip(clients, world_sizes)):
             self.links[c.base_url] = _Link(c.clone(), int(size), i)
         self._form_groups()
+        for url, link in self.links.items():
+            version = self._loop.run(link.client.version(), self.timeout_s, f"GET /version of {url}")
+            link.reuse_metadata = reuses_update_metadata(version)
+            if self.check_names:
+                link.weights = self._loop.run(server_weights(link.client), self.timeout_s, f"GET /server_info of {url}")
 
     def _form_groups(self) -> None:
         if self.topology == "shared":
@@ -273,11 +287,25 @@ class FanoutSender:
         items = None if metadata is not None else list(named_tensors)
         metas = list(metadata) if items is None else [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items]
         tensors = (t for _, t in (named_tensors if items is None else items))
+        for url, link in self.links.items():
+            check_round(metas, link.weights, url)  # before any pause or broadcast
         self._check_before_round()
         t0, t1, t2 = self._open_round(barrier)
-        futures = {}
+        futures: dict[str, concurrent.futures.Future] = {}
+        try:
+            self._send_round(tensors, metas, version, futures)
+        except BaseException:
+            self._abandon_round(futures)
+            raise
+        t3 = time.perf_counter()
+        return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    def _send_round(self, tensors: Iterable[torch.Tensor], metas: list[TensorMeta], version: str,
+                    futures: dict[str, concurrent.futures.Future]) -> None:  # fmt: skip
+        """The opened round: post every /update_weights, broadcast, then finish, reset and resume every server."""
+        assert self._loop is not None
         for url, link in self.links.items():
-            reuse = metas == link.last_metas
+            reuse = metas == link.last_metas and link.reuse_metadata
             info = {"names": [] if reuse else [m.name for m in metas],
                     "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
                     "shapes": [] if reuse else [list(m.shape) for m in metas]}  # fmt: skip
@@ -286,13 +314,25 @@ class FanoutSender:
         self._wait_all({u: f for u, f in futures.items() if u in self.links}, "POST /update_weights", drop=True)
         for link in self.links.values():
             link.last_metas = metas
+        futures.clear()  # every server answered its update: from here on a failure never finds one inside it
         self._each(lambda c: c.finish_weight_update(version, timeout=self.timeout_s), "POST /finish_weight_update")
         for link in self.links.values():
             link.pushed = str(version)
         self._each(lambda c: c.reset_prefix_cache(), "POST /reset_prefix_cache")
         self._each(lambda c: c.resume(timeout=self.timeout_s), "POST /resume")
-        t3 = time.perf_counter()
-        return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
+
+    def _abandon_round(self, futures: dict[str, concurrent.futures.Future]) -> None:
+        """A failed round: close it on every live server outside the collective and resume it (``RoundControl``).
+        A server whose /update_weights has not answered may be inside the broadcast: no call waits on it."""
+        assert self._loop is not None
+        for url, link in list(self.links.items()):
+            fut = futures.get(url)
+            if fut is not None and not fut.done():
+                link.last_metas = None
+                logger.error("%s", RoundControl(link.client, self._loop.run, self.timeout_s).left_paused_message())
+                continue
+            link.last_metas = None
+            RoundControl(link.client, self._loop.run, self.timeout_s).abandon()
 
     def _open_round(self, barrier: Callable[[], None] | None) -> tuple[float, float, float]:
         """Pause and start the update on every server; returns the times before, after the pause, after start.
@@ -304,14 +344,15 @@ class FanoutSender:
             n = len(self.links)
             t0 = t1 = time.perf_counter()
             try:
-                self._each(lambda c: c.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
+                pause = lambda c: c.pause("keep", timeout=self.timeout_s, clear_cache=True)
+                self._each(pause, "POST /pause?mode=keep")
                 t1 = time.perf_counter()
                 if barrier is not None:
                     barrier()
                     barrier = None
                 self._each(lambda c: c.start_weight_update(timeout=self.timeout_s), "POST /start_weight_update")
             except BaseException:
-                self._resume_quietly()
+                self._abandon_round({})
                 raise
             if self.topology != "shared" or len(self.links) == n:
                 return t0, t1, time.perf_counter()

@@ -16,6 +16,7 @@ import torch
 
 from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.weights.collectives import TensorMeta
+from asyncgrpo.weights.round_control import RoundControl
 
 if TYPE_CHECKING:
     from asyncgrpo.weights.sender import WeightSender
@@ -128,10 +129,7 @@ def _is_ours(sender: WeightSender) -> bool:
 
 
 def _end_failed_round(sender: WeightSender) -> None:
-    """Close the server's half-done round (its finish may refuse: vLLM clears the round on a failed update)."""
-    assert sender._client is not None
-    try:
-        sender._http(sender._client.finish_weight_update(None, timeout=30.0), "POST /finish_weight_update")
-    except (ServerError, WeightTransferError) as exc:
-        logger.info("finish after a failed ipc update: %s", exc)
-    sender._resume_quietly()
+    """Close the server's half-done round and resume it, by the same rule as every backend (``RoundControl``:
+    vLLM clears its round on a failed update and leaves the weights on the meta device until a finish)."""
+    assert sender._client is not None and sender._loop is not None
+    RoundControl(sender._client, sender._loop.run, sender.timeout_s).abandon()

@@ -52,6 +52,7 @@ class AdapterSyncSettings:
         max_staleness: the config's ``max_staleness``: ``max_staleness + 1`` versions stay registered.
         prefix: adapter names are ``<prefix>-step-<N>`` (the worker builds the same names).
         timeout_s: one HTTP call's limit (load/unload).
+        restart_timeout_s: how long a load waits for a server that stopped answering (it may be restarting).
     """
 
     base_urls: tuple[str, ...]
@@ -59,6 +60,12 @@ class AdapterSyncSettings:
     max_staleness: int
     prefix: str
     timeout_s: float = 300.0
+    restart_timeout_s: float = 0.0
+
+
+def lora_cache_dir(output_dir: str) -> str:
+    """Where a run's adapter versions live (``<output_dir>/.vllm_lora``)."""
+    return str(Path(output_dir) / LORA_CACHE_DIR)
 
 
 def _peft_config(model: torch.nn.Module) -> Any:
@@ -150,17 +157,18 @@ class AdapterPublisher:
         self.cache_dir = Path(settings.output_dir) / LORA_CACHE_DIR
         self.live: deque[tuple[str, Path]] = deque()  # (adapter name, directory), oldest first
 
-    def _call(self, url: str, coro_fn: Any, what: str) -> Any:
+    def _call(self, url: str, coro_fn: Any, what: str, timeout_s: float | None = None) -> Any:
         """Run one async client call to completion (the trainer thread has no event loop of its own)."""
+        limit = self.settings.timeout_s if timeout_s is None else timeout_s
 
         async def go() -> Any:
             async with AsyncServerClient(url, timeout=self.settings.timeout_s, retries=0) as c:
-                return await asyncio.wait_for(coro_fn(c), self.settings.timeout_s + 5.0)
+                return await asyncio.wait_for(coro_fn(c), limit + 5.0)
 
         try:
             return asyncio.run(go())
         except TimeoutError:
-            raise TimeoutError(f"timed out after {self.settings.timeout_s:.0f}s waiting for {what} at {url}") from None
+            raise TimeoutError(f"timed out after {limit:.0f}s waiting for {what} at {url}") from None
 
     def clear_leftovers(self, loaded: list[str]) -> None:
         """Unload adapters an earlier run of this prefix left on the server and empty the cache directory."""
@@ -182,8 +190,7 @@ class AdapterPublisher:
         t1 = time.perf_counter()
         for url in self.settings.base_urls:
             try:
-                self._call(url, lambda c: c.load_lora_adapter(name, str(path.resolve())),
-                           f"POST /v1/load_lora_adapter {name}")  # fmt: skip
+                self._load(url, name, path)
             except ServerError as exc:
                 if exc.status == 404:
                     raise RuntimeError(f"the server at {url} has no /v1/load_lora_adapter: {RUNTIME_LORA_HINT}"
@@ -194,6 +201,21 @@ class AdapterPublisher:
         while len(self.live) > self.settings.max_staleness + 1:
             self._retire(*self.live.popleft())
         return {"write_s": t1 - t0, "load_s": t2 - t1, "retire_s": time.perf_counter() - t2}
+
+    def _load(self, url: str, name: str, path: Path) -> None:
+        """Register one version; a server that does not answer is waited for (``restart_timeout_s``), once."""
+        load = lambda c: c.load_lora_adapter(name, str(path.resolve()))
+        try:
+            self._call(url, load, f"POST /v1/load_lora_adapter {name}")
+            return
+        except ServerError as exc:
+            if exc.status is not None or self.settings.restart_timeout_s <= 0:
+                raise
+            logger.warning("server %s did not answer loading adapter %s (%s): waiting up to %.0fs for it to come "
+                           "back", url, name, exc, self.settings.restart_timeout_s)  # fmt: skip
+        self._call(url, lambda c: c.wait_until_ready(self.settings.restart_timeout_s), "GET /health (restart)",
+                   timeout_s=self.settings.restart_timeout_s + 10)  # fmt: skip
+        self._call(url, load, f"POST /v1/load_lora_adapter {name}")
 
     def _unload(self, name: str) -> None:
         for url in self.settings.base_urls:

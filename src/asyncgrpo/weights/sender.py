@@ -3,9 +3,13 @@
 Speaks VLLM_PROTOCOL.md's weight-transfer endpoints (real vLLM or our embedded
 server) with torch primitives only (no vLLM import). One round (SPEC G10):
 
-    POST /pause?mode=keep -> POST /start_weight_update
+    POST /pause?mode=keep&clear_cache=true -> POST /start_weight_update
     -> (thread) POST /update_weights  while rank 0 broadcasts
     -> join -> POST /finish_weight_update with POST /reset_prefix_cache (concurrently) -> POST /resume
+
+A step the server answers with any error status ends the round there: the update is closed and the server
+resumed (``weights/round_control.py``; vLLM answers its worker's errors with 500, not 400). Names and shapes are
+checked against the server's checkpoint before the first broadcast (``weights/name_check.py``).
 
     sender = WeightSender()
     sender.init(AsyncServerClient(url), server_world_size=1, backend="auto", device="cuda:0")
@@ -19,7 +23,6 @@ full tensor (plus one packed chunk), not the model.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import concurrent.futures
 import logging
@@ -32,6 +35,7 @@ import torch
 
 from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.server_rules import reuses_update_metadata
 from asyncgrpo.weights import nccl_lib
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -46,8 +50,10 @@ from asyncgrpo.weights.ipc import IpcExport, choose_backend
 from asyncgrpo.weights.ipc_round import ipc_round
 from asyncgrpo.weights.loop_thread import LoopThread as _LoopThread
 from asyncgrpo.weights.loop_thread import local_address_towards as _local_address_towards
+from asyncgrpo.weights.name_check import ServerWeights, check_round, server_weights
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from asyncgrpo.weights.restart import DEFAULT_RESTART_TIMEOUT_S, RestartRecovery
+from asyncgrpo.weights.round_control import RoundControl
 from asyncgrpo.weights.wire import Lanes, send_tensors
 from asyncgrpo.weights.wire_profile import WireProfile, enable_server_profiles, profiling_requested, server_profile
 
@@ -88,6 +94,8 @@ class WeightSender(RestartRecovery):
             restarted) waits this long for it, then forms the group again and pushes; 0 = fail at once.
         profile: record each round's device timeline (``wire_profile``) into ``last_breakdown``; default: the
             ``ASYNCGRPO_WEIGHT_SYNC_PROFILE`` environment variable. Off, only host wall times are kept.
+        check_names: before a round's first broadcast, check its names and shapes against the checkpoint the
+            server loaded (``weights/name_check.py``): vLLM itself fails on a wrong one inside the collective.
 
     ``last_breakdown`` holds the last round's steps in milliseconds from its start (``pause``, ``start``,
     ``enqueued``: the host queued every broadcast, ``synchronized``: they finished here, ``update_reply``: the
@@ -103,6 +111,7 @@ class WeightSender(RestartRecovery):
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         restart_timeout_s: float = DEFAULT_RESTART_TIMEOUT_S,
         profile: bool | None = None,
+        check_names: bool = True,
     ) -> None:
         if restart_timeout_s < 0:
             raise ValueError(f"restart_timeout_s must be >= 0, got {restart_timeout_s}")
@@ -128,6 +137,9 @@ class WeightSender(RestartRecovery):
         self.profile = profiling_requested() if profile is None else profile
         self.last_breakdown: dict[str, Any] = {}
         self._server_profiles: bool | None = None  # whether the server keeps timelines (ours does on request)
+        self.check_names = check_names
+        self._server_weights: ServerWeights | None = None  # the server's checkpoint names and shapes (check_names)
+        self._reuse_metadata = True  # the server takes empty update_info lists as the last round's (vLLM >= 0.33)
 
     # ------------------------------------------------------------------ set-up
 
@@ -215,6 +227,7 @@ class WeightSender(RestartRecovery):
             raise WeightTransferError(
                 f"POST /init_weight_transfer_engine failed after the group formed: {exc}"
             ) from exc
+        self._read_server_traits()
         logger.info("weight transfer to %s ready (%s, world size %d)", self._client.base_url, self.backend, world_size)
 
     def _init_ipc(self, dev: torch.device, packed: bool) -> None:
@@ -227,7 +240,21 @@ class WeightSender(RestartRecovery):
         except ServerError as exc:
             self._ipc = None
             raise WeightTransferError(f"the server rejected POST /init_weight_transfer_engine (ipc): {exc}") from exc
+        self._read_server_traits()
         logger.info("weight transfer to %s ready (ipc: CUDA IPC on GPU %s)", self._client.base_url, self._ipc.uuid)
+
+    def _read_server_traits(self) -> None:
+        """``/version`` (whether empty update_info lists mean "as last round") and, with ``check_names``, the names
+        and shapes of the server's checkpoint."""
+        assert self._client is not None
+        try:
+            version = self._http(self._client.version(), "GET /version")
+        except ServerError as exc:
+            logger.info("no /version from %s (%s): sending full metadata every round", self._client.base_url, exc)
+            version = ""
+        self._reuse_metadata = reuses_update_metadata(version)
+        if self.check_names:
+            self._server_weights = self._http(server_weights(self._client), "GET /server_info")
 
     def _join(
         self, fut: concurrent.futures.Future, world_size: int, dev: torch.device, store: Any, unique_id: bytes | None
@@ -332,13 +359,17 @@ class WeightSender(RestartRecovery):
         if use_packed != self.packed:  # vLLM's update_info has no packed field (400): packing is fixed at init
             raise ValueError(f"packed={use_packed} differs from init(packed={self.packed}); packing is fixed when the "
                              "group forms: close() and init() again with the packing you want")  # fmt: skip
-        if self._ipc is not None:
-            return ipc_round(self, tensors, metas, version=version, barrier=barrier)
-        # Before the clock starts: the same metadata as last round travels as empty lists (vLLM reuses its last),
-        # and the very list object lets the wire's cached plan be found without comparing it again.
-        reuse = metas == self._last_metas
-        if reuse:
+        # Before the clock starts: the same metadata as last round travels as empty lists (vLLM >= 0.33 reuses its
+        # last), and the very list object lets the wire's cached plan be found without comparing it again.
+        same = metas == self._last_metas
+        if same:
             metas = self._last_metas
+        else:
+            check_round(metas, self._server_weights, client.base_url)  # before any pause or broadcast
+        if self._ipc is not None:
+            self._last_metas = metas  # checked; ipc sends every round's metadata (its handles change)
+            return ipc_round(self, tensors, metas, version=version, barrier=barrier)
+        reuse = same and self._reuse_metadata
         update_info: dict[str, Any] = {
             "names": [] if reuse else [m.name for m in metas],
             "dtype_names": [] if reuse else [dtype_name(m.dtype) for m in metas],
@@ -353,16 +384,17 @@ class WeightSender(RestartRecovery):
         def step(name: str) -> None:
             steps[name] = (time.perf_counter() - t0) * 1e3
 
-        self._http(client.pause("keep", timeout=self.timeout_s), "POST /pause?mode=keep")
+        control = RoundControl(client, self._loop.run, self.timeout_s)
+        control.pause()
         t1 = time.perf_counter()
         step("pause")
         try:
             if barrier is not None:
                 barrier()
                 step("barrier")
-            self._http(client.start_weight_update(timeout=self.timeout_s), "POST /start_weight_update")
-        except (ServerError, WeightTransferError):
-            self._resume_quietly()
+            control.start()
+        except BaseException:
+            control.abandon()
             raise
         t2 = time.perf_counter()
         step("start")
@@ -378,7 +410,10 @@ class WeightSender(RestartRecovery):
         except Exception as exc:
             # Do not wait on the HTTP thread: the server may be stuck inside the collective.
             self._last_metas = None
-            self._close_rejected_round(fut)
+            if not fut.done():  # no answer yet: the server may be inside the collective, so no call waits on it
+                raise WeightTransferError(f"broadcasting weights to {client.base_url} failed: {exc}; "
+                                          f"{control.left_paused_message()}") from exc  # fmt: skip
+            control.abandon()
             if isinstance(exc, WeightTransferError):
                 raise
             raise WeightTransferError(f"broadcasting weights to {client.base_url} failed: {exc}") from exc
@@ -387,17 +422,24 @@ class WeightSender(RestartRecovery):
         try:
             fut.result(self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise WeightTransferError("the broadcast finished but POST /update_weights did not return") from None
+            raise WeightTransferError(f"the broadcast finished but POST /update_weights did not return; "
+                                      f"{control.left_paused_message()}") from None  # fmt: skip
         except ServerError as exc:
             self._last_metas = None
-            self._close_rejected_round(fut)
+            control.abandon()
             raise WeightTransferError(f"POST /update_weights failed: {exc}") from exc
         step("update_reply")
         self._last_metas = metas
-        self._http(self._finish_round(version), "POST /finish_weight_update and /reset_prefix_cache")
+        try:
+            control.finish(version)
+        except (ServerError, WeightTransferError) as exc:
+            control.abandon()
+            raise WeightTransferError(
+                f"the weights reached {client.base_url} but closing the round failed: {exc}"
+            ) from exc
         self._pushed_version = str(version)
         step("finish_and_reset")
-        self._http(client.resume(timeout=self.timeout_s), "POST /resume")
+        control.resume()
         t3 = time.perf_counter()
         step("resume")
         if profile is not None:
@@ -406,14 +448,6 @@ class WeightSender(RestartRecovery):
                 steps["receiver"] = self._http(server_profile(client), "GET /weight_sync_profile")
         self.last_breakdown = steps
         return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
-
-    async def _finish_round(self, version: str) -> None:
-        """``/finish_weight_update`` and ``/reset_prefix_cache`` together: both only need the weights loaded and
-        must precede ``/resume``, so the round waits for one round trip instead of two."""
-        assert self._client is not None
-        await asyncio.gather(
-            self._client.finish_weight_update(version, timeout=self.timeout_s), self._client.reset_prefix_cache()
-        )
 
     def update_model(self, model: torch.nn.Module, *, version: str, **kwargs: Any) -> dict[str, float]:
         """:meth:`update` with ``model``'s policy weights (``weights/policy.py``: PEFT merged, FSDP2 gathered).
@@ -434,29 +468,6 @@ class WeightSender(RestartRecovery):
         self._await_return()
         self._reinit()
         return once()  # the policy's tensors are made again, so the round can be repeated whole
-
-    def _close_rejected_round(self, fut: concurrent.futures.Future) -> None:
-        """After a 4xx on /update_weights the server never entered the collective: finish and resume it.
-
-        The trainer's side of the group may hold an unmatched broadcast, so the sender still has to be
-        closed and initialised again before the next round.
-        """
-        exc = fut.exception() if fut.done() else None
-        if not (isinstance(exc, ServerError) and exc.status is not None and 400 <= exc.status < 500):
-            return
-        assert self._client is not None
-        try:
-            self._http(self._client.finish_weight_update(None, timeout=30.0), "POST /finish_weight_update")
-        except (ServerError, WeightTransferError) as err:
-            logger.warning("could not close the rejected weight update: %s", err)
-        self._resume_quietly()
-
-    def _resume_quietly(self) -> None:
-        assert self._client is not None
-        try:
-            self._http(self._client.resume(timeout=30.0), "POST /resume")
-        except (ServerError, WeightTransferError) as exc:
-            logger.warning("could not resume the server after a failed weight update: %s", exc)
 
     def close(self, *, shutdown_server_side: bool = True) -> None:
         """Leave the group (and ask the server to drop its side); the sender can be ``init``-ed again."""
