@@ -38,7 +38,6 @@ class TrainerSeam(Protocol):
     window: MetricsWindow
     step_stats: StepStats
     source: RolloutSource | None  # rank 0 only
-    needs_initial_sync: bool  # adapter sync: the starting adapter must be registered before generation
 
     def is_world_process_zero(self) -> bool: ...
 
@@ -54,9 +53,9 @@ class AsyncGRPOCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # Resumed: the server still serves the weights it started with. Adapter sync: requests name an adapter.
-        if state.global_step > 0 or self.trainer.needs_initial_sync:
-            self.trainer.sync_weights()
+        # Always push first: the server may hold any weights (a previous run's, another checkpoint, its own start
+        # after a resume), and nothing it reports proves they are this policy's. Adapter sync: registers the adapter.
+        self.trainer.sync_weights()
         if self.trainer.is_world_process_zero():
             self.trainer.start_rollout_worker()  # only now: its first samples carry the weights just restored
 

@@ -56,6 +56,7 @@ from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed
 from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
+from asyncgrpo.trainer.served_weights import warn_on_foreign_weights
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
     check_completion_length,
@@ -219,6 +220,7 @@ class AsyncGRPOTrainer(Trainer):
             self.facts = probe_servers(args.server_urls, args.vllm_server_timeout, want_masks)
             check_completion_length(args.max_completion_length, self.facts.max_model_len, ", ".join(args.server_urls))
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
+            warn_on_foreign_weights(args.server_urls, self.model_id)  # on_train_begin pushes this run's weights
             n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
             check_sampling_limits(
                 self.facts, temperature=args.temperature, top_k=args.top_k, num_sampler_logprobs=n_logprobs
