@@ -178,6 +178,14 @@ class AsyncGRPOConfig(TrainingArguments):
             "each weight-sync call. Waits and weight syncs raise on timeout; generation requests are retried."
         },
     )
+    vllm_server_connect_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds train() waits at start for a server address that refuses connections (nothing listens "
+            "there yet). A server that accepts connections but is still loading is waited for up to "
+            "vllm_server_timeout. Raise it when the trainer starts before a server that takes long to open its port."
+        },
+    )
     vllm_server_restart_timeout: float = field(
         default=120.0,
         metadata={
@@ -358,7 +366,7 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             p.append(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 1 or None")
         p += self._server_url_problems()
-        for name in ("vllm_server_timeout", "rollout_worker_timeout"):
+        for name in ("vllm_server_timeout", "vllm_server_connect_timeout", "rollout_worker_timeout"):
             if not getattr(self, name) > 0:
                 p.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
         if not self.vllm_server_restart_timeout >= 0:

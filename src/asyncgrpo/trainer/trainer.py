@@ -42,7 +42,7 @@ from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.agents import prepare_tool_template
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.rewards import check_picklable
+from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns
 from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
@@ -163,6 +163,8 @@ class AsyncGRPOTrainer(Trainer):
                 raise TypeError(f"reward function {f!r} is a string; pass a callable (import it in your script)")
             check_picklable(f, "reward function")
         tools, factories, train_dataset = check_train_inputs(tools, environment_factory, train_dataset, args.max_steps)
+        for f in reward_funcs:  # a wrong signature fails here, not at the first scored group minutes later
+            check_reward_signature(f, dataset_columns(train_dataset) if train_dataset is not None else [])
         if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
             prepare_tool_template(processing_class, args.chat_template_kwargs)
         self.tools, self.environment_factory = tools, factories
@@ -217,7 +219,8 @@ class AsyncGRPOTrainer(Trainer):
         start_index = resume.start_index
         if self.is_world_process_zero():
             want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
-            self.facts = probe_servers(args.server_urls, args.vllm_server_timeout, want_masks)
+            self.facts = probe_servers(args.server_urls, args.vllm_server_timeout, want_masks,
+                                       connect_timeout=args.vllm_server_connect_timeout)  # fmt: skip
             check_completion_length(args.max_completion_length, self.facts.max_model_len, ", ".join(args.server_urls))
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
             warn_on_foreign_weights(args.server_urls, self.model_id)  # on_train_begin pushes this run's weights
@@ -260,6 +263,7 @@ class AsyncGRPOTrainer(Trainer):
                 sample_timeout=args.vllm_server_timeout,
                 weight_sync_steps=args.weight_sync_steps,
                 settled=resume.settled,
+                server_urls=args.server_urls,  # a step without trainable groups names a dead server as the cause
             )
             if not self.adapter_mode:  # merged sync: the weight transfer group(s)
                 self.sender = self._make_sender(facts)
