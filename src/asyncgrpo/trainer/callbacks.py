@@ -29,11 +29,14 @@ from asyncgrpo.trainer.step_stats import StepStats
 
 logger = logging.getLogger(__name__)
 
+RUN_CONFIG_FILE = "run_config.json"  # the name asyncgrpo.report.runlog reads
+
 
 class TrainerSeam(Protocol):
     """What the callbacks use of ``AsyncGRPOTrainer`` (declared here so this file never imports the trainer)."""
 
     state: Any
+    run_info: dict[str, Any]  # what run_config.json records besides the config (model, reward functions, dataset)
     callback_handler: Any
     window: MetricsWindow
     step_stats: StepStats
@@ -130,10 +133,19 @@ class AsyncGRPOCallback(TrainerCallback):
 
 
 class MetricsFileCallback(TrainerCallback):
-    """Appends each logging window to ``<output_dir>/metrics.jsonl`` (rank 0)."""
+    """Writes the run's settings to ``<output_dir>/run_config.json`` at the start and appends each logging window to
+    ``<output_dir>/metrics.jsonl`` (rank 0): ``asyncgrpo report`` reads both, however the run was started."""
 
     def __init__(self, trainer: TrainerSeam) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.trainer.is_world_process_zero():
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        record = {**self.trainer.run_info, "args": json.loads(args.to_json_string())}
+        with open(os.path.join(args.output_dir, RUN_CONFIG_FILE), "w") as fh:
+            json.dump(record, fh, indent=1, default=str)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
         if not self.trainer.is_world_process_zero() or not logs:

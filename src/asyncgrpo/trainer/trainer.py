@@ -42,7 +42,7 @@ from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.agents import prepare_tool_template
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns
+from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns, reward_function_name
 from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
@@ -72,6 +72,8 @@ from asyncgrpo.weights.policy import is_peft_model, join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
 logger = logging.getLogger(__name__)
+
+COMPACT_DOCTOR_EVERY = 10  # compact_log: the run doctor's verdicts every this many windows (as asyncgrpo train)
 
 
 class _StepSource:
@@ -188,6 +190,14 @@ class AsyncGRPOTrainer(Trainer):
         self.step_stats = StepStats()
         self.add_callback(AsyncGRPOCallback(self))
         self.add_callback(MetricsFileCallback(self))
+        if args.compact_log:  # the command line's readable line per window, for scripts too
+            from asyncgrpo.report.live import CompactProgress, install_compact_progress, settings_of
+
+            install_compact_progress(self, CompactProgress(COMPACT_DOCTOR_EVERY, settings_of(args)))
+        self.run_info: dict[str, Any] = {
+            "model": model_id,
+            "reward_funcs": [reward_function_name(f) for f in reward_funcs],
+        }
         self.worker: RolloutWorker | None = None
         self.source: RolloutSource | None = None
         self.sender: WeightSender | FanoutSender | None = None
