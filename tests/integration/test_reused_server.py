@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.report import load_run
 
 pytestmark = pytest.mark.slow
 
@@ -29,23 +31,31 @@ def parity_reward(completion_ids, **kwargs):
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def _run(model: str, out: Path, url: str, max_steps: int) -> dict:
+def _run(model: str, out: Path, url: str, max_steps: int, **overrides) -> dict:
     """Train ``max_steps`` steps and return the first logged window (step 1)."""
     args = AsyncGRPOConfig(
         output_dir=str(out), max_steps=max_steps, num_generations=4, max_completion_length=12, token_budget=384,
         vllm_server_base_url=url, report_to=[], save_strategy="no", learning_rate=1e-3,
-        gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0,
+        gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0, **overrides,
     )  # fmt: skip
     dataset = reasoning_gym_dataset("chain_sum", size=16, seed=0, system_prompt=None)
     AsyncGRPOTrainer(model, reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
-def test_second_run_on_one_server_samples_its_own_weights(tmp_path, serve, tiny_llama_dir, caplog):
+def test_second_run_on_one_server_samples_its_own_weights(tmp_path, serve, tiny_llama_dir, caplog, capsys):
     server = serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384")
-    first = _run(str(tiny_llama_dir), tmp_path / "first", server.base_url, max_steps=2)  # a fresh server
-    fresh_gap = first["sampling/sampling_logp_difference/max"]
+    first = _run(str(tiny_llama_dir), tmp_path / "first", server.base_url, max_steps=2, compact_log=True)
+    fresh_gap = first["sampling/sampling_logp_difference/max"]  # a fresh server's
     assert first["step"] == 1 and fresh_gap <= FRESH_GAP_TOL
+
+    # The same run told what it did (issue 30, item 7): one compact line per step, every metric in metrics.jsonl;
+    # and it left its settings where `asyncgrpo report` reads them (a Python API run as well as a YAML one).
+    printed = capsys.readouterr().out
+    assert re.search(r"^step +1/2 +reward \S+ +kept", printed, re.MULTILINE), printed
+    assert "'sampling/sampling_logp_difference/max'" not in printed  # not transformers' whole dict
+    assert len(first) > 40
+    assert load_run(tmp_path / "first").settings.num_generations == 4  # from run_config.json (the default is 8)
 
     # The same script again: the server now holds the first run's step-2 weights (lr 1e-3 moved them).
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.served_weights"):
