@@ -258,7 +258,8 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
 
             install_compact_progress(trainer, progress)
         out = trainer.train(resume_from_checkpoint=resume)
-        trainer.save_model(args.output_dir)  # whatever save_strategy says: a run always leaves its model
+        if not trainer.final_model_saved:  # save_strategy="no": a run from the command line still leaves its model
+            trainer.save_model(args.output_dir)
         return out, trainer
 
 

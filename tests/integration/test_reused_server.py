@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -59,9 +61,18 @@ def test_second_run_on_one_server_samples_its_own_weights(tmp_path, serve, tiny_
 
     # The same script again: the server now holds the first run's step-2 weights (lr 1e-3 moved them).
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.served_weights"):
-        second = _run(str(tiny_llama_dir), tmp_path / "second", server.base_url, max_steps=1)
+        second = _run(str(tiny_llama_dir), tmp_path / "second", server.base_url, max_steps=1, save_strategy="steps")
     gap = second["sampling/sampling_logp_difference/max"]
     assert second["step"] == 1 and second["sample/staleness_max"] == 0
     assert gap <= FRESH_GAP_TOL and abs(gap - fresh_gap) <= FRESH_GAP_TOL, (gap, fresh_gap)
     warned = [r.getMessage() for r in caplog.records]
     assert any("'step-2'" in m and server.base_url in m for m in warned), warned
+
+    # The second run kept transformers' default save_strategy="steps" (save_steps=500): train() left the final model
+    # in output_dir, readable as the umask allows, and no off-grid checkpoint-1 with a second copy of it (item 9).
+    out = tmp_path / "second"
+    assert not list(out.glob("checkpoint-*"))
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name

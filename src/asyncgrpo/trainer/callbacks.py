@@ -91,6 +91,8 @@ class AsyncGRPOCallback(TrainerCallback):
             state.epoch = epoch
         if finished:
             control.should_training_stop = True
+        if control.should_training_stop and control.should_save and _off_save_grid(args, state.global_step):
+            control.should_save = False  # transformers' extra save at the last step: train() saves the model instead
 
     def _refresh_progress_total(self, state: Any) -> None:
         """Epoch mode: re-estimate the number of steps from prompts consumed so far (the bar's ETA)."""
@@ -130,6 +132,14 @@ class AsyncGRPOCallback(TrainerCallback):
         for prompt, completion, reward in rows[: limit if limit is not None else len(rows)]:
             table.add_row(prompt or "", completion, f"{reward:.3f}")
         Console().print(table)
+
+
+def _off_save_grid(args: Any, step: int) -> bool:
+    """The step is not one ``save_strategy="steps"`` asked for (transformers also saves at the last step)."""
+    every = args.save_steps
+    if args.save_strategy != "steps" or every is None or every < 1:
+        return False
+    return step % int(every) != 0 and args.world_size == 1  # several processes: train() saves no final model
 
 
 class MetricsFileCallback(TrainerCallback):

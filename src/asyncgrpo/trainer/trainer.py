@@ -47,7 +47,7 @@ from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
-from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
+from asyncgrpo.trainer.checkpoint import ResumePoint, make_readable, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
@@ -206,6 +206,7 @@ class AsyncGRPOTrainer(Trainer):
         self.adapter_sync: AdapterPublisher | None = None  # rank 0, adapter mode
         self.needs_initial_sync = False  # adapter mode: register the starting adapter before generation starts
         self.served_adapter: str | None = None  # adapter mode: the newest adapter registered (rank 0)
+        self.final_model_saved = False  # train() saved the final model to output_dir
 
     # ------------------------------------------------------------------ set-up
 
@@ -384,9 +385,19 @@ class AsyncGRPOTrainer(Trainer):
         self.step_stats.num_tokens_total = resume.num_tokens
         self._start_rollout(resume)
         try:
-            return super().train(resume_from_checkpoint=ckpt, **kwargs)
+            out = super().train(resume_from_checkpoint=ckpt, **kwargs)
         finally:
             self._stop_rollout()
+        if self.args.save_strategy != "no" and self.args.world_size == 1:
+            self.save_model(self.args.output_dir)  # X7: the final model, in output_dir (no off-grid checkpoint-N)
+            self.final_model_saved = True
+        return out
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` (checkpoints too), then make the files readable as the umask allows."""
+        super().save_model(output_dir, _internal_call)
+        if self.is_world_process_zero():
+            make_readable(output_dir or self.args.output_dir)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
         """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""
