@@ -51,7 +51,7 @@ def test_demo_config_checks_without_loading_anything():
 
     spec = _config_from_dict(DEMO_CONFIG)
     assert spec.args.max_steps == DEMO_CONFIG["args"]["max_steps"] and spec.server["embedded"] is True
-    assert [f.__name__ for f in spec.reward_funcs] == ["numeric_answer_reward", "format_reward"]
+    assert [f.__name__ for f in spec.reward_funcs] == ["numeric_answer_reward"]
 
 
 def test_plain_text_prompts_become_user_messages(tmp_path):

@@ -125,3 +125,6 @@ def test_likely_cause_orders_the_causes():
     mixed.add(False, [0.0, 1.0], None)
     assert likely_cause(mixed, []) == ""  # a trainable group arrived: nothing to explain
     assert likely_cause(StepGroups(), []) == ""  # nothing scored yet: generation is just slow
+    one = StepGroups()
+    one.add(True, [0.0] * 8, tool_calls=None)
+    assert likely_cause(one, []) == ""  # one tied group happens by chance: no verdict yet
