@@ -59,3 +59,29 @@ def test_train_snippet_runs_as_written(tmp_path, serve):
     assert rows[0]["step"] == 1 and rows[0]["sampling/sampling_logp_difference/max"] < 5e-3
     assert (tmp_path / "out" / "model.safetensors").is_file() and not list((tmp_path / "out").glob("checkpoint-*"))
     assert json.loads((tmp_path / "out" / "run_config.json").read_text())["args"]["num_generations"] == 8
+
+
+def test_agents_snippet_warms_up_a_model_that_calls_tools_and_trains(tmp_path, serve):
+    section = _section("Agents")
+    (serve_line,) = [line for b in _blocks(section, "bash") for line in b.splitlines() if "asyncgrpo serve" in line]
+    flags = shlex.split(serve_line)[3:]
+    port = flags.index("--port")
+    del flags[port : port + 2]
+    server = serve("demo", *flags)
+
+    (code,) = [b for b in _blocks(section, "python") if "AsyncGRPOTrainer(" in b]
+    code = _replace_once(code, '"http://localhost:8000"', repr(server.base_url))
+    code = _replace_once(code, 'output_dir="out"', f"output_dir={str(tmp_path / 'out')!r}")
+    code = _replace_once(code, '"warm"', repr(str(tmp_path / "warm")))
+    code = _replace_once(code, "max_steps=10", "max_steps=1")
+    script = tmp_path / "agent.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], check=False, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=2 * SCRIPT_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    warmed = json.loads((tmp_path / "warm" / "tool_warmup.json").read_text())
+    assert warmed["reproduced"] >= 1, warmed  # the warm-up gave a model that calls the tool (greedy, in process)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if r.get("step") == 1 and "tools/call_frequency" in r)
+    assert first["tools/call_frequency"] > 0.5, first  # most rollouts call the tool
+    assert first["sampling/sampling_logp_difference/max"] < 5e-3  # sampled from the warmed-up weights it pushed
