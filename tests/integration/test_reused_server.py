@@ -35,11 +35,12 @@ def parity_reward(completion_ids, **kwargs):
 
 def _run(model: str, out: Path, url: str, max_steps: int, **overrides) -> dict:
     """Train ``max_steps`` steps and return the first logged window (step 1)."""
-    args = AsyncGRPOConfig(
+    settings = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
         output_dir=str(out), max_steps=max_steps, num_generations=4, max_completion_length=12, token_budget=384,
         vllm_server_base_url=url, report_to=[], save_strategy="no", learning_rate=1e-3,
-        gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0, **overrides,
+        gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0,
     )  # fmt: skip
+    args = AsyncGRPOConfig(**{**settings, **overrides})
     dataset = reasoning_gym_dataset("chain_sum", size=16, seed=0, system_prompt=None)
     AsyncGRPOTrainer(model, reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
