@@ -128,3 +128,6 @@ def test_likely_cause_orders_the_causes():
     one = StepGroups()
     one.add(True, [0.0] * 8, tool_calls=None)
     assert likely_cause(one, []) == ""  # one tied group happens by chance: no verdict yet
+    one_tool = StepGroups()
+    one_tool.add(True, [0.0] * 8, tool_calls=0)
+    assert "called a tool" in likely_cause(one_tool, [])  # but a whole group without a tool call is telling

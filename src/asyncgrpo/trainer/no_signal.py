@@ -18,8 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 HEALTH_TIMEOUT_S = 2.0  # one /health call while diagnosing; a live server answers in milliseconds
-# Tied groups needed before a cause is named: one group of 8 all scoring 0 happens by chance (a policy right 25 % of
-# the time ties a group of 8 at 0 one time in 10); two in a row, one time in 100.
+# Tied groups needed before a reward cause is named: one group of 8 all scoring 0 happens by chance (a policy right
+# 25 % of the time ties a group of 8 at 0 one time in 10); two in a row, one time in 100. A whole group without a
+# single tool call is specific enough on its own (the agent runs where this matters take ~30 s a group on a CPU).
 MIN_TIED_GROUPS = 2
 
 
@@ -70,7 +71,7 @@ def likely_cause(groups: StepGroups, dead_servers: Sequence[str]) -> str:
             f"the generation server {', '.join(dead_servers)} does not answer /health: it died or is restarting (not "
             "a reward problem); restart it on the same address (the run retries for vllm_server_restart_timeout)"
         )
-    if not groups.no_signal or groups.scored < MIN_TIED_GROUPS:
+    if not groups.no_signal:
         return ""
     if groups.tool_groups and groups.tool_calls == 0:
         return (
@@ -78,6 +79,8 @@ def likely_cause(groups: StepGroups, dead_servers: Sequence[str]) -> str:
             "yet. Warm it up first (asyncgrpo.recipes.tool_warmup.supervised_tool_warmup, as "
             "examples/agent_calculator.py does)"
         )
+    if groups.scored < MIN_TIED_GROUPS:
+        return ""
     values = sorted(groups.dropped_values)
     if len(values) == 1:
         return (

@@ -76,7 +76,11 @@ def warn_on_foreign_weights(base_urls: Sequence[str], model_id: str) -> list[str
     """Log (and return) one warning line per server that holds another model or an earlier run's weights."""
     lines: list[str] = []
     for url in base_urls:
-        models, info = asyncio.run(asyncio.wait_for(_read(url), CHECK_TIMEOUT_S + 5))
+        try:
+            models, info = asyncio.run(asyncio.wait_for(_read(url), CHECK_TIMEOUT_S + 5))
+        except TimeoutError:
+            raise TimeoutError(f"GET /v1/models and /weight_info of {url} took over {CHECK_TIMEOUT_S + 5:.0f}s: "
+                               "is the generation server overloaded?") from None  # fmt: skip
         lines += describe_served_weights(url, models, info, model_id)
     for line in lines:
         logger.warning(line)
