@@ -23,13 +23,12 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.report.runlog import RUN_CONFIG_FILE
 from asyncgrpo.trainer.checkpoint import write_rollout_state
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.step_stats import StepStats
 
 logger = logging.getLogger(__name__)
-
-RUN_CONFIG_FILE = "run_config.json"  # the name asyncgrpo.report.runlog reads
 
 
 class TrainerSeam(Protocol):
