@@ -2,7 +2,7 @@
 
 Only what a test must change is changed, and each change must find its text exactly once (a README edit that
 moves it fails here, not silently): the server's port (a free one), the script's output folder and its length
-(one step instead of eight). The model, dataset, reward and every setting are the README's.
+(one step instead of twelve). The model, dataset, reward and every setting are the README's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_train_snippet_runs_as_written(tmp_path, serve):
     (code,) = [b for b in _blocks(section, "python") if "AsyncGRPOTrainer(" in b]
     code = _replace_once(code, '"http://localhost:8000"', repr(server.base_url))
     code = _replace_once(code, 'output_dir="out"', f"output_dir={str(tmp_path / 'out')!r}")
-    code = _replace_once(code, "max_steps=8", "max_steps=1")
+    code = _replace_once(code, "max_steps=12", "max_steps=1")
     script = tmp_path / "train.py"
     script.write_text(code)
     done = subprocess.run([sys.executable, str(script)], check=False, cwd=tmp_path, capture_output=True,
