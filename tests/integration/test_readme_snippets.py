@@ -77,7 +77,7 @@ def test_agents_snippet_warms_up_a_model_that_calls_tools_and_trains(tmp_path, s
     script = tmp_path / "agent.py"
     script.write_text(code)
     done = subprocess.run([sys.executable, str(script)], check=False, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=2 * SCRIPT_TIMEOUT_S)  # fmt: skip
+                          text=True, timeout=3 * SCRIPT_TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     warmed = json.loads((tmp_path / "warm" / "tool_warmup.json").read_text())
     assert warmed["reproduced"] >= 1, warmed  # the warm-up gave a model that calls the tool (greedy, in process)
