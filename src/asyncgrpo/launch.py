@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import time
 import urllib.error
 import urllib.request
@@ -90,7 +88,8 @@ def resolve_model(name: str) -> str:
 
 # ---- the command line ------------------------------------------------------------------------------------------------
 def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
-    """HfArgumentParser over AsyncGRPOConfig (every field a --flag with its help) plus the command's own flags."""
+    """HfArgumentParser over AsyncGRPOConfig (every field a --flag with its help) plus the command's own flags;
+    returns the parser and the group of the command's own flags."""
     from transformers import HfArgumentParser
 
     from asyncgrpo.config import AsyncGRPOConfig
@@ -106,6 +105,9 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     parser.set_defaults(debug=debug_default)  # HfArgumentParser expects every field in the namespace
     own = parser.add_argument_group(prog)
     own.add_argument("--config", required=True, help="the run's YAML file (see examples/demo.yaml)")
+    own.add_argument("--debug", dest="show_traceback", action="store_true", help="show the traceback of user errors")
+    if not prog.endswith("train"):  # asyncgrpo eval: no run to resume or to log
+        return parser, own
     own.add_argument(
         "--resume",
         nargs="?",
@@ -114,7 +116,6 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
         help="resume from a checkpoint folder; alone: the newest in output_dir; 'auto': the newest if any, else "
         "start fresh (for jobs restarted after a crash or preemption)",
     )
-    own.add_argument("--debug", dest="show_traceback", action="store_true", help="show the traceback of user errors")
     own.add_argument("--log-full", action="store_true", help="print transformers' whole metrics dict every window")
     own.add_argument(
         "--doctor-every",
@@ -122,7 +123,7 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
         default=10,
         help="print the run doctor's verdicts every N logging windows (0: never; default: 10)",
     )
-    return parser
+    return parser, own
 
 
 def parse_train(
@@ -143,9 +144,13 @@ def parse_train(
         if not isinstance(args_raw, dict):
             raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
         sections = check_run(cfg)
-    parser = train_parser(prog, description)
+    from asyncgrpo.cli_help import organize_help
+
+    parser, own = train_parser(prog, description)
     if add_flags is not None:
-        add_flags(parser)
+        add_flags(own)
+    model = " --model DIR" if add_flags is not None else ""
+    organize_help(parser, own, f"{prog} --config FILE.yaml{model} [options] [--FIELD VALUE ...]")
     if sections is None:
         parser.parse_args(argv)  # --help, or argparse's own "--config is required" (exit 2)
     parser.set_defaults(**check_args(args_raw))
@@ -251,18 +256,6 @@ def embedded_env(flags: list[str]) -> dict[str, str]:
     return {INSECURE_ENV: "1"}
 
 
-def _write_run_config(spec: RunSpec) -> None:
-    """``run_config.json`` next to metrics.jsonl: what ``asyncgrpo report`` compares the metrics against."""
-    os.makedirs(spec.args.output_dir, exist_ok=True)
-    record = {
-        "model": spec.model,
-        "dataset": spec.dataset,
-        "reward_funcs": list(spec.reward_specs),
-        "args": json.loads(spec.args.to_json_string()),
-    }
-    Path(spec.args.output_dir, "run_config.json").write_text(json.dumps(record, indent=1, default=str))
-
-
 def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: Any = None) -> tuple[Any, Any]:
     """Run one checked training job; returns (``TrainOutput``, the trainer). The final model is always saved.
 
@@ -278,7 +271,6 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
     model = resolve_model(spec.model)
     dataset = build_dataset(spec.dataset)
     eval_dataset = build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None
-    _write_run_config(spec)
     with contextlib.ExitStack() as stack:
         if server_cfg.get("embedded"):
             args.vllm_server_base_url = start_embedded(stack, model, server_cfg)
@@ -289,13 +281,15 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
             )
         except ServerError as e:
             raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
+        # run_config.json (written by the trainer at train() start) records the YAML's sections too
+        trainer.run_info.update(model=spec.model, dataset=spec.dataset, reward_funcs=list(spec.reward_specs))
         if progress is not None:
-            from transformers.trainer_callback import ProgressCallback
+            from asyncgrpo.report.live import install_compact_progress
 
-            trainer.remove_callback(ProgressCallback)
-            trainer.add_callback(progress)
+            install_compact_progress(trainer, progress)
         out = trainer.train(resume_from_checkpoint=resume)
-        trainer.save_model(args.output_dir)  # whatever save_strategy says: a run always leaves its model
+        if not trainer.final_model_saved:  # save_strategy="no": a run from the command line still leaves its model
+            trainer.save_model(args.output_dir)
         return out, trainer
 
 
@@ -307,14 +301,12 @@ def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None, pro
 def run_train(argv: list[str]) -> int:
     spec, ns = parse_train(argv)
 
-    from asyncgrpo.report.live import CompactProgress
-    from asyncgrpo.report.runlog import RunSettings
+    from asyncgrpo.report.live import CompactProgress, settings_of
 
     if ns.doctor_every < 0:
         raise UserError(f"--doctor-every {ns.doctor_every}: must be >= 0 (0 turns the verdicts off)")
     a = spec.args
-    settings = RunSettings(a.max_concurrent_rollouts, a.max_staleness, a.num_generations)
-    progress = None if ns.log_full else CompactProgress(ns.doctor_every, settings)
+    progress = None if ns.log_full else CompactProgress(ns.doctor_every, settings_of(a))
     t0 = time.time()
     out, _ = train_from_spec(spec, ns.resume, progress)
     print(run_summary(a.output_dir, out.global_step, t0), flush=True)

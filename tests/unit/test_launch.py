@@ -1,5 +1,6 @@
 """The YAML run launcher: parsing, imports, errors, and the demo config kept equal to examples/demo.yaml."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def test_demo_config_checks_without_loading_anything():
 
     spec = _config_from_dict(DEMO_CONFIG)
     assert spec.args.max_steps == DEMO_CONFIG["args"]["max_steps"] and spec.server["embedded"] is True
-    assert [f.__name__ for f in spec.reward_funcs] == ["numeric_answer_reward", "format_reward"]
+    assert [f.__name__ for f in spec.reward_funcs] == ["numeric_answer_reward"]
 
 
 def test_plain_text_prompts_become_user_messages(tmp_path):
@@ -69,3 +70,20 @@ def test_plain_text_prompts_become_user_messages(tmp_path):
         build_dataset({"path": str(data), "prompt_column": "q"})
     with pytest.raises(UserError, match="file .*missing.jsonl not found"):
         check_dataset("dataset", {"path": str(tmp_path / "missing.jsonl")})
+
+
+def test_format_reward_pays_exactly_for_the_tagged_answers_numeric_answer_reward_reads():
+    from asyncgrpo.recipes.tasks import extract_answer, format_reward, numeric_answer_reward
+
+    texts = ["<answer>7</answer>", "<answer> -3 </answer>", "<answer>seven</answer>", "so 7", "<answer>4</answer> 7",
+             "<answer>1</answer> then <answer>7</answer>", "<answer></answer> 7"]  # fmt: skip
+    done = [[{"role": "assistant", "content": t}] for t in texts]
+    fmt = format_reward(done)
+    num = numeric_answer_reward(done, answer=["7"] * len(texts))
+    for text, f, n in zip(texts, fmt, num):
+        tagged = "<answer>" in text and extract_answer(text) not in (None, "")
+        number_in_tag = tagged and re.fullmatch(r"-?\d+(\.\d+)?", extract_answer(text)) is not None
+        assert f == (0.1 if number_in_tag else 0.0), text  # the bonus goes to answers the numeric reward can read
+        if number_in_tag:  # and then the numeric reward judges the tag's number, not a later one
+            assert n == (1.0 if float(extract_answer(text)) == 7 else 0.0), text
+    assert fmt == [0.1, 0.1, 0.0, 0.0, 0.1, 0.1, 0.0] and num == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]

@@ -6,7 +6,9 @@ against 100 per step), and the test checks that exactly that row is picked, with
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -239,3 +241,46 @@ def test_real_two_gpu_run(tmp_path):
     assert queue.figures["perf/rollout_wait_s"].startswith(f"{100 * median:.0f} % of a step")
     assert {v.table for v in verdicts} == {"queue", "concurrency", "saturation", "duplicates"}
     assert (tmp_path / "report.html").is_file() and len(list(tmp_path.glob("*.png"))) >= 10
+
+
+# ---- the verdicts as a whole (issue 30, item 6) ----------------------------------------------------------------------
+def _grid_runs():
+    """Runs over a grid of waits, queue fill, concurrency and reward patterns, including the issue's report: the
+    trainer waits on an empty queue while generation is held back a little now and then."""
+    import itertools
+
+    from asyncgrpo.report import RunLog, RunSettings
+
+    waits, blocks, queues = (0.0, 0.1, 0.5), (0.0, 0.02, 0.1, 0.5), (2.0, 350.0)
+    conc = ((40.0, 512.0, 0.2), (95.0, 100.0, 0.85), (64.0, 64.0, 0.3))
+    rewards = ((0.0, lambda s: 0.1), (0.8, lambda s: 0.05), (0.1, lambda s: 0.1 + 0.02 * s))
+    for wait, blocked, queue, (c, cap, kv), (zs, reward) in itertools.product(waits, blocks, queues, conc, rewards):
+        windows = [{"step": float(s), "perf/step_s": 1.0, "perf/rollout_wait_s": wait, "rollout/backpressure_s": blocked,
+                    "rollout/queue_size": queue, "batch/samples_per_step": 100.0, "rollout/concurrency": c,
+                    "rollout/concurrency_cap": cap, "rollout/vllm_kv_cache_usage_frac": kv,
+                    "frac_reward_zero_std": zs, "reward": reward(s), "reward_dropped": 0.0,
+                    "completions/duplicate_frac": 0.02, "entropy": 1.0} for s in range(1, 31)]  # fmt: skip
+        settings = dataclasses.replace(RunSettings(), max_concurrent_rollouts=64 if cap == 64.0 else 512)
+        yield RunLog(windows, settings)
+
+
+def test_no_verdict_contradicts_another_and_every_action_names_a_setting():
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    settings = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    flag = re.compile(r"--[a-z][a-z-]+")
+    seen_generation_bound = 0
+    for run in _grid_runs():
+        verdicts = diagnose(run)
+        text = " ".join(v.text() for v in verdicts)
+        generation_bound = any("generation-bound" in v.diagnosis for v in verdicts)
+        seen_generation_bound += generation_bound
+        if generation_bound:  # then nothing may call the run trainer-bound or inference faster than training
+            assert "trainer-bound" not in text and "inference is faster than training" not in text, text
+        for v in verdicts:
+            assert "between rows" not in v.diagnosis
+            named = any(s in v.action for s in settings) or flag.search(v.action)
+            assert v.action.startswith("nothing to") or named, v.text()
+            if v.action.startswith("nothing to"):
+                assert v.healthy, v.text()  # an unhealthy verdict always says what to change
+    assert seen_generation_bound > 10

@@ -74,3 +74,38 @@ def test_router_aux_loss_coef_needs_a_moe_model(tmp_path):
     assert trainer.router_aux_coef == 0.01 and trainer.router_top_k == 2
     default = _make(tmp_path, model=tiny_model("qwen3_moe"))  # None: the model config's own coefficient
     assert default.router_aux_coef == default.model.config.router_aux_loss_coef > 0
+
+
+def solution_reward(completions, solution, **kwargs):  # the dataset has 'answer', not 'solution'
+    return [0.0] * len(completions)
+
+
+def strict_reward(completions, answer):  # no **kwargs: every call also passes prompts and completion_ids
+    return [0.0] * len(completions)
+
+
+def test_a_reward_with_a_wrong_signature_is_refused_at_construction(tmp_path):
+    with pytest.raises(TypeError, match=r"'solution' is never passed.*here: answer"):
+        _make(tmp_path, reward_funcs=[solution_reward])
+    with pytest.raises(TypeError, match=r"does not accept the keyword\(s\) completion_ids, prompts.*\*\*kwargs"):
+        _make(tmp_path, reward_funcs=[strict_reward])
+    _make(tmp_path, reward_funcs=[solution_reward], train_dataset=[{**ROWS[0], "solution": "4"}])  # now it is
+
+
+def test_a_refused_connection_waits_vllm_server_connect_timeout_not_30_minutes(tmp_path):
+    import socket
+    import time
+
+    from asyncgrpo.client.errors import ServerTimeoutError
+
+    with socket.socket() as s:  # a local port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], vllm_server_base_url=url,
+                           vllm_server_connect_timeout=1.5)  # fmt: skip
+    assert args.vllm_server_timeout == 1800  # the long wait stays for servers that answer but are loading
+    trainer = _make(tmp_path, args=args)
+    t0 = time.monotonic()
+    with pytest.raises(ServerTimeoutError, match=r"nothing listens at .*vllm_server_connect_timeout=1\.5"):
+        trainer.train()
+    assert time.monotonic() - t0 < 15

@@ -16,8 +16,11 @@ class ServerError(RuntimeError):
         message: the server's error message (``error.message`` of vLLM's error body) or the cause.
     """
 
-    def __init__(self, endpoint: str, status: int | None, message: str, *, base_url: str = "") -> None:
+    def __init__(
+        self, endpoint: str, status: int | None, message: str, *, base_url: str = "", refused: bool = False
+    ) -> None:
         self.endpoint = endpoint
+        self.refused = refused  # no connection could be made (nothing listens at the address)
         self.status = status
         self.message = message
         self.base_url = base_url

@@ -204,7 +204,9 @@ class AsyncServerClient:
                 last = ServerTimeoutError(endpoint, None, f"no answer within {limit:.0f}s", base_url=self.base_url)
                 continue
             except aiohttp.ClientError as exc:
-                last = ServerError(endpoint, None, f"{type(exc).__name__}: {exc}", base_url=self.base_url)
+                refused = isinstance(exc, aiohttp.ClientConnectorError)
+                last = ServerError(endpoint, None, f"{type(exc).__name__}: {exc}", base_url=self.base_url,
+                                   refused=refused)  # fmt: skip
                 continue
             if status >= 400:
                 message = explain(path, status, error_message(body))
@@ -244,24 +246,44 @@ class AsyncServerClient:
         return True
 
     async def wait_until_ready(
-        self, timeout: float, poll_s: float = 0.5, log_every: float = WAIT_LOG_INTERVAL_S
+        self,
+        timeout: float,
+        poll_s: float = 0.5,
+        log_every: float = WAIT_LOG_INTERVAL_S,
+        refused_timeout: float | None = None,
     ) -> None:
         """Poll ``GET /health`` until it answers 200, logging what it waits for every ``log_every`` seconds (X4).
 
+        ``refused_timeout``: give up sooner when every attempt so far was refused (nothing listens at the URL: a
+        typo, a server not started) instead of waiting the whole ``timeout`` meant for a server that is loading.
+
         Raises:
-            ServerTimeoutError: not ready within ``timeout`` seconds (names the URL and the last error).
+            ServerTimeoutError: not ready within ``timeout`` seconds, or refused for ``refused_timeout`` seconds
+                (names the URL and the last error).
         """
         t0 = time.monotonic()
         deadline = t0 + timeout
         next_log = t0 + log_every
         last = "no attempt"
+        always_refused = True
         while True:
             try:
                 await self.request("GET", "/health", retries=0, timeout=min(10.0, timeout), parse="none")
                 return
             except ServerError as exc:
                 last = exc.message
+                always_refused = always_refused and exc.refused
             now = time.monotonic()
+            if always_refused and refused_timeout is not None and now - t0 >= refused_timeout:
+                raise ServerTimeoutError(
+                    "GET /health",
+                    None,
+                    f"nothing listens at {self.base_url}: every connection was refused for {now - t0:.0f}s "
+                    f"(vllm_server_connect_timeout={refused_timeout:g}); last error: {last}. Start `asyncgrpo serve "
+                    "MODEL` (or vllm serve) there, fix vllm_server_base_url, or raise vllm_server_connect_timeout "
+                    "for a server that opens its port late",
+                    base_url=self.base_url,
+                )
             if now >= next_log:
                 logger.warning("%s", not_answering_message(self.base_url, now - t0, timeout, last))
                 next_log = now + log_every

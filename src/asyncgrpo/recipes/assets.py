@@ -95,8 +95,16 @@ def demo_model_dir() -> Path:
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
             staging = Path(tmp) / "hf"
             _convert(_fetch_gguf(Path(tmp)), staging)
+            make_readable(staging)  # save_pretrained leaves the weights 0600
             staging.rename(out)
     return out
+
+
+def make_readable(directory: Path) -> None:
+    """The trainer's helper (``trainer/checkpoint.py``), imported late: this module stays light to import."""
+    from asyncgrpo.trainer.checkpoint import make_readable as readable
+
+    readable(directory)
 
 
 def smollm2_tokenizer_dir() -> Path:

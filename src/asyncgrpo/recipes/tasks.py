@@ -88,12 +88,25 @@ def reasoning_gym_reward(completions: list[Any], task: list[str], entry: list[st
 
 
 def format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """0.1 for a completion that gives its answer inside ``<answer></answer>`` (a small shaping bonus)."""
-    return [0.1 if _ANSWER_TAG.search(_completion_text(c)) else 0.0 for c in completions]
+    """0.1 for a completion whose last ``<answer></answer>`` tag holds a number: exactly the answers
+    ``numeric_answer_reward`` reads from a tag (a small shaping bonus for prompts that ask for the tag).
+
+    A model that never writes the tag gets no signal from it: SmolLM2-135M-Instruct wrote it in none of 480
+    samples of the demo's prompts, so the demo leaves it out.
+    """
+    out = []
+    for c in completions:
+        tags = _ANSWER_TAG.findall(_completion_text(c))
+        out.append(0.1 if tags and _NUMBER.fullmatch(tags[-1].strip()) else 0.0)
+    return out
 
 
 def numeric_answer_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float | None]:
-    """1.0 when the extracted answer equals the numeric ``answer`` column, else 0.0 (None: unparsable gold)."""
+    """1.0 when the answer equals the numeric ``answer`` column, else 0.0 (None: unparsable gold).
+
+    The answer is the content of the last ``<answer>`` tag, or without a tag the last number of the completion
+    (``extract_answer``): the tag is the preferred form, not a requirement (add ``format_reward`` to pay for it).
+    """
     out: list[float | None] = []
     for completion, gold in zip(completions, answer):
         try:

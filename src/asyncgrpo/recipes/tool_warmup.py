@@ -9,10 +9,12 @@ one sampling turn whose prompt is the chat template's render of the conversation
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from asyncgrpo.rollout.agents.tool_loop import schemas_of
@@ -21,7 +23,9 @@ from asyncgrpo.types import Rollout, TrainingSequence, TurnRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Transcript", "supervised_tool_warmup", "transcript_sequences"]
+WARMUP_REPORT = "tool_warmup.json"  # written beside the warmed-up model
+
+__all__ = ["Transcript", "calls_reproduced", "supervised_tool_warmup", "transcript_sequences", "warm_up_tool_calls"]
 
 
 @dataclass
@@ -122,3 +126,59 @@ def supervised_tool_warmup(
     model.set_attn_implementation(previous_attn)
     model.eval()
     return losses
+
+
+def calls_reproduced(model: Any, tokenizer: Any, transcripts: Sequence[Transcript], max_new_tokens: int = 64) -> int:
+    """How many transcripts' first assistant turn the model now writes as the same tool calls (greedy, in process).
+
+    The check a warm-up needs before RL: a model that still writes no call gives the RL run no signal.
+    """
+    import torch
+
+    from asyncgrpo.rollout.agents import parse_tool_calls
+
+    device = next(model.parameters()).device
+    hits = 0
+    for t in transcripts:
+        first = next(i for i, m in enumerate(t.messages) if m["role"] == "assistant")
+        want = [(c.name, c.arguments) for c in parse_tool_calls(t.messages[first]["content"])]
+        ids = _ids(tokenizer.apply_chat_template(t.messages[:first], tools=schemas_of(list(t.tools)) or None,
+                                                 add_generation_prompt=True, tokenize=True))  # fmt: skip
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+        text = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+        hits += [(c.name, c.arguments) for c in parse_tool_calls(text)] == want
+    return hits
+
+
+def warm_up_tool_calls(
+    model_dir: str, transcripts: Sequence[Transcript], out_dir: str, *, steps: int = 20, lr: float = 5e-5
+) -> str:
+    """Load ``model_dir``, imitate the transcripts' calls for ``steps`` steps, check, save to ``out_dir``.
+
+    The tokenizer gets the training template the trainer uses with tools (``prepare_tool_template``), so the
+    warm-up and the RL run render conversations alike. Logs how many transcripts the model now reproduces and
+    warns when none: RL would then find no signal; ``out_dir/tool_warmup.json`` keeps that count and the losses.
+    Returns ``out_dir`` (pass it to ``AsyncGRPOTrainer``).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncgrpo.rollout.agents import prepare_tool_template
+    from asyncgrpo.trainer.checkpoint import make_readable
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prepare_tool_template(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    losses = supervised_tool_warmup(model, tokenizer, transcripts, steps=steps, lr=lr, batch_size=len(transcripts))
+    hits = calls_reproduced(model, tokenizer, transcripts)
+    log = logger.info if hits else logger.warning
+    log("tool warm-up: the model reproduces the calls of %d of %d transcripts (greedy)%s", hits, len(transcripts),
+        "" if hits else "; RL will find no signal: raise steps or lr")  # fmt: skip
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    report = {"reproduced": hits, "transcripts": len(transcripts), "steps": steps, "lr": lr, "loss": losses}
+    Path(out_dir, WARMUP_REPORT).write_text(json.dumps(report, indent=1))
+    make_readable(out_dir)
+    return out_dir

@@ -104,7 +104,10 @@ def queue_verdict(run: RunLog, last: int) -> Verdict | None:
             "queue",
             f"the trainer waited {_pct(wait)} of a step (median, last {n} windows), the queue is nearly "
             "empty: generation-bound",
-            "see rollout/generated_tokens_per_s, rollout/concurrency and rollout/score_queue_size",
+            "add generation capacity: another server in vllm_server_base_url, or a larger server "
+            "(--gpu-memory-utilization, --max-num-seqs); shorter completions (max_completion_length) or fewer "
+            "(num_generations) make each step cheaper to generate. rollout/generated_tokens_per_s and the "
+            "concurrency table say which limit holds generation back",
             False,
             figs,
         )
@@ -112,7 +115,8 @@ def queue_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict(
             "queue",
             "the queue holds about max_staleness steps of samples and generation waits: trainer-bound",
-            "expected when inference is faster than training; sample/staleness_mean sits near its limit",
+            "nothing to change: expected when inference is faster than training. To train faster: "
+            "gradient_checkpointing=False if memory allows, compile_decoder_layers=True, more GPUs (fsdp)",
             True,
             figs,
         )
@@ -120,8 +124,9 @@ def queue_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict("queue", "neither side waits: balanced", "nothing to do", True, figs)
     return Verdict(
         "queue",
-        "between rows: some waiting on both sides, no clear bottleneck",
-        "watch the trend of perf/rollout_wait_s and rollout/backpressure_s",
+        "both sides wait a little: no clear bottleneck",
+        "nothing to change yet; if perf/rollout_wait_s grows, add generation capacity (vllm_server_base_url), if "
+        "rollout/backpressure_s grows, raise max_staleness",
         True,
         figs,
     )
@@ -167,16 +172,26 @@ def concurrency_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict(
             "concurrency",
             "rollouts fill the live cap, which sits below max_concurrent_rollouts: the server's load limits generation",
-            "give the server more KV cache (memory, a shorter --max-model-len) or another server",
+            "give the server more KV cache (--gpu-memory-utilization or --kv-cache-tokens, a shorter "
+            "--max-model-len) or add a server to vllm_server_base_url",
             wait < WAIT_HIGH,
             figs,
         )
-    if blocked > 0:
+    if blocked >= BLOCKED_HIGH:
         figs["rollout/backpressure_s"] = f"{_pct(blocked)} of a step per group start"
+        if wait >= WAIT_HIGH:  # the queue table's "max_staleness itself is too tight": say the same thing here
+            return Verdict(
+                "concurrency",
+                "generation waits on max_staleness while the trainer waits for samples: the staleness limit is "
+                "too tight",
+                "raise max_staleness",
+                False,
+                figs,
+            )
         return Verdict(
             "concurrency",
             "generation waits on max_staleness: the staleness limit holds it",
-            "expected when inference is faster than training",
+            "nothing to change: expected when inference is faster than training",
             True,
             figs,
         )
@@ -217,7 +232,8 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict(
             "saturation",
             "regression: groups that used to pass now fail together",
-            "check completions/duplicate_frac and entropy for a collapse",
+            "lower learning_rate, or resume from an earlier checkpoint (resume_from_checkpoint); "
+            "completions/duplicate_frac and entropy show whether the policy collapsed",
             False,
             figs,
         )
@@ -226,7 +242,7 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
             "saturation",
             "saturating at the top: the prompts became too easy for the policy (a "
             "successful run usually ends like this)",
-            "stop the run or move to harder prompts",
+            "stop the run (max_steps) or train on harder prompts (the dataset)",
             True,
             figs,
         )
@@ -238,12 +254,12 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
             "completions/clipped_ratio is high: completions are cut before the answer and score 0; raise "
             "max_completion_length"
             if clipped is not None and clipped >= CLIPPED_HIGH
-            else "check completions/clipped_ratio first (cut completions score 0)"
+            else "check completions/clipped_ratio first (cut completions score 0; max_completion_length)"
         )
         return Verdict(
             "saturation",
             "stuck at the bottom: the prompts are too hard or the reward function gives no credit",
-            f"{first}, then read a few completions to see whether the reward function parses them",
+            f"{first}, then read a few completions (log_completions=True) to see whether reward_funcs parse them",
             False,
             figs,
         )
@@ -251,7 +267,7 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict(
             "saturation",
             "mixed: some prompts are too easy and others too hard (or groups sit on one partial score)",
-            "read the rollouts",
+            "read the rollouts (log_completions=True); a larger num_generations splits more groups",
             False,
             figs,
         )
@@ -259,8 +275,8 @@ def saturation_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict("saturation", "healthy: most groups produce a gradient", "nothing to do", True, figs)
     return Verdict(
         "saturation",
-        "between rows: a sizeable share of groups gives no signal, without a clear trend",
-        "watch frac_reward_zero_std and reward_dropped",
+        "a sizeable share of groups (25-50 %) gives no signal, without a clear trend",
+        "nothing to change yet; a larger num_generations or temperature splits more groups",
         True,
         figs,
     )
@@ -286,7 +302,7 @@ def duplicate_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict(
             "duplicates",
             "sampling is no longer random: every group returns copies of one rollout",
-            "check temperature (0?) and that data-parallel servers do not share a sampling seed",
+            "raise temperature, and give each data-parallel server its own --seed",
             False,
             figs,
         )
@@ -294,7 +310,8 @@ def duplicate_verdict(run: RunLog, last: int) -> Verdict | None:
         return Verdict(
             "duplicates",
             "collapse: the policy converges to one answer per prompt",
-            "raise temperature or entropy, or stop at the last good checkpoint",
+            "raise temperature or lower learning_rate, or resume from the last good checkpoint "
+            "(resume_from_checkpoint)",
             False,
             figs,
         )
@@ -305,7 +322,7 @@ def duplicate_verdict(run: RunLog, last: int) -> Verdict | None:
     return Verdict(
         "duplicates",
         "a steady share of duplicates: usual for tasks with short completions",
-        "nothing to do unless it climbs",
+        "nothing to do unless it climbs (then raise temperature)",
         True,
         figs,
     )

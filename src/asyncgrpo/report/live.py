@@ -70,6 +70,20 @@ class CompactProgress(ProgressCallback):
                 self._write("  doctor " + v.text())
 
 
+def install_compact_progress(trainer: Any, progress: ProgressCallback) -> None:
+    """Replace the trainer's progress printer (transformers' bar, or its dict printer under ``disable_tqdm``)."""
+    from transformers.trainer_callback import PrinterCallback
+
+    for cls in (ProgressCallback, PrinterCallback):
+        trainer.remove_callback(cls)
+    trainer.add_callback(progress)
+
+
+def settings_of(args: Any) -> RunSettings:
+    """The settings the doctor's verdicts compare against, from an ``AsyncGRPOConfig``."""
+    return RunSettings(args.max_concurrent_rollouts, args.max_staleness, args.num_generations)
+
+
 def summary(windows: list[dict[str, float]], steps: int, wall_s: float, model_dir: str | None) -> str:
     """``reward 0.12 -> 0.55 over 20 steps in 312 s; model saved to out/``: the trend in one line."""
     rewards = [w["reward"] for w in windows if isinstance(w.get("reward"), float | int) and w["reward"] == w["reward"]]

@@ -634,6 +634,7 @@ class AsyncRolloutLoop:
                 if log_texts
                 else None,
                 rewards=[float(x) for x in group.rewards],
+                tool_calls=sum(r.tool_call_count for r in rollouts) if self.agents.has_tools else None,
             )
         )
 

@@ -33,6 +33,7 @@ class GroupResult:
     rewards: list[float] | None = None
     prompt_text: str | None = None
     completion_texts: list[str] | None = None
+    tool_calls: int | None = None  # tool calls over the group's rollouts; None when the run has no tools
 
     @classmethod
     def rejected(cls, row_index: int, epoch: int) -> GroupResult:

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "RewardFunctionError",
     "check_picklable",
+    "check_reward_signature",
+    "dataset_columns",
     "reward_function_name",
     "run_reward_functions",
     "total_rewards",
@@ -45,6 +47,51 @@ def reward_function_name(func: Any) -> str:
         func = func.func
     name = getattr(func, "__name__", None)
     return name if isinstance(name, str) else type(func).__name__
+
+
+def check_reward_signature(func: Any, columns: Sequence[str] | None) -> None:
+    """Refuse, at trainer construction, a reward function that its first call would fail on (R1).
+
+    Every call passes ``prompts``, ``completions``, ``completion_ids`` and every dataset column but ``prompt`` as
+    keywords. ``columns`` are the dataset's columns (None: unknown, e.g. a streaming dataset; then only the
+    keywords every call passes are checked).
+
+    Raises:
+        TypeError: a required parameter no call fills, or a keyword every call passes that the function refuses.
+    """
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: nothing to check
+        return
+    name = reward_function_name(func)
+    passed = set(_RESERVED_KWARGS) | {c for c in (columns or ()) if c != "prompt"}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    problems = []
+    for p in params:
+        required = p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        if required and (p.kind is p.POSITIONAL_ONLY or (columns is not None and p.name not in passed)):
+            problems.append(f"its parameter {p.name!r} is never passed")
+    refused = sorted((passed if columns is not None else set(_RESERVED_KWARGS)) - known) if not takes_any else []
+    if refused:
+        problems.append(f"it does not accept the keyword(s) {', '.join(refused)} that every call passes")
+    if problems:
+        cols = ", ".join(sorted(passed - set(_RESERVED_KWARGS))) or "none"
+        raise TypeError(
+            f"reward function {name!r}: {'; '.join(problems)}. Each call passes prompts, completions, completion_ids "
+            f"and the dataset's columns by keyword (here: {cols}); write it as "
+            f"`def {name}(completions, **kwargs)` and name the columns it needs, e.g. `(completions, answer, **kwargs)`"
+        )
+
+
+def dataset_columns(dataset: Any) -> list[str] | None:
+    """The column names of a ``datasets.Dataset`` or a list of dict rows (None when unknown: no rows, streaming)."""
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, list):
+        return names
+    if isinstance(dataset, Sequence) and dataset and isinstance(dataset[0], Mapping):
+        return list(dataset[0])
+    return None
 
 
 def check_picklable(obj: Any, what: str) -> None:

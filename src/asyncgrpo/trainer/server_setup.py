@@ -60,9 +60,9 @@ async def _server_info(client: AsyncServerClient) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-async def _probe(base_url: str, timeout: float, want_masks: bool) -> ServerFacts:
+async def _probe(base_url: str, timeout: float, want_masks: bool, connect_timeout: float | None) -> ServerFacts:
     async with AsyncServerClient(base_url) as client:
-        await client.wait_until_ready(timeout)
+        await client.wait_until_ready(timeout, refused_timeout=connect_timeout)
         models = await client.models()
         if not models:
             raise RuntimeError(f"the generation server at {base_url} serves no model (/v1/models is empty)")
@@ -153,9 +153,10 @@ def check_sampling_limits(facts: ServerFacts, *, temperature: float, top_k: int,
         raise ValueError("the generation server would reject every request:\n  - " + "\n  - ".join(problems))
 
 
-def probe_server(base_url: str, timeout: float, want_masks: bool) -> ServerFacts:
-    """Read the server's facts (blocking; waits up to ``timeout`` seconds for it to answer)."""
-    facts = asyncio.run(_probe(base_url, timeout, want_masks))
+def probe_server(base_url: str, timeout: float, want_masks: bool, connect_timeout: float | None = None) -> ServerFacts:
+    """Read the server's facts (blocking; waits up to ``timeout`` seconds for it to answer, ``connect_timeout``
+    while nothing listens at the address)."""
+    facts = asyncio.run(_probe(base_url, timeout, want_masks, connect_timeout))
     if want_masks and not facts.masks_supported:
         logger.warning(
             "top_k/top_p/min_p truncate the sampling distribution but the server at %s does not return sampling "
@@ -167,7 +168,9 @@ def probe_server(base_url: str, timeout: float, want_masks: bool) -> ServerFacts
     return facts
 
 
-def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) -> ServerFacts:
+def probe_servers(
+    base_urls: Sequence[str], timeout: float, want_masks: bool, connect_timeout: float | None = None
+) -> ServerFacts:
     """:func:`probe_server` for every server of the run, combined into the facts the run must respect.
 
     Limits are the tightest (``max_model_len``, ``max_logprobs``), capabilities the common ones (metrics,
@@ -177,7 +180,7 @@ def probe_servers(base_urls: Sequence[str], timeout: float, want_masks: bool) ->
     Raises:
         ValueError: the servers serve different models or use different weight-transfer backends.
     """
-    each = [probe_server(url, timeout, want_masks) for url in base_urls]
+    each = [probe_server(url, timeout, want_masks, connect_timeout) for url in base_urls]
     first = each[0]
     if len(each) == 1:
         return dataclasses.replace(first, world_sizes=(first.world_size,))

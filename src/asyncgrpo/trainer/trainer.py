@@ -42,12 +42,12 @@ from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.agents import prepare_tool_template
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.rewards import check_picklable
+from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns, reward_function_name
 from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
-from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
+from asyncgrpo.trainer.checkpoint import ResumePoint, make_readable, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
@@ -57,6 +57,7 @@ from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed
 from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
+from asyncgrpo.trainer.served_weights import warn_on_foreign_weights
 from asyncgrpo.trainer.server_setup import (
     ServerFacts,
     check_completion_length,
@@ -79,6 +80,8 @@ from asyncgrpo.weights.policy import is_peft_model, join_policy_gathers
 from asyncgrpo.weights.sender import WeightSender
 
 logger = logging.getLogger(__name__)
+
+COMPACT_DOCTOR_EVERY = 10  # compact_log: the run doctor's verdicts every this many windows (as asyncgrpo train)
 
 
 class _StepSource:
@@ -170,6 +173,8 @@ class AsyncGRPOTrainer(Trainer):
                 raise TypeError(f"reward function {f!r} is a string; pass a callable (import it in your script)")
             check_picklable(f, "reward function")
         tools, factories, train_dataset = check_train_inputs(tools, environment_factory, train_dataset, args.max_steps)
+        for f in reward_funcs:  # a wrong signature fails here, not at the first scored group minutes later
+            check_reward_signature(f, dataset_columns(train_dataset) if train_dataset is not None else [])
         if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
             prepare_tool_template(processing_class, args.chat_template_kwargs)
         self.tools, self.environment_factory = tools, factories
@@ -193,6 +198,14 @@ class AsyncGRPOTrainer(Trainer):
         self.step_stats = StepStats()
         self.add_callback(AsyncGRPOCallback(self))
         self.add_callback(MetricsFileCallback(self))
+        if args.compact_log:  # the command line's readable line per window, for scripts too
+            from asyncgrpo.report.live import CompactProgress, install_compact_progress, settings_of
+
+            install_compact_progress(self, CompactProgress(COMPACT_DOCTOR_EVERY, settings_of(args)))
+        self.run_info: dict[str, Any] = {
+            "model": model_id,
+            "reward_funcs": [reward_function_name(f) for f in reward_funcs],
+        }
         self.worker: RolloutWorker | None = None
         self.source: RolloutSource | None = None
         self.sender: WeightSender | FanoutSender | None = None
@@ -201,6 +214,7 @@ class AsyncGRPOTrainer(Trainer):
         self.adapter_sync: AdapterPublisher | None = None  # rank 0, adapter mode
         self.needs_initial_sync = False  # adapter mode: register the starting adapter before generation starts
         self.served_adapter: str | None = None  # adapter mode: the newest adapter registered (rank 0)
+        self.final_model_saved = False  # train() saved the final model to output_dir
 
     # ------------------------------------------------------------------ set-up
 
@@ -226,9 +240,11 @@ class AsyncGRPOTrainer(Trainer):
         start_index = resume.start_index
         if self.is_world_process_zero():
             want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
-            self.facts = probe_servers(args.server_urls, args.vllm_server_timeout, want_masks)
+            self.facts = probe_servers(args.server_urls, args.vllm_server_timeout, want_masks,
+                                       connect_timeout=args.vllm_server_connect_timeout)  # fmt: skip
             check_completion_length(args.max_completion_length, self.facts.max_model_len, ", ".join(args.server_urls))
             check_dtype(self._causal_lm().dtype, self.facts.dtype)
+            warn_on_foreign_weights(args.server_urls, self.model_id)  # on_train_begin pushes this run's weights
             n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
             check_sampling_limits(
                 self.facts, temperature=args.temperature, top_k=args.top_k, num_sampler_logprobs=n_logprobs
@@ -270,6 +286,7 @@ class AsyncGRPOTrainer(Trainer):
                 sample_timeout=args.vllm_server_timeout,
                 weight_sync_steps=args.weight_sync_steps,
                 settled=resume.settled,
+                server_urls=args.server_urls,  # a step without trainable groups names a dead server as the cause
             )
             if not self.adapter_mode:  # merged sync: the weight transfer group(s)
                 self.sender = self._make_sender(facts)
@@ -385,13 +402,23 @@ class AsyncGRPOTrainer(Trainer):
         self.step_stats.num_tokens_total = resume.num_tokens
         self._start_rollout(resume)
         try:
-            return super().train(resume_from_checkpoint=ckpt, **kwargs)
+            out = super().train(resume_from_checkpoint=ckpt, **kwargs)
         except torch.OutOfMemoryError as exc:
             if getattr(self.sender, "backend", None) != "ipc":
                 raise
             raise shared_gpu_oom(exc, self.args.device) from exc  # the split of the one GPU is what to change
         finally:
             self._stop_rollout()
+        if self.args.save_strategy != "no" and self.args.world_size == 1:
+            self.save_model(self.args.output_dir)  # X7: the final model, in output_dir (no off-grid checkpoint-N)
+            self.final_model_saved = True
+        return out
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` (checkpoints too), then make the files readable as the umask allows."""
+        super().save_model(output_dir, _internal_call)
+        if self.is_world_process_zero():
+            make_readable(output_dir or self.args.output_dir)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
         """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""

@@ -1,0 +1,87 @@
+"""Say so when a generation server holds other weights than the run's model (issue 30, item 1).
+
+The trainer pushes its weights at ``train()`` start whatever the server reports
+(``AsyncGRPOCallback.on_train_begin``): a name or a version string proves nothing
+about the weights. This module only tells the user what the server held before
+that push: another model (a server started on another checkpoint) or weights an
+earlier run pushed (a weight version other than a fresh server's). Both are
+legitimate workflows, so they warn; neither stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from asyncgrpo.client.errors import ServerError
+from asyncgrpo.client.http_client import AsyncServerClient
+
+logger = logging.getLogger(__name__)
+
+FRESH_VERSIONS = frozenset({"", "0", "None"})  # what a server reports before any weight update
+CHECK_TIMEOUT_S = 30.0  # two small GETs on a server that just answered the start-up probe
+
+
+def _same_model(served: Sequence[str | None], model_id: str) -> bool:
+    """True when any name the server gives its model (id, root) is the trainer's: equal, or one directory."""
+    for name in served:
+        if not name:
+            continue
+        if name == model_id:
+            return True
+        if os.path.exists(name) and os.path.exists(model_id) and os.path.samefile(name, model_id):
+            return True
+    return False
+
+
+def describe_served_weights(base_url: str, models: list[dict[str, Any]], info: dict[str, Any] | None,
+                            model_id: str) -> list[str]:  # fmt: skip
+    """The warnings for one server: its model name differs from ``model_id``, or it reports a weight version
+    other than a fresh server's. ``info`` is its ``/weight_info`` answer (None: the server has none)."""
+    base = next((m for m in models if m.get("parent") in (None, "")), models[0] if models else {})
+    names = (base.get("id"), base.get("root"))
+    lines = []
+    if base and not _same_model(names, model_id):
+        lines.append(
+            f"the generation server at {base_url} serves {base.get('id')!r}, not the trainer's model {model_id!r}: "
+            "the trainer pushes its own weights before the first sample, so training is correct, but the server's "
+            "tokenizer and config must match the trainer's (start it on the same checkpoint to be sure)"
+        )
+    version = info.get("weight_version") if isinstance(info, dict) else None
+    if version is not None and str(version) not in FRESH_VERSIONS:
+        lines.append(
+            f"the generation server at {base_url} holds weight version {version!r} from an earlier weight push "
+            "(another run, or this one before a restart): the trainer replaces them with its own before the first "
+            "sample"
+        )
+    return lines
+
+
+async def _read(base_url: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    async with AsyncServerClient(base_url, timeout=CHECK_TIMEOUT_S, retries=1) as client:
+        models = await client.models()
+        try:
+            info = await client.weight_info()
+        except ServerError as exc:
+            if exc.status in (404, 405):  # a server without /weight_info: no version to compare
+                return models, None
+            raise
+    return models, info
+
+
+def warn_on_foreign_weights(base_urls: Sequence[str], model_id: str) -> list[str]:
+    """Log (and return) one warning line per server that holds another model or an earlier run's weights."""
+    lines: list[str] = []
+    for url in base_urls:
+        try:
+            models, info = asyncio.run(asyncio.wait_for(_read(url), CHECK_TIMEOUT_S + 5))
+        except TimeoutError:
+            raise TimeoutError(f"GET /v1/models and /weight_info of {url} took over {CHECK_TIMEOUT_S + 5:.0f}s: "
+                               "is the generation server overloaded?") from None  # fmt: skip
+        lines += describe_served_weights(url, models, info, model_id)
+    for line in lines:
+        logger.warning(line)
+    return lines
