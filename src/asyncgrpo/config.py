@@ -59,7 +59,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
     ),
     "asynchronous pipeline": (
         "max_concurrent_rollouts", "answer_parse_processes", "max_staleness", "sync_rollouts", "weight_sync_steps",
-        "weight_sync_topology", "rollout_worker_timeout",
+        "weight_sync_topology", "weight_sync_backend", "rollout_worker_timeout",
     ),
     "logging and evaluation": (
         "log_completions", "num_completions_to_print", "compact_log", "eval_temperature", "eval_num_generations",

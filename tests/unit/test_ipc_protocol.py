@@ -8,9 +8,11 @@ that would overflow the buffer), the environment switch before unpickling, the b
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -189,3 +191,36 @@ def test_an_out_of_memory_error_names_the_split_to_change():
     err = shared_gpu_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), "cpu")
     assert isinstance(err, torch.OutOfMemoryError)
     assert "lower the server's --gpu-memory-utilization" in str(err) and "Tried to allocate 2.00 GiB" in str(err)
+
+
+# ---------------------------------------------------------------------- the round's view of its owners
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    declared = set(getattr(protocol, "__annotations__", {}))
+    return declared | {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("__")}
+
+
+def test_the_sender_offers_everything_an_ipc_round_uses():
+    """ipc_round names the sender's members in a Protocol (importing the class would be a cycle): a member the
+    sender lost in a refactor fails here, not on the first GPU round."""
+    from asyncgrpo.weights import ipc_round
+    from asyncgrpo.weights.sender import WeightSender
+
+    sender = WeightSender()
+    missing = {n for n in _protocol_members(ipc_round.WeightSender) if not hasattr(sender, n)}
+    assert not missing, missing
+    used = set(re.findall(r"(?<![\w.])sender\.(\w+)", inspect.getsource(ipc_round)))
+    assert used <= _protocol_members(ipc_round.WeightSender), used - _protocol_members(ipc_round.WeightSender)
+
+
+def test_the_receiver_offers_everything_an_ipc_endpoint_uses():
+    from asyncgrpo.server import ipc_receiver, weight_receiver
+
+    source = inspect.getsource(weight_receiver.WeightReceiver)
+    members = _protocol_members(ipc_receiver.WeightReceiver)
+    missing = {n for n in members if not hasattr(weight_receiver.WeightReceiver, n) and f"self.{n} " not in source
+               and f"self.{n}:" not in source}  # fmt: skip
+    assert not missing, missing
+    used = set(re.findall(r"(?<![\w.])receiver\.(\w+)", inspect.getsource(ipc_receiver)))
+    assert used <= members, used - members

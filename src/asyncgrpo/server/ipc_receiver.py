@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -25,8 +25,18 @@ from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import decode_handles, device_uuid, rebuild_args
 from asyncgrpo.weights.wire import copy_all
 
-if TYPE_CHECKING:
-    from asyncgrpo.server.weight_receiver import WeightReceiver
+
+class WeightReceiver(Protocol):
+    """What an ipc round needs of ``weight_receiver.WeightReceiver`` (named here, not imported: that module
+    imports this one)."""
+
+    active: bool
+    engine: Any
+    _params: dict[str, torch.Tensor] | None
+    _host: dict[str, float]
+
+    def _metas(self, info: dict[str, Any]) -> list[TensorMeta]: ...
+
 
 logger = logging.getLogger(__name__)
 

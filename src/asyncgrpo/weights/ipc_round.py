@@ -9,19 +9,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.weights.collectives import TensorMeta
+from asyncgrpo.weights.ipc import IpcExport
+from asyncgrpo.weights.loop_thread import LoopThread
 from asyncgrpo.weights.round_control import RoundControl
 
-if TYPE_CHECKING:
-    from asyncgrpo.weights.sender import WeightSender
-
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class WeightSender(Protocol):
+    """What a round needs of ``weights.sender.WeightSender`` (named here, not imported: that module imports this
+    one)."""
+
+    timeout_s: float
+    packed: bool
+    last_breakdown: dict[str, Any]
+    _ipc: IpcExport | None
+    _client: AsyncServerClient | None
+    _loop: LoopThread | None
+    _pushed_version: str | None
+
+    def _http(self, coro: Coroutine[Any, Any, _T], what: str) -> _T: ...
 
 
 def ipc_round(
@@ -92,7 +108,8 @@ def ipc_round(
             body = next(bodies, None)
         step("updates")
         steps["update_calls_ms"] = posting * 1e3
-        sender._http(sender._finish_round(version), "POST /finish_weight_update and /reset_prefix_cache")
+        assert sender._loop is not None
+        RoundControl(client, sender._loop.run, sender.timeout_s).finish(version)
     except (ServerError, WeightTransferError) as exc:
         _end_failed_round(sender)
         raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc

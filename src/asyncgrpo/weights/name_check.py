@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +99,19 @@ async def server_weights(client: AsyncServerClient) -> ServerWeights | None:
     return weights
 
 
+def _split_modules(names: Iterable[str]) -> set[str]:
+    """Modules whose checkpoint tensors are stored one per index (``experts.0.gate_proj.weight``...).
+
+    transformers 5 loads such a list into one fused parameter (``experts.gate_up_proj``) and writes it back
+    split, so a trainer's fused name is absent from the checkpoint without being wrong.
+    """
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts)) if parts[i].isdigit())
+    return out
+
+
 def check_round(metas: Sequence[TensorMeta], server: ServerWeights | None, url: str) -> None:
     """Refuse a round whose names or shapes the server's model would not load (before any pause or broadcast).
 
@@ -108,6 +121,17 @@ def check_round(metas: Sequence[TensorMeta], server: ServerWeights | None, url: 
     if server is None or not metas:
         return
     unknown = [m.name for m in metas if m.name not in server.shapes]
+    split = _split_modules(server.shapes) if unknown else set()
+    fused = {n for n in unknown if n.rpartition(".")[0] in split}
+    if fused:
+        logger.info(
+            "%d weight names (e.g. %s) are stored split per index in %s and fused when loaded (transformers "
+            "5's MoE experts): their names and shapes are not checked",
+            len(fused),
+            min(fused),
+            server.source,
+        )
+        unknown = [n for n in unknown if n not in fused]
     if len(unknown) > (1 - MIN_MATCHING_FRACTION) * len(metas):
         logger.warning("%d of the %d weight names the trainer sends are not in %s (e.g. %s): its layout differs "
                        "from the trainer's, so names and shapes are not checked before broadcasting",
