@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from asyncgrpo.recipes import cache_dir, smollm2_tokenizer, tiny_model
 from asyncgrpo.recipes.tool_warmup import Transcript, supervised_tool_warmup, transcript_sequences
 from asyncgrpo.rollout.agents import prepare_tool_template
 from tests.helpers.agent_examples import doc_env_dict, doc_env_self, doc_tools
+from tests.helpers.cached_model import publish
 from tests.helpers.tool_model_check import MIN_MARGIN_NATS, transcript_mistakes
 
 logger = logging.getLogger(__name__)
@@ -186,13 +185,7 @@ def tool_model_dir() -> Path:
             if not _cached_mistakes(out):
                 return out
             logger.warning("the cached tool model %s does not reproduce its transcripts: building it again", out)
-        model, tok = warm_up_checked()
-        staging = Path(tempfile.mkdtemp(dir=out.parent))
-        model.save_pretrained(staging)
-        tok.save_pretrained(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        publish(out, *warm_up_checked())
     return out
 
 

@@ -3,8 +3,10 @@
 vLLM's CPU attention refuses the project's usual tiny Llama (head_dim 16), so the lane builds its own: hidden 64
 in one head of 64, the real SmolLM2 tokenizer with the tool-calling template. A short supervised warm-up
 (``recipes.tool_warmup``) teaches it one conversation: a tool call, its result, and one of two endings ("Done." or
-"Finished.", so sampled groups have reward variance). The tools test does not trust the warm-up: it first checks
-through the server that greedy decoding of its prompt is the tool call. Cached by a hash of the training data.
+"Finished.", so sampled groups have reward variance). Like the agent tests' model (tests/helpers/agent_model.py)
+it is checked before it is cached: greedy decoding must reproduce every written turn (``tool_model_check``), with
+a bounded number of extra rounds, else the build fails naming the turn. The tools test checks once more through
+the server. Cached by a hash of the data, the warm-up settings, torch, transformers and ``FIXTURE_VERSION``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,15 @@ from filelock import FileLock
 from asyncgrpo.recipes import cache_dir, smollm2_tokenizer, tiny_model
 from asyncgrpo.recipes.tool_warmup import Transcript, supervised_tool_warmup, transcript_sequences
 from tests.helpers.agent_examples.doc_tools import async_add, multiply
+from tests.helpers.cached_model import publish
+from tests.helpers.tool_model_check import transcript_mistakes
 
 logger = logging.getLogger(__name__)
 
 SHAPE = {"num_attention_heads": 1, "num_key_value_heads": 1}  # hidden 64 in one head: head_dim 64
+FIXTURE_VERSION = 2  # bump on any change to how the model is built or checked
 WARMUP_STEPS = 100
+EXTRA_STEPS, EXTRA_ROUNDS = 50, 3  # trained on while the check finds a mistake, at most EXTRA_ROUNDS times
 TOOL_PROMPTS = {"Add 2 and 5.": ("async_add", {"a": 2, "b": 5}, "7")}  # one prompt: a tiny model learns it surely
 TOOLS = [multiply, async_add]
 
@@ -59,11 +63,16 @@ def lane_tokenizer() -> Any:
 
 
 def lane_model_dir() -> Path:
-    """The warmed-up model + tokenizer directory (built once per machine, then read from the cache)."""
+    """The warmed-up, checked model + tokenizer directory (built once per machine, then read from the cache)."""
+    import torch
+    import transformers
+
     tok = lane_tokenizer()
     data = _transcripts()
     seqs = [[int(x) for x in s.input_ids] for t in data for s in transcript_sequences(tok, t)]
-    key = hashlib.sha1(json.dumps([seqs, SHAPE, WARMUP_STEPS]).encode()).hexdigest()[:12]
+    settings = [SHAPE, WARMUP_STEPS, EXTRA_STEPS, EXTRA_ROUNDS, FIXTURE_VERSION, torch.__version__,
+                transformers.__version__]  # fmt: skip
+    key = hashlib.sha1(json.dumps([seqs, settings]).encode()).hexdigest()[:12]
     out = cache_dir() / "tiny" / f"vllm-lane-llama-{key}"
     if (out / "config.json").is_file():
         return out
@@ -72,13 +81,15 @@ def lane_model_dir() -> Path:
             return out
         print(f"[vllm lane] warming up the lane's tool model ({WARMUP_STEPS} steps) into {out}", flush=True)
         model = tiny_model("llama", seed=0, **SHAPE)
-        losses = supervised_tool_warmup(model, tok, data, steps=WARMUP_STEPS, lr=1e-2, batch_size=len(data),
-                                        negatives=2048)  # fmt: skip
-        logger.info("lane tool warm-up: loss %.3f -> %.3f", losses[0], losses[-1])
-        staging = Path(tempfile.mkdtemp(dir=out.parent))
-        model.save_pretrained(staging)
-        tok.save_pretrained(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    return out
+        mistakes: list[str] = []
+        for steps in [WARMUP_STEPS] + [EXTRA_STEPS] * EXTRA_ROUNDS:
+            losses = supervised_tool_warmup(model, tok, data, steps=steps, lr=1e-2 if steps == WARMUP_STEPS else 3e-3,
+                                            batch_size=len(data), negatives=2048)  # fmt: skip
+            logger.info("lane tool warm-up: loss %.3f -> %.3f", losses[0], losses[-1])
+            mistakes = transcript_mistakes(model, tok, data)
+            if not mistakes:
+                return publish(out, model, tok)
+        raise AssertionError(
+            f"the lane's tool model does not reproduce {len(mistakes)} turn(s) after {WARMUP_STEPS} + "
+            f"{EXTRA_ROUNDS}x{EXTRA_STEPS} warm-up steps:\n  " + "\n  ".join(mistakes)
+        )

@@ -34,10 +34,9 @@ from typing import Any, ClassVar
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from asyncgrpo.client.errors import WeightTransferError
 from asyncgrpo.client.server_rules import config_section
 from asyncgrpo.weights.collectives import TensorMeta, dtype_name
-from asyncgrpo.weights.wire import PACK_BATCH_BYTES, copy_all
+from asyncgrpo.weights.wire import PACK_BATCH_BYTES, copy_all, take_announced
 
 logger = logging.getLogger(__name__)
 
@@ -280,15 +279,7 @@ class IpcExport:
             copy_all(dsts, srcs)
 
     def _take(self, it: Iterator[torch.Tensor], meta: TensorMeta) -> torch.Tensor:
-        try:
-            t = next(it)
-        except StopIteration:
-            raise WeightTransferError(f"the tensors ran out before {meta.name!r}") from None
-        if t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
-            raise WeightTransferError(
-                f"tensor {meta.name!r} is {t.dtype} {tuple(t.shape)} but the update announced {meta.dtype} {meta.shape}"
-            )
-        return t.detach().to(self.device).contiguous()
+        return take_announced(it, meta, self.device)
 
     def _ensure_buffer(self) -> torch.Tensor:
         if self._buffer is None:

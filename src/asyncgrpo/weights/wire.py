@@ -229,6 +229,19 @@ class _Span:
         self.profile.add(self.kind, self.start, self.profile.mark(self.stream))
 
 
+def take_announced(it: Iterator[torch.Tensor], meta: TensorMeta, device: torch.device) -> torch.Tensor:
+    """The next tensor of a round, checked against the metadata announced for it, contiguous on ``device``."""
+    try:
+        t = next(it)
+    except StopIteration:
+        raise WeightTransferError(f"the tensors ran out before {meta.name!r}") from None
+    if t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
+        raise WeightTransferError(
+            f"tensor {meta.name!r} is {t.dtype} {tuple(t.shape)} but the update announced {meta.dtype} {meta.shape}"
+        )
+    return t.detach().to(device).contiguous()
+
+
 def send_tensors(
     group: TransferGroup,
     tensors: Iterable[torch.Tensor],
@@ -251,15 +264,7 @@ def send_tensors(
     it = iter(tensors)
 
     def next_tensor(meta: TensorMeta) -> torch.Tensor:
-        try:
-            t = next(it)
-        except StopIteration:
-            raise WeightTransferError(f"the tensors ran out before {meta.name!r}") from None
-        if t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
-            raise WeightTransferError(
-                f"tensor {meta.name!r} is {t.dtype} {tuple(t.shape)} but the update announced {meta.dtype} {meta.shape}"
-            )
-        return t.detach().to(group.device).contiguous()
+        return take_announced(it, meta, group.device)
 
     lanes = lanes if lanes is not None else Lanes(group, num_buffers)
     chunks = lanes.plan(metas, packed, buffer_size_bytes)
