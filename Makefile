@@ -5,7 +5,7 @@ VENV  ?= .venv
 TORCH ?= torch==2.13.0
 PY    := $(VENV)/bin/python
 
-.PHONY: demo test test-vllm test-readme lint
+.PHONY: demo test test-vllm test-readme lint docs
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -28,3 +28,7 @@ test-readme: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench
+
+# The generated tables of docs/config.md and docs/metrics.md (tests/unit/test_readme.py fails when they are stale).
+docs: $(VENV)/.installed
+	$(PY) -m asyncgrpo.docs

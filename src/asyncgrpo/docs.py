@@ -1,19 +1,27 @@
-"""The README's generated sections: the configuration reference (from AsyncGRPOConfig's help texts) and the
-metrics glossary (from ``METRICS``), so the docs cannot drift from the code.
+"""The generated parts of the docs: the configuration reference (from AsyncGRPOConfig's help texts) in
+``docs/config.md`` and the metrics glossary (from ``METRICS``) in ``docs/metrics.md``, so they cannot drift
+from the code.
 
-    python -m asyncgrpo.docs README.md     # rewrite the sections between their BEGIN/END markers
+    python -m asyncgrpo.docs                  # from the repository root: rewrite both files' generated sections
+    python -m asyncgrpo.docs --check          # exit 1, naming the stale files, instead of writing
+    python -m asyncgrpo.docs docs/config.md   # only the files named
 
-``tests/unit/test_readme.py`` fails when the README's copy differs from what this module generates.
+Each file keeps its hand-written text; only what lies between a section's BEGIN/END markers is replaced.
+``tests/unit/test_readme.py`` fails when a file's copy differs from what this module generates.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import sys
 from pathlib import Path
 
 SECTIONS = ("config-reference", "metrics-glossary")
+# Which generated sections each docs file holds (paths relative to the repository root).
+DOC_FILES = {"docs/config.md": ("config-reference",), "docs/metrics.md": ("metrics-glossary",)}
+COMMAND = "python -m asyncgrpo.docs"
 
 
 def _cell(text: str) -> str:
@@ -65,19 +73,47 @@ def _pattern(section: str) -> re.Pattern[str]:
 
 
 def section_in(text: str, section: str) -> str | None:
-    """The README's current copy of a generated section, or None without its markers."""
+    """A file's current copy of a generated section, or None without its markers."""
     m = _pattern(section).search(text)
     return m.group(2).removesuffix("\n") if m else None
 
 
-def rewrite(text: str) -> str:
-    for section in SECTIONS:
+def rewrite(text: str, sections: tuple[str, ...] = SECTIONS) -> str:
+    """``text`` with every section of ``sections`` regenerated; each must have its markers."""
+    for section in sections:
         if section_in(text, section) is None:
-            raise ValueError(f"the README lacks the markers <!-- BEGIN {section} --> ... <!-- END {section} -->")
+            raise ValueError(f"missing the markers <!-- BEGIN {section} --> ... <!-- END {section} -->")
         text = _pattern(section).sub(lambda m, s=section: m.group(1) + generated(s) + "\n" + m.group(3), text)
     return text
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description="Regenerate the generated sections of the docs.")
+    parser.add_argument("files", nargs="*", help=f"docs files to rewrite (default: {', '.join(DOC_FILES)})")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for name in args.files or list(DOC_FILES):
+        path = Path(name)
+        key = next((k for k in DOC_FILES if path.as_posix().endswith(k)), None)
+        if key is None:
+            parser.error(f"{name} is not a generated docs file; known: {', '.join(DOC_FILES)}")
+        if not path.is_file():
+            parser.error(f"{path} not found: run from the repository root or name the file")
+        text = path.read_text()
+        try:
+            new = rewrite(text, DOC_FILES[key])
+        except ValueError as exc:
+            parser.error(f"{path}: {exc}")
+        if new != text:
+            stale.append(str(path))
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"stale: {', '.join(stale)}; run `{COMMAND}`", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    readme = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
-    readme.write_text(rewrite(readme.read_text()))
+    sys.exit(main())

@@ -1,4 +1,8 @@
-"""The README's generated sections match the code (regenerate with `python -m asyncgrpo.docs README.md`)."""
+"""The docs' generated sections match the code (regenerate with `python -m asyncgrpo.docs`).
+
+``docs/config.md`` holds the configuration reference and ``docs/metrics.md`` the metrics glossary; the README
+links to both (``tests/unit/test_docs_resolve.py`` checks the links).
+"""
 
 from __future__ import annotations
 
@@ -12,14 +16,35 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.metrics import METRICS
 from asyncgrpo.run_config import LOAD_KEYS, RECIPE_KEYS, SERVER_KEYS, TOP_KEYS
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = [(path, section) for path, sections in docs.DOC_FILES.items() for section in sections]
 
 
-@pytest.mark.parametrize("section", docs.SECTIONS)
-def test_generated_section_is_current(section):
-    assert docs.section_in(README, section) == docs.generated(section), (
-        f"README section {section} is stale: run `python -m asyncgrpo.docs README.md`"
+def test_every_section_has_a_docs_file():
+    assert sorted(s for _, s in GENERATED) == sorted(docs.SECTIONS)
+
+
+@pytest.mark.parametrize(("path", "section"), GENERATED)
+def test_generated_section_is_current(path, section):
+    text = (ROOT / path).read_text()
+    assert docs.section_in(text, section) == docs.generated(section), (
+        f"{path}: section {section} is stale: run `python -m asyncgrpo.docs` from the repository root"
     )
+
+
+def test_the_command_rewrites_a_stale_file_and_check_reports_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    for path, sections in docs.DOC_FILES.items():
+        marks = "".join(f"<!-- BEGIN {s} (generated) -->\nold\n<!-- END {s} -->\n" for s in sections)
+        (tmp_path / path).write_text("# title\n\n" + marks + "tail\n")
+    assert docs.main(["--check"]) == 1
+    assert "stale: docs/config.md, docs/metrics.md" in capsys.readouterr().err
+    assert docs.main([]) == 0 and docs.main(["--check"]) == 0
+    for path, sections in docs.DOC_FILES.items():
+        text = (tmp_path / path).read_text()
+        assert text.startswith("# title\n\n") and text.endswith("tail\n")
+        assert all(docs.section_in(text, s) == docs.generated(s) for s in sections)
 
 
 def test_reference_covers_every_own_field_with_its_help():
@@ -42,6 +67,6 @@ def test_glossary_covers_every_metric():
 
 
 def test_yaml_keys_are_documented():
-    section = README.split("## Configuration reference", 1)[1].split("## Metrics glossary", 1)[0]
+    section = (ROOT / "docs" / "config.md").read_text().split("## The YAML file", 1)[1].split("\n## ", 1)[0]
     for key in (*TOP_KEYS, *SERVER_KEYS, *RECIPE_KEYS, *LOAD_KEYS):
         assert f"`{key}" in section, key
