@@ -219,7 +219,7 @@ def start_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[str
         hint = ""
         if "out of memory" in str(e).lower() or "KV-cache tokens fit" in str(e):
             hint = (f"\n(the server's share of the GPU is its {SHARE_FLAG}, set in the YAML's server.args; on the "
-                    "trainer's GPU the two must fit together: see the README's One GPU section)")  # fmt: skip
+                    "trainer's GPU the two must fit together: see docs/gpus.md, One GPU)")  # fmt: skip
         raise UserError(
             f"the embedded generation server did not start (check the YAML's server section): {e}{hint}"
         ) from e

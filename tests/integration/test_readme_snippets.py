@@ -1,8 +1,9 @@
-"""The README's Train snippet runs as written (issue 30, items 2 and 5): its serve command, then its script.
+"""The README's Train snippet and docs/agents.md's example run as written (issue 30, items 2 and 5): each
+section's serve command, then its script.
 
-Only what a test must change is changed, and each change must find its text exactly once (a README edit that
-moves it fails here, not silently): the server's port (a free one), the script's output folder and its length
-(one step instead of twelve). The model, dataset, reward and every setting are the README's.
+Only what a test must change is changed, and each change must find its text exactly once (an edit that moves it
+fails here, not silently): the server's port (a free one), the script's output folder and its length (one step
+instead of twelve or ten). The model, dataset, reward and every setting are the documents'.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.readme]  # minutes each: `make test-readme`, not `make test`
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+AGENTS = (ROOT / "docs" / "agents.md").read_text()
 SCRIPT_TIMEOUT_S = 420  # imports, the demo model, one step of 8 groups on 2 busy cores
 
 
-def _section(title: str) -> str:
-    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+def _section(text: str, title: str) -> str:
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def _blocks(text: str, lang: str) -> list[str]:
@@ -36,7 +39,7 @@ def _replace_once(code: str, old: str, new: str) -> str:
 
 
 def test_train_snippet_runs_as_written(tmp_path, serve):
-    section = _section("Train")
+    section = _section(README, "Train")
     serve_line = next(line for b in _blocks(section, "bash") for line in b.splitlines() if "asyncgrpo serve" in line)
     argv = shlex.split(serve_line)
     assert argv[:3] == ["asyncgrpo", "serve", "demo"]
@@ -62,7 +65,7 @@ def test_train_snippet_runs_as_written(tmp_path, serve):
 
 
 def test_agents_snippet_warms_up_a_model_that_calls_tools_and_trains(tmp_path, serve):
-    section = _section("Agents")
+    section = _section(AGENTS, "Example")
     (serve_line,) = [line for b in _blocks(section, "bash") for line in b.splitlines() if "asyncgrpo serve" in line]
     flags = shlex.split(serve_line)[3:]
     port = flags.index("--port")

@@ -1,11 +1,11 @@
 """A run against a server that an earlier run trained (issue 30, item 1).
 
-Re-running a script against a running ``asyncgrpo serve`` is the README's workflow. The second run must sample
-from its own weights from the first step: its step-1 gap between sampler and trainer log-probs must be a fresh
-server's (fp32 on both sides: ~1e-5), not the gap to the first run's trained weights. Before the fix the trainer
-pushed weights at start only when resuming, and this gap was the first run's learning step (0.70 here).
-A server started on another checkpoint is the same case (the push is unconditional); its warning line is
-checked in tests/unit/test_served_weights.py.
+Re-running a script against a running ``asyncgrpo serve`` is the README's workflow (docs/usage.md). The second run
+must sample from its own weights from the first step: its step-1 gap between sampler and trainer log-probs must be a
+fresh server's (fp32 on both sides: ~1e-5), not the gap to the first run's trained weights. Before the fix the
+trainer pushed weights at start only when resuming, and this gap was the first run's learning step (0.70 here). A
+server started on another checkpoint is the same case (the push is unconditional); its warning line is checked in
+tests/unit/test_served_weights.py.
 """
 
 from __future__ import annotations
