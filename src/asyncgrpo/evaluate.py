@@ -22,7 +22,7 @@ from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 
 logger = logging.getLogger(__name__)
 
-# asyncgrpo's own metric names (X7), beside the reference document's METRICS.
+# asyncgrpo's own metric names (X7), beside the reference's METRICS (M1 in docs/spec.md).
 EVAL_METRICS: dict[str, str] = {
     "eval/reward": "mean total reward of the eval_dataset completions (greedy unless eval_temperature > 0)",
     "eval/rewards/{reward_func_name}/mean": "one reward function's mean over the eval_dataset completions",

@@ -5,7 +5,7 @@ A logging window is everything recorded since the previous log. Every value arri
 
 - names whose last part holds the word `count` are summed (events since the last log, not since start);
 - otherwise names whose last part holds the word `max` / `min` keep the extreme value;
-- everything else is a weighted mean. Producers choose the weight so the mean means what the document says:
+- everything else is a weighted mean. Producers choose the weight so the mean means what docs/metrics.md says:
   a per-rollout/sample/call mean is recorded with weight = number of items, a rate such as
   `rollout/generated_tokens_per_s` with weight = seconds (so the window gives total tokens / total seconds),
   and a once-per-step value with weight 1.
@@ -38,7 +38,8 @@ __all__ = [
 MetricEvent = tuple[str, float, float]  # (name, value, weight)
 
 # ---------------------------------------------------------------------------------------------------------------
-# Every metric name of the reference document, with its meaning. `{reward_func_name}` / `{tool_name}` are templates.
+# Every metric name of the reference (M1 in docs/spec.md), with its meaning; docs/metrics.md is generated from it.
+# `{reward_func_name}` / `{tool_name}` are templates.
 METRICS: dict[str, str] = {
     "num_tokens": "prompt and completion tokens forwarded so far (shared prefixes counted once)",
     "completions/mean_length": "mean generated completion length (tool tokens excluded)",
@@ -139,8 +140,9 @@ METRICS: dict[str, str] = {
     "perf/wall_clock_mfu": "model FLOPs utilisation over whole steps",
 }
 
-# Ours, beyond the document: one set per generation server when the run has several (X5). `{server_index}` is the
-# server's place in `vllm_server_base_url` (0, 1, ...); sent by the rollout worker's metrics poll.
+# Ours, beyond the reference (docs/spec.md): one set per generation server when the run has several (X5).
+# `{server_index}` is the server's place in `vllm_server_base_url` (0, 1, ...); sent by the rollout worker's metrics
+# poll.
 SERVER_METRICS: dict[str, str] = {
     "rollout/server/{server_index}/request_count": "generation requests sent to this server",
     "rollout/server/{server_index}/error_count": "generation requests to this server that failed",
@@ -165,7 +167,7 @@ _TEMPLATES = [_template(n) for n in (*METRICS, *SERVER_METRICS) if "{" in n]
 
 
 def is_documented_metric(name: str) -> bool:
-    """Whether `name` is in the glossary: the document's names or ours (templates filled with one path part)."""
+    """Whether `name` is in the glossary: the reference's names (M1) or ours (templates filled with one path part)."""
     return name in METRICS or any(t.match(name) for t in _TEMPLATES)
 
 

@@ -1,9 +1,9 @@
 """Records that cross process boundaries: turns, rollouts, groups and training sequences.
 
-Data path (DESIGN.md): a dataset row becomes `num_generations` `Rollout`s, each made of one `TurnRecord`
+Data path (docs/design.md): a dataset row becomes `num_generations` `Rollout`s, each made of one `TurnRecord`
 per sampling request; the G rollouts of one prompt are scored together as a `RolloutGroup`; reconciliation
 turns each rollout into one or more `TrainingSequence`s, the only thing the trainer consumes. Field names of
-the first three follow the reference document exactly, so custom `AsyncRolloutLoop` code written against
+the first three follow the reference exactly (T9 in docs/spec.md), so custom `AsyncRolloutLoop` code written against
 it works unchanged. Every record pickles (it crosses the worker -> trainer queue) and has a `validate()`
 that raises `ValueError` naming the broken invariant.
 """

@@ -1,4 +1,4 @@
-"""Vision-language checkpoints trained on text only (SPEC T4; the reference's "비전 언어 모델 학습").
+"""Vision-language checkpoints trained on text only (T4 in docs/spec.md).
 
 A checkpoint whose config has a ``vision_config`` loads through ``AutoModelForImageTextToText``. Only its text
 model is trained: everything outside it (vision tower, projector/merger) gets ``requires_grad=False`` — so no
@@ -29,7 +29,7 @@ def is_vision_language(config: Any) -> bool:
 
 def load_pretrained(model_id: str, **kwargs: Any) -> torch.nn.Module:
     """The checkpoint through ``AutoModelForImageTextToText`` if it is a vision-language one, else
-    ``AutoModelForCausalLM`` (as the reference loads models)."""
+    ``AutoModelForCausalLM`` (as the reference loads models, T4 in docs/spec.md)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config_kwargs = {"trust_remote_code": kwargs["trust_remote_code"]} if "trust_remote_code" in kwargs else {}

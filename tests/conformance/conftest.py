@@ -1,6 +1,6 @@
 """The server the conformance suite talks to: the embedded server, or a real vLLM named by ``ASYNCGRPO_VLLM_URL``.
 
-Against a real vLLM (started as VLLM_PROTOCOL.md documents, with
+Against a real vLLM (started as docs/protocol.md documents, with
 ``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config '{"backend": "nccl"}'``,
 ``--logprobs-mode processed_logprobs`` and without ``--return-sampling-mask``)
 the same tests run unchanged; the ones that need to restart the server with

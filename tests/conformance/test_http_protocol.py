@@ -1,4 +1,4 @@
-"""VLLM_PROTOCOL.md, fact by fact, against one server (embedded by default, a real vLLM with ASYNCGRPO_VLLM_URL).
+"""docs/protocol.md, fact by fact, against one server (embedded by default, a real vLLM with ASYNCGRPO_VLLM_URL).
 
 Each test states vLLM 0.33's behaviour (the file of the vLLM wheel it was read in)
 and checks the server shows it, and that our client reads it the way vLLM nests it.
@@ -20,7 +20,7 @@ from asyncgrpo.client.server_rules import kv_capacity, release_tuple
 from asyncgrpo.trainer.server_setup import probe_server
 from tests.helpers.raw_http import NEG_INF_WIRE, PROMPT, raw
 
-SPOKEN_RELEASES = {(0, 32), (0, 33)}  # vLLM releases whose protocol the client speaks (VLLM_PROTOCOL.md)
+SPOKEN_RELEASES = {(0, 32), (0, 33)}  # vLLM releases whose protocol the client speaks (docs/protocol.md)
 
 
 def server_release(url: str) -> tuple[int, ...]:

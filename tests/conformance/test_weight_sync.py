@@ -1,4 +1,4 @@
-"""The weight-sync facts of VLLM_PROTOCOL.md: our WeightSender against a vLLM-like peer, and keep-pause semantics.
+"""The weight-sync facts of docs/protocol.md: our WeightSender against a vLLM-like peer, and keep-pause semantics.
 
 The peer (``tests/helpers/vllm_peer.py``) joins the group as vLLM's worker does
 (zeros warm-up, unique-id rendezvous on NCCL, vLLM's packed consumer loop with

@@ -2,8 +2,8 @@
 
 The agent integration tests need tool calls written by a real model through the real server. A random-init
 tiny Llama (real SmolLM2 tokenizer) is fine-tuned with ``recipes.tool_warmup`` on transcripts of exactly the
-prompts and tools the document's examples use (tests/helpers/agent_examples). Where the tests need reward
-variance, a prompt has two continuations in the data, so sampling picks either.
+prompts and tools the reference's agent examples (docs/spec.md) use (tests/helpers/agent_examples). Where the
+tests need reward variance, a prompt has two continuations in the data, so sampling picks either.
 
 Another CPU rounds the warm-up's floats differently and gets another model, so the model is never trusted
 because it was trained: ``warm_up_checked`` trains until ``tool_model_check`` finds every transcript turn

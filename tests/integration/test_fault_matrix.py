@@ -424,7 +424,7 @@ def test_server_gone_for_good_stops_the_run_saying_so(tmp_path, servers, tiny_ll
 
 # ---------------------------------------------------------------------------------------------- item 9 (M1)
 
-# Every metric name of the reference document (its metrics section), written out here independently of
+# Every metric name of the reference (M1 in docs/spec.md), written out here independently of
 # asyncgrpo.metrics. `{reward_func_name}` / `{tool_name}` are templates.
 DOCUMENTED_METRICS = """
 num_tokens completions/mean_length completions/min_length completions/max_length completions/mean_terminated_length
@@ -449,7 +449,7 @@ batch/row_fill_frac batch/row_imbalance batch/packing_ratio batch/pad_frac batch
 perf/fwd_bwd_s perf/fwd_s perf/optimizer_s perf/rollout_wait_s perf/weight_sync_s perf/weight_sync_pause_s
 perf/weight_sync_barrier_s perf/weight_sync_transfer_s perf/fwd_bwd_forwarded_tokens_per_s
 perf/wall_clock_forwarded_tokens_per_s perf/wall_clock_trained_tokens_per_s perf/fwd_bwd_mfu perf/wall_clock_mfu
-""".split()  # noqa: SIM905 - the document's list, pasted
+""".split()  # noqa: SIM905 - the reference's list, pasted
 
 # Absent from a single-turn CPU run, and why (each is owned elsewhere or needs a condition this run lacks).
 EXPECTED_ABSENT = {

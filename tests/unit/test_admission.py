@@ -1,4 +1,4 @@
-"""G3/G5 admission rules, checked step by step against the document's arithmetic."""
+"""G3/G5 admission rules, checked step by step against the arithmetic of docs/spec.md."""
 
 import pytest
 

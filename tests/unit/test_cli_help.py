@@ -11,7 +11,7 @@ import pytest
 from asyncgrpo import cli
 from asyncgrpo.config import FIELD_SECTIONS, HIDDEN_FIELDS, AsyncGRPOConfig
 
-TAG = re.compile(r"\b[GRLPTAMX]\d{1,2}\b")  # SPEC.md's feature IDs
+TAG = re.compile(r"\b[GRLPTAMX]\d{1,2}\b")  # docs/spec.md's feature IDs
 
 
 def _help(capsys, *argv: str) -> str:

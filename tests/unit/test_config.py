@@ -1,4 +1,4 @@
-"""AsyncGRPOConfig: the document's parameters and defaults (T2) and early, complete validation."""
+"""AsyncGRPOConfig: the reference's parameters and defaults (T2 in docs/spec.md) and early, complete validation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from asyncgrpo.config import AsyncGRPOConfig
 
-# Transcribed from the reference document's AsyncGRPOConfig signature.
+# Transcribed from the reference's AsyncGRPOConfig signature (T2 in docs/spec.md).
 DOCUMENT_DEFAULTS = {
     "model_init_kwargs": None,
     "dtype": "float32",

@@ -1,7 +1,7 @@
 """The ipc backend's protocol facts that need no GPU (the copies themselves: tests/gpu/test_ipc_sync_gpu.py).
 
 References are vLLM 0.33's ``distributed/weight_transfer/ipc_engine.py`` and ``packed_tensor.py`` as read
-for VLLM_PROTOCOL.md: the ``update_info`` fields, the packed chunking rule (a chunk closes before the tensor
+for docs/protocol.md: the ``update_info`` fields, the packed chunking rule (a chunk closes before the tensor
 that would overflow the buffer), the environment switch before unpickling, the backend choice by GPU UUID.
 """
 

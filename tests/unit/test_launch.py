@@ -55,7 +55,7 @@ def test_demo_config_checks_without_loading_anything():
 
 
 def test_plain_text_prompts_become_user_messages(tmp_path):
-    """The trainer takes conversational prompts (the document requires them); prompt_column converts text."""
+    """The trainer takes conversational prompts (T4 in docs/spec.md); prompt_column converts text."""
     import json
 
     from asyncgrpo.launch import build_dataset

@@ -76,7 +76,7 @@ def test_score_centering_value_and_gradient_match_direct_formula():
     out = _our_loss(logits, tokens, slp, top_ids, s_top, adv, mask, n_train)
     (grad,) = torch.autograd.grad(out.loss, logits)
 
-    # (a) gradient: the document's formula as a weighted log-prob loss, weights detached:
+    # (a) gradient: the reference's formula (L3 in docs/spec.md) as a weighted log-prob loss, weights detached:
     #     -A_t [ f(r_t) log pi(o_t) - sum_v mu(v) f(r_v) log pi(v) ],   f(r) = r * 1[C_min <= r <= C_max]
     ref_logits = logits.detach().clone().requires_grad_(True)
     logp = torch.log_softmax(ref_logits, dim=-1)

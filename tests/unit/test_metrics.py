@@ -1,4 +1,4 @@
-"""Metric window rules (M2), the document's metric names (M1) and MFU (M3)."""
+"""Metric window rules (M2), the reference's metric names (M1 in docs/spec.md) and MFU (M3)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_aggregation_rules_and_units_by_name():
 
 
 def test_documented_metric_names():
-    # a sample of the document's list, including the templated names
+    # a sample of the reference's list, including the templated names
     for name in (
         "num_tokens",
         "frac_reward_zero_std",
@@ -100,7 +100,7 @@ def test_documented_metric_names():
         assert is_documented_metric(name), name
     assert not is_documented_metric("rewards/a/b/mean")
     assert not is_documented_metric("perf/made_up_s")
-    assert len(METRICS) == 97  # every name of the document, templates counted once
+    assert len(METRICS) == 97  # every name of the reference, templates counted once
     assert all(len(meaning) > 10 for meaning in METRICS.values())
 
 

@@ -95,7 +95,8 @@ def test_plan_step_pulls_until_enough_micro_batches():
 
 
 def test_batch_metrics_by_hand():
-    # row 0: the document's example (8 forwarded of 10 flat tokens, 4 trained, load 27); row 1: one 4-token sample
+    # row 0: docs/design.md's packing example (8 forwarded of 10 flat tokens, 4 trained, load 27);
+    # row 1: one 4-token sample
     r0 = pack_samples([_s([1, 2, 3], [10, 11], "g"), _s([1, 2, 3], [20, 21], "g")])
     r1 = pack_samples([_s([7, 8], [9, 10], "h")])
     assert (r0.attention_cost, r1.attention_cost) == (27, 10)

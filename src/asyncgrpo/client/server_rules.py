@@ -1,4 +1,4 @@
-"""What the client knows about vLLM 0.33's answers beyond the wire format (VLLM_PROTOCOL.md).
+"""What the client knows about vLLM 0.33's answers beyond the wire format (docs/protocol.md).
 
 Pure functions, no I/O: which fields to always send (vLLM fills omitted completion
 fields from the model's ``generation_config.json``), what to tell the user on a

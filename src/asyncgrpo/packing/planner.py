@@ -245,7 +245,7 @@ def plan_step(
 def batch_metrics(
     micro_batches: Sequence[Sequence[PackedRow]], token_budget: int, dropped_oversize: int = 0
 ) -> dict[str, float]:
-    """The reference document's ``batch/*`` metrics of one step (rows of every process).
+    """The ``batch/*`` metrics of one step (docs/metrics.md) (rows of every process).
 
     Step-wise metrics are sums over the step; row-wise metrics are means over its rows;
     ``row_imbalance`` is the mean over micro-batches of (most expensive row / mean row);

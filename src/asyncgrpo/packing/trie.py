@@ -5,8 +5,8 @@ groups, the earlier turns of a conversation) forward it once. The trie is a
 radix trie: each node holds a run of tokens. One rule bends the plain trie: a
 position predicts one token, so when a node's last token is followed by two or
 more *trained* tokens (the first tokens of two completions of one prompt), that
-last token is forwarded once per such child (the reference document's worked
-example: ``p3`` is not shared because it predicts ``a1`` or ``b1``). Children
+last token is forwarded once per such child (the worked
+example of docs/design.md, "Packing": ``p3`` is not shared because it predicts ``a1`` or ``b1``). Children
 whose first token is not trained hang under the first copy.
 
 Layout (``PrefixTrie.layout``): tokens in depth-first order, each child after

@@ -74,7 +74,7 @@ def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]):
     """Tiny configs of the general-path families: ``qwen3_5`` (three Gated DeltaNet layers, one attention layer),
     ``qwen3_moe`` (4 experts, top-2), ``qwen3_vl`` (a 1-block vision tower in front of a tiny Qwen3 text model)
     and ``qwen3_5_vlm`` (the same in front of the ``qwen3_5`` hybrid: the family of the reference's quick start,
-    Qwen/Qwen3.5-2B). For the two vision-language ones ``overrides`` go to the text config."""
+    Qwen/Qwen3.5-2B; docs/spec.md). For the two vision-language ones ``overrides`` go to the text config."""
     from transformers import Qwen3_5Config, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3VLConfig
 
     if arch == "qwen3_5_vlm":

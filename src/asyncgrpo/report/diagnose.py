@@ -1,8 +1,8 @@
-"""The reference document's diagnosis tables, applied to the last steps of a run (X2).
+"""The diagnosis tables of docs/metrics.md ("The run doctor"), applied to the last steps of a run (X2).
 
 Four tables: the rollout queue (which side is the bottleneck), concurrency (which limit holds generation
 back), saturation (``frac_reward_zero_std`` / ``reward_dropped`` / ``reward`` read together) and duplicates.
-The document states the rows in words ("high", "nearly empty", "climbing"); the constants below turn each
+The tables state the rows in words ("high", "nearly empty", "climbing"); the constants below turn each
 word into a figure, and every verdict carries the figures it rests on so a reader can disagree with them.
 """
 
@@ -23,7 +23,7 @@ QUEUE_EMPTY_STEPS = 0.5  # "nearly empty": less than half a step of samples wait
 QUEUE_FULL_FRAC = 0.5  # "about max_staleness steps": at least half of max(max_staleness, 1) steps queued
 CAP_BELOW = 0.9  # the live cap sits below 90 % of max_concurrent_rollouts: the server's load limits it
 AT_CAP = 0.9  # concurrency within 10 % of max_concurrent_rollouts: "reaches" it
-KV_LOW = 0.6  # the worker raises its cap only below 60 % KV use (the document's rule), so below is "low"
+KV_LOW = 0.6  # the worker raises its cap only below 60 % KV use (G5 in docs/spec.md), so below is "low"
 ZERO_STD_LOW = 0.25
 ZERO_STD_HIGH = 0.5
 CLIMB = 0.1  # a fraction moved by more than 0.1 across the window (least-squares fit): climbing/falling

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# G5 constants, from the reference document.
+# G5 constants, from the reference (docs/spec.md).
 METRICS_POLL_INTERVAL_S = 5.0  # how often the worker reads the server's /metrics
 KV_USAGE_LOW = 0.60  # below this (and nothing queued on the server) the cap may grow
 KV_USAGE_HIGH = 0.80  # above this the cap shrinks

@@ -63,7 +63,7 @@ def group_reward_metrics(
         per_source: Per reward source name (reward function name, or environment class name), its [G] rewards.
         dropped: Whether the group is dropped (zero std or fewer than two scored).
         num_samples: Trained samples the group yields (forks can make it exceed G); weights the `*group_std`
-            metrics, which the document averages over trained samples. Defaults to G.
+            metrics, which docs/metrics.md averages over trained samples. Defaults to G.
 
     Returns:
         `(name, value, weight)` events: reward, reward_kept or reward_dropped, reward_group_std,

@@ -291,7 +291,7 @@ class AsyncRolloutLoop:
         self._slot_freed = asyncio.Condition()
         self._group_finished = asyncio.Event()  # wakes a group start that waits on the staleness admission
         # Sync tools, reset/get_reward and sync reward functions share this pool: one thread per concurrent
-        # rollout (the document's promise); threads start lazily, so a large cap costs nothing until used.
+        # rollout (G6 in docs/spec.md); threads start lazily, so a large cap costs nothing until used.
         self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
         self._tool_stats: dict[str, ToolLoopStats] = {}
         self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)

@@ -1,4 +1,4 @@
-"""Server side of the weight transfer (VLLM_PROTOCOL.md) and its HTTP routes.
+"""Server side of the weight transfer (docs/protocol.md) and its HTTP routes.
 
 ``/init_weight_transfer_engine`` joins the group (blocking, on a worker thread);
 ``/update_weights`` receives every tensor of a round inside

@@ -57,7 +57,7 @@ def loss_normalizer(
 ) -> float | torch.Tensor:
     """Denominator for one micro-batch's summed per-token loss (L5).
 
-    The document's normalisation is: divide by the micro-batch's trained tokens summed over all processes, and
+    The normalisation of L5 (docs/spec.md) is: divide by the micro-batch's trained tokens summed over all processes, and
     average over the `gradient_accumulation_steps` micro-batches of a step. DDP and FSDP average gradients over
     processes, which divides by `num_processes` once more; multiplying it back makes the step's gradient exactly
     (1 / GA) * sum over micro-batches of (sum over all processes' tokens of grad L_t) / (micro-batch global tokens).
@@ -199,7 +199,7 @@ def policy_loss(
         entropy: [N] predictive entropy per token, averaged into the `entropy` metric when given.
 
     Returns:
-        `LossOutput` with the normalised loss and the loss metrics of the document.
+        `LossOutput` with the normalised loss and the loss metrics of docs/metrics.md.
     """
     loss = policy_loss_value(
         logprobs, sampler_logprobs, advantages, loss_mask, normalizer, clip_min=clip_min, clip_max=clip_max,

@@ -72,7 +72,7 @@ def _module_problems(model: torch.nn.Module) -> list[str]:
             seen.add(("sinks", cls))
             problems.append(
                 f"{name} has attention sinks ({cls}.sinks, gpt-oss style, e.g. at {path}): tree packing does not "
-                "implement sink logits, as the reference document says; train a model without attention sinks"
+                "implement sink logits (docs/spec.md, P1); train a model without attention sinks"
             )
         if deltanet_layout(m) is not None:
             known_linear += 1

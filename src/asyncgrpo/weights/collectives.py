@@ -1,6 +1,6 @@
 """The weight-transfer collective group, shared by the trainer (sender) and the server (receiver).
 
-One group holds trainer rank 0 and every server worker (VLLM_PROTOCOL.md, weight
+One group holds trainer rank 0 and every server worker (docs/protocol.md, weight
 transfer). Two backends, neither touching torch.distributed's global default group
 (so a trainer process keeps its own group for FSDP):
 

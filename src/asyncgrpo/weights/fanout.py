@@ -1,6 +1,6 @@
 """Weight sync to several generation servers in one round (SPEC X5).
 
-Two topologies, both speaking VLLM_PROTOCOL.md's ``init_info`` (so real vLLM servers join as they are):
+Two topologies, both speaking docs/protocol.md's ``init_info`` (so real vLLM servers join as they are):
 
 * ``per_server`` (default): one group per server, trainer rank 0 + that server's workers (``rank_offset``
   1). Each tensor is broadcast into every group in turn: N servers cost N broadcasts of the weights.

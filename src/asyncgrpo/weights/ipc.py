@@ -2,8 +2,8 @@
 
 NCCL refuses two ranks of one communicator on one GPU, so a one-GPU run cannot
 broadcast. With ``ipc`` the trainer instead hands the server *handles* to its
-GPU memory and the server copies the weights out itself (VLLM_PROTOCOL.md,
-"Other backends"; facts read in vLLM 0.33's ``distributed/weight_transfer``):
+GPU memory and the server copies the weights out itself (docs/protocol.md,
+"Weight transfer"; facts read in vLLM 0.33's ``distributed/weight_transfer``):
 
 - ``init_info`` is ``{"packed": bool}``; there is no rendezvous;
 - a round is ``start`` -> one or more ``update_weights`` -> ``finish``; each

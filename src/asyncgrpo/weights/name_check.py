@@ -2,7 +2,7 @@
 
 vLLM's NCCL worker checks only that ``update_info``'s three lists have one length: an unknown name or a wrong
 shape fails inside ``model.load_weights``, during the broadcast, where the trainer sees a collective that never
-completes (VLLM_PROTOCOL.md). No vLLM route lists the model's parameters, but ``/server_info`` names the
+completes (docs/protocol.md). No vLLM route lists the model's parameters, but ``/server_info`` names the
 checkpoint it loaded (``vllm_config.model_config.model``), and ``load_weights`` takes the checkpoint's own
 tensor names. So the sender reads that checkpoint's safetensors headers (names and shapes, a few KB; no tensor
 is loaded) when the path is readable here, and refuses a round that sends what the server cannot load.

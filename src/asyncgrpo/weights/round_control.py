@@ -2,7 +2,7 @@
 
 A real vLLM answers every worker-side weight-transfer error with a 500 (update without start, a second start,
 an unknown name found while loading, ...), and a start before init with a 200 whose failure comes at
-``/update_weights`` (VLLM_PROTOCOL.md). So the status says nothing about whether the server entered the
+``/update_weights`` (docs/protocol.md). So the status says nothing about whether the server entered the
 collective: what matters is whether it *answered*. A server that answered a failed step is not inside a
 collective, so the round is closed there (``/finish_weight_update`` without a version, which keeps the old
 label) and the server resumed. A server that did not answer may be stuck inside the broadcast; no call is waited

@@ -1,6 +1,6 @@
 """Trainer side of the weight transfer: push the policy's weights to a generation server.
 
-Speaks VLLM_PROTOCOL.md's weight-transfer endpoints (real vLLM or our embedded
+Speaks docs/protocol.md's weight-transfer endpoints (real vLLM or our embedded
 server) with torch primitives only (no vLLM import). One round (SPEC G10):
 
     POST /pause?mode=keep&clear_cache=true -> POST /start_weight_update

@@ -1,6 +1,6 @@
-"""Test settings shared by the document's agent examples (the scripts beside this file).
+"""Test settings shared by the reference's agent examples (docs/spec.md, A1-A4) (the scripts beside this file).
 
-The scripts are the reference document's examples with the model id and the config pointed at the test's
+The scripts are the reference's examples with the model id and the config pointed at the test's
 tiny tool-calling model and embedded server (environment variables set by tests/integration/test_agents_cpu.py).
 ``record`` appends one JSON line to $AGENT_TEST_LOG so the test can read what happened inside the worker.
 """

@@ -1,5 +1,5 @@
-"""The document's ``IncrementEnv`` with an external dataset: the ``target`` column reaches ``reset(target=...)``,
-and a trainer-owned ``format_reward`` sums with the environment's ``get_reward``."""
+"""The reference's ``IncrementEnv`` (A4 in docs/spec.md) with an external dataset: the ``target`` column reaches
+``reset(target=...)``, and a trainer-owned ``format_reward`` sums with the environment's ``get_reward``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The document's two-environment example: a dict of factories routed by the dataset's ``environment`` column.
+"""The reference's two-environment example (A4 in docs/spec.md): a dict of factories routed by the dataset's
+``environment`` column.
 
 ``RecordingLoop`` only records which tools each rollout was given (what the chat template shows the model).
 """

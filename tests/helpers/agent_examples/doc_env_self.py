@@ -1,4 +1,5 @@
-"""The document's self-sampling ``IncrementEnv``: no train_dataset, ``reset()`` makes the task, ``max_steps``."""
+"""The reference's self-sampling ``IncrementEnv`` (A4 in docs/spec.md): no train_dataset, ``reset()`` makes the
+task, ``max_steps``."""
 
 from __future__ import annotations
 

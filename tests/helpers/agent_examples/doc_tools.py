@@ -1,4 +1,5 @@
-"""The document's tools example: ``tools=[multiply, async_add]`` (plus an answer reward and a tool-call cap)."""
+"""The reference's tools example (A1 in docs/spec.md): ``tools=[multiply, async_add]`` (plus an answer reward and
+a tool-call cap)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Tool-loop bookkeeping of one rollout and the ``tools/`` metric events of a group (M1).
 
-Names and meanings follow the reference document: call and failure rates over all rollouts (dropped groups
-included), per-tool latency and counts, unknown names (a policy error, unlike a tool that raised), calls per
-calling assistant message, and the fraction of rollouts stopped at ``max_tool_calling_iterations``.
+Names and meanings follow the reference (M1 in docs/spec.md, listed in docs/metrics.md): call and failure rates
+over all rollouts (dropped groups included), per-tool latency and counts, unknown names (a policy error, unlike a
+tool that raised), calls per calling assistant message, and the fraction of rollouts stopped at
+``max_tool_calling_iterations``.
 """
 
 from __future__ import annotations
