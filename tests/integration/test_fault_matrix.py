@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 
 SCRIPTS = Path(__file__).parent / "fault_scripts"
 sys.path.insert(0, str(SCRIPTS))  # run_trainer by name, here and in the rollout workers spawned from here

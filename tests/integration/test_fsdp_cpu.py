@@ -24,7 +24,7 @@ from asyncgrpo.trainer.loss import loss_normalizer
 from tests.helpers.fsdp_launch import launch_ranks
 from tests.helpers.rewards import even_token_reward
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 
 FSDP = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT",
                                                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}  # fmt: skip
