@@ -21,7 +21,7 @@ import yaml
 from tests.helpers.rewards import even_token_reward
 from tests.integration.test_cli import asyncgrpo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

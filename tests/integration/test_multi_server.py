@@ -29,7 +29,7 @@ from asyncgrpo.server.launcher import free_port
 from asyncgrpo.weights.fanout import TOPOLOGIES, FanoutSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 
 KILL_AFTER_STEP = 2
 MAX_STEPS = 5

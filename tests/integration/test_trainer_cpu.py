@@ -170,6 +170,7 @@ def test_raising_reward_function_stops_the_run_with_its_name(tmp_path, server, t
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.long  # a fault scenario of half a minute: `make test-long`
 def test_killed_worker_stops_the_trainer(tmp_path, server, tiny_llama_dir, dataset):
     """A SIGKILLed worker after step 1: the trainer stops within 30 s, naming the exit code (fault matrix, kept)."""
     from transformers import TrainerCallback
@@ -195,6 +196,7 @@ def test_killed_worker_stops_the_trainer(tmp_path, server, tiny_llama_dir, datas
     assert time.monotonic() - killed["at"] < 30 and not pid_alive(int(killed["pid"]))
 
 
+@pytest.mark.long  # a fault scenario of half a minute: `make test-long`
 def test_resume_restarts_at_the_first_untrained_prompt(tmp_path, server, tiny_llama_dir, dataset, monkeypatch):
     log = tmp_path / "prompts.log"
     monkeypatch.setenv("ASYNCGRPO_TEST_PROMPT_LOG", str(log))
