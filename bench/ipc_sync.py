@@ -31,13 +31,9 @@ from pathlib import Path
 
 import torch
 
-QWEN3_1_7B = {
-    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936, "tie_word_embeddings": True,
-    "max_position_embeddings": 40_960, "eos_token_id": 2, "bos_token_id": 1,
-}  # fmt: skip
-SMOKE = {**QWEN3_1_7B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096}  # fmt: skip
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.weight_sync
+from bench.weight_sync import QWEN3_1_7B, SMOKE, _bucket  # noqa: E402 - the shapes and modes of B4 over NCCL
+
 NCCL_TWO_GPU_MS = 19.0  # B4 over NCCL between two H200s (the goal to beat)
 
 
@@ -75,19 +71,11 @@ def bare_copies(tensors: list[torch.Tensor], iters: int, warmup: int) -> dict:
             "per_tensor": {"median_s": statistics.median(per), "all_s": per, "tensors": len(tensors)}}  # fmt: skip
 
 
-def _mode(mode: str) -> tuple[bool, int]:
-    if mode == "unpacked":
-        return False, 1 << 30
-    if not mode.startswith("packed:"):
-        raise SystemExit(f"mode {mode!r} is not 'unpacked' or 'packed:<MiB>'")
-    return True, int(float(mode.split(":")[1]) * (1 << 20))
-
-
 def sync_rounds(url: str, model: torch.nn.Module, mode: str, iters: int, warmup: int) -> dict:
     from asyncgrpo.client.http_client import AsyncServerClient
     from asyncgrpo.weights.sender import WeightSender
 
-    packed, size = _mode(mode)
+    packed, size = _bucket(mode)
     sender = WeightSender(timeout_s=300, packed_buffer_size_bytes=size)
     rounds, steps = [], []
     try:
