@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.weight_sync
-from bench.weight_sync import QWEN3_1_7B, SMOKE, _bucket  # noqa: E402 - the shapes and modes of B4 over NCCL
+from bench.weight_sync import QWEN3_1_7B, SMOKE, _bucket  # the shapes and modes of B4 over NCCL
 
 NCCL_TWO_GPU_MS = 19.0  # B4 over NCCL between two H200s (the goal to beat)
 
