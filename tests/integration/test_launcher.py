@@ -35,6 +35,7 @@ def squatter():
     server.server_close()
 
 
+@pytest.mark.long  # a scenario of half a minute on 2 cores: `make test-long`
 def test_a_taken_port_fails_the_start_with_the_fix_and_a_chosen_one_moves_on(squatter, tiny_llama_dir, monkeypatch):
     with pytest.raises(launcher.PortTaken, match=rf"127.0.0.1:{squatter} is answered by a process that is not an "
                                                  r"asyncgrpo server.*give it a free --port"):  # fmt: skip
@@ -51,6 +52,7 @@ def test_a_taken_port_fails_the_start_with_the_fix_and_a_chosen_one_moves_on(squ
         server.stop()
 
 
+@pytest.mark.long  # a scenario of half a minute on 2 cores: `make test-long`
 def test_a_slow_start_says_what_it_waits_for(tiny_llama_dir, monkeypatch, caplog):
     monkeypatch.setattr(launcher, "LOG_EVERY_S", 0.5)  # a real start takes seconds (minutes for a large model)
     with caplog.at_level("INFO", logger="asyncgrpo.server.launcher"):

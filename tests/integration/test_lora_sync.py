@@ -179,6 +179,7 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
     check_greedy(model, got)  # and it is the adapter's output, not the base model's
 
 
+@pytest.mark.long  # a scenario of half a minute on 2 cores: `make test-long`
 def test_adapter_sync_needs_no_weight_transfer(tmp_path, serve, tiny_llama_dir):
     """A server with --enable-lora and no weight transfer: adapter sync only writes files and calls
     /v1/load_lora_adapter, so the run trains (it stopped at start before issue 26: "has no weight transfer")."""

@@ -44,6 +44,7 @@ def test_large_answers_from_helpers_follow_the_protocol(server):
     assert "answer encoding in 2 helper processes" in server.log_tail(200_000)
 
 
+@pytest.mark.long  # a scenario of half a minute on 2 cores: `make test-long`
 def test_killed_helpers_cost_no_answer(server):
     """Every helper SIGKILLed between two requests: the next answer still comes, equal to the first (built in the
     server process or by a new helper), and the server says what happened."""

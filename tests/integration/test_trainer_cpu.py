@@ -149,6 +149,7 @@ def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, datas
     assert torch.allclose(torch.tensor(res.logprobs, dtype=torch.float64), expected, atol=1e-4)
 
 
+@pytest.mark.long  # a scenario of half a minute on 2 cores: `make test-long`
 def test_slow_trainer_drops_stale_samples_and_backpressures(tmp_path, server, tiny_llama_dir, dataset):
     args = _config(tmp_path, server, max_staleness=0, max_steps=4)
     trainer = SlowTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset)

@@ -19,7 +19,7 @@ from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.recipes import tiny_model_dir
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 
 
 def parity_reward(completion_ids, **kwargs):
