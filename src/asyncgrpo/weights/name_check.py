@@ -14,10 +14,11 @@ it (a checkpoint in an older layout that transformers renames at load time, as v
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,20 @@ class ServerWeights:
 
     shapes: dict[str, tuple[int, ...]]
     source: str
+
+    @functools.cached_property
+    def split_modules(self) -> set[str]:
+        """Modules whose tensors the checkpoint stores one per index (``experts.0.gate_proj.weight``...): read
+        once per sender, not once per round.
+
+        transformers 5 loads such a list into one fused parameter (``experts.gate_up_proj``) and writes it back
+        split, so a trainer's fused name is absent from the checkpoint without being wrong.
+        """
+        out = set()
+        for name in self.shapes:
+            parts = name.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts)) if parts[i].isdigit())
+        return out
 
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -99,19 +114,6 @@ async def server_weights(client: AsyncServerClient) -> ServerWeights | None:
     return weights
 
 
-def _split_modules(names: Iterable[str]) -> set[str]:
-    """Modules whose checkpoint tensors are stored one per index (``experts.0.gate_proj.weight``...).
-
-    transformers 5 loads such a list into one fused parameter (``experts.gate_up_proj``) and writes it back
-    split, so a trainer's fused name is absent from the checkpoint without being wrong.
-    """
-    out = set()
-    for name in names:
-        parts = name.split(".")
-        out.update(".".join(parts[:i]) for i in range(1, len(parts)) if parts[i].isdigit())
-    return out
-
-
 def check_round(metas: Sequence[TensorMeta], server: ServerWeights | None, url: str) -> None:
     """Refuse a round whose names or shapes the server's model would not load (before any pause or broadcast).
 
@@ -121,8 +123,7 @@ def check_round(metas: Sequence[TensorMeta], server: ServerWeights | None, url: 
     if server is None or not metas:
         return
     unknown = [m.name for m in metas if m.name not in server.shapes]
-    split = _split_modules(server.shapes) if unknown else set()
-    fused = {n for n in unknown if n.rpartition(".")[0] in split}
+    fused = {n for n in unknown if n.rpartition(".")[0] in server.split_modules}
     if fused:
         logger.info(
             "%d weight names (e.g. %s) are stored split per index in %s and fused when loaded (transformers "
