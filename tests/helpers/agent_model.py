@@ -23,11 +23,11 @@ from typing import Any
 from filelock import FileLock
 
 from asyncgrpo.recipes import cache_dir, smollm2_tokenizer, tiny_model
-from asyncgrpo.recipes.tool_warmup import Transcript, supervised_tool_warmup, transcript_sequences
+from asyncgrpo.recipes.tool_warmup import Transcript, transcript_sequences
 from asyncgrpo.rollout.agents import prepare_tool_template
 from tests.helpers.agent_examples import doc_env_dict, doc_env_self, doc_tools
 from tests.helpers.cached_model import publish
-from tests.helpers.tool_model_check import MIN_MARGIN_NATS, transcript_mistakes
+from tests.helpers.tool_model_check import MIN_MARGIN_NATS, transcript_mistakes, warm_up_until_reproduced
 
 logger = logging.getLogger(__name__)
 
@@ -142,18 +142,10 @@ def warm_up_checked(
     torch.manual_seed(WARMUP_SEED)
     model = tiny_model("llama", seed=WARMUP_SEED)
     plan = list(rounds) + [EXTRA_ROUND] * extra_rounds
-    mistakes: list[str] = []
-    for i, (steps, lr) in enumerate(plan):
-        losses = supervised_tool_warmup(
-            model, tok, data, steps=steps, lr=lr, batch_size=len(data) * 4, negatives=WARMUP_NEGATIVES
-        )
-        logger.info("tool warm-up: %d steps at lr %g, loss %.3f -> %.3f", steps, lr, losses[0], losses[-1])
-        if i < len(rounds) - 1:
-            continue
-        mistakes = transcript_mistakes(model, tok, data)
-        if not mistakes:
-            return model, tok
-        logger.warning("tool warm-up: %d turns not reproduced yet, first: %s", len(mistakes), mistakes[0])
+    mistakes = warm_up_until_reproduced(model, tok, data, plan, first_check=len(rounds) - 1,
+                                        batch_size=len(data) * 4, negatives=WARMUP_NEGATIVES, label="tool")  # fmt: skip
+    if not mistakes:
+        return model, tok
     raise ToolModelNotReady(
         f"the tool model does not reproduce {len(mistakes)} transcript turn(s) after its warm-up ({list(rounds)} "
         f"and {extra_rounds} extra rounds of {EXTRA_ROUND}; (steps, learning rate)):\n  " + "\n  ".join(mistakes)

@@ -20,13 +20,14 @@ Each mistake names the transcript's first user message and the turn, so a failin
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from asyncgrpo.recipes.tool_warmup import Transcript
+from asyncgrpo.recipes.tool_warmup import Transcript, supervised_tool_warmup
 from asyncgrpo.rollout.agents import parse_tool_calls, schemas_of
 
 MIN_MARGIN_NATS = 2.0  # logit gap between the written token and the runner-up (at temperature 0.5: a 55x odds ratio)
@@ -128,4 +129,35 @@ def transcript_mistakes(
             mistakes += found
     finally:
         model.train(was_training)
+    return mistakes
+
+
+def warm_up_until_reproduced(
+    model: Any,
+    tokenizer: Any,
+    transcripts: Sequence[Transcript],
+    plan: Sequence[tuple[int, float]],
+    *,
+    first_check: int,
+    batch_size: int,
+    negatives: int,
+    label: str,
+) -> list[str]:
+    """Train ``model`` round by round through ``plan`` ((steps, learning rate) each), checking it with
+    ``transcript_mistakes`` after round ``first_check`` and every later one; stop at the first clean check.
+
+    Returns the mistakes of the last check (empty: the model reproduces every transcript).
+    """
+    log = logging.getLogger(__name__)
+    mistakes: list[str] = []
+    for i, (steps, lr) in enumerate(plan):
+        losses = supervised_tool_warmup(model, tokenizer, transcripts, steps=steps, lr=lr, batch_size=batch_size,
+                                        negatives=negatives)  # fmt: skip
+        log.info("%s warm-up: %d steps at lr %g, loss %.3f -> %.3f", label, steps, lr, losses[0], losses[-1])
+        if i < first_check:
+            continue
+        mistakes = transcript_mistakes(model, tokenizer, transcripts)
+        if not mistakes:
+            return []
+        log.warning("%s warm-up: %d turns not reproduced yet, first: %s", label, len(mistakes), mistakes[0])
     return mistakes

@@ -20,17 +20,17 @@ from typing import Any
 from filelock import FileLock
 
 from asyncgrpo.recipes import cache_dir, smollm2_tokenizer, tiny_model
-from asyncgrpo.recipes.tool_warmup import Transcript, supervised_tool_warmup, transcript_sequences
+from asyncgrpo.recipes.tool_warmup import Transcript, transcript_sequences
 from tests.helpers.agent_examples.doc_tools import async_add, multiply
 from tests.helpers.cached_model import publish
-from tests.helpers.tool_model_check import transcript_mistakes
+from tests.helpers.tool_model_check import warm_up_until_reproduced
 
 logger = logging.getLogger(__name__)
 
 SHAPE = {"num_attention_heads": 1, "num_key_value_heads": 1}  # hidden 64 in one head: head_dim 64
 FIXTURE_VERSION = 2  # bump on any change to how the model is built or checked
-WARMUP_STEPS = 100
-EXTRA_STEPS, EXTRA_ROUNDS = 50, 3  # trained on while the check finds a mistake, at most EXTRA_ROUNDS times
+WARMUP_ROUND = (100, 1e-2)  # (steps, learning rate)
+EXTRA_ROUND, EXTRA_ROUNDS = (50, 3e-3), 3  # trained on while the check finds a mistake, at most EXTRA_ROUNDS times
 TOOL_PROMPTS = {"Add 2 and 5.": ("async_add", {"a": 2, "b": 5}, "7")}  # one prompt: a tiny model learns it surely
 TOOLS = [multiply, async_add]
 
@@ -70,7 +70,7 @@ def lane_model_dir() -> Path:
     tok = lane_tokenizer()
     data = _transcripts()
     seqs = [[int(x) for x in s.input_ids] for t in data for s in transcript_sequences(tok, t)]
-    settings = [SHAPE, WARMUP_STEPS, EXTRA_STEPS, EXTRA_ROUNDS, FIXTURE_VERSION, torch.__version__,
+    settings = [SHAPE, WARMUP_ROUND, EXTRA_ROUND, EXTRA_ROUNDS, FIXTURE_VERSION, torch.__version__,
                 transformers.__version__]  # fmt: skip
     key = hashlib.sha1(json.dumps([seqs, settings]).encode()).hexdigest()[:12]
     out = cache_dir() / "tiny" / f"vllm-lane-llama-{key}"
@@ -79,17 +79,13 @@ def lane_model_dir() -> Path:
     with FileLock(str(out) + ".lock", timeout=900):
         if (out / "config.json").is_file():
             return out
-        print(f"[vllm lane] warming up the lane's tool model ({WARMUP_STEPS} steps) into {out}", flush=True)
+        print(f"[vllm lane] warming up the lane's tool model ({WARMUP_ROUND[0]} steps) into {out}", flush=True)
         model = tiny_model("llama", seed=0, **SHAPE)
-        mistakes: list[str] = []
-        for steps in [WARMUP_STEPS] + [EXTRA_STEPS] * EXTRA_ROUNDS:
-            losses = supervised_tool_warmup(model, tok, data, steps=steps, lr=1e-2 if steps == WARMUP_STEPS else 3e-3,
-                                            batch_size=len(data), negatives=2048)  # fmt: skip
-            logger.info("lane tool warm-up: loss %.3f -> %.3f", losses[0], losses[-1])
-            mistakes = transcript_mistakes(model, tok, data)
-            if not mistakes:
-                return publish(out, model, tok)
+        mistakes = warm_up_until_reproduced(model, tok, data, [WARMUP_ROUND] + [EXTRA_ROUND] * EXTRA_ROUNDS,
+                                            first_check=0, batch_size=len(data), negatives=2048, label="lane tool")  # fmt: skip
+        if not mistakes:
+            return publish(out, model, tok)
         raise AssertionError(
-            f"the lane's tool model does not reproduce {len(mistakes)} turn(s) after {WARMUP_STEPS} + "
-            f"{EXTRA_ROUNDS}x{EXTRA_STEPS} warm-up steps:\n  " + "\n  ".join(mistakes)
+            f"the lane's tool model does not reproduce {len(mistakes)} turn(s) after {WARMUP_ROUND} and "
+            f"{EXTRA_ROUNDS} x {EXTRA_ROUND} warm-up rounds ((steps, learning rate)):\n  " + "\n  ".join(mistakes)
         )
