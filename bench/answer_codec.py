@@ -38,23 +38,23 @@ import numpy as np
 
 from asyncgrpo.client import results as client_results
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
-from asyncgrpo.server import answer_pool, wire_json
-from asyncgrpo.server.http_protocol import (
+from asyncgrpo.server.engine.request import RequestOutput
+from asyncgrpo.server.http import answer_pool, wire_json
+from asyncgrpo.server.http.protocol import (
     ParsedCompletion,
     ParsedRequest,
     completion_response,
     encode_json,
     generate_response,
 )
-from asyncgrpo.server.request import RequestOutput
 from asyncgrpo.types import Rollout, TurnRecord
 
 try:
-    from asyncgrpo.server.packed_top import packed_output
+    from asyncgrpo.server.engine.packed_top import packed_output
 except ImportError:  # before the packed hand-off
     packed_output = None  # type: ignore[assignment]
 try:
-    from asyncgrpo.server.packed_top import engine_top
+    from asyncgrpo.server.engine.packed_top import engine_top
 except ImportError:  # before the engine kept top-N flat (it handed over pair lists)
     engine_top = None  # type: ignore[assignment]
 try:

@@ -24,7 +24,7 @@ CASES = ["layer_kernels", "sampler_kernel", "engine_all", "engine_no_sampler_ker
 def _layer_kernels() -> str:
     import torch
 
-    from asyncgrpo.server import fused
+    from asyncgrpo.server.layers import fused
 
     g = torch.Generator(device="cuda").manual_seed(0)
     T, Hq, Hkv, D, L = 16384, 16, 8, 128, 384
@@ -50,7 +50,7 @@ def _layer_kernels() -> str:
 def _sampler_kernel() -> str:
     import torch
 
-    from asyncgrpo.server import sample_kernel
+    from asyncgrpo.server.layers import sample_kernel
 
     B, V = 128, 151936
     logits = (torch.randn(B, V, device="cuda") * 3).bfloat16()
@@ -70,7 +70,7 @@ def _sampler_kernel() -> str:
 def _engine(case: str) -> str:
     import torch
 
-    from asyncgrpo.server import fused, sample_kernel
+    from asyncgrpo.server.layers import fused, sample_kernel
     from bench.generation import QWEN3_06B, build_model, run_engine
 
     if case in ("engine_torch_only", "engine_no_layer_kernels"):
@@ -78,7 +78,7 @@ def _engine(case: str) -> str:
         fused.check_layer_kernels = lambda *a, **k: False
     if case in ("engine_torch_only", "engine_no_sampler_kernel"):
         sample_kernel.check_kernel = lambda device: False
-    from asyncgrpo.server.engine import Engine
+    from asyncgrpo.server.engine.engine import Engine
 
     model = build_model(QWEN3_06B, torch.device("cuda", 0), torch.bfloat16)
     engine = Engine(model, dtype="bfloat16", device="cuda", max_model_len=384, max_num_seqs=256,

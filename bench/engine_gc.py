@@ -55,8 +55,8 @@ def main() -> int:
 
     import torch
 
-    from asyncgrpo.server.engine import Engine
-    from asyncgrpo.server.request import Request, SamplingParams
+    from asyncgrpo.server.engine.engine import Engine
+    from asyncgrpo.server.engine.request import Request, SamplingParams
 
     device = "cpu" if a.tiny else "cuda"
     shape = TINY if a.tiny else QWEN3_06B

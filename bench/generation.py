@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.engine_run, bench.sampler_speed
 from bench.engine_run import submit_and_wait
@@ -163,7 +163,7 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None,
 
 def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
     """Time the Triton decode kernel alone at the benchmark's shape for a few launch configs (GB/s of K+V read)."""
-    from asyncgrpo.server.decode_kernel import paged_decode
+    from asyncgrpo.server.layers.decode_kernel import paged_decode
 
     hkv, d = shape["num_key_value_heads"], shape["head_dim"]
     group, bs = shape["num_attention_heads"] // hkv, 16

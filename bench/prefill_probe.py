@@ -118,7 +118,7 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from asyncgrpo.server.engine import Engine
+    from asyncgrpo.server.engine.engine import Engine
 
     if opts.tiny:
         model_shape, shape, device, dtype = TINY, TINY_SHAPES["grpo"], "cpu", "float32"

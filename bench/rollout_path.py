@@ -145,7 +145,7 @@ def _timing_delta(before: dict, after: dict) -> dict[str, float]:
 
 def run_engine(engine: Any, reqs: list[Req], tag: str, logprobs: int, timeout: float) -> tuple[int, float]:
     """Submit every request to an in-process engine at once and wait for all: (generated tokens, seconds)."""
-    from asyncgrpo.server.request import Request, SamplingParams
+    from asyncgrpo.server.engine.request import Request, SamplingParams
 
     requests = [Request(f"{tag}-{i}", list(r.prompt), SamplingParams(
         max_tokens=r.out_len, min_tokens=r.out_len, ignore_eos=True, temperature=1.0, logprobs=logprobs, seed=i))
@@ -207,7 +207,7 @@ def _server_counts(base_url: str) -> tuple[int, int]:
 
 
 def run_in_process(model_dir: Path, opts: argparse.Namespace, workloads: dict[str, list[Req]]) -> dict[str, Any]:
-    from asyncgrpo.server.engine import Engine
+    from asyncgrpo.server.engine.engine import Engine
 
     engine = Engine(model_dir, dtype=opts.dtype, device=opts.device, max_model_len=opts.max_model_len,
                     max_num_seqs=opts.max_num_seqs, kv_cache_tokens=opts.kv_cache_tokens)  # fmt: skip

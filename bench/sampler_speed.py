@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.server import sample_kernel
-from asyncgrpo.server.request import SamplingParams
-from asyncgrpo.server.sampler import Sampler, SamplerRow
+from asyncgrpo.server.engine.request import SamplingParams
+from asyncgrpo.server.engine.sampler import Sampler, SamplerRow
+from asyncgrpo.server.layers import sample_kernel
 
 VOCAB = 151936
 SWEEP = [(1024, 4), (2048, 8), (2048, 4), (4096, 16), (4096, 8), (8192, 16)]  # (slice, warps); default: slice/256

@@ -26,7 +26,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.rollout_path
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.server.wire_json import completion_logprobs_json
+from asyncgrpo.server.http.wire_json import completion_logprobs_json
 
 G = 8
 

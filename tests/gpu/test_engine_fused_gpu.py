@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.server import fused
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.layers import fused
 from tests.gpu.test_engine_gpu import tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -11,13 +11,13 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.server.attention import paged_decode_torch
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.kv_cache import KVCache
-from asyncgrpo.server.model import DecoderLM
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
-from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine.runner import ModelRunner
+from asyncgrpo.server.engine.scheduler import Sequence
+from asyncgrpo.server.layers.attention import paged_decode_torch
+from asyncgrpo.server.models.decoder import DecoderLM
 from tests.helpers.reference import hf_greedy, make_lora_adapter
 
 pytestmark = pytest.mark.gpu
@@ -94,7 +94,7 @@ def test_prefill_and_graph_decode_logits_match_hf(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernel_matches_torch_reference(dtype):
-    from asyncgrpo.server.decode_kernel import paged_decode
+    from asyncgrpo.server.layers.decode_kernel import paged_decode
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     B, Hkv, group, D, bs, nb = 7, 8, 2, 128, 16, 400

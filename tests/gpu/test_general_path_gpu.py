@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgrpo.server import sample_kernel
-from asyncgrpo.server.request import SamplingParams
-from asyncgrpo.server.sampler import Sampler, SamplerRow, hashed_exponential
+from asyncgrpo.server.engine.request import SamplingParams
+from asyncgrpo.server.engine.sampler import Sampler, SamplerRow, hashed_exponential
+from asyncgrpo.server.layers import sample_kernel
 
 pytestmark = pytest.mark.gpu
 V = 151936

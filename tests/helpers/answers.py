@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from asyncgrpo.server.request import RequestOutput
+from asyncgrpo.server.engine.request import RequestOutput
 
 
 def engine_output(rng: random.Random, n_tokens: int, k: int, *, sampled_in_top: float = 0.5) -> RequestOutput:

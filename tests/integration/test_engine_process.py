@@ -116,9 +116,9 @@ def test_outputs_cross_the_pipe_unchanged():
     """What the API process gets from the engine process equals what the engine hands out in process: the prompt
     (which no longer crosses the pipe), tokens, log-probs and top-N (one byte block), long answers and short ones."""
     from asyncgrpo.recipes import tiny_model_dir
-    from asyncgrpo.server.engine import Engine
-    from asyncgrpo.server.engine_process import RemoteEngine
-    from asyncgrpo.server.request import Request, SamplingParams
+    from asyncgrpo.server.engine.engine import Engine
+    from asyncgrpo.server.engine.process import RemoteEngine
+    from asyncgrpo.server.engine.request import Request, SamplingParams
 
     kwargs = {"model": tiny_model_dir("qwen3"), "device": "cpu", "max_model_len": 96, "max_num_seqs": 8}
     shapes = [(48, 8), (3, 8), (40, None), (48, 0)]  # (tokens, logprobs): packed top-N, pairs, none, none

@@ -20,8 +20,8 @@ from aiohttp import web
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.recipes import tiny_model_dir
-from asyncgrpo.server.app import ServerConfig, create_app
-from asyncgrpo.server.engine import Engine
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.http.app import ServerConfig, create_app
 from asyncgrpo.weights.collectives import plan_chunks
 from asyncgrpo.weights.policy import policy_weight_metadata
 from asyncgrpo.weights.sender import WeightSender

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from asyncgrpo.client.results import parse_completion_choice
-from asyncgrpo.server.http_protocol import (
+from asyncgrpo.server.engine.request import RequestOutput
+from asyncgrpo.server.http.protocol import (
     ParsedCompletion,
     ParsedRequest,
     completion_response,
     encode_json,
     generate_response,
 )
-from asyncgrpo.server.request import RequestOutput
 from tests.helpers.answers import engine_output, float32_output
 
 
@@ -81,7 +81,7 @@ def test_packed_top_reads_like_the_pairs_it_packs_and_pickles_small():
     """What the server hands an answer helper: the same pairs (ids exact), pickled as arrays."""
     import pickle
 
-    from asyncgrpo.server.packed_top import PackedTop
+    from asyncgrpo.server.engine.packed_top import PackedTop
 
     top = float32_output(2, 50, 8).top_logprobs
     top[3] = []  # a position without entries
@@ -100,7 +100,7 @@ def test_packed_outputs_give_the_same_answers_as_the_engines_lists():
     engine's own per-position lists: short and long answers, and the dict path of non-finite log-probs."""
     import dataclasses
 
-    from asyncgrpo.server.packed_top import PackedTop, packed_output
+    from asyncgrpo.server.engine.packed_top import PackedTop, packed_output
 
     outs = [float32_output(4, 60, 8), float32_output(5, 6, 8), engine_output(random.Random(6), 40, 8),
             RequestOutput("r", [1], [5, 6], [-math.inf, -0.5], "length", None, [[(5, -math.inf)], [(7, math.nan)]])]  # fmt: skip

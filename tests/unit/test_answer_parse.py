@@ -11,7 +11,7 @@ import pytest
 
 from asyncgrpo.client.answer_parse import AnswerParsers, parse_choices
 from asyncgrpo.client.errors import ServerError
-from asyncgrpo.server.http_protocol import ParsedCompletion, completion_response, encode_json
+from asyncgrpo.server.http.protocol import ParsedCompletion, completion_response, encode_json
 from tests.helpers.answers import float32_output
 
 

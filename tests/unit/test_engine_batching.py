@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncgrpo.recipes import tiny_model, tiny_model_dir
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 from tests.helpers.reference import hf_greedy
 
 TIMEOUT = 120.0

@@ -43,7 +43,7 @@ def _interpret(child: str, tmp_path, inputs: dict) -> torch.Tensor:
 
 CHILD = """
 import sys, torch
-from asyncgrpo.server.decode_kernel import paged_decode
+from asyncgrpo.server.layers.decode_kernel import paged_decode
 d = torch.load(sys.argv[1] + "/in.pt")
 st = d["static"]
 out = paged_decode(d["q"], d["k"], d["v"], st[:, 4:], st[:, 3], d["scale"], block_n=32)
@@ -79,7 +79,7 @@ def test_triton_paged_decode_matches_reference(tmp_path, dtype, group, block_siz
 
 PREFILL_CHILD = """
 import sys, torch
-from asyncgrpo.server.prefill_kernel import paged_prefill
+from asyncgrpo.server.layers.prefill_kernel import paged_prefill
 d = torch.load(sys.argv[1] + "/in.pt")
 st = d["static"]
 out = paged_prefill(d["q"], d["k"], d["v"], st[:, 4:], st[:, 3], d["tiles"], d["scale"], block_n=32)
@@ -92,7 +92,7 @@ def test_triton_paged_prefill_matches_reference(tmp_path, dtype, group, block_si
     """Row-wise prefill tiles: each row attends causally to its own sequence's cache up to its position; rows
     outside every tile (graph padding) come out as zeros."""
     pytest.importorskip("triton")
-    from asyncgrpo.server.prefill_kernel import tile_rows
+    from asyncgrpo.server.layers.prefill_kernel import tile_rows
 
     gen = torch.Generator().manual_seed(0)
     Hkv, D, num_blocks, max_blocks = 2, 32, 48, 10
@@ -126,7 +126,7 @@ def test_triton_paged_prefill_matches_reference(tmp_path, dtype, group, block_si
 
 CHECKS_CHILD = """
 import torch
-from asyncgrpo.server.attention import check_prefill_kernel, check_triton_decode
+from asyncgrpo.server.layers.attention import check_prefill_kernel, check_triton_decode
 cpu = torch.device("cpu")
 print(check_triton_decode(cpu, torch.float32, 2, 2, 32), check_prefill_kernel(cpu, torch.float32, 2, 2, 32))
 """

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from asyncgrpo.recipes import tiny_model_dir
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, SamplingParams
 from tests.helpers.reference import hf_model
 from tests.unit.test_engine_batching import Collector, greedy
 

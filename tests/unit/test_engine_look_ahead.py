@@ -9,8 +9,8 @@ import time
 import pytest
 
 from asyncgrpo.recipes import tiny_model_dir
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [9], [3] * 11]
 

@@ -6,8 +6,8 @@ import pytest
 from test_engine_batching import Collector, greedy
 
 from asyncgrpo.recipes import tiny_model
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request
 from tests.helpers.reference import ALL_LINEAR, hf_greedy, make_lora_adapter
 
 TARGETS = list(ALL_LINEAR)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from asyncgrpo.recipes import tiny_model
-from asyncgrpo.server.kv_cache import KVCache
-from asyncgrpo.server.model import DecoderLM, check_architecture
-from asyncgrpo.server.request import Request, SamplingParams
-from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.request import Request, SamplingParams
+from asyncgrpo.server.engine.runner import ModelRunner
+from asyncgrpo.server.engine.scheduler import Sequence
+from asyncgrpo.server.models.decoder import DecoderLM, check_architecture
 
 BLOCK = 4
 MAX_LEN = 64
@@ -77,7 +77,7 @@ def test_prefill_and_decode_logits_match_hf(arch, overrides, row_prefill):
 
 def test_row_prefill_takes_only_small_prefills():
     """Long new parts, more rows than the largest graph, or too many block copies prefill eagerly."""
-    from asyncgrpo.server.row_prefill import MAX_COPIES, MAX_SEQ_TOKENS, ROW_BUCKETS, RowPrefill
+    from asyncgrpo.server.engine.row_prefill import MAX_COPIES, MAX_SEQ_TOKENS, ROW_BUCKETS, RowPrefill
 
     model = DecoderLM(tiny_model("qwen3", seed=1), MAX_LEN)
     kv = KVCache(len(model.layers), 64, BLOCK, model.num_kv_heads, model.head_dim, model.dtype, model.device)
@@ -98,7 +98,7 @@ def test_row_prefill_takes_only_small_prefills():
 def test_row_prefill_graphs_shrink_at_long_context():
     """A row carries its sequence's block table: at a long max_model_len the largest row graph is smaller, so one
     step's host-to-device copy stays within MAX_STAGING_BYTES."""
-    from asyncgrpo.server.row_prefill import _META, MAX_STAGING_BYTES, ROW_BUCKETS, RowPrefill
+    from asyncgrpo.server.engine.row_prefill import _META, MAX_STAGING_BYTES, ROW_BUCKETS, RowPrefill
 
     model = DecoderLM(tiny_model("qwen3", seed=1), MAX_LEN)
     kv = KVCache(len(model.layers), 64, BLOCK, model.num_kv_heads, model.head_dim, model.dtype, model.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from asyncgrpo.server.engine_process import RemoteEngine
+from asyncgrpo.server.engine.process import RemoteEngine
 
 
 class _EarlySentinel:

@@ -14,9 +14,9 @@ import threading
 import numpy as np
 
 from asyncgrpo.recipes import tiny_model_dir
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.packed_top import PACK_MIN_ENTRIES, PackedTop, engine_top
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.packed_top import PACK_MIN_ENTRIES, PackedTop, engine_top
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 
 
 def test_engine_top_packs_large_and_keeps_small_as_pairs() -> None:

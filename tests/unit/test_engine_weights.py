@@ -9,8 +9,8 @@ import torch
 from test_engine_batching import Collector, greedy
 
 from asyncgrpo.recipes import tiny_model
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.request import Request, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, SamplingParams
 from tests.helpers.reference import hf_greedy
 
 PROMPT = [3, 14, 15, 92, 65]

@@ -11,7 +11,7 @@ import torch
 
 CHILD = """
 import sys, torch
-from asyncgrpo.server import fused
+from asyncgrpo.server.layers import fused
 d = torch.load(sys.argv[1] + "/in.pt")
 x, w = d["x"], d["w"]
 out = torch.empty_like(x)
@@ -42,7 +42,7 @@ def test_rms_norm_kernel_matches_hf(tmp_path):
 def test_torch_path_is_hf_arithmetic():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from asyncgrpo.server.fused import rms_norm
+    from asyncgrpo.server.layers.fused import rms_norm
 
     x = torch.randn(3, 5, 16, dtype=torch.bfloat16)
     norm = LlamaRMSNorm(16, eps=1e-5).to(torch.bfloat16)
@@ -53,7 +53,7 @@ def test_torch_path_is_hf_arithmetic():
 
 LAYER_CHILD = """
 import sys, torch
-from asyncgrpo.server import fused
+from asyncgrpo.server.layers import fused
 d = torch.load(sys.argv[1] + "/in.pt")
 out = {}
 for dtype in (torch.float32, torch.bfloat16):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from asyncgrpo.server.generation_defaults import load_generation_defaults
-from asyncgrpo.server.http_protocol import ServerLimits, parse_completion, parse_generate
+from asyncgrpo.server.http.generation_defaults import load_generation_defaults
+from asyncgrpo.server.http.protocol import ServerLimits, parse_completion, parse_generate
 
 
 def _model(tmp_path, **config):

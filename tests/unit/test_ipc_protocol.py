@@ -17,8 +17,8 @@ import re
 import pytest
 import torch
 
-from asyncgrpo.server.http_protocol import ApiError
-from asyncgrpo.server.ipc_receiver import accepted_backends, is_ipc_init
+from asyncgrpo.server.engine.ipc_receiver import accepted_backends, is_ipc_init
+from asyncgrpo.server.http.protocol import ApiError
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import (
     INSECURE_ENV,
@@ -215,7 +215,7 @@ def test_the_sender_offers_everything_an_ipc_round_uses():
 
 
 def test_the_receiver_offers_everything_an_ipc_endpoint_uses():
-    from asyncgrpo.server import ipc_receiver, weight_receiver
+    from asyncgrpo.server.engine.engine import ipc_receiver, weight_receiver
 
     source = inspect.getsource(weight_receiver.WeightReceiver)
     members = _protocol_members(ipc_receiver.WeightReceiver)

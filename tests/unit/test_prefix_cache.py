@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from asyncgrpo.recipes import tiny_model_dir
-from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.kv_cache import KVCache
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 
 BS = 4  # small blocks: prompts of a dozen tokens span several
 

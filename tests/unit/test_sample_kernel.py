@@ -16,11 +16,11 @@ import sys
 import pytest
 import torch
 
-from asyncgrpo.server.sampler import _mix32, _token_hash, hashed_exponential
+from asyncgrpo.server.engine.sampler import _mix32, _token_hash, hashed_exponential
 
 CHILD = """
 import sys, torch
-from asyncgrpo.server import sample_kernel
+from asyncgrpo.server.layers import sample_kernel
 d = torch.load(sys.argv[1] + "/in.pt")
 out = {}
 for name, (top_n, slice_size, rows) in d["runs"].items():
@@ -104,7 +104,7 @@ def test_kernel_matches_a_torch_reference(tmp_path):
 
 def test_slice_choice_fills_the_gpu_and_bounds_the_slices():
     pytest.importorskip("triton")
-    from asyncgrpo.server.sample_kernel import MAX_SLICES, choose_slice, fused_sample
+    from asyncgrpo.server.layers.sample_kernel import MAX_SLICES, choose_slice, fused_sample
 
     assert choose_slice(256, 151936, 132) == 4096 and choose_slice(8, 151936, 132) == 4096  # 8 x 38 >= 264
     assert choose_slice(4, 151936, 132) == 2048 and choose_slice(1, 151936, 132) == 1024
@@ -115,8 +115,8 @@ def test_slice_choice_fills_the_gpu_and_bounds_the_slices():
 
 SAMPLER_CHILD = """
 import sys, torch
-from asyncgrpo.server.request import SamplingParams
-from asyncgrpo.server.sampler import Sampler, SamplerRow
+from asyncgrpo.server.engine.request import SamplingParams
+from asyncgrpo.server.engine.sampler import Sampler, SamplerRow
 logits = torch.load(sys.argv[1] + "/logits.pt")
 batches = [
     [SamplingParams(max_tokens=4, temperature=0.0, logprobs=3),

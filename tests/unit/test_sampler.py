@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgrpo.server.request import SamplingParams
-from asyncgrpo.server.sampler import Sampler, SamplerRow
+from asyncgrpo.server.engine.request import SamplingParams
+from asyncgrpo.server.engine.sampler import Sampler, SamplerRow
 
 V = 512
 INF = float("inf")
@@ -141,7 +141,7 @@ def test_greedy_is_argmax_and_reports_untruncated_logprobs():
 
 def test_race_never_picks_a_masked_token_even_for_zero_noise():
     """E = 0 makes -inf - log(0) = NaN, which argmax would pick: the race must keep masked tokens out."""
-    from asyncgrpo.server.sampler import _race
+    from asyncgrpo.server.engine.sampler import _race
 
     logits = torch.tensor([[0.0, float("-inf"), 1.0], [float("-inf"), 2.0, float("-inf")]])
     noise = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from asyncgrpo.server.kv_cache import KVCache
-from asyncgrpo.server.request import Request, SamplingParams
-from asyncgrpo.server.scheduler import MAX_ADMIT_DELAY, Scheduler, Sequence
+from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.request import Request, SamplingParams
+from asyncgrpo.server.engine.scheduler import MAX_ADMIT_DELAY, Scheduler, Sequence
 
 
 def _scheduler(max_num_seqs: int = 16) -> Scheduler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncgrpo.server.weight_receiver import WeightReceiver
+from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 from asyncgrpo.weights.collectives import TensorMeta, dtype_name
 from asyncgrpo.weights.wire import send_tensors
 from tests.unit.test_client_collectives import _run_pair

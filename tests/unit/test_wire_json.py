@@ -1,4 +1,4 @@
-"""The log-prob wire path: answers built as text (server/wire_json.py) and parsed back (client/results.py).
+"""The log-prob wire path: answers built as text (server/http/wire_json.py) and parsed back (client/results.py).
 
 The reference is vLLM 0.33's nesting written out by hand below (one dict per position), so the
 fast text must decode to exactly it; the time guard compares the build with the C encoder's cost
@@ -19,15 +19,15 @@ import pytest
 
 from asyncgrpo.client.results import parse_completion_choice, parse_generate_choice
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
-from asyncgrpo.server.http_protocol import (
+from asyncgrpo.server.engine.request import RequestOutput
+from asyncgrpo.server.http.protocol import (
     ParsedCompletion,
     ParsedRequest,
     completion_response,
     encode_json,
     generate_response,
 )
-from asyncgrpo.server.request import RequestOutput
-from asyncgrpo.server.wire_json import RawJSON, encode_with_raw
+from asyncgrpo.server.http.wire_json import RawJSON, encode_with_raw
 from asyncgrpo.types import Rollout, TurnRecord
 from tests.helpers.answers import engine_output as _output
 from tests.helpers.answers import float32_output as _float32_output
@@ -216,7 +216,7 @@ def test_validate_whole_list_checks_agree_with_the_position_loop():
 
 def test_answers_built_in_a_helper_process_equal_the_inline_ones():
     """--answer-workers: the same bytes' JSON from a spawned helper as from the handler itself, both endpoints."""
-    from asyncgrpo.server.answer_pool import AnswerEncoder
+    from asyncgrpo.server.http.answer_pool import AnswerEncoder
 
     rng = random.Random(5)
     outs = [_output(rng, 64, 8), _output(rng, 3, 8)]
@@ -252,7 +252,7 @@ def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
     import os
     import signal
 
-    from asyncgrpo.server.answer_pool import AnswerEncoder
+    from asyncgrpo.server.http.answer_pool import AnswerEncoder
 
     rng = random.Random(6)
     outs = [_output(rng, 64, 8)]
@@ -289,7 +289,7 @@ def test_a_killed_answer_helper_costs_no_answer_and_is_replaced():
 def test_answer_helpers_carry_many_large_jobs_at_once_without_mixing_them():
     """More bytes in flight than a socket holds, both ways: the loop queues what the socket does not take and
     writes it when it drains, and cuts answers that span several reads back into the right jobs' bytes."""
-    from asyncgrpo.server.answer_pool import AnswerEncoder
+    from asyncgrpo.server.http.answer_pool import AnswerEncoder
 
     rng = random.Random(7)
     payloads = [bytes(rng.choice(b"abcdefgh") for _ in range(64)) * (4096 + i) for i in range(24)]  # ~6 MB each way
@@ -312,7 +312,7 @@ def test_a_helper_that_keeps_a_job_too_long_is_killed_and_the_job_built_inline(m
     the job is built in the server process and a new helper serves the next one."""
     import operator
 
-    from asyncgrpo.server import answer_pool
+    from asyncgrpo.server.http import answer_pool
 
     monkeypatch.setattr(answer_pool, "LOG_EVERY_S", 0.2)
     monkeypatch.setattr(answer_pool, "HELPER_TIMEOUT_S", 0.7)
@@ -329,7 +329,7 @@ def test_a_helper_that_keeps_a_job_too_long_is_killed_and_the_job_built_inline(m
         finally:
             enc.close()
 
-    with caplog.at_level("INFO", logger="asyncgrpo.server.answer_pool"):
+    with caplog.at_level("INFO", logger="asyncgrpo.server.http.answer_pool"):
         result, took, stuck, after, next_answer = asyncio.run(main())
     assert result is None and next_answer == b"cd"
     assert 1.5 < took < 5.0  # the timeout, then the inline run; not the helper's sleep followed by its answer
@@ -345,7 +345,7 @@ def test_helpers_that_keep_dying_leave_the_answers_to_the_server_process(monkeyp
     import socket
     import types
 
-    from asyncgrpo.server import answer_pool
+    from asyncgrpo.server.http import answer_pool
 
     started = []
 
@@ -376,7 +376,7 @@ def test_helpers_that_keep_dying_leave_the_answers_to_the_server_process(monkeyp
         finally:
             enc.close()
 
-    with caplog.at_level("WARNING", logger="asyncgrpo.server.answer_pool"):
+    with caplog.at_level("WARNING", logger="asyncgrpo.server.http.answer_pool"):
         answers = asyncio.run(main())
     assert len(started) == answer_pool.MAX_HELPER_DEATHS  # none started after the third loss
     for a in answers:
@@ -396,9 +396,9 @@ def test_answer_helpers_exit_when_the_server_process_is_killed(tmp_path):
     script = tmp_path / "server.py"
     script.write_text(
         "import asyncio\n"
-        "from asyncgrpo.server.answer_pool import AnswerEncoder\n"
-        "from asyncgrpo.server.http_protocol import ParsedRequest\n"
-        "from asyncgrpo.server.request import RequestOutput\n"
+        "from asyncgrpo.server.http.answer_pool import AnswerEncoder\n"
+        "from asyncgrpo.server.http.protocol import ParsedRequest\n"
+        "from asyncgrpo.server.engine.request import RequestOutput\n"
         "async def main():\n"
         "    enc = AnswerEncoder(2, min_numbers=0)\n"
         "    out = RequestOutput('r', [1], [5], [-0.5], 'length', None, [[(5, -0.5)]])\n"

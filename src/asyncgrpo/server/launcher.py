@@ -21,7 +21,7 @@ from typing import Self
 
 logger = logging.getLogger(__name__)
 
-SERVER_PID_HEADER = "X-Asyncgrpo-Server-Pid"  # the server's /health names its process (server/app.py)
+SERVER_PID_HEADER = "X-Asyncgrpo-Server-Pid"  # the server's /health names its process (server/http/app.py)
 
 
 def free_port() -> int:

@@ -162,8 +162,8 @@ def _weight_timeout_s(args: argparse.Namespace) -> float:
 
 
 def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
-    from asyncgrpo.server.app import ServerConfig
-    from asyncgrpo.server.generation_defaults import load_generation_defaults
+    from asyncgrpo.server.http.app import ServerConfig
+    from asyncgrpo.server.http.generation_defaults import load_generation_defaults
 
     backend = _weight_backend(args, engine.device.type)
     gen = load_generation_defaults(args.generation_config, args.model, args.override_generation_config)
@@ -230,8 +230,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     Returns the exit code of a failed start (2).
     """
-    from asyncgrpo.server.app import create_app
-    from asyncgrpo.server.engine import Engine
+    from asyncgrpo.server.engine.engine import Engine
+    from asyncgrpo.server.http.app import create_app
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
     if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
@@ -257,7 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
         device_type = _device_type(args)
         backend = _weight_backend(args, device_type)  # before loading: a backend the device cannot run fails fast
         if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
-            from asyncgrpo.server.engine_process import RemoteEngine
+            from asyncgrpo.server.engine.process import RemoteEngine
 
             engine = RemoteEngine(engine_kwargs, (backend, _weight_timeout_s(args), args.weight_transfer_checks))
             logger.info("the engine runs in its own process (pid %d)", engine.pid)
@@ -276,7 +276,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", args.model, exc)
-    from asyncgrpo.server.engine_process import GIL_SWITCH_INTERVAL_S
+    from asyncgrpo.server.engine.process import GIL_SWITCH_INTERVAL_S
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine.start()

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.server.request import RequestOutput
+from asyncgrpo.server.engine.request import RequestOutput
 
 
 class PackedTop(Sequence[list[tuple[int, float]]]):

@@ -16,12 +16,12 @@ import logging
 import numpy as np
 import torch
 
-from asyncgrpo.server import attention, fused
-from asyncgrpo.server.forward_batch import ForwardBatch, staged_int64
-from asyncgrpo.server.kv_cache import KVCache
-from asyncgrpo.server.model import DecoderLM
-from asyncgrpo.server.row_prefill import ROW_BUCKETS, RowPrefill
-from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.row_prefill import ROW_BUCKETS, RowPrefill
+from asyncgrpo.server.engine.scheduler import Sequence
+from asyncgrpo.server.layers import attention, fused
+from asyncgrpo.server.models.decoder import DecoderLM
+from asyncgrpo.server.models.forward_batch import ForwardBatch, staged_int64
 
 logger = logging.getLogger(__name__)
 

@@ -38,15 +38,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncgrpo.server.http_protocol import (
+from asyncgrpo.server.engine.packed_top import packed_output
+from asyncgrpo.server.engine.request import RequestOutput
+from asyncgrpo.server.http.protocol import (
     ParsedCompletion,
     ParsedRequest,
     completion_response,
     encode_json,
     generate_response,
 )
-from asyncgrpo.server.packed_top import packed_output
-from asyncgrpo.server.request import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncgrpo.server import attention, fused
-from asyncgrpo.server.forward_batch import ForwardBatch
+from asyncgrpo.server.layers import attention, fused
+from asyncgrpo.server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncgrpo.server import sample_kernel
-from asyncgrpo.server.request import SamplingParams
+from asyncgrpo.server.engine.request import SamplingParams
+from asyncgrpo.server.layers import sample_kernel
 
 logger = logging.getLogger(__name__)
 ROW_CHUNK = 32  # rows per chunk for the [rows, V] temporaries of sorts, hashes, top-N and masks

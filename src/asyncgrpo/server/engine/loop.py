@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.server.request import PauseMode
-from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.sampler import PendingSample, Sampler, SamplerRow
-from asyncgrpo.server.scheduler import Batch, Scheduler, Sequence
+from asyncgrpo.server.engine.request import PauseMode
+from asyncgrpo.server.engine.runner import ModelRunner
+from asyncgrpo.server.engine.sampler import PendingSample, Sampler, SamplerRow
+from asyncgrpo.server.engine.scheduler import Batch, Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def _next(q: queue.SimpleQueue) -> tuple | None:
 
 
 class EngineLoop:
-    """Owns the step loop of :class:`~asyncgrpo.server.engine.Engine`."""
+    """Owns the step loop of :class:`~asyncgrpo.server.engine.engine.Engine`."""
 
     def __init__(
         self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, eos_token_ids: list[int], max_model_len: int

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.server.http_protocol import GENERATION_CONFIG_FIELDS
+from asyncgrpo.server.http.protocol import GENERATION_CONFIG_FIELDS
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ A round costs a max over V / GROUP heads and one group, not a pass over the
 vocabulary, and no slice program waits on N serial rounds. Plain ``tl`` ops
 only, which also run under ``TRITON_INTERPRET``.
 
-The noise is :func:`asyncgrpo.server.sampler.hashed_exponential`'s counter hash
+The noise is :func:`asyncgrpo.server.engine.sampler.hashed_exponential`'s counter hash
 computed in the kernel, bit for bit (the per-row key in int64 masked to 32 bits,
 the per-token hash in wrapping uint32 arithmetic), so a seeded row draws the
 same ``E`` as on the torch path. Unseeded rows use a per-row 32-bit key drawn

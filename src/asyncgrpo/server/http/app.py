@@ -20,10 +20,13 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncgrpo.server import prometheus
-from asyncgrpo.server.answer_pool import AnswerEncoder
-from asyncgrpo.server.awaiting import awaited
-from asyncgrpo.server.http_protocol import (
+from asyncgrpo.server.engine.awaiting import awaited
+from asyncgrpo.server.engine.ipc_receiver import accepted_backends
+from asyncgrpo.server.engine.request import RequestOutput
+from asyncgrpo.server.engine.weight_receiver import WeightReceiver, add_weight_routes
+from asyncgrpo.server.http import prometheus
+from asyncgrpo.server.http.answer_pool import AnswerEncoder
+from asyncgrpo.server.http.protocol import (
     ApiError,
     ParsedRequest,
     ServerLimits,
@@ -31,10 +34,7 @@ from asyncgrpo.server.http_protocol import (
     parse_completion,
     parse_generate,
 )
-from asyncgrpo.server.ipc_receiver import accepted_backends
 from asyncgrpo.server.launcher import SERVER_PID_HEADER
-from asyncgrpo.server.request import RequestOutput
-from asyncgrpo.server.weight_receiver import WeightReceiver, add_weight_routes
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from asyncgrpo import json_codec
-from asyncgrpo.server.packed_top import PackedTop
+from asyncgrpo.server.engine.packed_top import PackedTop
 
 TOKEN_KEY = "token_id:"  # vLLM's top_logprobs key with return_tokens_as_token_ids
 # 17 significant digits read back as the same double; '#' keeps the decimal point (1.0 stays a float, not 1).

@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncgrpo.server.kv_cache import KVCache
-from asyncgrpo.server.packed_top import engine_top
-from asyncgrpo.server.request import Request, RequestOutput, WeightVersionSpan
+from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.packed_top import engine_top
+from asyncgrpo.server.engine.request import Request, RequestOutput, WeightVersionSpan
 
 _arrival = itertools.count()
 MAX_ADMIT_DELAY = 16  # decode steps a waiting sequence may go without a free slot being filled (~50-100 ms on a GPU)

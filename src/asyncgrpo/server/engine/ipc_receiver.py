@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from asyncgrpo.server.http_protocol import ApiError
+from asyncgrpo.server.http.protocol import ApiError
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import decode_handles, device_uuid, rebuild_args
 from asyncgrpo.weights.wire import copy_all

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from asyncgrpo.server.awaiting import awaited
-from asyncgrpo.server.http_protocol import ApiError
-from asyncgrpo.server.ipc_receiver import IpcEndpoint, accepted_backends, is_ipc_init
+from asyncgrpo.server.engine.awaiting import awaited
+from asyncgrpo.server.engine.ipc_receiver import IpcEndpoint, accepted_backends, is_ipc_init
+from asyncgrpo.server.http.protocol import ApiError
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -72,7 +72,7 @@ class WeightReceiver:
     """The engine's end of the weight-transfer group (one rank: this server has one worker).
 
     Args:
-        engine: the :class:`~asyncgrpo.server.engine.Engine`.
+        engine: the :class:`~asyncgrpo.server.engine.engine.Engine`.
         backend: ``nccl``, ``gloo``, ``ipc`` or ``auto`` (nccl and ipc on a GPU, gloo on CPU: the server's
             ``--weight-transfer-config``); None: not configured, every step answers 500 as vLLM does without it.
         timeout_s: bound on the rendezvous and on one round's collectives.

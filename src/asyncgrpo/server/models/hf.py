@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncgrpo.server.kv_cache import KVCache
-from asyncgrpo.server.model import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
-from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.scheduler import Sequence
+from asyncgrpo.server.models.decoder import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
 from asyncgrpo.vlm import is_vision_language
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def architecture_of(hf_model: nn.Module) -> str:
 
 
 def is_native(hf_model: nn.Module) -> bool:
-    """True for the families :class:`~asyncgrpo.server.model.DecoderLM` runs itself."""
+    """True for the families :class:`~asyncgrpo.server.models.decoder.DecoderLM` runs itself."""
     archs = list(getattr(hf_model.config, "architectures", None) or []) or [type(hf_model).__name__]
     return type(hf_model).__name__ in SUPPORTED_ARCHITECTURES and any(a in SUPPORTED_ARCHITECTURES for a in archs)
 
@@ -143,7 +143,7 @@ class _Cohort:
 class GeneralRunner:
     """Prefill and decode through the HF model's own forward with the model's own cache objects.
 
-    Same interface as :class:`~asyncgrpo.server.runner.ModelRunner`. Sequences prefilled in one step with the
+    Same interface as :class:`~asyncgrpo.server.engine.runner.ModelRunner`. Sequences prefilled in one step with the
     same length (a GRPO group: the same prompt sampled several times) form a :class:`_Cohort` and run as one
     batch ``[B, T]`` / ``[B, 1]`` without padding; others run alone. A preempted sequence (``num_cached`` reset to
     0) or a finished one leaves its cohort, and its next prefill recomputes from its tokens, as on the native path.

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from asyncgrpo.server.forward_batch import ForwardBatch
+    from asyncgrpo.server.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +131,11 @@ def decode_attention(
     Row-wise prefill (``batch.prefill_tiles``) runs the tiled kernel: its rows are runs of consecutive
     positions of one sequence, which share their context reads."""
     if q.is_cuda and ENABLED["triton"] and batch.prefill_tiles is not None:
-        from asyncgrpo.server.prefill_kernel import paged_prefill
+        from asyncgrpo.server.layers.prefill_kernel import paged_prefill
 
         return paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.prefill_tiles, scale)
     if q.is_cuda and ENABLED["triton"]:
-        from asyncgrpo.server.decode_kernel import paged_decode
+        from asyncgrpo.server.layers.decode_kernel import paged_decode
 
         return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
     return paged_decode_torch(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.max_context_len, scale)
@@ -193,7 +193,7 @@ def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: 
     if not ENABLED["triton"]:
         return False
     try:
-        from asyncgrpo.server.decode_kernel import paged_decode
+        from asyncgrpo.server.layers.decode_kernel import paged_decode
 
         q, k, v = _random_qkv(device, dtype, num_kv_heads, group, head_dim, 3)
         tables = torch.tensor([[3, 1, 4], [0, 5, 8], [7, 2, 6]], device=device)
@@ -213,7 +213,7 @@ def check_prefill_kernel(
     """Compile the kernel for this shape and compare it once with the torch reference (rows as decode queries);
     False (logged) when it is unusable here: row-wise prefill then reads the context per row (decode kernel)."""
     try:
-        from asyncgrpo.server.prefill_kernel import paged_prefill, tile_rows
+        from asyncgrpo.server.layers.prefill_kernel import paged_prefill, tile_rows
 
         bm = tile_rows(group)
         n = 2 * bm + 3  # one sequence over three tiles (the last one partial), then a one-row sequence

@@ -24,21 +24,21 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncgrpo.server.core import EngineLoop
-from asyncgrpo.server.hf_model import GeneralLM, GeneralRunner, is_native, load_any_model, text_model_aliases
-from asyncgrpo.server.kv_cache import (
+from asyncgrpo.server.engine.kv_cache import (
     KVCache,
     activation_headroom_bytes,
     kv_bytes_per_token,
     plan_num_blocks,
 )
-from asyncgrpo.server.lora import LoRAManager
-from asyncgrpo.server.model import DecoderLM
-from asyncgrpo.server.request import EngineStats, PauseMode, Request, RequestOutput, validate_request
-from asyncgrpo.server.row_prefill import ROW_BUCKETS
-from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.sampler import Sampler
-from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.engine.loop import EngineLoop
+from asyncgrpo.server.engine.lora import LoRAManager
+from asyncgrpo.server.engine.request import EngineStats, PauseMode, Request, RequestOutput, validate_request
+from asyncgrpo.server.engine.row_prefill import ROW_BUCKETS
+from asyncgrpo.server.engine.runner import ModelRunner
+from asyncgrpo.server.engine.sampler import Sampler
+from asyncgrpo.server.engine.scheduler import Scheduler, Sequence
+from asyncgrpo.server.models.decoder import DecoderLM
+from asyncgrpo.server.models.hf import GeneralLM, GeneralRunner, is_native, load_any_model, text_model_aliases
 from asyncgrpo.weights.ipc import device_uuid
 
 logger = logging.getLogger(__name__)

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from asyncgrpo.server.attention import check_prefill_kernel
-from asyncgrpo.server.forward_batch import ForwardBatch, staged_int64
-from asyncgrpo.server.prefill_kernel import tile_rows
+from asyncgrpo.server.layers.attention import check_prefill_kernel
+from asyncgrpo.server.layers.prefill_kernel import tile_rows
+from asyncgrpo.server.models.forward_batch import ForwardBatch, staged_int64
 
 if TYPE_CHECKING:
-    from asyncgrpo.server.kv_cache import KVCache
-    from asyncgrpo.server.model import DecoderLM
-    from asyncgrpo.server.scheduler import Sequence
+    from asyncgrpo.server.engine.kv_cache import KVCache
+    from asyncgrpo.server.engine.scheduler import Sequence
+    from asyncgrpo.server.models.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
 

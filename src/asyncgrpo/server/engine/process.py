@@ -6,7 +6,7 @@ finishing every few milliseconds) the engine on an H200 sat idle about half of t
 and its eager prefill steps took several times their GPU time. vLLM splits its API server and its engine core
 into two processes for the same reason.
 
-:class:`RemoteEngine` is the API process's stand-in for :class:`~asyncgrpo.server.engine.Engine`: the same
+:class:`RemoteEngine` is the API process's stand-in for :class:`~asyncgrpo.server.engine.engine.Engine`: the same
 methods the HTTP layer uses, forwarded over one duplex pipe of pickled tuples. The weight receiver must sit
 beside the weights, so it lives in the engine process too, behind :class:`RemoteReceiver`.
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.server.awaiting import awaited
-from asyncgrpo.server.http_protocol import ApiError
-from asyncgrpo.server.request import Request, RequestOutput, validate_request
+from asyncgrpo.server.engine.awaiting import awaited
+from asyncgrpo.server.engine.request import Request, RequestOutput, validate_request
+from asyncgrpo.server.http.protocol import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any], receiver_args: tuple,
     """Entry point of the engine process: build the engine, then serve the pipe until told to stop."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    from asyncgrpo.server.engine import Engine
-    from asyncgrpo.server.weight_receiver import WeightReceiver
+    from asyncgrpo.server.engine.engine import Engine
+    from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 
     try:
         engine = Engine(**engine_kwargs)
@@ -148,7 +148,7 @@ class RemoteEngine:
     """Starts the engine process and forwards the :class:`Engine` methods the HTTP layer uses.
 
     Args:
-        engine_kwargs: keyword arguments of :class:`~asyncgrpo.server.engine.Engine` (the model as a path).
+        engine_kwargs: keyword arguments of :class:`~asyncgrpo.server.engine.engine.Engine` (the model as a path).
         receiver_args: ``(backend, timeout_s)`` of the weight receiver built beside the engine.
         start_timeout_s: bound on loading the model and capturing the graphs.
     """

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.server.request import Request, RequestOutput, SamplingParams
-from asyncgrpo.server.wire_json import RawJSON, completion_logprobs_json, encode_with_raw, generate_content_json
+from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.http.wire_json import RawJSON, completion_logprobs_json, encode_with_raw, generate_content_json
 
 logger = logging.getLogger(__name__)
 
