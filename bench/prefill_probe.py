@@ -167,11 +167,11 @@ def main() -> int:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
             prof = profile(activities=acts)
             # the engine's ops run on its own thread: the profiler starts and stops there, between two steps
-            engine._core.call(("call", prof.__enter__), timeout=60)
+            engine.run_between_steps(prof.__enter__, timeout=60)
             try:
                 run(engine, reqs[:128], "profiled", opts.logprobs)
             finally:
-                engine._core.call(("call", lambda: prof.__exit__(None, None, None)), timeout=120)
+                engine.run_between_steps(lambda: prof.__exit__(None, None, None), timeout=120)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35)
             out["profile_device_ms"] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
             out["profile_host_ms"] = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3

@@ -119,20 +119,22 @@ def test_outputs_cross_the_pipe_unchanged():
     from asyncgrpo.server.engine.engine import Engine
     from asyncgrpo.server.engine.process import RemoteEngine
     from asyncgrpo.server.engine.request import Request, SamplingParams
+    from asyncgrpo.server.engine.settings import EngineSettings, ReceiverSettings
 
-    kwargs = {"model": tiny_model_dir("qwen3"), "device": "cpu", "max_model_len": 96, "max_num_seqs": 8}
+    model = str(tiny_model_dir("qwen3"))
+    settings = EngineSettings(device="cpu", max_model_len=96, max_num_seqs=8)
     shapes = [(48, 8), (3, 8), (40, None), (48, 0)]  # (tokens, logprobs): packed top-N, pairs, none, none
     requests = []
     for i, (n, k) in enumerate(shapes):
         params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, seed=i, logprobs=k)
         requests.append(Request(f"r{i}", [5 + i, 6, 7, 8, 9][: 2 + i], params))
-    local = Engine(**kwargs)
+    local = Engine(model, settings)
     local.start()
     try:
         want = _outputs(local, requests)
     finally:
         local.shutdown()
-    remote = RemoteEngine(kwargs, (None, 60.0))
+    remote = RemoteEngine(model, settings, ReceiverSettings(None, 60.0))
     try:
         got = _outputs(remote, requests)
     finally:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncgrpo.server.engine.ipc_receiver import accepted_backends, is_ipc_init
-from asyncgrpo.server.http.protocol import ApiError
+from asyncgrpo.server.errors import ApiError
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import (
     INSECURE_ENV,
@@ -215,10 +215,10 @@ def test_the_sender_offers_everything_an_ipc_round_uses():
 
 
 def test_the_receiver_offers_everything_an_ipc_endpoint_uses():
-    from asyncgrpo.server.engine.engine import ipc_receiver, weight_receiver
+    from asyncgrpo.server.engine import ipc_receiver, weight_receiver
 
     source = inspect.getsource(weight_receiver.WeightReceiver)
-    members = _protocol_members(ipc_receiver.WeightReceiver)
+    members = _protocol_members(ipc_receiver.ReceiverState)
     missing = {n for n in members if not hasattr(weight_receiver.WeightReceiver, n) and f"self.{n} " not in source
                and f"self.{n}:" not in source}  # fmt: skip
     assert not missing, missing

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.server.engine.settings import ReceiverSettings
 from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 from asyncgrpo.weights.collectives import TensorMeta, dtype_name
 from asyncgrpo.weights.wire import send_tensors
@@ -25,7 +26,7 @@ def test_unpacked_round_lands_in_place_and_resets_the_prefix_cache():
                 "shapes": [list(m.shape) for m in metas]}  # fmt: skip
 
         def receiver(group):
-            rec = WeightReceiver(engine, "gloo", timeout_s=30)
+            rec = WeightReceiver(engine, ReceiverSettings("gloo", timeout_s=30))
             rec.group, rec.packed, rec.active = group, False, True
             rec.update(info)
             return True

@@ -161,11 +161,22 @@ def _weight_timeout_s(args: argparse.Namespace) -> float:
     return float(args.weight_transfer_config.get("timeout_s", 1800.0))
 
 
-def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
+def _receiver_settings(args: argparse.Namespace, device_type: str) -> Any:
+    """The weight receiver's settings: the HTTP layer's config (:func:`_serve_config`) holds the same."""
+    from asyncgrpo.server.engine.settings import ReceiverSettings
+
+    backend = _weight_backend(args, device_type)
+    return ReceiverSettings(
+        None if backend == "none" else backend, _weight_timeout_s(args), args.weight_transfer_checks
+    )
+
+
+def _serve_config(args: argparse.Namespace, device_type: str, max_num_seqs: int) -> Any:
+    """The HTTP layer's settings (and, through them, the weight receiver's), from the command line."""
     from asyncgrpo.server.http.app import ServerConfig
     from asyncgrpo.server.http.generation_defaults import load_generation_defaults
 
-    backend = _weight_backend(args, engine.device.type)
+    receiver = _receiver_settings(args, device_type)
     gen = load_generation_defaults(args.generation_config, args.model, args.override_generation_config)
     return ServerConfig(
         model=str(args.model),
@@ -176,17 +187,17 @@ def _serve_config(args: argparse.Namespace, engine: Any) -> Any:
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
-        weight_transfer_backend=None if backend == "none" else backend,
-        weight_transfer_timeout_s=_weight_timeout_s(args),
-        weight_transfer_checks=args.weight_transfer_checks,
+        weight_transfer_backend=receiver.backend,
+        weight_transfer_timeout_s=receiver.timeout_s,
+        weight_transfer_checks=receiver.checks,
         seed=args.seed,
-        max_num_seqs=engine.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         dev_mode=dev_mode_from_env(),
         generation_config=args.generation_config,
         generation_defaults=gen.sampling,
         default_max_new_tokens=gen.max_new_tokens,
-        answer_workers=args.answer_workers if args.answer_workers >= 0 else default_answer_workers(engine.device.type),
+        answer_workers=args.answer_workers if args.answer_workers >= 0 else default_answer_workers(device_type),
     )
 
 
@@ -231,6 +242,7 @@ def run_serve(args: argparse.Namespace) -> int:
     Returns the exit code of a failed start (2).
     """
     from asyncgrpo.server.engine.engine import Engine
+    from asyncgrpo.server.engine.settings import EngineSettings
     from asyncgrpo.server.http.app import create_app
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
@@ -246,24 +258,24 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if args.api_server_count != 1:
         logger.warning("--api-server-count %d ignored: the embedded server runs one API process", args.api_server_count)
-    engine_kwargs = {
-        "model": str(model_dir), "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs, "seed": args.seed, "kv_cache_tokens": args.kv_cache_tokens,
-        "gpu_memory_utilization": args.gpu_memory_utilization, "block_size": args.block_size,
-        "enable_lora": args.enable_lora, "max_lora_rank": args.max_lora_rank, "max_loras": args.max_loras,
-        "enforce_eager": args.enforce_eager, "enable_prefix_caching": args.enable_prefix_caching,
-    }  # fmt: skip
+    settings = EngineSettings(
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        seed=args.seed, kv_cache_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size, enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras, enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+    )  # fmt: skip
     try:
         device_type = _device_type(args)
-        backend = _weight_backend(args, device_type)  # before loading: a backend the device cannot run fails fast
+        _weight_backend(args, device_type)  # before loading: a backend the device cannot run fails fast
         if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
             from asyncgrpo.server.engine.process import RemoteEngine
 
-            engine = RemoteEngine(engine_kwargs, (backend, _weight_timeout_s(args), args.weight_transfer_checks))
+            # the receiver beside the weights gets the settings the HTTP layer will ask it for (_serve_config)
+            engine = RemoteEngine(str(model_dir), settings, _receiver_settings(args, device_type))
             logger.info("the engine runs in its own process (pid %d)", engine.pid)
         else:
-            engine = Engine(**engine_kwargs)
-        config = _serve_config(args, engine)
+            engine = Engine(str(model_dir), settings)
+        config = _serve_config(args, engine.device.type, engine.max_num_seqs)
     except (OSError, ValueError, RuntimeError) as exc:
         logger.error("cannot start the server for %s: %s", args.model, exc)
         if "engine" in locals():

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncgrpo.server.engine.commands import Abort, AddSequence, Pause, Resume, RunCall
 from asyncgrpo.server.engine.kv_cache import (
     KVCache,
     activation_headroom_bytes,
@@ -37,6 +38,8 @@ from asyncgrpo.server.engine.row_prefill import ROW_BUCKETS
 from asyncgrpo.server.engine.runner import ModelRunner
 from asyncgrpo.server.engine.sampler import Sampler
 from asyncgrpo.server.engine.scheduler import Scheduler, Sequence
+from asyncgrpo.server.engine.settings import EngineSettings, ReceiverSettings
+from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 from asyncgrpo.server.models.decoder import DecoderLM
 from asyncgrpo.server.models.hf import GeneralLM, GeneralRunner, is_native, load_any_model, text_model_aliases
 from asyncgrpo.weights.ipc import device_uuid
@@ -49,47 +52,46 @@ DEFAULT_PREFILL_TOKENS = 16384  # per-step prefill token budget (raised to max_m
 
 
 class Engine:
-    """Continuous-batching generation over a paged KV cache (see the module docstring).
+    """Continuous-batching generation over a paged KV cache, in this process (see the module docstring).
+
+    The facade over the engine thread (:class:`~asyncgrpo.server.engine.loop.EngineLoop`): it builds model,
+    cache, scheduler, runner and sampler from one :class:`EngineSettings`, checks requests before they are
+    queued, and turns each call into a command for the thread. :class:`~asyncgrpo.server.engine.process.
+    RemoteEngine` offers the same members (:class:`~asyncgrpo.server.engine.api.EngineAPI`) from another process.
 
     Args:
         model: HF checkpoint directory of a causal LM or a vision-language checkpoint (served text-only), or an
             already-built ``PreTrainedModel`` (its weights are used in place). Llama/Mistral/Qwen2/Qwen3 run
-            our own forward (:mod:`model`); every other family runs its HF forward (:mod:`hf_model`).
-        dtype: "auto" (checkpoint dtype on CUDA, float32 on CPU), "bfloat16", "float16", "float32".
-        device: "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
-        max_model_len: longest prompt + output; default min(max_position_embeddings, 4096).
-        max_num_seqs: most sequences running at once; None: vLLM's default (1024 on a GPU with >= 70 GiB that
-            is not an A100, else 256).
-        seed: seed of the generator for requests without their own seed.
-        kv_cache_tokens: KV capacity in tokens; default from ``gpu_memory_utilization`` (CUDA).
-        gpu_memory_utilization: fraction of the GPU's memory this process may use in total.
-        block_size: tokens per KV block.
-        enable_lora / max_lora_rank / max_loras: runtime LoRA adapters.
-        enforce_eager: no CUDA graphs (decode, and small prefills run row-wise).
-        max_num_batched_tokens: prefill token budget per step (extension; default above).
-        enable_prefix_caching: reuse the KV blocks of equal prompt prefixes (vLLM's default: on); every
-            weight load, LoRA load/unload and :meth:`reset_prefix_cache` empties the cache.
+            our own forward (``models/decoder.py``); every other family runs its HF forward (``models/hf.py``).
+        settings: how to build it (:class:`EngineSettings`); or give its fields as keywords instead.
     """
 
-    def __init__(
-        self,
-        model: str | os.PathLike | Any,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        seed: int = 0,
-        kv_cache_tokens: int | None = None,
-        gpu_memory_utilization: float = 0.85,
-        block_size: int = 16,
-        enable_lora: bool = False,
-        max_lora_rank: int = 16,
-        max_loras: int = 1,
-        enforce_eager: bool = False,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    # what it was built with (EngineAPI); set in __init__
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    kv_cache_tokens: int
+    max_num_seqs: int
+    device: torch.device
+    dtype: torch.dtype
+    gpu_uuid: str | None
+    pid: int
+
+    def __init__(self, model: str | os.PathLike | Any, settings: EngineSettings | None = None, **options: Any) -> None:
+        if settings is not None and options:
+            raise TypeError(f"pass EngineSettings or its fields as keywords, not both (got {sorted(options)})")
+        s = self.settings = settings if settings is not None else EngineSettings(**options)
+        dtype, device, max_model_len, max_num_seqs = s.dtype, s.device, s.max_model_len, s.max_num_seqs
+        seed, kv_cache_tokens, gpu_memory_utilization, block_size = (
+            s.seed, s.kv_cache_tokens, s.gpu_memory_utilization, s.block_size)  # fmt: skip
+        enable_lora, max_lora_rank, max_loras, enforce_eager = (
+            s.enable_lora,
+            s.max_lora_rank,
+            s.max_loras,
+            s.enforce_eager,
+        )
+        max_num_batched_tokens, enable_prefix_caching = s.max_num_batched_tokens, s.enable_prefix_caching
         if (max_num_seqs is not None and max_num_seqs < 1) or block_size < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
         hf = load_any_model(model, dtype, device)
@@ -110,6 +112,8 @@ class Engine:
         self.dtype = self._model.dtype
         self.device = self._model.device
         self.gpu_uuid = device_uuid(self.device) if self.device.type == "cuda" else None  # ipc: same GPU as a trainer?
+        self.pid = os.getpid()
+        self._receiver: WeightReceiver | None = None
         max_num_seqs = max_num_seqs or default_max_num_seqs(self.device)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = self._model.vocab_size
@@ -228,11 +232,11 @@ class Engine:
             if request.request_id in self._live_ids:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight; ids must be unique")
             self._live_ids.add(request.request_id)
-        self._core.send(("submit", Sequence(request=request, on_finish=on_finish, lora=lora)))
+        self._core.send(AddSequence(Sequence(request=request, on_finish=on_finish, lora=lora)))
 
     def abort(self, request_id: str) -> None:
         """Finish a request with finish_reason "abort", keeping its tokens so far. Unknown ids are ignored."""
-        self._core.send(("abort", request_id))
+        self._core.send(Abort(request_id))
 
     def _validate(self, request: Request) -> None:
         validate_request(request, self.max_model_len, self.vocab_size, self._lora.names)
@@ -246,21 +250,21 @@ class Engine:
         """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        self._core.call(("pause", (mode, clear_cache)), timeout)
+        self._core.call(Pause(mode, clear_cache), timeout)
 
     def resume(self) -> None:
-        self._core.call(("resume", None), None)
+        self._core.call(Resume(), None)
 
     def pause_future(self, mode: PauseMode, *, clear_cache: bool = True) -> Future:
         """:meth:`pause` without blocking the caller: the future is done once the pause is in effect (an event loop
         awaits it with ``asyncio.wrap_future`` instead of parking an executor thread on it)."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        return self._core.send(("pause", (mode, clear_cache)))
+        return self._core.send(Pause(mode, clear_cache))
 
     def resume_future(self) -> Future:
         """:meth:`resume` without blocking the caller."""
-        return self._core.send(("resume", None))
+        return self._core.send(Resume())
 
     def between_steps_future(self, fn: Callable[[], T]) -> Future:
         """:meth:`run_between_steps` without blocking the caller: the future holds ``fn``'s result or error."""
@@ -271,7 +275,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - handed to the future's awaiter
                 fut.set_exception(exc)
             return fut
-        return self._core.send(("call", fn))
+        return self._core.send(RunCall(fn))
 
     @property
     def is_paused(self) -> bool:
@@ -285,7 +289,7 @@ class Engine:
         """Run ``fn`` on the engine thread between two steps and return its result (re-raising its error)."""
         if threading.current_thread() is self._core.thread:
             return fn()
-        return self._core.call(("call", fn), timeout)
+        return self._core.call(RunCall(fn), timeout)
 
     def _release_id(self, request_id: str) -> None:
         with self._ids_lock:
@@ -294,6 +298,12 @@ class Engine:
             self._runner.release_finished()
 
     # --------------------------------------------------------- weights & LoRA
+    def weight_receiver(self, settings: ReceiverSettings) -> WeightReceiver:
+        """The receiving side of the weight transfer, beside these weights; built on the first call."""
+        if self._receiver is None:
+            self._receiver = WeightReceiver(self, settings)
+        return self._receiver
+
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters under their HF checkpoint names (unfused; a tied lm_head is not listed)."""
         yield from self._model.hf_model.named_parameters()

@@ -20,18 +20,19 @@ from typing import Any, Protocol
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from asyncgrpo.server.http.protocol import ApiError
+from asyncgrpo.server.engine.api import LocalEngineAPI
+from asyncgrpo.server.errors import ApiError
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import decode_handles, device_uuid, rebuild_args
 from asyncgrpo.weights.wire import copy_all
 
 
-class WeightReceiver(Protocol):
+class ReceiverState(Protocol):
     """What an ipc round needs of ``weight_receiver.WeightReceiver`` (named here, not imported: that module
     imports this one)."""
 
     active: bool
-    engine: Any
+    engine: LocalEngineAPI
     _params: dict[str, torch.Tensor] | None
     _host: dict[str, float]
 
@@ -92,7 +93,7 @@ class IpcEndpoint:
     Each export is rebuilt once: the trainer sends one export of its buffer with every chunk of a round.
     """
 
-    def __init__(self, engine: Any, info: dict[str, Any]) -> None:
+    def __init__(self, engine: LocalEngineAPI, info: dict[str, Any]) -> None:
         unknown = sorted(set(info) - _INIT_KEYS)
         if unknown:
             raise ApiError(400, f"unknown init_info keys {unknown} for ipc; allowed: {sorted(_INIT_KEYS)}", "init_info")
@@ -117,7 +118,7 @@ class IpcEndpoint:
         self.last_round: list[dict[str, float]] = []  # the last finished round's (GET /weight_sync_profile)
 
     def prepare(
-        self, receiver: WeightReceiver, info: Any, arrived: float
+        self, receiver: ReceiverState, info: Any, arrived: float
     ) -> tuple[list[TensorMeta], Callable[[], None], None]:
         """Check one ``update_info`` (HTTP side) and build the engine-thread job that copies it in."""
         if not isinstance(info, dict):
@@ -166,7 +167,7 @@ class IpcEndpoint:
 
         return metas, run, None
 
-    def _unpacked_job(self, receiver: WeightReceiver, metas: list[TensorMeta], handles: Any) -> Callable[[], None]:
+    def _unpacked_job(self, receiver: ReceiverState, metas: list[TensorMeta], handles: Any) -> Callable[[], None]:
         if not isinstance(handles, list) or len(handles) != len(metas):
             raise ValueError(f"unpacked: ipc_handles must be a list of one handle per name ({len(metas)}), got "
                              f"{type(handles).__name__} of {len(handles) if isinstance(handles, list) else '?'}")  # fmt: skip
@@ -187,7 +188,7 @@ class IpcEndpoint:
         return job
 
     def _packed_job(
-        self, receiver: WeightReceiver, metas: list[TensorMeta], handle: Any, sizes: Any
+        self, receiver: ReceiverState, metas: list[TensorMeta], handle: Any, sizes: Any
     ) -> Callable[[], None]:
         if not isinstance(sizes, list) or len(sizes) != len(metas):
             raise ValueError(f"packed: tensor_sizes must list the byte size of each of the {len(metas)} tensors")
@@ -226,7 +227,7 @@ class IpcEndpoint:
 
     @staticmethod
     def _split(
-        receiver: WeightReceiver, tensors: list[tuple[str, torch.Tensor]]
+        receiver: ReceiverState, tensors: list[tuple[str, torch.Tensor]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
         """(parameters, their sources, the rest): the rest are aliases (a tied head) that the engine resolves."""
         params = receiver._params
@@ -244,7 +245,7 @@ class IpcEndpoint:
 
     def _load(
         self,
-        receiver: WeightReceiver,
+        receiver: ReceiverState,
         dsts: list[torch.Tensor],
         srcs: list[torch.Tensor],
         rest: list[tuple[str, torch.Tensor]],

@@ -5,7 +5,9 @@ changes nothing that step uses. Every other command waits until no step is in fl
 
 Everything here runs on one thread (or inline in the caller before that thread
 starts), so scheduler, cache and sequences need no locks. Other threads only
-post commands ``(kind, arg, future)`` and wait on the future when they must.
+post commands (the records of ``commands.py``, each with a future) and wait on the
+future when they must. This is the engine's core; ``engine.py`` is the facade that
+builds it and that callers use.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from asyncgrpo.server.engine.commands import Abort, AddSequence, LoopCommand, Pause, Resume, RunCall, Stop
 from asyncgrpo.server.engine.request import PauseMode
 from asyncgrpo.server.engine.runner import ModelRunner
 from asyncgrpo.server.engine.sampler import PendingSample, Sampler, SamplerRow
@@ -30,8 +33,8 @@ _NO_BAN: list[int] = []  # shared, never mutated
 IDLE_WAIT_S = 0.05  # how long the idle engine thread sleeps before re-checking its queue
 
 
-def _next(q: queue.SimpleQueue) -> tuple | None:
-    """The next command in ``q``, or None when it is empty (never blocks)."""
+def _next(q: queue.SimpleQueue) -> tuple[LoopCommand, Future] | None:
+    """The next command in ``q`` and its future, or None when it is empty (never blocks)."""
     try:
         return q.get_nowait()
     except queue.Empty:
@@ -90,27 +93,28 @@ class EngineLoop:
 
     def stop(self, timeout: float = 60.0) -> None:
         if self.running():
-            self.send(("stop", None))
+            self.send(Stop())
             self._thread.join(timeout=timeout)  # type: ignore[union-attr]
         else:
-            self.send(("stop", None))
+            self.send(Stop())
 
-    def send(self, cmd: tuple) -> Future:
-        """Post ``(kind, arg)``; handled on the engine thread, or right here if it is not running."""
+    def send(self, cmd: LoopCommand) -> Future:
+        """Post ``cmd``; handled on the engine thread, or right here if it is not running."""
         fut: Future = Future()
         if self.running():
-            (self._submits if cmd[0] == "submit" else self._commands).put((*cmd, fut))
+            (self._submits if isinstance(cmd, AddSequence) else self._commands).put((cmd, fut))
             self._wake.set()
         else:
             with self._inline:
-                self._handle((*cmd, fut))
+                self._handle(cmd, fut)
         return fut
 
-    def call(self, cmd: tuple, timeout: float | None) -> Any:
+    def call(self, cmd: LoopCommand, timeout: float | None) -> Any:
         """:meth:`send` and wait for the answer (re-raising an error raised on the engine thread)."""
         fut = self.send(cmd)
         if not fut.done() and not self.running():
-            raise RuntimeError(f"{cmd[0]} cannot complete before the engine thread runs; call start() first")
+            name = type(cmd).__name__.lower()
+            raise RuntimeError(f"{name} cannot complete before the engine thread runs; call start() first")
         return fut.result(timeout=timeout)
 
     # ------------------------------------------------------------ engine thread
@@ -139,40 +143,42 @@ class EngineLoop:
         logger.info("engine thread stopped")
 
     def _drain_commands(self) -> None:
-        while (cmd := _next(self._commands)) is not None:
+        while (item := _next(self._commands)) is not None:
             self._drain_submits()  # a request sent before this command (its abort, a pause) is known first
-            self._handle(cmd)
+            self._handle(*item)
 
     def _drain_submits(self) -> None:
-        while (cmd := _next(self._submits)) is not None:
-            self._handle(cmd)
+        while (item := _next(self._submits)) is not None:
+            self._handle(*item)
 
-    def _handle(self, cmd: tuple) -> None:
-        kind, arg, fut = cmd
+    def _handle(self, cmd: LoopCommand, fut: Future) -> None:
         try:
-            if kind == "submit":
-                self._seqs[arg.request_id] = arg
-                self.prompt_tokens += arg.prompt_len
-                self.scheduler.add(arg)
-            elif kind == "abort":
-                seq = self._seqs.get(arg)
-                if seq is not None:
-                    self._finish(seq, "abort")
-            elif kind == "pause":
-                self._pause(*arg, fut)
-                return
-            elif kind == "resume":
-                self.pause_mode = None
-                self._resolve_drain_waiters(force=True)
-            elif kind == "call":
-                fut.set_result(arg())
-                return
-            elif kind == "stop":
-                self._stopping = True
-                self._abort_all()
+            match cmd:
+                case AddSequence(seq=seq):
+                    self._seqs[seq.request_id] = seq
+                    self.prompt_tokens += seq.prompt_len
+                    self.scheduler.add(seq)
+                case Abort(request_id=request_id):
+                    seq = self._seqs.get(request_id)
+                    if seq is not None:
+                        self._finish(seq, "abort")
+                case Pause(mode=mode, clear_cache=clear_cache):
+                    self._pause(mode, clear_cache, fut)
+                    return
+                case Resume():
+                    self.pause_mode = None
+                    self._resolve_drain_waiters(force=True)
+                case RunCall(fn=fn):
+                    fut.set_result(fn())
+                    return
+                case Stop():
+                    self._stopping = True
+                    self._abort_all()
+                case _:
+                    raise TypeError(f"not an engine command: {cmd!r}")
             fut.set_result(None)
         except Exception as exc:  # e.g. a failing run_between_steps fn: goes back to its caller
-            logger.debug("engine command %s failed", kind, exc_info=True)
+            logger.debug("engine command %s failed", type(cmd).__name__, exc_info=True)
             if not fut.done():
                 fut.set_exception(exc)
 

@@ -7,11 +7,12 @@ and its eager prefill steps took several times their GPU time. vLLM splits its A
 into two processes for the same reason.
 
 :class:`RemoteEngine` is the API process's stand-in for :class:`~asyncgrpo.server.engine.engine.Engine`: the same
-methods the HTTP layer uses, forwarded over one duplex pipe of pickled tuples. The weight receiver must sit
-beside the weights, so it lives in the engine process too, behind :class:`RemoteReceiver`.
+members (:class:`~asyncgrpo.server.engine.api.EngineAPI`), forwarded over one duplex pipe of pickled records
+(``commands.py``). The weight receiver must sit beside the weights, so it lives in the engine process too,
+behind ``RemoteReceiver`` (``remote_receiver.py``, a :class:`~asyncgrpo.server.engine.api.ReceiverAPI` like the receiver itself).
 
-    API -> engine: ("submit", Request) | ("abort", id) | ("call", call_id, target, name, args, kwargs) | ("stop",)
-    engine -> API: ("ready", info) | ("failed", error) | ("finish", RequestOutput) | ("reply", call_id, ok, value)
+    API -> engine: Submit(request) | Abort(request_id) | RemoteCall(call_id, target, name, args, kwargs) | Stop()
+    engine -> API: Ready(info) | Failed(error) | Finished(output) | Reply(call_id, value, error)
 
 A finished output crosses without its ``prompt_token_ids`` (the API process keeps the request) and with its top-N
 as one byte block (``packed_top.PackedTop``): a GRPO answer of 256 tokens at top-8 pickles to ~22 KB, not ~40 KB.
@@ -35,9 +36,23 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.server.engine.awaiting import awaited
-from asyncgrpo.server.engine.request import Request, RequestOutput, validate_request
-from asyncgrpo.server.http.protocol import ApiError
+from asyncgrpo.server.engine.commands import (
+    Abort,
+    ErrorInfo,
+    Failed,
+    Finished,
+    FromEngine,
+    Ready,
+    RemoteCall,
+    Reply,
+    Stop,
+    Submit,
+    ToEngine,
+)
+from asyncgrpo.server.engine.remote_receiver import RemoteReceiver
+from asyncgrpo.server.engine.request import EngineStats, PauseMode, Request, RequestOutput, validate_request
+from asyncgrpo.server.engine.settings import EngineSettings, ReceiverSettings
+from asyncgrpo.server.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +67,17 @@ _BUILTIN_ERRORS = {e.__name__: e for e in (ValueError, TimeoutError, KeyError, R
 
 
 # ---------------------------------------------------------------------- errors across the pipe
-def _portable(exc: BaseException) -> tuple:
+def _portable(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, ApiError):
-        return ("api", exc.status, exc.message, exc.param, exc.type)
-    return ("exc", type(exc).__name__, str(exc))
+        return ErrorInfo("ApiError", exc.message, status=exc.status, param=exc.param, api_type=exc.type)
+    return ErrorInfo(type(exc).__name__, str(exc))
 
 
-def _rebuild(err: tuple) -> BaseException:
-    if err[0] == "api":
-        return ApiError(err[1], err[2], param=err[3], type_=err[4])
-    cls = _BUILTIN_ERRORS.get(err[1])
-    return cls(err[2]) if cls is not None else RuntimeError(f"{err[1]}: {err[2]}")
+def _rebuild(err: ErrorInfo) -> BaseException:
+    if err.status is not None:
+        return ApiError(err.status, err.message, param=err.param, type_=err.api_type)
+    cls = _BUILTIN_ERRORS.get(err.type_name)
+    return cls(err.message) if cls is not None else RuntimeError(f"{err.type_name}: {err.message}")
 
 
 def _error_output(request: Request, message: str) -> RequestOutput:
@@ -70,25 +85,24 @@ def _error_output(request: Request, message: str) -> RequestOutput:
 
 
 # ---------------------------------------------------------------------- the engine process
-def _engine_main(conn: Any, engine_kwargs: dict[str, Any], receiver_args: tuple, log_level: int) -> None:
+def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: ReceiverSettings, log_level: int) -> None:
     """Entry point of the engine process: build the engine, then serve the pipe until told to stop."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from asyncgrpo.server.engine.engine import Engine
-    from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 
     try:
-        engine = Engine(**engine_kwargs)
+        engine = Engine(model, settings)
     except BaseException as exc:  # noqa: BLE001 - the API process reports it (with its type) and exits
-        conn.send(("failed", _portable(exc)))
+        conn.send(Failed(_portable(exc)))
         return
-    targets = {"engine": engine, "receiver": WeightReceiver(engine, *receiver_args)}
-    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    targets = {"engine": engine, "receiver": engine.weight_receiver(receiver)}
+    outbox: queue.SimpleQueue[FromEngine | None] = queue.SimpleQueue()
 
     def send_all() -> None:  # the only writer of the pipe: the engine thread never blocks on a full pipe
         while (msg := outbox.get()) is not None:
-            if msg[0] == "finish":  # its top-N is packed already (packed_top.engine_top, at the finish)
-                msg[1].prompt_token_ids = None  # type: ignore[assignment]  # the API process has it (its request)
+            if isinstance(msg, Finished):  # its top-N is packed already (packed_top.engine_top, at the finish)
+                msg.output.prompt_token_ids = None  # type: ignore[assignment]  # the API process has it (its request)
             try:
                 conn.send(msg)
             except (OSError, ValueError):
@@ -96,38 +110,40 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any], receiver_args: tuple,
 
     sender = threading.Thread(target=send_all, name="engine-pipe-send", daemon=True)
     sender.start()
-    outbox.put(("ready", _static_info(engine)))
+    outbox.put(Ready(_static_info(engine)))
     engine.start()
 
     def on_finish(out: RequestOutput) -> None:
-        outbox.put(("finish", out))
+        outbox.put(Finished(out))
 
-    def run_call(call_id: int, target: str, name: str, args: tuple, kwargs: dict) -> None:
+    def run_call(call: RemoteCall) -> None:
         try:
-            attr = getattr(targets[target], name)
-            outbox.put(("reply", call_id, True, attr(*args, **kwargs) if callable(attr) else attr))
+            attr = getattr(targets[call.target], call.name)
+            outbox.put(Reply(call.call_id, attr(*call.args, **call.kwargs) if callable(attr) else attr))
         except BaseException as exc:  # noqa: BLE001 - raised again in the API process
-            outbox.put(("reply", call_id, False, _portable(exc)))
+            outbox.put(Reply(call.call_id, error=_portable(exc)))
 
     calls = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="engine-call")
     try:
         while True:
             try:
-                msg = conn.recv()
+                msg: ToEngine = conn.recv()
             except (EOFError, OSError):  # the API process is gone: stop with it
                 break
-            kind = msg[0]
-            if kind == "submit":
-                try:
-                    engine.submit(msg[1], on_finish)
-                except ValueError as exc:  # raced with an adapter unload; the API process checked the rest
-                    outbox.put(("finish", _error_output(msg[1], str(exc))))
-            elif kind == "abort":
-                engine.abort(msg[1])
-            elif kind == "call":
-                calls.submit(run_call, *msg[1:])
-            elif kind == "stop":
-                break
+            match msg:
+                case Submit(request=request):
+                    try:
+                        engine.submit(request, on_finish)
+                    except ValueError as exc:  # raced with an adapter unload; the API process checked the rest
+                        outbox.put(Finished(_error_output(request, str(exc))))
+                case Abort(request_id=request_id):
+                    engine.abort(request_id)
+                case RemoteCall():
+                    calls.submit(run_call, msg)
+                case Stop():
+                    break
+                case _:
+                    logger.error("the engine process ignores an unknown message %r", msg)
     finally:
         calls.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
@@ -136,6 +152,7 @@ def _engine_main(conn: Any, engine_kwargs: dict[str, Any], receiver_args: tuple,
 
 
 def _static_info(engine: Any) -> dict[str, Any]:
+    """What :class:`RemoteEngine` answers without asking (its sizes, device and dtype as text: they pickle)."""
     names = ("max_model_len", "vocab_size", "block_size", "num_blocks", "kv_cache_tokens", "max_num_seqs",
              "eos_token_ids", "general_path", "decode_backend", "gpu_uuid")  # fmt: skip
     info = {n: getattr(engine, n) for n in names}
@@ -145,19 +162,37 @@ def _static_info(engine: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the API process's stand-in
 class RemoteEngine:
-    """Starts the engine process and forwards the :class:`Engine` methods the HTTP layer uses.
+    """Starts the engine process and forwards the engine's members (:class:`~asyncgrpo.server.engine.api.EngineAPI`).
 
     Args:
-        engine_kwargs: keyword arguments of :class:`~asyncgrpo.server.engine.engine.Engine` (the model as a path).
-        receiver_args: ``(backend, timeout_s)`` of the weight receiver built beside the engine.
+        model: checkpoint directory of the model (a path: it crosses to the engine process).
+        settings: the engine's :class:`~asyncgrpo.server.engine.settings.EngineSettings`.
+        receiver: the settings of the weight receiver built beside the engine (:meth:`weight_receiver`).
         start_timeout_s: bound on loading the model and capturing the graphs.
     """
 
-    def __init__(self, engine_kwargs: dict[str, Any], receiver_args: tuple, start_timeout_s: float = 1800.0):
+    # what the engine was built with, as its Ready message reports it (EngineAPI)
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    kv_cache_tokens: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
+    general_path: bool
+    decode_backend: str
+    device: torch.device
+    dtype: torch.dtype
+    gpu_uuid: str | None
+    pid: int
+
+    def __init__(
+        self, model: str, settings: EngineSettings, receiver: ReceiverSettings, start_timeout_s: float = 1800.0
+    ) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=_engine_main, name="asyncgrpo-engine", daemon=True,
-                                 args=(child, engine_kwargs, receiver_args, logging.getLogger().level))  # fmt: skip
+                                 args=(child, str(model), settings, receiver, logging.getLogger().level))  # fmt: skip
         self._proc.start()
         child.close()
         self._send_lock = threading.Lock()
@@ -169,12 +204,13 @@ class RemoteEngine:
         self._dead: str | None = None
         self._stopping = False
         self._lora_names: list[str] = []
-        info = self._wait_ready(start_timeout_s, str(engine_kwargs.get("model")))
+        info = self._wait_ready(start_timeout_s, str(model))
         for name, value in info.items():
             setattr(self, name, value)
         self.device = torch.device(info["device"])
         self.dtype = getattr(torch, info["dtype"])
         self.pid = self._proc.pid
+        self._receiver_settings = receiver
         self.receiver = RemoteReceiver(self)
         self._reader = threading.Thread(target=self._read, name="engine-pipe-read", daemon=True)
         self._reader.start()
@@ -185,13 +221,13 @@ class RemoteEngine:
             waited = time.monotonic() - t0
             if self._conn.poll(min(LOG_EVERY_S, max(timeout_s - waited, 0.0))):
                 try:
-                    kind, payload = self._conn.recv()
+                    msg = self._conn.recv()
                 except EOFError:
-                    kind, payload = "failed", ("exc", "RuntimeError", "the engine process closed its pipe")
-                if kind == "ready":
-                    return payload
+                    msg = Failed(ErrorInfo("RuntimeError", "the engine process closed its pipe"))
+                if isinstance(msg, Ready):
+                    return msg.info
                 self._proc.join(timeout=30)
-                raise _rebuild(payload)
+                raise _rebuild(msg.error)
             waited = time.monotonic() - t0
             if not self._proc.is_alive():
                 raise RuntimeError(f"the engine process exited with code {self._proc.exitcode} while loading {model}")
@@ -201,7 +237,7 @@ class RemoteEngine:
             logger.info("waiting for the engine process to load %s (%.0f s so far)", model, waited)
 
     # ------------------------------------------------------------------ pipe
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: ToEngine) -> None:
         if self._dead is not None:
             raise RuntimeError(self._dead)
         with self._send_lock:
@@ -213,8 +249,8 @@ class RemoteEngine:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if msg[0] == "finish":
-                out = msg[1]
+            if isinstance(msg, Finished):
+                out = msg.output
                 with self._lock:
                     cb = self._callbacks.pop(out.request_id, None)
                     req = self._requests.pop(out.request_id, None)
@@ -222,15 +258,15 @@ class RemoteEngine:
                     out.prompt_token_ids = req.prompt_token_ids if req is not None else []
                 if cb is not None:
                     cb(out)
-            elif msg[0] == "reply":
+            elif isinstance(msg, Reply):
                 with self._lock:
-                    fut = self._calls.pop(msg[1], None)
+                    fut = self._calls.pop(msg.call_id, None)
                 if fut is None:
                     continue
-                if msg[2]:
-                    fut.set_result(msg[3])
+                if msg.error is None:
+                    fut.set_result(msg.value)
                 else:
-                    fut.set_exception(_rebuild(msg[3]))
+                    fut.set_exception(_rebuild(msg.error))
         self._proc.join(timeout=5)
         self._fail_all(f"the engine process exited (code {self._proc.exitcode}); restart the server")
 
@@ -259,7 +295,7 @@ class RemoteEngine:
                 raise RuntimeError(self._dead)
             call_id = next(self._ids)
             self._calls[call_id] = fut
-        self._send(("call", call_id, target, name, args, kwargs))
+        self._send(RemoteCall(call_id, target, name, args, kwargs))
         return fut
 
     def call(self, target: str, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -277,12 +313,12 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ Engine's interface
     def start(self) -> None:
-        """The engine process starts its engine itself; kept for :class:`Engine` compatibility."""
+        """The engine process starts its engine itself (a member of EngineAPI: the in-process one needs it)."""
 
     def shutdown(self) -> None:
         self._stopping = True
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except (RuntimeError, OSError):
             pass
         if not self._wait_exit(LOG_EVERY_S):  # it finishes its step and frees the GPU first; say what we wait for
@@ -319,19 +355,19 @@ class RemoteEngine:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight; ids must be unique")
             self._callbacks[request.request_id] = on_finish
             self._requests[request.request_id] = request
-        self._send(("submit", request))
+        self._send(Submit(request))
 
     def abort(self, request_id: str) -> None:
         if self._dead is None:
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
 
-    def pause(self, mode: str, timeout: float | None = None, *, clear_cache: bool = True) -> None:
+    def pause(self, mode: PauseMode, timeout: float | None = None, *, clear_cache: bool = True) -> None:
         self.call("engine", "pause", mode, timeout, clear_cache=clear_cache)
 
     def resume(self) -> None:
         self.call("engine", "resume")
 
-    def pause_future(self, mode: str, *, clear_cache: bool = True) -> concurrent.futures.Future:
+    def pause_future(self, mode: PauseMode, *, clear_cache: bool = True) -> concurrent.futures.Future:
         return self.call_future("engine", "pause", mode, None, clear_cache=clear_cache)
 
     def resume_future(self) -> concurrent.futures.Future:
@@ -348,7 +384,7 @@ class RemoteEngine:
     def weight_version(self) -> str:
         return self.call("engine", "weight_version", timeout=60)
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         return self.call("engine", "stats", timeout=60)
 
     def step_timings(self) -> dict[str, dict[str, float]]:
@@ -369,41 +405,9 @@ class RemoteEngine:
     def lora_names(self) -> list[str]:
         return list(self._lora_names)
 
-
-class RemoteReceiver:
-    """The weight receiver's protocol steps, run beside the weights in the engine process."""
-
-    def __init__(self, engine: RemoteEngine) -> None:
-        self.engine = engine
-
-    def init(self, info: Any) -> None:
-        self.engine.call("receiver", "init", info)
-
-    def start(self) -> None:
-        self.engine.call("receiver", "start", timeout=60)
-
-    def update(self, info: Any) -> None:
-        self.engine.call("receiver", "update", info)
-
-    def finish(self, version: Any) -> str:
-        return self.engine.call("receiver", "finish", version, timeout=300)
-
-    # The event-loop forms (see WeightReceiver): the loop awaits the pipe's answer instead of blocking on it.
-    async def start_async(self) -> None:
-        await awaited(self.engine.call_future("receiver", "start"), "the engine process to start the update", 60)
-
-    async def update_async(self, info: Any) -> None:
-        await awaited(self.engine.call_future("receiver", "update", info), "the weight update in the engine process")
-
-    async def finish_async(self, version: Any) -> str:
-        fut = self.engine.call_future("receiver", "finish", version)
-        return await awaited(fut, "the engine process to finish the update", 300)
-
-    def set_profile(self, enabled: bool) -> bool:
-        return self.engine.call("receiver", "set_profile", enabled, timeout=60)
-
-    def last_profile(self) -> dict[str, Any] | None:
-        return self.engine.call("receiver", "last_profile", timeout=300)
-
-    def shutdown(self) -> None:
-        self.engine.call("receiver", "shutdown", timeout=300)
+    def weight_receiver(self, settings: ReceiverSettings) -> RemoteReceiver:
+        """The receiver built beside the weights when the engine process started (with these settings)."""
+        if settings != self._receiver_settings:
+            raise ValueError(f"the engine process's weight receiver was built with {self._receiver_settings}, "
+                             f"not {settings}")  # fmt: skip
+        return self.receiver

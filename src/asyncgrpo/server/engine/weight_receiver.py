@@ -1,11 +1,12 @@
-"""Server side of the weight transfer (docs/protocol.md) and its HTTP routes.
+"""The receiving side of the weight transfer (docs/protocol.md), beside the engine's weights.
 
 ``/init_weight_transfer_engine`` joins the group (blocking, on a worker thread);
 ``/update_weights`` receives every tensor of a round inside
 ``engine.run_between_steps`` and loads each batch as it arrives, so the engine
 never steps on half-loaded weights and at most one packed chunk is held. The
 wire format lives in :mod:`asyncgrpo.weights.collectives`, shared with the
-trainer's sender.
+trainer's sender. The HTTP routes that drive it are ``server/http/weight_routes.py``; in the engine process
+(``process.py``) the same receiver runs behind ``RemoteReceiver``.
 
 Two ways to answer a bad step (``--weight-transfer-checks``). ``vllm`` (the default) answers as vLLM 0.32/0.33
 do, traps included, so a client tested here takes the paths it takes against vLLM: every worker-side error is a
@@ -25,15 +26,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from aiohttp import web
 
+from asyncgrpo.server.engine.api import LocalEngineAPI
 from asyncgrpo.server.engine.awaiting import awaited
 from asyncgrpo.server.engine.ipc_receiver import IpcEndpoint, accepted_backends, is_ipc_init
-from asyncgrpo.server.http.protocol import ApiError
+from asyncgrpo.server.engine.settings import ReceiverSettings
+from asyncgrpo.server.errors import ApiError
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -56,7 +57,6 @@ _UPDATE_KEYS = {"names", "dtype_names", "shapes"}
 # How long a new init waits for an abandoned round to let go of the receiver (its collective waits poll every 5 ms).
 ABANDON_WAIT_S = 10.0
 NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
-CHECK_MODES = ("vllm", "strict")
 
 
 def _require(ok: bool, message: str, param: str | None = None) -> None:
@@ -72,17 +72,14 @@ class WeightReceiver:
     """The engine's end of the weight-transfer group (one rank: this server has one worker).
 
     Args:
-        engine: the :class:`~asyncgrpo.server.engine.engine.Engine`.
-        backend: ``nccl``, ``gloo``, ``ipc`` or ``auto`` (nccl and ipc on a GPU, gloo on CPU: the server's
-            ``--weight-transfer-config``); None: not configured, every step answers 500 as vLLM does without it.
-        timeout_s: bound on the rendezvous and on one round's collectives.
-        checks: ``vllm`` (answer errors as vLLM does) or ``strict`` (400 before any collective); module docstring.
+        engine: the in-process engine (:class:`~asyncgrpo.server.engine.engine.Engine`), whose weights it fills.
+        settings: backend, timeout and check mode (:class:`~asyncgrpo.server.engine.settings.ReceiverSettings`;
+            the ``checks`` modes are described in the module docstring).
     """
 
-    def __init__(self, engine: Any, backend: str | None, timeout_s: float, checks: str = "vllm") -> None:
-        if checks not in CHECK_MODES:
-            raise ValueError(f"weight-transfer checks must be one of {CHECK_MODES}, got {checks!r}")
-        self.vllm_like = checks == "vllm"
+    def __init__(self, engine: LocalEngineAPI, settings: ReceiverSettings) -> None:
+        backend, timeout_s = settings.backend, settings.timeout_s
+        self.vllm_like = settings.checks == "vllm"
         self.engine = engine
         self.accepts = accepted_backends(backend, engine.device.type)
         self.backend = self.accepts[0] if backend == "auto" else backend  # the group's backend (or "ipc")
@@ -430,83 +427,3 @@ class WeightReceiver:
             raise ApiError(500, "Cannot release a trainer connection during a weight update")
         with self._lock:
             self._close_group()
-
-
-# ---------------------------------------------------------------------- routes
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        data = await request.json()
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise ApiError(400, "the request body nests JSON too deeply") from exc
-    if data is None:
-        return {}
-    _require(isinstance(data, dict), "the request body must be a JSON object")
-    return data
-
-
-def add_weight_routes(app: web.Application, receiver: WeightReceiver) -> None:
-    """Register the weight-transfer endpoints; blocking steps run on a dedicated thread pool."""
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="asyncgrpo-weights")
-
-    async def stop_pool(_app: web.Application) -> None:
-        pool.shutdown(wait=False)
-
-    app.on_cleanup.append(stop_pool)
-
-    async def in_pool(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-
-    async def init(request: web.Request) -> web.Response:
-        body = await _body(request)
-        await in_pool(receiver.init, body.get("init_info"))
-        return web.json_response({"message": "Weight transfer initialized"})
-
-    async def start(request: web.Request) -> web.Response:
-        await receiver.start_async()
-        return web.json_response({"message": "Weight update started"})
-
-    async def update(request: web.Request) -> web.Response:
-        body = await _body(request)
-        await receiver.update_async(body.get("update_info"))
-        return web.json_response({"message": "Weights updated"})
-
-    async def profile_get(request: web.Request) -> web.Response:
-        return web.json_response({"profile": await in_pool(receiver.last_profile)})
-
-    async def profile_set(request: web.Request) -> web.Response:
-        enabled = (await _body(request)).get("enabled")
-        _require(isinstance(enabled, bool), f"weight_sync_profile needs {{'enabled': true|false}}, got {enabled!r}")
-        return web.json_response({"enabled": await in_pool(receiver.set_profile, enabled)})
-
-    async def finish(request: web.Request) -> web.Response:
-        body = await _body(request)
-        version = await receiver.finish_async(body.get("weight_version"))
-        return web.json_response({"message": "Weight update finished", "weight_version": version})
-
-    async def shutdown(request: web.Request) -> web.Response:
-        await in_pool(receiver.shutdown)
-        return web.json_response({"message": "Weight transfer shut down"})
-
-    async def weight_info(request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": receiver.engine.weight_version})
-
-    async def reset_prefix_cache(request: web.Request) -> web.Response:
-        await awaited(receiver.engine.reset_prefix_cache_future(), "the prefix-cache reset")  # always succeeds
-        return web.json_response({"success": True})
-
-    app.router.add_post("/init_weight_transfer_engine", init)
-    app.router.add_post("/start_weight_update", start)
-    app.router.add_post("/update_weights", update)
-    app.router.add_post("/finish_weight_update", finish)
-    app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
-    app.router.add_get("/weight_info", weight_info)
-    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
-    # Ours, not vLLM's: the timeline of the last weight round on this end (see weights/wire_profile.py).
-    app.router.add_get("/weight_sync_profile", profile_get)
-    app.router.add_post("/weight_sync_profile", profile_set)

@@ -20,20 +20,21 @@ from typing import Any
 
 from aiohttp import web
 
+from asyncgrpo.server.engine.api import EngineAPI
 from asyncgrpo.server.engine.awaiting import awaited
 from asyncgrpo.server.engine.ipc_receiver import accepted_backends
 from asyncgrpo.server.engine.request import RequestOutput
-from asyncgrpo.server.engine.weight_receiver import WeightReceiver, add_weight_routes
+from asyncgrpo.server.engine.settings import ReceiverSettings
+from asyncgrpo.server.errors import ApiError, error_body
 from asyncgrpo.server.http import prometheus
 from asyncgrpo.server.http.answer_pool import AnswerEncoder
 from asyncgrpo.server.http.protocol import (
-    ApiError,
     ParsedRequest,
     ServerLimits,
-    error_body,
     parse_completion,
     parse_generate,
 )
+from asyncgrpo.server.http.weight_routes import add_weight_routes
 from asyncgrpo.server.launcher import SERVER_PID_HEADER
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,18 @@ class ServerConfig:
     default_max_new_tokens: int | None = None  # generation_config.json max_new_tokens
     answer_workers: int = 0  # processes that build large generation answers off the engine's GIL (0: inline)
 
+    @property
+    def receiver_settings(self) -> ReceiverSettings:
+        """The weight receiver's settings record (the engine builds the receiver beside its weights)."""
+        return ReceiverSettings(
+            self.weight_transfer_backend, self.weight_transfer_timeout_s, self.weight_transfer_checks
+        )
+
 
 class ServerState:
     """What the handlers share: the engine, the tokenizer, pause state, in-flight count, LoRA paths."""
 
-    def __init__(self, engine: Any, tokenizer: Any, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineAPI, tokenizer: Any, config: ServerConfig) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
@@ -91,10 +99,8 @@ class ServerState:
             default_max_new_tokens=config.default_max_new_tokens,
         )
         self.registry = prometheus.make_registry(engine.stats, config.served_model_name)
-        # an engine in its own process brings the receiver that runs beside its weights (engine_process)
-        self.receiver = getattr(engine, "receiver", None) or WeightReceiver(
-            engine, config.weight_transfer_backend, config.weight_transfer_timeout_s, config.weight_transfer_checks
-        )
+        # the receiver runs beside the engine's weights: in this process, or in the engine's (engine/process.py)
+        self.receiver = engine.weight_receiver(config.receiver_settings)
         # Diagnostics (bench/rollout_path.py): generation answers sent and seconds spent building + encoding them.
         self.http_stats = {"responses": 0, "response_build_s": 0.0, "last_outputs_unix": 0.0, "last_built_unix": 0.0}
         self.answers = AnswerEncoder(config.answer_workers)
@@ -278,11 +284,10 @@ async def server_info(request: web.Request) -> web.Response:
             "return_sampling_mask": cfg.return_sampling_mask, "enable_scale_out": cfg.enable_scale_out,
             "enable_lora": cfg.enable_lora, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
             "weight_version": e.weight_version, "http_stats": dict(state.http_stats),
-            "engine_pid": getattr(e, "pid", os.getpid()),
+            "engine_pid": e.pid,
             # the trainer compares this with its own GPU's to choose ipc (same GPU) or NCCL (weights/ipc.py)
-            "weight_transfer_backends": list(accepts), "gpu_uuid": getattr(e, "gpu_uuid", None)}  # fmt: skip
-    if hasattr(e, "step_timings"):
-        ours["engine_step_timings"] = e.step_timings()
+            "weight_transfer_backends": list(accepts), "gpu_uuid": e.gpu_uuid,
+            "engine_step_timings": e.step_timings()}  # fmt: skip
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},
                               "asyncgrpo": ours})  # fmt: skip
 
@@ -371,7 +376,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------- the app
 
 
-def create_app(engine: Any, tokenizer: Any, config: ServerConfig) -> web.Application:
+def create_app(engine: EngineAPI, tokenizer: Any, config: ServerConfig) -> web.Application:
     """The aiohttp app of one engine (run it with ``handler_cancellation=True`` so disconnects abort)."""
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024**2)
     state = ServerState(engine, tokenizer, config)
@@ -397,5 +402,5 @@ def create_app(engine: Any, tokenizer: Any, config: ServerConfig) -> web.Applica
         r.add_post("/pause", pause)
         r.add_post("/resume", resume)
         r.add_get("/is_paused", is_paused)
-        add_weight_routes(app, state.receiver)
+        add_weight_routes(app, state.receiver, engine)
     return app

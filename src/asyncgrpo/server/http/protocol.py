@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
+from asyncgrpo.server.errors import ApiError
 from asyncgrpo.server.http.wire_json import RawJSON, completion_logprobs_json, encode_with_raw, generate_content_json
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperature > 2
 # 0.33 ModelConfig.get_diff_sampling_param, with --generation-config auto).
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
                             "top_p", "min_p")  # fmt: skip
-_ERROR_TYPES = {400: "BadRequestError", 403: "ForbiddenError", 404: "NotFoundError", 409: "ConflictError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}  # fmt: skip
 _internal_ids = itertools.count()
 
 # Fields of vLLM's requests we do not implement: accepted only at their no-op value.
@@ -59,23 +58,6 @@ _NOOP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "response_format": (None,),
     "output_mode": ("tokens", None),
 }
-
-
-class ApiError(Exception):
-    """An error answered with vLLM's body ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, type_: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type = type_ or _ERROR_TYPES.get(status, "Error")
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, param=self.param, type_=self.type)
-
-
-def error_body(status: int, message: str, *, param: str | None = None, type_: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "Error"), "param": param,
-                      "code": status}}  # fmt: skip
 
 
 def encode_json(data: Any) -> bytes:
