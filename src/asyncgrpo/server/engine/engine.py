@@ -1,8 +1,9 @@
-"""The embedded generation engine: a background thread that steps a continuous batch.
+"""The embedded generation engine in this process: the facade over a thread that steps a continuous batch.
 
-The HTTP layer talks to :class:`Engine` only; all model, cache and sampler work
-happens on the engine thread. Public methods are thread-safe: they put a command
-on a queue that the engine thread drains between two steps, and the blocking ones
+Named "the engine" because it is what callers hold (the HTTP layer, through ``api.EngineAPI``); the thread
+and its step loop are ``loop.py``, and ``process.py`` runs this same class in a process of its own. All model,
+cache and sampler work happens on the engine thread. Public methods are thread-safe: they put a command
+(``commands.py``) on a queue that the engine thread drains between two steps, and the blocking ones
 (``pause``, ``run_between_steps``) wait for its answer. Finished requests are
 handed back through their ``on_finish`` callback, called on the engine thread.
 
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncgrpo.server.engine.commands import Abort, AddSequence, Pause, Resume, RunCall
+from asyncgrpo.server.engine.general_runner import GeneralRunner
 from asyncgrpo.server.engine.kv_cache import (
     KVCache,
     activation_headroom_bytes,
@@ -41,7 +43,7 @@ from asyncgrpo.server.engine.scheduler import Scheduler, Sequence
 from asyncgrpo.server.engine.settings import EngineSettings, ReceiverSettings
 from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 from asyncgrpo.server.models.decoder import DecoderLM
-from asyncgrpo.server.models.hf import GeneralLM, GeneralRunner, is_native, load_any_model, text_model_aliases
+from asyncgrpo.server.models.hf import GeneralLM, is_native, load_any_model, text_model_aliases
 from asyncgrpo.weights.ipc import device_uuid
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ The engine keeps each sequence's top-N flat while it generates (ids, log-probs, 
 entry) and hands a finished one over as :class:`PackedTop` arrays (:func:`engine_top`). Pickled as per-position
 ``[(id, log-prob), ...]`` lists, every pair was a tuple, an int and a float to write and to read back: ~3 us per
 token to unpickle before any JSON is written. Three arrays (ids, log-probs, entries per position) pickle as
-bytes, and the completions writer (``wire_json.py``) works on them directly. Short answers stay pair lists.
+bytes, and the completions writer (``http/wire_json.py``) works on them directly. Short answers stay pair lists.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ into two processes for the same reason.
 :class:`RemoteEngine` is the API process's stand-in for :class:`~asyncgrpo.server.engine.engine.Engine`: the same
 members (:class:`~asyncgrpo.server.engine.api.EngineAPI`), forwarded over one duplex pipe of pickled records
 (``commands.py``). The weight receiver must sit beside the weights, so it lives in the engine process too,
-behind ``RemoteReceiver`` (``remote_receiver.py``, a :class:`~asyncgrpo.server.engine.api.ReceiverAPI` like the receiver itself).
+behind ``RemoteReceiver`` (``remote_receiver.py``: a ``ReceiverAPI`` like the receiver itself).
 
     API -> engine: Submit(request) | Abort(request_id) | RemoteCall(call_id, target, name, args, kwargs) | Stop()
     engine -> API: Ready(info) | Failed(error) | Finished(output) | Reply(call_id, value, error)

@@ -1,6 +1,6 @@
 """Records exchanged between the embedded server's HTTP layer and its engine.
 
-The HTTP layer (``app.py``) validates a request body, expands ``n`` into ``n``
+The HTTP layer (``http/app.py``) validates a request body, expands ``n`` into ``n``
 single-sequence :class:`Request` objects and hands them to the engine; the
 engine calls back with one :class:`RequestOutput` per request. Nothing here
 imports torch, so the HTTP layer stays light.

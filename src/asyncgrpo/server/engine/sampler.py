@@ -18,7 +18,7 @@ state. Unseeded rows use the engine's ``torch.Generator`` (seeded from the
 engine's ``seed``).
 
 Fast path (CUDA): when every row only asks for a temperature (no truncation,
-penalty, ban or mask), :mod:`sample_kernel` does (c), (g), the race and the
+penalty, ban or mask), ``layers/sample_kernel.py`` does (c), (g), the race and the
 top-N in one read of the logits, with the same seeded noise.
 
 Memory: the batch is one [B, V] fp32 tensor edited in place; row subsets

@@ -89,7 +89,7 @@ def _encode_completion(parsed: ParsedCompletion, outputs: list[RequestOutput], t
 
 
 def packed_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """The outputs as they travel to a helper: top-N pairs packed into arrays (``packed_top.py``), which pickle
+    """The outputs as they travel to a helper: top-N pairs packed into arrays (``engine/packed_top.py``), which pickle
     and unpickle as bytes instead of one tuple, int and float per entry."""
     return list(map(packed_output, outputs))
 

@@ -1,6 +1,6 @@
 """Triton paged-attention kernel for row-wise prefill: tiles of consecutive query rows of one sequence.
 
-Row-wise prefill (``row_prefill.py``) gives every new token its own row. The decode kernel would read a
+Row-wise prefill (``engine/row_prefill.py``) gives every new token its own row. The decode kernel would read a
 sequence's context once per row; here one program takes a *tile* of up to ``BLOCK_M`` consecutive rows
 of one sequence (positions p, p+1, ...) with the query heads of one KV head, so each K/V tile is read
 once per query tile. Row ``m`` of a tile attends to cache positions ``< ctx[m]`` (its position + 1),

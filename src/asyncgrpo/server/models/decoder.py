@@ -7,7 +7,7 @@ tensors stay valid. The q/k/v (and gate/up) parameters are views into one fused
 matrix each, so the forward runs one matmul for them. Only the forward is ours:
 it works on a flat batch of tokens ``[T, hidden]`` (several sequences packed
 together, no padding), fuses the small element-wise steps into Triton kernels
-(:mod:`fused`) and reads/writes K/V through :mod:`attention`.
+(``layers/fused.py``) and reads/writes K/V through ``layers/attention.py``.
 
 RoPE: the loaded model's own ``model.model.rotary_emb`` module computes cos/sin
 for positions ``0..max_model_len-1`` once, which covers every rope-scaling
