@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.client.server_rules import kv_capacity, release_tuple
+from asyncgrpo.client.server_rules import kv_capacity
+from asyncgrpo.vllm_traits import release_tuple
 from asyncgrpo.trainer.server_setup import probe_server
 from tests.helpers.raw_http import NEG_INF_WIRE, PROMPT, raw
 

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.trainer.server_setup import probe_server
 from asyncgrpo.weights.collectives import TensorMeta

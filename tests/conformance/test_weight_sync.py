@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import free_port
 from asyncgrpo.weights.sender import WeightSender

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.errors import WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import launch_server
 from asyncgrpo.weights.collectives import TensorMeta

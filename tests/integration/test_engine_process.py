@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.weights.sender import WeightSender

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]

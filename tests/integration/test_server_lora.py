@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from tests.helpers.reference import PROMPT, check_greedy, hf_model, make_lora_adapter
 

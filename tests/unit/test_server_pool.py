@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.pool import AllServersGoneError, ServerPool
 from asyncgrpo.server.launcher import free_port
 

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.results import parse_completion_choice
 from asyncgrpo.client.top_logprobs import TopLogprobs, completion_top_arrays
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from asyncgrpo import json_codec
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.results import GenerationResult, parse_completion_choice, parse_generate_choice
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from aiohttp.payload import BytesPayload
 
 from asyncgrpo import json_codec
 from asyncgrpo.client.answer_parse import AnswerParsers, parse_choices
-from asyncgrpo.client.errors import ServerError, ServerTimeoutError
+from asyncgrpo.errors import ServerError, ServerTimeoutError
 from asyncgrpo.client.metrics_text import vllm_metrics
 from asyncgrpo.client.results import GenerationResult, error_message
 from asyncgrpo.client.server_rules import (  # noqa: F401 - config_section re-exported (weights/sender.py)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from asyncgrpo.client.answer_parse import AnswerParsers
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 
 logger = logging.getLogger(__name__)

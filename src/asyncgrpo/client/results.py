@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.top_logprobs import (  # noqa: F401 - TopLogprobs re-exported
     NEG_INF_WIRE,
     TOKEN_KEY,

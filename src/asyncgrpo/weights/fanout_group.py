@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.errors import WeightTransferError
 from asyncgrpo.weights.collectives import TransferGroup, join_group
 
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import IpcExport

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.rollout.settings import lora_adapter_name
 

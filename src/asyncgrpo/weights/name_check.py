@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.client.server_rules import config_section
+from asyncgrpo.vllm_traits import config_section
 from asyncgrpo.weights.collectives import TensorMeta
 
 logger = logging.getLogger(__name__)

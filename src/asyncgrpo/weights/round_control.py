@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
 
 logger = logging.getLogger(__name__)

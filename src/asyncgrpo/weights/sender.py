@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.client.server_rules import reuses_update_metadata
+from asyncgrpo.vllm_traits import reuses_update_metadata
 from asyncgrpo.weights import nccl_lib
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_NUM_BUFFERS,

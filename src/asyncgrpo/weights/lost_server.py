@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.errors import ServerError, WeightTransferError
 
 logger = logging.getLogger(__name__)
 

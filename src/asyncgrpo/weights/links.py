@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
+from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.client.server_rules import reuses_update_metadata
+from asyncgrpo.vllm_traits import reuses_update_metadata
 from asyncgrpo.weights import nccl_lib
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
