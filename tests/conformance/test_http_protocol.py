@@ -17,8 +17,8 @@ import pytest
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.server_rules import kv_capacity
-from asyncgrpo.vllm_traits import release_tuple
 from asyncgrpo.trainer.server_setup import probe_server
+from asyncgrpo.vllm_traits import release_tuple
 from tests.helpers.raw_http import NEG_INF_WIRE, PROMPT, raw
 
 SPOKEN_RELEASES = {(0, 32), (0, 33)}  # vLLM releases whose protocol the client speaks (docs/protocol.md)
