@@ -67,16 +67,11 @@ class SetupSeam(Protocol):
 
 @dataclass
 class RunParts:
-    """What ``train()`` runs with: built once at its start, closed at its end (``worker``/``source``: rank 0)."""
+    """What ``train()`` runs with: built once at its start, stopped at its end (``worker``/``source``: rank 0)."""
 
     weight_sync: WeightSync
     worker: RolloutWorker | None = None
     source: RolloutSource | None = None
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
-        self.weight_sync.close()
 
 
 def adapter_sync_chosen(facts: ServerFacts, model: torch.nn.Module) -> bool:

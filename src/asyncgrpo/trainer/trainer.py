@@ -56,7 +56,7 @@ from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
-from asyncgrpo.trainer.setup import RunParts, build_parts, read_servers
+from asyncgrpo.trainer.setup import build_parts, read_servers
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.base import WeightSync
@@ -233,10 +233,10 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.start()
 
     def _stop_rollout(self) -> None:
-        if self.weight_sync is not None:
-            RunParts(self.weight_sync, self.worker, self.source).close()
-        elif self.worker is not None:
+        if self.worker is not None:
             self.worker.stop()
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         self.worker = self.source = self.weight_sync = None
 
     def sync_weights(self) -> None:
