@@ -2,8 +2,8 @@
 
 Pure functions, no I/O: which fields to always send (vLLM fills omitted completion
 fields from the model's ``generation_config.json``), what to tell the user on a
-dev-mode 404 or an unconfigured weight transfer, and where ``/server_info`` keeps
-the KV-cache capacity.
+dev-mode 404 or an unconfigured weight transfer, where ``/server_info`` keeps
+the KV-cache capacity, and which 400s say a prompt is too long.
 """
 
 from __future__ import annotations

@@ -281,6 +281,8 @@ class WeightSender:
         link = self.links.pop(url)
         self.dropped[url] = reason
         link.group = None  # never destroy a communicator whose peer is gone (it may wait for it)
+        if self._loop is not None:
+            self._loop.submit(link.client.close())  # its HTTP session only: nothing is sent
         logger.warning("generation server %s dropped from the weight sync (%s): continuing with %d server(s): %s",
                        url, reason, len(self.links), ", ".join(self.links) or "none")  # fmt: skip
         if self.on_drop is not None:
