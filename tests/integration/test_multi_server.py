@@ -18,8 +18,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from asyncgrpo.weights.links import TOPOLOGIES
-from asyncgrpo.weights.sender import WeightSender
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -28,6 +26,8 @@ from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.metrics import is_documented_metric
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 from asyncgrpo.server.launcher import free_port
+from asyncgrpo.weights.links import TOPOLOGIES
+from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
