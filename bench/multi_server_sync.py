@@ -15,8 +15,8 @@ so a round moves 3.44 GB); the trainer side holds the same-shaped model on ``--t
 in one run, each after one warm-up round, median of ``--rounds``:
 
 * ``single``: ``WeightSender`` to server 0 alone (the one-server baseline of today);
-* ``per_server``: ``FanoutSender`` with one NCCL group per server (every tensor broadcast twice);
-* ``shared``: ``FanoutSender`` with one NCCL group of 1 + 2 ranks (every tensor broadcast once).
+* ``per_server``: ``WeightSender`` over both servers with one NCCL group per server (every tensor broadcast twice);
+* ``shared``: ``WeightSender`` over both servers with one NCCL group of 1 + 2 ranks (every tensor broadcast once).
 
 Each row gives the round's pause / transfer / total seconds, the transfer rate of the bytes every server
 receives, and the ratio of the round to the one-server round. After the rounds both servers must report
@@ -90,7 +90,7 @@ def main() -> int:
         return 2
     from asyncgrpo.client.http_client import AsyncServerClient
     from asyncgrpo.server.launcher import launch_server
-    from asyncgrpo.weights.fanout import FanoutSender
+    from asyncgrpo.weights.collectives import DEFAULT_PACKED_BUFFER_SIZE_BYTES
     from asyncgrpo.weights.policy import policy_weight_metadata
     from asyncgrpo.weights.sender import WeightSender
 
@@ -122,7 +122,9 @@ def main() -> int:
                 results[topology] = {"skipped": f"servers share a GPU ({a.server_gpus}): NCCL needs one per rank"}
                 print(f"shared: skipped, {results[topology]['skipped']}")
                 continue
-            fan = FanoutSender(timeout_s=300, topology=topology)
+            fan = WeightSender(
+                timeout_s=300, topology=topology, packed_buffer_size_bytes=DEFAULT_PACKED_BUFFER_SIZE_BYTES
+            )
             fan.init([AsyncServerClient(u) for u in urls], [1] * len(urls), backend=backend, device=dev)
             results[topology] = measure(fan, model, a.rounds, topology)
             versions = [weight_version(u) for u in urls]

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
 
 logger = logging.getLogger(__name__)

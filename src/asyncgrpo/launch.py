@@ -262,7 +262,7 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
     ``progress`` replaces transformers' progress callback (a ``ProgressCallback`` subclass) when given.
     """
     from asyncgrpo import AsyncGRPOTrainer
-    from asyncgrpo.client.errors import ServerError
+    from asyncgrpo.errors import ServerError
 
     args, server_cfg = spec.args, spec.server
     if not server_cfg.get("embedded"):

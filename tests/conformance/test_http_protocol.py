@@ -16,8 +16,9 @@ import aiohttp
 import pytest
 
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.client.server_rules import kv_capacity, release_tuple
+from asyncgrpo.client.server_rules import kv_capacity
 from asyncgrpo.trainer.server_setup import probe_server
+from asyncgrpo.vllm_traits import release_tuple
 from tests.helpers.raw_http import NEG_INF_WIRE, PROMPT, raw
 
 SPOKEN_RELEASES = {(0, 32), (0, 33)}  # vLLM releases whose protocol the client speaks (docs/protocol.md)

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 from asyncgrpo.rollout.sampling import SamplingSettings
 from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.trainer.server_setup import check_sampling_limits, check_weight_transfer, probe_server

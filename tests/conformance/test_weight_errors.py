@@ -14,8 +14,8 @@ import logging
 import pytest
 import torch
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.trainer.server_setup import probe_server
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.loop_thread import LoopThread

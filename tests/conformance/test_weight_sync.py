@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 from asyncgrpo.server.launcher import free_port
 from asyncgrpo.weights.sender import WeightSender
 from tests.conformance.conftest import needs_embedded

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from asyncgrpo.client.errors import WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import WeightTransferError
 from asyncgrpo.server.launcher import launch_server
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import INSECURE_ENV, device_uuid, encode_handles, plan_calls, update_body

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy

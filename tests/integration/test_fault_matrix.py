@@ -207,7 +207,7 @@ def test_unreachable_server_says_what_it_waits_for_every_30s(tmp_path, tiny_llam
     import logging
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.client.errors import ServerTimeoutError
+    from asyncgrpo.errors import ServerTimeoutError
     from asyncgrpo.recipes.tasks import reasoning_gym_dataset
     from asyncgrpo.server.launcher import free_port
 

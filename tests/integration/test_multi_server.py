@@ -26,7 +26,8 @@ from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.metrics import is_documented_metric
 from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 from asyncgrpo.server.launcher import free_port
-from asyncgrpo.weights.fanout import TOPOLOGIES, FanoutSender
+from asyncgrpo.weights.links import TOPOLOGIES
+from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
@@ -104,7 +105,7 @@ def test_each_topology_loads_the_pushed_weights_on_every_server(servers, tiny_ll
     """One group per server, or one group for all: both servers then decode exactly the pushed weights."""
     model = hf_model(tiny_llama_dir)
     perturb(model, seed=TOPOLOGIES.index(topology) + 1)
-    sender = FanoutSender(timeout_s=120, packed_buffer_size_bytes=256 * 1024, topology=topology)
+    sender = WeightSender(timeout_s=120, packed_buffer_size_bytes=256 * 1024, topology=topology)
     sender.init([AsyncServerClient(s.base_url) for s in servers], [1, 1], backend="gloo", device="cpu")
     try:
         for version in (f"{topology}-1", f"{topology}-2"):  # the second round reuses the metadata

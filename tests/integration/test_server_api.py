@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 
 PROMPT = [1, 504, 3032, 314, 260, 3241]
 LONG = {"temperature": 1.0, "ignore_eos": True}

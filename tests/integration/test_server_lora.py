@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 from tests.helpers.reference import PROMPT, check_greedy, hf_model, make_lora_adapter
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 3}

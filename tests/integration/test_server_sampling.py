@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 from tests.helpers.reference import PROMPT, TOL, hf_greedy, hf_model
 
 MAX_MODEL_LEN = 48

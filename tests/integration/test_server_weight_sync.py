@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy
 

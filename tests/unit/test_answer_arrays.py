@@ -28,8 +28,8 @@ from tests.helpers.answers import engine_output, float32_output
 def test_array_backed_top_logprobs_read_like_dicts_and_fall_back_on_odd_rows():
     """TopLogprobs: indexing, slicing, iteration and == as the list of dicts; null rows or odd keys take the
     per-key path (which names a bad key), and two spellings of one id are refused."""
-    from asyncgrpo.client.errors import ServerError
     from asyncgrpo.client.results import TopLogprobs
+    from asyncgrpo.errors import ServerError
 
     rows = [{"token_id:7": -0.25, "token_id:1": -2.0, "token_id:3": -9999.0}, {}, {"token_id:4": None}]
     choice = {"token_ids": [7, 5, 4], "finish_reason": "length",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncgrpo.client.answer_parse import AnswerParsers, parse_choices
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 from asyncgrpo.server.http.protocol import ParsedCompletion, completion_response, encode_json
 from tests.helpers.answers import float32_output
 

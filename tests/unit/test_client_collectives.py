@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.errors import WeightTransferError
 from asyncgrpo.weights.collectives import (
     TensorMeta,
     dtype_from_name,

@@ -9,9 +9,9 @@ import math
 import pytest
 from aiohttp import web
 
-from asyncgrpo.client.errors import ServerError, ServerTimeoutError
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.results import parse_completion_choice, parse_generate_choice
+from asyncgrpo.errors import ServerError, ServerTimeoutError
 
 
 async def _serve(routes):

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.pool import AllServersGoneError, ServerPool
+from asyncgrpo.errors import ServerError
 from asyncgrpo.server.launcher import free_port
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.client.server_rules import release_tuple, reuses_update_metadata
+from asyncgrpo.vllm_traits import release_tuple, reuses_update_metadata
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ import random
 import numpy as np
 import pytest
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.results import parse_completion_choice
 from asyncgrpo.client.top_logprobs import TopLogprobs, completion_top_arrays
+from asyncgrpo.errors import ServerError
 
 
 def _reference_rows(rows: list[dict]) -> list[dict[int, float]]:

@@ -96,7 +96,7 @@ def test_a_refused_connection_waits_vllm_server_connect_timeout_not_30_minutes(t
     import socket
     import time
 
-    from asyncgrpo.client.errors import ServerTimeoutError
+    from asyncgrpo.errors import ServerTimeoutError
 
     with socket.socket() as s:  # a local port where nothing listens
         s.bind(("127.0.0.1", 0))

@@ -26,7 +26,6 @@ from aiohttp.payload import BytesPayload
 
 from asyncgrpo import json_codec
 from asyncgrpo.client.answer_parse import AnswerParsers, parse_choices
-from asyncgrpo.client.errors import ServerError, ServerTimeoutError
 from asyncgrpo.client.metrics_text import vllm_metrics
 from asyncgrpo.client.results import GenerationResult, error_message
 from asyncgrpo.client.server_rules import (  # noqa: F401 - config_section re-exported (weights/sender.py)
@@ -35,6 +34,7 @@ from asyncgrpo.client.server_rules import (  # noqa: F401 - config_section re-ex
     kv_capacity,
     with_explicit_sampling,
 )
+from asyncgrpo.errors import ServerError, ServerTimeoutError
 
 logger = logging.getLogger(__name__)
 

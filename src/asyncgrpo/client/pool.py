@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from asyncgrpo.client.answer_parse import AnswerParsers
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.top_logprobs import (  # noqa: F401 - TopLogprobs re-exported
     NEG_INF_WIRE,
     TOKEN_KEY,
@@ -21,6 +20,7 @@ from asyncgrpo.client.top_logprobs import (  # noqa: F401 - TopLogprobs re-expor
     completion_top_arrays,
     generate_top_arrays,
 )
+from asyncgrpo.errors import ServerError
 
 _NEG_INF_WIRE = NEG_INF_WIRE  # vLLM sends -inf log-probs as this number
 _TOKEN_KEY = TOKEN_KEY  # top_logprobs keys with return_tokens_as_token_ids

@@ -2,15 +2,16 @@
 
 Pure functions, no I/O: which fields to always send (vLLM fills omitted completion
 fields from the model's ``generation_config.json``), what to tell the user on a
-dev-mode 404 or an unconfigured weight transfer, and where ``/server_info`` keeps
-the KV-cache capacity.
+dev-mode 404 or an unconfigured weight transfer, where ``/server_info`` keeps
+the KV-cache capacity, and which 400s say a prompt is too long.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
+
+from asyncgrpo.vllm_traits import config_section
 
 # vLLM's neutral value of every sampling field /v1/completions would otherwise take from the model's
 # generation_config.json (--generation-config auto): the client always sends them, so the processed
@@ -51,13 +52,6 @@ def with_explicit_sampling(params: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_section(data: Any, *keys: str) -> dict[str, Any]:
-    """``data[k1][k2]...`` when every level is a dict, else ``{}`` (servers differ in what they expose)."""
-    for key in keys:
-        data = data.get(key) if isinstance(data, dict) else None
-    return data if isinstance(data, dict) else {}
-
-
 def kv_capacity(info: Mapping[str, Any]) -> int | None:
     """KV capacity in tokens from a ``/server_info`` answer (see :meth:`AsyncServerClient.kv_cache_tokens`)."""
     cache = config_section(info, "vllm_config", "cache_config")
@@ -71,24 +65,12 @@ def kv_capacity(info: Mapping[str, Any]) -> int | None:
     return None
 
 
-# vLLM 0.33 reads empty update_info lists as "the last round's metadata again"; 0.32's NCCLWeightTransferUpdateInfo
-# has no such rule and receives zero tensors, so a sender reusing metadata there broadcasts into the void.
-METADATA_REUSE_SINCE = (0, 33)
+# Phrases of vLLM 0.33's (and the embedded server's) 400 answers to a prompt that leaves no room under
+# max_model_len (renderers/params.py, v1/engine/input_processor.py, serve/utils/api_utils.py).
+_LENGTH_PHRASES = ("maximum context length", "maximum model length", "max_model_len")
 
 
-def release_tuple(version: str) -> tuple[int, ...]:
-    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``: the leading numeric parts of a ``/version`` answer (``()`` if none)."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = re.match(r"\d+", piece)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-        if digits.end() < len(piece):  # "1rc1": a pre-release tag ends the release number
-            break
-    return tuple(parts)
-
-
-def reuses_update_metadata(version: str) -> bool:
-    """Whether a server of this ``/version`` takes empty ``update_info`` lists as the last round's metadata."""
-    return release_tuple(version) >= METADATA_REUSE_SINCE
+def is_length_error(message: str) -> bool:
+    """Whether a 400's message says the prompt is too long (and not, say, a rejected sampling setting)."""
+    text = message.lower()
+    return any(p in text for p in _LENGTH_PHRASES)

@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from asyncgrpo.client.answer_parse import AnswerParsers
-from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
+from asyncgrpo.client.server_rules import is_length_error
+from asyncgrpo.errors import ServerError
 from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
 from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode

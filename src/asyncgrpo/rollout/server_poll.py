@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.pool import ServerPool
+from asyncgrpo.errors import ServerError
 from asyncgrpo.rollout.admission import METRICS_POLL_INTERVAL_S, ConcurrencyCap
 
 logger = logging.getLogger(__name__)

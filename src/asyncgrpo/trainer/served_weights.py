@@ -16,8 +16,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
 
 logger = logging.getLogger(__name__)
 

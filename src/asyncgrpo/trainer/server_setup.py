@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.client.errors import ServerError
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.client.server_rules import DEV_MODE_HINT, NOT_CONFIGURED_HINT, config_section, kv_capacity
+from asyncgrpo.client.server_rules import DEV_MODE_HINT, NOT_CONFIGURED_HINT, kv_capacity
+from asyncgrpo.errors import ServerError
+from asyncgrpo.vllm_traits import config_section
 
 logger = logging.getLogger(__name__)
 

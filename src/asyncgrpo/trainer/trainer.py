@@ -34,16 +34,14 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, Trainer
 
 from asyncgrpo import vlm
-from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
-from asyncgrpo.packing import TokenBudgetBatcher, batch_metrics, build_plan, use_tree_attention
+from asyncgrpo.packing import batch_metrics, build_plan, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.agents import prepare_tool_template
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns, reward_function_name
-from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
@@ -57,27 +55,11 @@ from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed
 from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
-from asyncgrpo.trainer.served_weights import warn_on_foreign_weights
-from asyncgrpo.trainer.server_setup import (
-    ServerFacts,
-    check_completion_length,
-    check_dtype,
-    check_sampling_limits,
-    check_weight_transfer,
-    probe_servers,
-)
+from asyncgrpo.trainer.server_setup import ServerFacts
+from asyncgrpo.trainer.setup import build_parts, read_servers
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
-from asyncgrpo.weights.fanout import FanoutSender
-from asyncgrpo.weights.lora_sync import (
-    AdapterPublisher,
-    AdapterSyncSettings,
-    adapter_state,
-    lora_cache_dir,
-    start_adapter_sync,
-)
-from asyncgrpo.weights.policy import is_peft_model, join_policy_gathers
-from asyncgrpo.weights.sender import WeightSender
+from asyncgrpo.weights.base import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +97,7 @@ class AsyncGRPOTrainer(Trainer):
         processing_class: the tokenizer (default: loaded from ``model``).
         callbacks, optimizers: as in ``transformers.Trainer``.
         peft_config: a PEFT config; the server receives merged weights, or only the adapter when it runs with
-            ``--enable-lora`` (adapter sync, ``weights/lora_sync.py``).
+            ``--enable-lora`` (adapter sync, ``weights/lora_sync.py``, chosen in ``trainer/setup.py``).
         tools: module-level functions (sync or ``async def``, typed, Google-style docstrings) the model may call.
         environment_factory: a class/callable making an environment (``reset``, optional ``get_reward``, public
             methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
@@ -206,14 +188,11 @@ class AsyncGRPOTrainer(Trainer):
             "model": model_id,
             "reward_funcs": [reward_function_name(f) for f in reward_funcs],
         }
-        self.worker: RolloutWorker | None = None
-        self.source: RolloutSource | None = None
-        self.sender: WeightSender | FanoutSender | None = None
+        self.worker: RolloutWorker | None = None  # rank 0, during train()
+        self.source: RolloutSource | None = None  # rank 0, during train()
+        self.weight_sync: WeightSync | None = None  # every process, during train() (trainer/setup.py picks it)
         self.facts: ServerFacts | None = None
-        self.adapter_mode = False  # T6: chosen at train() start (PEFT model + a server with --enable-lora)
-        self.adapter_sync: AdapterPublisher | None = None  # rank 0, adapter mode
-        self.needs_initial_sync = False  # adapter mode: register the starting adapter before generation starts
-        self.served_adapter: str | None = None  # adapter mode: the newest adapter registered (rank 0)
+        self.served_adapter: str | None = None  # the newest adapter registered under adapter sync (T6), rank 0
         self.final_model_saved = False  # train() saved the final model to output_dir
 
     # ------------------------------------------------------------------ set-up
@@ -224,100 +203,27 @@ class AsyncGRPOTrainer(Trainer):
     def rollout_settings(self, facts: ServerFacts, start_index: int) -> RolloutSettings:
         """The rollout worker's whole view of the run, built once on rank 0 after probing the server.
 
-        Every on/off decision is taken here (score centering: ``num_sampler_logprobs`` is None when off).
-        Fields an ``AsyncGRPOConfig`` subclass adds go to ``extra`` (the loop's ``self.config``); override this
-        method to add other values: ``dataclasses.replace(super().rollout_settings(...), extra={...})``.
+        Every on/off decision is taken here (score centering: ``num_sampler_logprobs`` is None when off; the
+        adapter names of adapter sync are added by ``trainer/setup.py``). Fields an ``AsyncGRPOConfig`` subclass
+        adds go to ``extra`` (the loop's ``self.config``); override this method to add other values:
+        ``dataclasses.replace(super().rollout_settings(...), extra={...})``.
         """
         eos = self.processing_class.eos_token_id
-        settings = build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
-        if not self.adapter_mode:
-            return settings
-        return dataclasses.replace(settings, lora_name=self.lora_prefix, lora_dir=lora_cache_dir(self.args.output_dir))
+        return build_rollout_settings(self.args, facts, start_index, self.token_budget, eos)
 
     def _start_rollout(self, resume: ResumePoint) -> None:
-        """Probe the server; build the loop, source and sender. The worker starts in ``start_rollout_worker``."""
+        """Probe the servers; build the loop, source and weight sync (``trainer/setup.py``). The worker starts in
+        ``start_rollout_worker``."""
         args: AsyncGRPOConfig = self.args
-        start_index = resume.start_index
-        if self.is_world_process_zero():
-            want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
-            self.facts = probe_servers(args.server_urls, args.vllm_server_timeout, want_masks,
-                                       connect_timeout=args.vllm_server_connect_timeout)  # fmt: skip
-            check_completion_length(args.max_completion_length, self.facts.max_model_len, ", ".join(args.server_urls))
-            check_dtype(self._causal_lm().dtype, self.facts.dtype)
-            warn_on_foreign_weights(args.server_urls, self.model_id)  # on_train_begin pushes this run's weights
-            n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
-            check_sampling_limits(
-                self.facts, temperature=args.temperature, top_k=args.top_k, num_sampler_logprobs=n_logprobs
-            )
-        facts = self._broadcast_object(self.facts)
-        self.facts = facts
-        self.adapter_mode = self.needs_initial_sync = facts.lora_enabled and is_peft_model(self.model)
-        check_weight_transfer(facts, args.server_urls, self.adapter_mode)
-        if self.adapter_mode and self.is_world_process_zero():  # T6: checks the server's LoRA limits first
-            sync = AdapterSyncSettings(tuple(args.server_urls), args.output_dir, args.max_staleness,
-                                       self.lora_prefix, args.vllm_server_timeout,
-                                       args.vllm_server_restart_timeout)  # fmt: skip
-            self.adapter_sync = start_adapter_sync(self.model, sync, facts.max_lora_rank, facts.max_loras,
-                                                   facts.lora_adapters, args.save_strategy)  # fmt: skip
-        self.token_budget = args.token_budget or facts.max_model_len
-        n_proc = self.args.world_size
-        if self.is_world_process_zero():
-            n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
-            settings = dataclasses.replace(self.rollout_settings(facts, start_index), skip_indices=resume.skip)
-            loop = self.loop_cls(
-                settings,
-                self.train_dataset,
-                self.reward_funcs,
-                self.processing_class,
-                tools=self.tools,
-                environment_factory=self.environment_factory,
-            )
-            check_picklable(loop, f"rollout loop {type(loop).__name__}")
-            self.worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
-            total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
-            self.source = RolloutSource(
-                self.worker,
-                TokenBudgetBatcher(self.token_budget, n_proc, keep_groups=True),  # a group in one row (B1)
-                args.gradient_accumulation_steps,
-                args.max_staleness,
-                n or 0,
-                start_index=start_index,
-                total_prompts=total,
-                sample_timeout=args.vllm_server_timeout,
-                weight_sync_steps=args.weight_sync_steps,
-                settled=resume.settled,
-                server_urls=args.server_urls,  # a step without trainable groups names a dead server as the cause
-            )
-            if not self.adapter_mode:  # merged sync: the weight transfer group(s)
-                self.sender = self._make_sender(facts)
+        self.facts = read_servers(self)
+        self.token_budget = args.token_budget or self.facts.max_model_len
+        parts = build_parts(self, self.facts, resume, self.token_budget)
+        self.weight_sync, self.worker, self.source = parts.weight_sync, parts.worker, parts.source
         cfg = self._causal_lm().config
         self.step_stats.flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
         if torch.cuda.is_available():
             precision = "bfloat16" if args.bf16 else "float32"
             self.step_stats.peak_flops = peak_flops(torch.cuda.get_device_name(), precision)
-
-    def _make_sender(self, facts: ServerFacts) -> WeightSender | FanoutSender:
-        """One server: ``WeightSender`` (it survives a restart of its server). Several: ``FanoutSender``, one group
-        per server; a server that stops answering is dropped and the worker told to stop routing there (X5)."""
-        args, urls = self.args, self.args.server_urls
-        backend = args.weight_sync_backend  # auto: ipc / nccl / gloo from the server's /server_info (weights/ipc.py)
-        if len(urls) == 1:
-            sender = WeightSender(
-                timeout_s=args.vllm_server_timeout, restart_timeout_s=args.vllm_server_restart_timeout
-            )
-            sender.init(AsyncServerClient(urls[0]), facts.world_size, backend=backend, device=args.device)
-            return sender
-        if backend == "ipc":
-            raise ValueError("weight_sync_backend='ipc' shares the trainer's GPU with one server; several servers "
-                             "(vllm_server_base_url) need 'nccl' or 'auto'")  # fmt: skip
-        if backend == "auto":
-            backend = facts.weight_backend or "auto"
-        worker = self.worker
-        assert worker is not None
-        fanout = FanoutSender(timeout_s=args.vllm_server_timeout, topology=args.weight_sync_topology,
-                              on_drop=worker.drop_server)  # fmt: skip
-        fanout.init([AsyncServerClient(u) for u in urls], facts.world_sizes, backend=backend, device=args.device)
-        return fanout
 
     def start_rollout_worker(self) -> None:
         """Start generating (rank 0), once the server holds the weights of ``global_step``: after a resume, that
@@ -329,54 +235,30 @@ class AsyncGRPOTrainer(Trainer):
     def _stop_rollout(self) -> None:
         if self.worker is not None:
             self.worker.stop()
-        if self.sender is not None:
-            self.sender.close()
-        self.worker = self.source = self.sender = self.adapter_sync = None
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        self.worker = self.source = self.weight_sync = None
 
     def sync_weights(self) -> None:
-        """Push the current policy to the server and hand its version to the rollout worker.
+        """Push the current policy to the servers and hand its version to the rollout worker.
 
         Every process must call it (sharded parameters are gathered collectively, one full tensor at a time);
         rank 0 sends. With several processes they first meet in a barrier, which rank 0 enters once the server
-        is paused: then the gathers start together, and a failed round is never replayed by rank 0 alone.
-        Adapter mode (T6): the adapter is written and registered instead (``weights/lora_sync.py``).
+        is paused: then the gathers start together, and a failed round is never replayed by rank 0 alone. What
+        carries the weights (merged weights, or the adapter under adapter sync, T6) is the ``weight_sync`` that
+        ``trainer/setup.py`` chose.
         """
-        many = self.args.world_size > 1
-        if self.adapter_mode:
-            self._sync_adapter()
-        elif not self.is_world_process_zero():
-            torch.distributed.barrier()
-            join_policy_gathers(self.model)  # the same gathers, in the same order, as rank 0's
-        else:
-            if self.sender is None or self.worker is None:
-                raise RuntimeError("sync_weights needs the weight sender and rollout worker that train() starts")
-            step = self.state.global_step
-            barrier = torch.distributed.barrier if many else None
-            timings = self.sender.update_model(self.model, version=f"step-{step}", barrier=barrier)  # streamed
-            self.worker.set_policy_version(step)
-            w = self.window
-            w.add("perf/weight_sync_s", timings["pause_s"] + timings["barrier_s"] + timings["transfer_s"])
-            w.add("perf/weight_sync_pause_s", timings["pause_s"])
-            w.add("perf/weight_sync_barrier_s", timings["barrier_s"])
-            w.add("perf/weight_sync_transfer_s", timings["transfer_s"])
-
-    def _sync_adapter(self) -> None:
-        state = adapter_state(self.model)  # every rank: gathers are collective under FSDP2
-        self.needs_initial_sync = False
+        if self.weight_sync is None or (self.is_world_process_zero() and self.worker is None):
+            raise RuntimeError("sync_weights needs the weight sync and rollout worker that train() starts")
+        step = self.state.global_step
+        metrics = self.weight_sync.push(self.model, step)
         if not self.is_world_process_zero():
             return
-        if self.adapter_sync is None or self.worker is None:
-            raise RuntimeError("sync_weights needs the adapter publisher and rollout worker that train() starts")
-        step = self.state.global_step
-        t = self.adapter_sync.publish(self.model, state, step)
-        self.served_adapter = self.adapter_sync.live[-1][0]
-        self.worker.set_policy_version(step)  # new groups name the new adapter from now on
-        self.window.add("perf/weight_sync_s", t["write_s"] + t["load_s"] + t["retire_s"])
-        self.window.add("perf/weight_sync_pause_s", 0.0)  # adapters load beside the running ones: no pause
-        self.window.add("perf/weight_sync_transfer_s", t["write_s"] + t["load_s"])
-
-    def _broadcast_object(self, obj: Any) -> Any:
-        return broadcast_from_zero(obj, self.args.world_size)
+        self.served_adapter = self.weight_sync.served_model
+        assert self.worker is not None
+        self.worker.set_policy_version(step)  # new groups carry (and name) the new version from now on
+        for name, value in metrics.items():
+            self.window.add(name, value)
 
     def share_from_rank_zero(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every process (a collective: every process calls it at the same point)."""
@@ -404,7 +286,7 @@ class AsyncGRPOTrainer(Trainer):
         try:
             out = super().train(resume_from_checkpoint=ckpt, **kwargs)
         except torch.OutOfMemoryError as exc:
-            if getattr(self.sender, "backend", None) != "ipc":
+            if getattr(self.weight_sync, "backend", None) != "ipc":
                 raise
             raise shared_gpu_oom(exc, self.args.device) from exc  # the split of the one GPU is what to change
         finally:

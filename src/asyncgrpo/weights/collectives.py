@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.errors import WeightTransferError
 from asyncgrpo.weights import nccl_lib
 
 logger = logging.getLogger(__name__)

@@ -1,21 +1,19 @@
-"""Pieces of the several-server weight sync (``weights/fanout.py``): the fan-out broadcast and the join.
+"""The group a round of the weight sender (``weights/sender.py``) broadcasts into.
 
-``FanoutGroup`` broadcasts each tensor into one group per server in turn (the ``per_server`` topology);
-``join_watching`` joins a group as rank 0 while the servers' ``/init_weight_transfer_engine`` calls run.
+``broadcast_group`` picks the group of a round and arms its abort checks; ``FanoutGroup`` broadcasts each tensor
+into one group per server in turn (the ``per_server`` topology with several servers).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
-import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from asyncgrpo.client.errors import WeightTransferError
-from asyncgrpo.weights.collectives import TransferGroup, join_group
+from asyncgrpo.errors import WeightTransferError
+from asyncgrpo.weights.collectives import TransferGroup
+from asyncgrpo.weights.links import Sender
 
 
 class FanoutGroup(TransferGroup):
@@ -45,40 +43,49 @@ class FanoutGroup(TransferGroup):
         self._each(lambda g: g.synchronize(what))
 
 
-def join_watching(
-    futures: dict[str, concurrent.futures.Future],
-    backend: str,
-    world: int,
-    device: torch.device,
-    timeout_s: float,
-    store: Any,
-    uid: bytes | None,
-) -> TransferGroup:
-    """Join the group as rank 0 in a thread while watching each server's init call (``futures`` by URL).
+def _failed_check(fut: concurrent.futures.Future, what: str) -> Callable[[], None]:
+    """An abort check: raise once the server's call failed (the broadcast would never end); ``what`` says so."""
 
-    A server that rejects its ``/init_weight_transfer_engine`` ends the wait at once, named; so does the timeout.
+    def check() -> None:
+        if fut.done() and fut.exception() is not None:
+            raise WeightTransferError(f"{what}: {fut.exception()}") from fut.exception()
+
+    return check
+
+
+def broadcast_group(sender: Sender, futures: dict[str, concurrent.futures.Future]) -> TransferGroup:
+    """The group a round broadcasts into, its abort checks armed on the servers' ``/update_weights`` calls.
+
+    One group (one server, or ``shared``): that group, stopped by any failed update. ``per_server`` with several:
+    a :class:`FanoutGroup` whose member of a server that died is dropped (gloo), or which stops the run (NCCL: a
+    collective with a dead peer cannot be abandoned). The caller clears every ``abort_check`` afterwards.
     """
-    box: dict[str, Any] = {}
+    one = sender.group
+    if one is not None:
+        if len(futures) == 1:
+            url, fut = next(iter(futures.items()))
+            one.abort_check = _failed_check(fut, "the server failed POST /update_weights")
+        else:
+            checks = [_failed_check(f, f"POST /update_weights failed on {u}") for u, f in futures.items()]
 
-    def run() -> None:
-        try:
-            box["group"] = join_group(backend, rank=0, world_size=world, device=device,
-                                      timeout_s=timeout_s, store=store, unique_id=uid)  # fmt: skip
-        except BaseException as exc:  # noqa: BLE001 - re-raised below in the caller's thread
-            box["error"] = exc
+            def any_failed() -> None:
+                for check in checks:
+                    check()
 
-    thread = threading.Thread(target=run, name="asyncgrpo-fanout-join", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s + 10
-    while thread.is_alive():
-        thread.join(0.05)
-        for url, fut in futures.items():
-            if fut.done() and fut.exception() is not None:
-                raise WeightTransferError(f"{url} rejected POST /init_weight_transfer_engine: {fut.exception()}")
-        if time.monotonic() > deadline:
-            raise WeightTransferError(f"timed out after {timeout_s:.0f}s joining the weight-transfer group "
-                                      f"of {', '.join(futures)}")  # fmt: skip
-    if "error" in box:
-        raise WeightTransferError(f"joining the weight-transfer group of {', '.join(futures)} failed: "
-                                  f"{box['error']}") from box["error"]  # fmt: skip
-    return box["group"]
+            one.abort_check = any_failed
+        return one
+
+    def lost(url: str, exc: BaseException) -> None:
+        if sender.backend == "nccl" and sender.gone(url):  # the stream holds a collective with a dead peer
+            raise WeightTransferError(f"generation server {url} died during the NCCL weight broadcast; NCCL "
+                                      "cannot abandon it. Restart the servers and resume from the last "
+                                      "checkpoint") from exc  # fmt: skip
+        if url in sender.links and sender.policy is not None:
+            sender.policy.lost(sender, sender.links[url], exc)
+
+    members = {}
+    for url, link in sender.links.items():
+        assert link.group is not None
+        link.group.abort_check = _failed_check(futures[url], f"POST /update_weights failed on {url}")
+        members[url] = link.group
+    return FanoutGroup(members, lost)

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from asyncgrpo.client.server_rules import config_section
+from asyncgrpo.vllm_traits import config_section
 from asyncgrpo.weights.collectives import TensorMeta, dtype_name
 from asyncgrpo.weights.wire import PACK_BATCH_BYTES, copy_all, take_announced
 

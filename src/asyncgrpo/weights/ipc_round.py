@@ -14,8 +14,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
-from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError, WeightTransferError
+from asyncgrpo.weights.base import ServerControl
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.ipc import IpcExport
 from asyncgrpo.weights.loop_thread import LoopThread
@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+class Link(Protocol):
+    """The one server of an ipc round (``weights.links.ServerLink``)."""
+
+    client: ServerControl
+
+
 class WeightSender(Protocol):
     """What a round needs of ``weights.sender.WeightSender`` (named here, not imported: that module imports this
     one)."""
@@ -32,16 +38,16 @@ class WeightSender(Protocol):
     timeout_s: float
     packed: bool
     last_breakdown: dict[str, Any]
+    pushed: dict[str, str]
     _ipc: IpcExport | None
-    _client: AsyncServerClient | None
     _loop: LoopThread | None
-    _pushed_version: str | None
 
     def _http(self, coro: Coroutine[Any, Any, _T], what: str) -> _T: ...
 
 
 def ipc_round(
     sender: WeightSender,
+    link: Link,
     tensors: Iterable[torch.Tensor],
     metas: list[TensorMeta],
     *,
@@ -58,10 +64,10 @@ def ipc_round(
     is answered after the server copied its tensors; a call that fails ends the round on the server (finish,
     resume) and the sender stays usable (no group to rebuild).
     """
-    export, client = sender._ipc, sender._client
-    assert export is not None and client is not None
+    export, client = sender._ipc, link.client
+    assert export is not None
     if export.ours is None:
-        export.ours = _is_ours(sender)
+        export.ours = _is_ours(sender, client)
     t_pre = time.perf_counter()
     bodies = export.bodies(tensors, metas, packed=sender.packed)
     first: dict[str, Any] | None = None
@@ -79,7 +85,7 @@ def ipc_round(
 
     try:
         if barrier is None and export.ours:
-            sender._http(_pause_and_start(sender), "POST /pause?mode=keep and /start_weight_update")
+            sender._http(_pause_and_start(sender, client), "POST /pause?mode=keep and /start_weight_update")
             t1 = t2 = time.perf_counter()
             step("pause")
         else:
@@ -94,7 +100,7 @@ def ipc_round(
     except (ServerError, WeightTransferError):
         bodies.close()
         export.end_round()
-        _end_failed_round(sender)  # a start that went through is finished; the pause is lifted
+        _end_failed_round(sender, client)  # a start that went through is finished; the pause is lifted
         raise
     step("start")
     calls, posting = 0, 0.0  # the time in update calls (the server's side), the rest of "updates" is this side's
@@ -111,12 +117,12 @@ def ipc_round(
         assert sender._loop is not None
         RoundControl(client, sender._loop.run, sender.timeout_s).finish(version)
     except (ServerError, WeightTransferError) as exc:
-        _end_failed_round(sender)
+        _end_failed_round(sender, client)
         raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc
     finally:
         bodies.close()
         export.end_round()
-    sender._pushed_version = str(version)
+    sender.pushed[client.base_url] = str(version)
     step("finish_and_reset")
     sender._http(client.resume(timeout=sender.timeout_s), "POST /resume")
     t3 = time.perf_counter()
@@ -126,27 +132,25 @@ def ipc_round(
     return {"pause_s": t1 - t0, "barrier_s": t2 - t1, "transfer_s": t3 - t2, "total_s": t3 - t0}
 
 
-async def _pause_and_start(sender: WeightSender) -> None:
+async def _pause_and_start(sender: WeightSender, client: ServerControl) -> None:
     """``/pause?mode=keep`` and ``/start_weight_update`` side by side (our server: start only opens the round)."""
-    assert sender._client is not None
     await asyncio.gather(
-        sender._client.pause("keep", timeout=sender.timeout_s),
-        sender._client.start_weight_update(timeout=sender.timeout_s),
+        client.pause("keep", timeout=sender.timeout_s),
+        client.start_weight_update(timeout=sender.timeout_s),
     )
 
 
-def _is_ours(sender: WeightSender) -> bool:
+def _is_ours(sender: WeightSender, client: ServerControl) -> bool:
     """Whether the server is the embedded one (its ``/server_info`` has an ``asyncgrpo`` section); once per sender."""
-    assert sender._client is not None
     try:
-        info = sender._http(sender._client.server_info(), "GET /server_info")
+        info = sender._http(client.server_info(), "GET /server_info")
     except (ServerError, WeightTransferError):
         return False
     return isinstance(info, dict) and isinstance(info.get("asyncgrpo"), dict)
 
 
-def _end_failed_round(sender: WeightSender) -> None:
+def _end_failed_round(sender: WeightSender, client: ServerControl) -> None:
     """Close the server's half-done round and resume it, by the same rule as every backend (``RoundControl``:
     vLLM clears its round on a failed update and leaves the weights on the meta device until a finish)."""
-    assert sender._client is not None and sender._loop is not None
-    RoundControl(sender._client, sender._loop.run, sender.timeout_s).abandon()
+    assert sender._loop is not None
+    RoundControl(client, sender._loop.run, sender.timeout_s).abandon()

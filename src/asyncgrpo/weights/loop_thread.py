@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.errors import WeightTransferError
 
 _T = TypeVar("_T")
 

@@ -13,6 +13,9 @@ sync loads the new version *before* it unloads the oldest and deletes its direct
 ``--max-lora-rank >=`` the adapter's rank (checked at start by :func:`check_adapter_server`).
 
 ``.vllm_lora`` is a serving cache, not where the trained adapter is kept: checkpoints keep it.
+
+:class:`AdapterPublisher` (rank 0) and :class:`AdapterFollower` (the other trainer processes) are the adapter
+kind of ``weights/base.WeightSync``: the trainer pushes through them as through the merged-weight sender.
 """
 
 from __future__ import annotations
@@ -22,16 +25,15 @@ import logging
 import shutil
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncgrpo.client.errors import ServerError
-from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.rollout.settings import lora_adapter_name
+from asyncgrpo.errors import ServerError
+from asyncgrpo.weights.base import ServerControl
 
 logger = logging.getLogger(__name__)
 
@@ -150,20 +152,48 @@ def write_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], path: 
 
 
 class AdapterPublisher:
-    """Rank 0's side of adapter sync: write, register and retire adapter versions (see the module docstring)."""
+    """Rank 0's side of adapter sync: write, register and retire adapter versions (see the module docstring).
 
-    def __init__(self, settings: AdapterSyncSettings) -> None:
-        self.settings = settings
+    Args:
+        settings: where adapters go and how many stay registered.
+        connect: a new client of a server URL without retries, bounded by ``settings.timeout_s`` per call (the
+            wiring passes ``AsyncServerClient``'s); each call opens and closes its own.
+        adapter_name: ``(prefix, version) -> name``, the rollout worker's naming rule (``lora_adapter_name``).
+    """
+
+    backend = "adapter"
+
+    def __init__(self, settings: AdapterSyncSettings, connect: Callable[[str], ServerControl],
+                 adapter_name: Callable[[str, int], str]) -> None:  # fmt: skip
+        self.settings, self.connect, self.adapter_name = settings, connect, adapter_name
         self.cache_dir = Path(settings.output_dir) / LORA_CACHE_DIR
         self.live: deque[tuple[str, Path]] = deque()  # (adapter name, directory), oldest first
+
+    @property
+    def served_model(self) -> str | None:
+        """The newest adapter registered: requests name it to get the trained policy."""
+        return self.live[-1][0] if self.live else None
+
+    def push(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        """``WeightSync.push``: the adapter as version ``step`` (its gathers are collective: every rank calls)."""
+        t = self.publish(model, adapter_state(model), step)
+        return {"perf/weight_sync_s": t["write_s"] + t["load_s"] + t["retire_s"],
+                "perf/weight_sync_pause_s": 0.0,  # adapters load beside the running ones: no pause
+                "perf/weight_sync_transfer_s": t["write_s"] + t["load_s"]}  # fmt: skip
+
+    def close(self) -> None:
+        """Nothing is held between calls; the registered versions stay for the run's last samples."""
 
     def _call(self, url: str, coro_fn: Any, what: str, timeout_s: float | None = None) -> Any:
         """Run one async client call to completion (the trainer thread has no event loop of its own)."""
         limit = self.settings.timeout_s if timeout_s is None else timeout_s
 
         async def go() -> Any:
-            async with AsyncServerClient(url, timeout=self.settings.timeout_s, retries=0) as c:
-                return await asyncio.wait_for(coro_fn(c), limit + 5.0)
+            client = self.connect(url)
+            try:
+                return await asyncio.wait_for(coro_fn(client), limit + 5.0)
+            finally:
+                await client.close()
 
         try:
             return asyncio.run(go())
@@ -181,7 +211,7 @@ class AdapterPublisher:
     def publish(self, model: torch.nn.Module, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Write and register version ``version``, then retire versions outside the window; returns timings."""
         t0 = time.perf_counter()
-        name = lora_adapter_name(self.settings.prefix, version)
+        name = self.adapter_name(self.settings.prefix, version)
         path = self.cache_dir / name
         if any(n == name for n, _ in self.live):  # the same version again (e.g. re-sync after resume)
             self._retire(name, path)
@@ -231,20 +261,36 @@ class AdapterPublisher:
         logger.debug("retired LoRA adapter %s", name)
 
 
+class AdapterFollower:
+    """A trainer process other than rank 0 under adapter sync: it joins the adapter's gathers (FSDP2), no more."""
+
+    backend = "adapter"
+    served_model: str | None = None
+
+    def push(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        adapter_state(model)  # collective under FSDP2: the same gathers, in the same order, as rank 0's
+        return {}
+
+    def close(self) -> None:
+        """Nothing to leave."""
+
+
 def start_adapter_sync(
     model: torch.nn.Module,
     settings: AdapterSyncSettings,
-    max_lora_rank: int,
-    max_loras: int,
-    loaded: Sequence[str],
+    facts: tuple[int, int, Sequence[str]],
     save_strategy: Any,
+    connect: Callable[[str], ServerControl],
+    adapter_name: Callable[[str, int], str],
 ) -> AdapterPublisher:
-    """Rank 0 at ``train()`` start: check the server's LoRA limits, warn when nothing will be kept, unload what an
-    earlier run of this prefix left (``loaded``: the adapters the server lists now) and return the publisher."""
+    """Rank 0 at ``train()`` start: check the server's LoRA limits (``facts``: ``--max-lora-rank``, ``--max-loras``
+    and the adapters the server lists now), warn when nothing will be kept, unload what an earlier run of this
+    prefix left and return the publisher (``connect`` and ``adapter_name`` as :class:`AdapterPublisher`'s)."""
+    max_lora_rank, max_loras, loaded = facts
     mine = settings.prefix + "-step-"
     others = [n for n in loaded if not n.startswith(mine)]
     check_adapter_server(adapter_rank(model), settings.max_staleness, max_lora_rank, max_loras, others)
     warn_nothing_kept(save_strategy)
-    publisher = AdapterPublisher(settings)
+    publisher = AdapterPublisher(settings, connect, adapter_name)
     publisher.clear_leftovers(list(loaded))
     return publisher

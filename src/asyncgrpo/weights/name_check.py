@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncgrpo.client.errors import ServerError
-from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.client.server_rules import config_section
+from asyncgrpo.errors import ServerError
+from asyncgrpo.vllm_traits import config_section
+from asyncgrpo.weights.base import ServerControl
 from asyncgrpo.weights.collectives import TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def checkpoint_weights(model: str) -> ServerWeights | None:
     return ServerWeights(shapes, f"{directory} ({len(files)} safetensors file(s))")
 
 
-async def server_weights(client: AsyncServerClient) -> ServerWeights | None:
+async def server_weights(client: ServerControl) -> ServerWeights | None:
     """The server's model as its checkpoint describes it, or None (logged) when it cannot be read from here."""
     try:
         info = await client.server_info()
@@ -149,6 +149,6 @@ def check_round(metas: Sequence[TensorMeta], server: ServerWeights | None, url: 
         + "\n  - ".join(lines)
         + (f"\n  - ... and {more} more" if more > 0 else "")
         + "\nvLLM would fail inside the broadcast on these. Serve the checkpoint the trainer starts from (same "
-        "architecture and sizes); if the server does load these names under another layout, WeightSender / "
-        "FanoutSender(check_names=False) turns this check off"
+        "architecture and sizes); if the server does load these names under another layout, "
+        "WeightSender(check_names=False) turns this check off"
     )

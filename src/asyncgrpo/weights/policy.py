@@ -154,3 +154,22 @@ def join_policy_gathers(model: torch.nn.Module) -> None:
     """Ranks other than the sender: take part in :func:`policy_weights`' collective gathers, keeping nothing."""
     for item in policy_weights(model):
         del item
+
+
+class GatherFollower:
+    """``WeightSync`` of a trainer process other than rank 0 under merged sync (rank 0 holds the sender).
+
+    It meets rank 0 in the barrier rank 0 enters once the servers are paused, then joins the same gathers in the
+    same order: the gathers start together, and a failed round is never replayed by rank 0 alone.
+    """
+
+    backend: str | None = None
+    served_model: str | None = None
+
+    def push(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        torch.distributed.barrier()
+        join_policy_gathers(model)
+        return {}
+
+    def close(self) -> None:
+        """Nothing to leave: the groups are rank 0's."""

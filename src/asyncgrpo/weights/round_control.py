@@ -27,8 +27,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from asyncgrpo.client.errors import ServerError, WeightTransferError
-from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError, WeightTransferError
+from asyncgrpo.weights.base import ServerControl
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,11 @@ ABANDON_CALL_TIMEOUT_S = 30.0  # each closing call of a failed round (the server
 RESUME_RETRIES = 3  # a resume is idempotent: worth repeating after a dropped connection
 
 RunFn = Callable[[Coroutine[Any, Any, Any], float, str], Any]  # LoopThread.run: (coroutine, timeout, what) -> result
+
+
+async def finish_and_reset(client: ServerControl, version: str, timeout_s: float) -> None:
+    """``/finish_weight_update`` (labelling ``version``) and ``/reset_prefix_cache`` side by side."""
+    await asyncio.gather(client.finish_weight_update(version, timeout=timeout_s), client.reset_prefix_cache())
 
 
 class RoundControl:
@@ -47,7 +52,7 @@ class RoundControl:
         timeout_s: bound on each step.
     """
 
-    def __init__(self, client: AsyncServerClient, run: RunFn, timeout_s: float) -> None:
+    def __init__(self, client: ServerControl, run: RunFn, timeout_s: float) -> None:
         self.client, self._run, self.timeout_s = client, run, timeout_s
 
     def pause(self) -> None:
@@ -62,11 +67,8 @@ class RoundControl:
         """``/finish_weight_update`` (labelling ``version``) and ``/reset_prefix_cache`` together: both only need
         the weights loaded and must precede ``/resume``, so the round waits one round trip instead of two."""
 
-        async def both() -> None:
-            await asyncio.gather(self.client.finish_weight_update(version, timeout=self.timeout_s),
-                                 self.client.reset_prefix_cache())  # fmt: skip
-
-        self._run(both(), self.timeout_s, "POST /finish_weight_update and /reset_prefix_cache")
+        coro = finish_and_reset(self.client, version, self.timeout_s)
+        self._run(coro, self.timeout_s, "POST /finish_weight_update and /reset_prefix_cache")
 
     def resume(self) -> None:
         self._run(self.client.resume(timeout=self.timeout_s), self.timeout_s, "POST /resume")

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from asyncgrpo.client.errors import WeightTransferError
+from asyncgrpo.errors import WeightTransferError
 from asyncgrpo.weights.collectives import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.client.errors import ServerError
+from asyncgrpo.errors import ServerError
 
 logger = logging.getLogger(__name__)
 PROFILE_ENV = "ASYNCGRPO_WEIGHT_SYNC_PROFILE"

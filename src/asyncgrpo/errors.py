@@ -1,4 +1,7 @@
-"""Errors raised by the generation-server client and the weight transfer.
+"""Errors raised by the generation-server client, the weight transfer and the server's peers.
+
+One neutral module (no project imports) so ``client/``, ``weights/`` and ``server/`` raise and catch the same
+classes without importing each other.
 
 Every error names what was waited for or called, so a failed run says which
 endpoint or collective to look at (SPEC X4).
@@ -44,14 +47,3 @@ class WeightTransferError(RuntimeError):
     After this error the collective group is in an unknown state: the run should
     stop (the server may be stuck inside a collective and need a restart).
     """
-
-
-# Phrases of vLLM 0.33's (and the embedded server's) 400 answers to a prompt that leaves no room under
-# max_model_len (renderers/params.py, v1/engine/input_processor.py, serve/utils/api_utils.py).
-_LENGTH_PHRASES = ("maximum context length", "maximum model length", "max_model_len")
-
-
-def is_length_error(message: str) -> bool:
-    """Whether a 400's message says the prompt is too long (and not, say, a rejected sampling setting)."""
-    text = message.lower()
-    return any(p in text for p in _LENGTH_PHRASES)
