@@ -84,7 +84,7 @@ def run_rank(spec_path: str) -> None:
 
         rewards: list[Any] = [even_token_reward]
     else:
-        from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+        from asyncgrpo.tasks.reasoning import format_reward, numeric_answer_reward
 
         rewards = [numeric_answer_reward, format_reward]
     fsdp = FSDP2 if spec["launcher"] == "torchrun" else {}  # accelerate launch: the config file says FSDP2
@@ -226,11 +226,11 @@ def main() -> int:
     workdir = Path(a.out).with_suffix("")
     workdir.mkdir(parents=True, exist_ok=True)
     if a.model == "demo":
-        from asyncgrpo.recipes import demo_model_dir
+        from asyncgrpo.assets import demo_model_dir
 
         model_dir = demo_model_dir()
     else:
-        from asyncgrpo.recipes import tiny_model_dir
+        from asyncgrpo.assets import tiny_model_dir
 
         model_dir = tiny_model_dir("llama", **(SMOLLM2_135M if a.device == "cuda" else {}))
     data = Path(a.data)

@@ -45,7 +45,7 @@ MODES = {
 
 def make_data(out: Path, task: str, train_size: int = 1024, heldout_size: int = 200) -> None:
     """Train and held-out JSONL (``{"prompt": messages, "answer": str}``); held-out questions never trained on."""
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
     out.mkdir(parents=True, exist_ok=True)
     train = reasoning_gym_dataset(task, size=train_size, seed=0, **TASKS[task])
@@ -111,10 +111,10 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.evaluate import EvalSettings, evaluate_sync
-    from asyncgrpo.recipes import demo_model_dir
-    from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+    from asyncgrpo.assets import demo_model_dir
     from asyncgrpo.server.launcher import launch_server
+    from asyncgrpo.tasks.evaluate import EvalSettings, evaluate_sync
+    from asyncgrpo.tasks.reasoning import format_reward, numeric_answer_reward
 
     train_rows = _read(Path(a.data) / f"{a.task}_train.jsonl")
     held_rows = _read(Path(a.data) / f"{a.task}_heldout.jsonl")[: a.heldout_limit]

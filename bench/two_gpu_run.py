@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def make_data(path: str, size: int, seed: int) -> None:
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
     ds = reasoning_gym_dataset("chain_sum", size=size, seed=seed, min_terms=2, max_terms=2, max_digits=2)
     with open(path, "w") as fh:
@@ -44,9 +44,9 @@ def main() -> int:
     import torch
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.recipes import demo_model_dir
-    from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+    from asyncgrpo.assets import demo_model_dir
     from asyncgrpo.server.launcher import launch_server
+    from asyncgrpo.tasks.reasoning import format_reward, numeric_answer_reward
 
     if not torch.cuda.is_available():
         print("needs CUDA (two GPUs): nothing measured", file=sys.stderr)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from asyncgrpo.recipes import tiny_model
+from asyncgrpo.assets import tiny_model
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import DecoderLM, check_architecture
 from asyncgrpo.server.request import Request, SamplingParams

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from asyncgrpo.recipes import tiny_model_dir
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.server.engine import Engine
 from asyncgrpo.server.packed_top import PACK_MIN_ENTRIES, PackedTop, engine_top
 from asyncgrpo.server.request import Request, RequestOutput, SamplingParams

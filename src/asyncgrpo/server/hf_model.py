@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncgrpo.models.vlm import is_vision_language
 from asyncgrpo.server.kv_cache import KVCache
 from asyncgrpo.server.model import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
 from asyncgrpo.server.scheduler import Sequence
-from asyncgrpo.vlm import is_vision_language
 
 logger = logging.getLogger(__name__)
 

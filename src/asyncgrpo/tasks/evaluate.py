@@ -1,7 +1,7 @@
 """Held-out evaluation (X7): generate on the server for every prompt of a dataset, score with the reward functions.
 
 Used twice: by the trainer at ``eval_steps`` (``eval/*`` metrics, on the weights the server holds, i.e. the last
-sync) and by ``asyncgrpo eval`` (``eval_command.py``) for a saved checkpoint. Generation goes through
+sync) and by ``asyncgrpo eval`` (``cli/eval.py``) for a saved checkpoint. Generation goes through
 ``/v1/completions`` with token-id prompts, which vLLM and the embedded server both serve; temperature 0 is greedy
 decoding.
 """

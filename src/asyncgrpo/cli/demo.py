@@ -41,7 +41,7 @@ DEMO_CONFIG: dict[str, Any] = {
     "model": "demo",
     "dataset": {**TASK, "size": 512, "seed": 0},
     "eval_dataset": {**TASK, "size": 100, "seed": 1},
-    "reward_funcs": ["asyncgrpo.recipes.tasks:numeric_answer_reward"],
+    "reward_funcs": ["asyncgrpo.tasks.reasoning:numeric_answer_reward"],
     "server": {
         "embedded": True, "device": "auto",
         "args": ["--max-model-len", "512", "--kv-cache-tokens", "32768", "--max-num-seqs", "64"],
@@ -63,7 +63,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(ns: argparse.Namespace) -> int:
-    from asyncgrpo.launch import run_summary, train_from_config
+    from asyncgrpo.cli.launch import run_summary, train_from_config
     from asyncgrpo.report.live import CompactProgress
 
     cfg = copy.deepcopy(DEMO_CONFIG)

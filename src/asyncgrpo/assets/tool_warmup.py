@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.files import make_readable
 from asyncgrpo.rollout.agents.tool_loop import schemas_of
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
 from asyncgrpo.types import Rollout, TrainingSequence, TurnRecord
@@ -166,7 +167,6 @@ def warm_up_tool_calls(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncgrpo.rollout.agents import prepare_tool_template
-    from asyncgrpo.trainer.checkpoint import make_readable
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prepare_tool_template(tokenizer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncgrpo.evaluate import evaluate_sync, settings_from_config
+from asyncgrpo.tasks.evaluate import evaluate_sync, settings_from_config
 
 
 def run_eval(argv: list[str]) -> int:
@@ -19,8 +19,8 @@ def run_eval(argv: list[str]) -> int:
 
     from transformers import AutoTokenizer
 
-    from asyncgrpo.launch import build_dataset, parse_train, resolve_model, start_embedded, wait_for_server
-    from asyncgrpo.run_config import UserError
+    from asyncgrpo.cli.launch import build_dataset, parse_train, resolve_model, start_embedded, wait_for_server
+    from asyncgrpo.cli.run_config import UserError
 
     description = (
         "Score a model on the YAML's eval_dataset with its reward functions; AsyncGRPOConfig flags "

@@ -8,7 +8,7 @@
     # dataset: {path: my_data.jsonl} # ... or anything `datasets.load_dataset` opens (path, name, split)
     eval_dataset: {recipe: reasoning_gym, task: chain_sum, size: 64, seed: 1}   # optional held-out set
     reward_funcs:                    # import paths, "module:function" or "module.function"
-      - asyncgrpo.recipes.tasks:reasoning_gym_reward
+      - asyncgrpo.tasks.reasoning:reasoning_gym_reward
     server:                          # optional: start the embedded server for this run
       embedded: true
       device: cpu
@@ -18,7 +18,7 @@
       max_steps: 20
 
 Without ``server.embedded`` the run uses ``args.vllm_server_base_url``. The whole file is checked before
-anything starts (``asyncgrpo.run_config``); the final model and tokenizer are always saved to ``output_dir``.
+anything starts (``asyncgrpo.cli.run_config``); the final model and tokenizer are always saved to ``output_dir``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, import_object, load_yaml
+from asyncgrpo.cli.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, import_object, load_yaml
 from asyncgrpo.trainer.gpu_share import EMBEDDED_GPU_SHARE, SHARE_FLAG
 
 __all__ = ["build_dataset", "import_object", "load_run_config", "parse_train", "run_train", "train_from_config"]
@@ -52,7 +52,7 @@ def build_dataset(spec: dict[str, Any]):
     spec = dict(spec)
     try:
         if spec.pop("recipe", None) == "reasoning_gym":
-            from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+            from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
             return reasoning_gym_dataset(**spec)
         from datasets import load_dataset
@@ -75,7 +75,7 @@ def build_dataset(spec: dict[str, Any]):
 def resolve_model(name: str) -> str:
     """A local directory for ``name``: the demo model, a directory, or a hub id through the HF cache (as serve)."""
     if name == "demo":
-        from asyncgrpo.recipes import demo_model_dir
+        from asyncgrpo.assets import demo_model_dir
 
         return str(demo_model_dir())
     from asyncgrpo.server.startup_checks import StartupError, resolve_model_dir
@@ -144,7 +144,7 @@ def parse_train(
         if not isinstance(args_raw, dict):
             raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
         sections = check_run(cfg)
-    from asyncgrpo.cli_help import organize_help
+    from asyncgrpo.cli.help_format import organize_help
 
     parser, own = train_parser(prog, description)
     if add_flags is not None:

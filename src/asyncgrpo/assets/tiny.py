@@ -17,7 +17,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from asyncgrpo.recipes.assets import cache_dir, smollm2_tokenizer_dir
+from asyncgrpo.assets.demo_model import cache_dir, smollm2_tokenizer_dir
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "qwen3_vl", "qwen3_5_vlm")
 
@@ -26,7 +26,7 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     """A small config of the given family sized for the SmolLM2 vocabulary (49,152 tokens)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    from asyncgrpo.recipes.assets import smollm2_tokenizer
+    from asyncgrpo.assets.demo_model import smollm2_tokenizer
 
     tok = smollm2_tokenizer()
     base: dict[str, Any] = dict(  # noqa: C408 - reads like the config's keyword arguments

@@ -2,9 +2,9 @@
 ``docs/config.md`` and the metrics glossary (from ``METRICS``) in ``docs/metrics.md``, so they cannot drift
 from the code.
 
-    python -m asyncgrpo.docs                  # from the repository root: rewrite both files' generated sections
-    python -m asyncgrpo.docs --check          # exit 1, naming the stale files, instead of writing
-    python -m asyncgrpo.docs docs/config.md   # only the files named
+    python -m asyncgrpo.cli.docs                  # from the repository root: rewrite both files' generated sections
+    python -m asyncgrpo.cli.docs --check          # exit 1, naming the stale files, instead of writing
+    python -m asyncgrpo.cli.docs docs/config.md   # only the files named
 
 Each file keeps its hand-written text; only what lies between a section's BEGIN/END markers is replaced.
 ``tests/unit/test_readme.py`` fails when a file's copy differs from what this module generates.
@@ -21,7 +21,7 @@ from pathlib import Path
 SECTIONS = ("config-reference", "metrics-glossary")
 # Which generated sections each docs file holds (paths relative to the repository root).
 DOC_FILES = {"docs/config.md": ("config-reference",), "docs/metrics.md": ("metrics-glossary",)}
-COMMAND = "python -m asyncgrpo.docs"
+COMMAND = "python -m asyncgrpo.cli.docs"
 
 
 def _cell(text: str) -> str:
@@ -53,8 +53,8 @@ def config_reference() -> str:
 
 def metrics_glossary() -> str:
     """A table of every metric name with its meaning and its window rule (M2)."""
-    from asyncgrpo.evaluate import EVAL_METRICS
     from asyncgrpo.metrics import METRICS, SERVER_METRICS, aggregation_rule, unit_of
+    from asyncgrpo.tasks.evaluate import EVAL_METRICS
 
     rule_text = {"sum": "sum", "max": "max", "min": "min", "mean": "mean"}
     lines = ["| metric | meaning | window | unit |", "|---|---|---|---|"]
