@@ -1,6 +1,6 @@
 """B6 and B8: asynchronous against synchronous GRPO on two GPUs, and held-out accuracy against wall-clock.
 
-    python bench/learning.py --out bench/results/learning_h200.json [--train-seconds 180]
+    python bench/learning.py --out bench/results/learning_h200x2.json [--train-seconds 180]
     python bench/learning.py --make-data bench/data     # where reasoning-gym is installed (CPU machine)
 
 The same run twice, one after the other, each in its own process: the embedded server (bf16) on GPU 0, the
@@ -31,6 +31,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
 
 TASKS = {  # reasoning-gym task -> its settings (chain_sum: the demo's task)
     "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]},
@@ -341,7 +344,7 @@ def compare(runs: dict[str, dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench/results/learning_h200.json")
+    p.add_argument("--out", default="bench/results/learning_h200x2.json")
     p.add_argument("--make-data", help="write the task's JSONL files into this folder and exit")
     p.add_argument("--task", default="basic_arithmetic", choices=sorted(TASKS))
     p.add_argument("--data", default=str(DATA_DIR))
@@ -412,7 +415,7 @@ def main() -> int:
     if {"async", "sync"} <= runs.keys():
         summary["compare"] = compare(runs)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(summary, indent=2))
+    write_result(a.out, summary)
     print(json.dumps(summary.get("compare", {}), indent=2))
     return 0
 

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextvars
 import gc
-import json
 import logging
 import os
 import platform
@@ -60,6 +59,7 @@ from asyncgrpo.types import Rollout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.engine_run
 from bench.engine_run import submit_and_wait
+from bench.result_file import write_result
 
 logger = logging.getLogger("rollout_path")
 
@@ -722,7 +722,7 @@ def main() -> int:
     _report(results)
     if opts.out:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(json.dumps(results, indent=2))
+        write_result(opts.out, results)
         print(f"wrote {opts.out}")
     watchdog.cancel()
     if failures:

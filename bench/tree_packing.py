@@ -30,7 +30,6 @@ FLOPs, which is below the packing ratio; both quotients are written.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -49,6 +48,9 @@ from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/helpers
 from tests.helpers.synthetic import grpo_samples
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
 
 H200_BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s of an H100/H200 SXM (no sparsity)
 TOP_N = 8
@@ -441,7 +443,7 @@ def main() -> int:
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        write_result(args.out, report)
         print(f"wrote {args.out}")
     failed = [f"{k}/{m}" for k, r in results.items() for m, v in r["methods"].items() if "error" in v]
     if failed:

@@ -1,6 +1,6 @@
 """Async GRPO on two GPUs: embedded server on GPU 0, trainer on GPU 1, NCCL weight sync (issue 3 acceptance).
 
-    python bench/two_gpu_run.py --data prompts.jsonl --steps 24 --out bench/results/two_gpu_run_h200.json
+    python bench/two_gpu_run.py --data prompts.jsonl --steps 24 --out bench/results/two_gpu_run_h200x2.json
 
 ``--data`` is a JSONL file of rows ``{"prompt": [messages], "answer": "..."}`` (make one with
 ``python bench/two_gpu_run.py --make-data FILE`` where reasoning-gym is installed). The model is the offline
@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
+
 
 def make_data(path: str, size: int, seed: int) -> None:
     from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
@@ -32,7 +35,7 @@ def main() -> int:
     p.add_argument("--data")
     p.add_argument("--make-data")
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--out", default="bench/results/two_gpu_run_h200.json")
+    p.add_argument("--out", default="bench/results/two_gpu_run_h200x2.json")
     p.add_argument("--server-gpu", default="0")
     p.add_argument("--trainer-gpu", default="1")
     a = p.parse_args()
@@ -104,7 +107,7 @@ def main() -> int:
             for k in ("num_generations", "max_completion_length", "token_budget", "learning_rate", "max_staleness")
         },
     }
-    Path(a.out).write_text(json.dumps(summary, indent=2))
+    write_result(Path(a.out), summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "reward_by_step"}, indent=2))
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import random
 import subprocess
@@ -27,6 +26,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.rollout_path
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.server.wire_json import completion_logprobs_json
+from bench.result_file import write_result
 
 G = 8
 
@@ -155,7 +155,7 @@ def main() -> int:
         stub.kill()
     if opts.out:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(json.dumps(result, indent=2))
+        write_result(opts.out, result)
         print(f"wrote {opts.out}")
     return 0
 
