@@ -97,7 +97,7 @@ def _run(url: str, groups: int, out_len: int, group_requests: bool) -> float:
     from asyncgrpo.rollout.sampling import SamplingSettings
     from asyncgrpo.rollout.settings import RolloutSettings
     from asyncgrpo.rollout.worker import RolloutWorker
-    from bench.rollout_path import last_token_reward
+    from bench.rollout_server import last_token_reward
 
     sampling = SamplingSettings(base_url=url, max_model_len=4096, max_completion_length=out_len, temperature=1.0,
                                 num_sampler_logprobs=8, kv_cache_tokens=None, has_metrics=False)  # fmt: skip

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.*
 from bench.engine_run import submit_and_wait, synthetic_prompt
 from bench.result_file import write_result
-from bench.rollout_path import QWEN3_06B, TINY, build_model_dir
+from bench.rollout_workload import QWEN3_06B, TINY, build_model_dir
 
 
 class GcClock:

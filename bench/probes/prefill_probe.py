@@ -29,14 +29,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.*
 from bench.result_file import write_result
-from bench.rollout_path import QWEN3_06B, SHAPES, TINY, TINY_SHAPES, Req, build_model_dir, make_workload, run_engine
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from bench.rollout_workload import (
+    QWEN3_06B,
+    SHAPES,
+    TINY,
+    TINY_SHAPES,
+    Req,
+    _sync,
+    build_model_dir,
+    make_workload,
+    run_engine,
+)
 
 
 class StageTimer:

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.cli.demo import DEMO_CONFIG
-from asyncgrpo.cli.launch import import_object, load_run_config
+from asyncgrpo.cli.run_config import import_object, load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_example_yaml_is_the_demo():
-    assert load_run_config(ROOT / "examples" / "demo.yaml") == DEMO_CONFIG
+    assert load_yaml(ROOT / "examples" / "demo.yaml") == DEMO_CONFIG
 
 
 def test_import_object_both_spellings():
@@ -28,10 +28,10 @@ def test_bad_config_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: demo\nargs: {}\ndataset: {recipe: reasoning_gym}\nrewards: []\n")
     with pytest.raises(ValueError, match="unknown key 'rewards' \\(did you mean 'reward_funcs'\\?\\)"):
-        load_run_config(bad)
+        load_yaml(bad)
     bad.write_text("model: demo\nargs: {}\n")
     with pytest.raises(ValueError, match="missing 'dataset'"):
-        load_run_config(bad)
+        load_yaml(bad)
 
 
 def test_numeric_answer_reward():

@@ -33,17 +33,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.cli.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, import_object, load_yaml
+from asyncgrpo.cli.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, load_yaml
 from asyncgrpo.trainer.gpu_share import EMBEDDED_GPU_SHARE, SHARE_FLAG
 
-__all__ = ["build_dataset", "import_object", "load_run_config", "parse_train", "run_train", "train_from_config"]
+__all__ = ["build_dataset", "parse_train", "run_train", "train_from_config"]
 
 logger = logging.getLogger(__name__)
-
-
-def load_run_config(path: str | Path) -> dict[str, Any]:
-    """The YAML as a dict, its top-level keys checked (sections are checked by ``check_run``)."""
-    return load_yaml(path)
 
 
 def build_dataset(spec: dict[str, Any]):
