@@ -59,7 +59,8 @@ def test_plain_text_prompts_become_user_messages(tmp_path):
     import json
 
     from asyncgrpo.cli.launch import build_dataset
-    from asyncgrpo.cli.run_config import UserError, check_dataset
+    from asyncgrpo.cli.run_config import check_dataset
+    from asyncgrpo.errors import UserError
 
     data = tmp_path / "qa.jsonl"
     data.write_text("\n".join(json.dumps({"question": q, "answer": a}) for q, a in [("1+1?", "2"), ("2+3?", "5")]))

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 from asyncgrpo.cli.help_format import DefaultsFormatter
-from asyncgrpo.cli.run_config import UserError
+from asyncgrpo.errors import UserError
 
 
 def _build_parser() -> argparse.ArgumentParser:

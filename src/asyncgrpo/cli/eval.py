@@ -20,7 +20,7 @@ def run_eval(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from asyncgrpo.cli.launch import build_dataset, parse_train, resolve_model, start_embedded, wait_for_server
-    from asyncgrpo.cli.run_config import UserError
+    from asyncgrpo.errors import UserError
 
     description = (
         "Score a model on the YAML's eval_dataset with its reward functions; AsyncGRPOConfig flags "

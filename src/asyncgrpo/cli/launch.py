@@ -33,7 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.cli.run_config import RunSpec, UserError, check_args, check_run, did_you_mean, load_yaml
+from asyncgrpo.cli.run_config import RunSpec, check_args, check_run, did_you_mean, load_yaml
+from asyncgrpo.errors import UserError
 from asyncgrpo.trainer.gpu_share import EMBEDDED_GPU_SHARE, SHARE_FLAG
 
 __all__ = ["build_dataset", "parse_train", "run_train", "train_from_config"]

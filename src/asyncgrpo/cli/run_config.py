@@ -20,14 +20,12 @@ from typing import Any
 
 import yaml
 
+from asyncgrpo.errors import UserError
+
 TOP_KEYS = ("model", "dataset", "eval_dataset", "reward_funcs", "server", "args")
 SERVER_KEYS = ("embedded", "device", "dtype", "args", "timeout", "wait_s")
 RECIPE_KEYS = ("recipe", "task", "size", "seed", "system_prompt")
 LOAD_KEYS = ("path", "name", "split", "data_files", "data_dir", "revision", "prompt_column")
-
-
-class UserError(ValueError):
-    """A mistake in the user's input: the command prints the message alone and exits with code 2."""
 
 
 def did_you_mean(word: str, options: typing.Iterable[str]) -> str:

@@ -10,7 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from asyncgrpo.cli.run_config import UserError
+from asyncgrpo.errors import UserError
 from asyncgrpo.report.diagnose import Verdict, diagnose
 from asyncgrpo.report.page import write_html
 from asyncgrpo.report.plots import PANELS, draw_panels
