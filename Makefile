@@ -35,4 +35,4 @@ lint: $(VENV)/.installed
 
 # The generated tables of docs/config.md and docs/metrics.md (tests/unit/test_readme.py fails when they are stale).
 docs: $(VENV)/.installed
-	$(PY) -m asyncgrpo.docs
+	$(PY) -m asyncgrpo.cli.docs

@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 from tests.helpers.synthetic import grpo_samples
 from tests.unit.test_packing_deltanet import VOCAB, _deep_tree_samples, hybrid_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
+
 
 def parity(family: str, device: str) -> dict:
     """Max log-prob and gradient differences, packed vs unpacked, fp32."""
@@ -177,7 +180,7 @@ def main() -> None:
     print("PARITY", "ok" if ok else "FAILED", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        write_result(args.out, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
+
 
 def one_seed(seed: int, max_steps: int | None, work: Path) -> dict[str, float]:
     out = work / f"demo-seed{seed}"
@@ -57,7 +60,7 @@ def main() -> None:
     print(f"gain {summary['gain_mean']:+.3f} (min {summary['gain_min']:+.2f}, max {summary['gain_max']:+.2f}, "
           f"stdev {summary['gain_stdev']:.3f}); slowest run {summary['wall_s_max']:.0f} s")  # fmt: skip
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(summary, indent=1))
+    write_result(Path(a.out), summary, indent=1)
 
 
 if __name__ == "__main__":

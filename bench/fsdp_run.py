@@ -1,6 +1,6 @@
 """Async GRPO with FSDP2 on two trainer ranks, the embedded server sharing GPU 0; the same run on one rank (issue 12).
 
-    python bench/fsdp_run.py --steps 30 --out bench/results/fsdp_run_h200.json            # demo model
+    python bench/fsdp_run.py --steps 30 --out bench/results/fsdp_run_h200x2.json            # demo model
     python bench/fsdp_run.py --model synthetic --steps 30 --out /tmp/fsdp_run.json        # random-init 135M shape
 
 Starts ``asyncgrpo serve`` on GPU 0 (``--gpu-memory-utilization`` 0.25, so a trainer rank fits beside it);
@@ -33,6 +33,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -84,7 +87,7 @@ def run_rank(spec_path: str) -> None:
 
         rewards: list[Any] = [even_token_reward]
     else:
-        from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+        from asyncgrpo.tasks.reasoning import format_reward, numeric_answer_reward
 
         rewards = [numeric_answer_reward, format_reward]
     fsdp = FSDP2 if spec["launcher"] == "torchrun" else {}  # accelerate launch: the config file says FSDP2
@@ -198,7 +201,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank-spec", help=argparse.SUPPRESS)  # set by the launcher for each trainer rank
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--out", default="bench/results/fsdp_run_h200.json")
+    p.add_argument("--out", default="bench/results/fsdp_run_h200x2.json")
     p.add_argument("--model", choices=("demo", "synthetic"), default="demo")
     p.add_argument(
         "--data",
@@ -226,11 +229,11 @@ def main() -> int:
     workdir = Path(a.out).with_suffix("")
     workdir.mkdir(parents=True, exist_ok=True)
     if a.model == "demo":
-        from asyncgrpo.recipes import demo_model_dir
+        from asyncgrpo.assets import demo_model_dir
 
         model_dir = demo_model_dir()
     else:
-        from asyncgrpo.recipes import tiny_model_dir
+        from asyncgrpo.assets import tiny_model_dir
 
         model_dir = tiny_model_dir("llama", **(SMOLLM2_135M if a.device == "cuda" else {}))
     data = Path(a.data)
@@ -270,7 +273,7 @@ def main() -> int:
         if two["forwarded_tokens_per_s"] and one["forwarded_tokens_per_s"]:
             result["two_over_one_tokens_per_s"] = two["forwarded_tokens_per_s"] / one["forwarded_tokens_per_s"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    write_result(Path(a.out), result)
     short = {k: v for k, v in result.items() if k != "runs"}
     short["runs"] = {k: {x: y for x, y in r.items() if not x.endswith("_by_step")} for k, r in runs.items()}
     print(json.dumps(short, indent=2))

@@ -16,7 +16,6 @@ Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/genera
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import statistics
@@ -32,6 +31,7 @@ from asyncgrpo.server.engine.request import Request, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.engine_run, bench.sampler_speed
 from bench.engine_run import submit_and_wait
+from bench.result_file import write_result
 
 QWEN3_06B = {
     "hidden_size": 1024,
@@ -356,7 +356,7 @@ def main() -> int:
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

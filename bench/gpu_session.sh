@@ -32,7 +32,7 @@ for stage in "$@"; do
     generation)
       timeout 260 python3 bench/generation.py --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" | tail -25 ;;
     enginegc)  # GC pauses in the engine at B5's shape (the flat top-N change: CPU showed 6-7 full collections -> 0)
-      timeout 200 python3 bench/engine_gc.py --out "$OUT/engine_gc_h200.json" 2>&1 | tee "$OUT/engine_gc.log" | tail -6 ;;
+      timeout 200 python3 bench/probes/engine_gc.py --out "$OUT/engine_gc_h200.json" 2>&1 | tee "$OUT/engine_gc.log" | tail -6 ;;
     packing)
       timeout 340 python3 bench/tree_packing.py --max-seconds 300 --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/tree_packing.log" | tail -30 ;;
@@ -40,9 +40,9 @@ for stage in "$@"; do
     model-b) cat /tmp/model/a .m2/part > /tmp/model/smollm2.gguf && ls -la /tmp/model ;;
     train)
       timeout 330 python3 bench/two_gpu_run.py --data .assets/chain_sum_512.jsonl --steps 24 \
-        --out "$OUT/two_gpu_run_h200.json" 2>&1 | tee "$OUT/two_gpu_run.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
+        --out "$OUT/two_gpu_run_h200x2.json" 2>&1 | tee "$OUT/two_gpu_run.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
     fsdp)  # issue 12: two FSDP2 trainer ranks (GPUs 1,0) beside the server on GPU 0, then one rank
-      timeout 400 python3 bench/fsdp_run.py --steps 30 --out "$OUT/fsdp_run_h200.json" 2>&1 \
+      timeout 400 python3 bench/fsdp_run.py --steps 30 --out "$OUT/fsdp_run_h200x2.json" 2>&1 \
         | tee "$OUT/fsdp_run.log" | grep -vE "it/s\]|s/it\]" | tail -40 ;;
     weightsync)  # issue 12 B4: bare broadcast vs WeightSender per bucket size with the breakdown; two-rank FSDP2
       timeout 560 python3 bench/weight_sync.py --fsdp2 --in-thread-modes packed:256 --out "$OUT/weight_sync_h200x2.json" 2>&1 \
@@ -61,14 +61,14 @@ for stage in "$@"; do
         | tee "$OUT/rollout_path.log" | tail -40 ;;
     rollout-long)  # the same shapes x4 (1,024 requests, ~4 waves through 256 slots): the worker as a trainer feeds it
       timeout 560 python3 bench/rollout_path.py --scale 4 --repeats 2 --max-seconds 540 --variants in_process,worker,worker_group \
-        --out "$OUT/rollout_path_h200_x4.json" 2>&1 | tee "$OUT/rollout_path_x4.log" | tail -40 ;;
+        --out "$OUT/rollout_path_scale4_h200.json" 2>&1 | tee "$OUT/rollout_path_x4.log" | tail -40 ;;
     learning)  # the settings of the last two-GPU runs (the data lies in bench/data)
       timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \
-        --learning-rate 1e-5 --out "$OUT/learning_h200.json" 2>&1 | tee "$OUT/learning.log" \
+        --learning-rate 1e-5 --out "$OUT/learning_h200x2.json" 2>&1 | tee "$OUT/learning.log" \
         | grep -vE "it/s\]|s/it\]" | tail -40 ;;
     learning-b6)  # B6 where training weighs about as much as generation: checkpointing on (sync's split is in the JSON)
       timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \
-        --learning-rate 1e-5 --gradient-checkpointing --out "$OUT/learning_h200_b6.json" 2>&1 | tee "$OUT/learning_b6.log" \
+        --learning-rate 1e-5 --gradient-checkpointing --out "$OUT/learning_b6_h200x2.json" 2>&1 | tee "$OUT/learning_b6.log" \
         | grep -vE "it/s\]|s/it\]" | tail -40 ;;
     multiserver)
       timeout 400 python3 bench/multi_server_sync.py --out "$OUT/multi_server_sync_h200x2.json" 2>&1 \

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.weight_sync
+from bench.result_file import write_result
 from bench.weight_sync import QWEN3_1_7B, SMOKE, _bucket  # the shapes and modes of B4 over NCCL
 
 NCCL_TWO_GPU_MS = 19.0  # B4 over NCCL between two H200s (the goal to beat)
@@ -214,7 +215,7 @@ def main() -> int:
                 print(f"sync {mode}: total {total * 1e3:.2f} ms = {r['ratio']:.2f} x bare copy; "
                       f"{r['update_calls']} update call(s); steps {r['host_steps_ms']}", flush=True)  # fmt: skip
                 if args.out:
-                    args.out.write_text(json.dumps(report, indent=1))
+                    write_result(args.out, report, indent=1)
     if baseline is not None:
         report["baseline"] = baseline
         report["speedup_vs_baseline"] = {
@@ -223,7 +224,7 @@ def main() -> int:
         }  # fmt: skip
     report["wall_s"] = time.perf_counter() - start
     if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
+        write_result(args.out, report, indent=1)
         print(f"wrote {args.out}")
     return 0
 

@@ -1,6 +1,6 @@
 """B6 and B8: asynchronous against synchronous GRPO on two GPUs, and held-out accuracy against wall-clock.
 
-    python bench/learning.py --out bench/results/learning_h200.json [--train-seconds 180]
+    python bench/learning.py --out bench/results/learning_h200x2.json [--train-seconds 180]
     python bench/learning.py --make-data bench/data     # where reasoning-gym is installed (CPU machine)
 
 The same run twice, one after the other, each in its own process: the embedded server (bf16) on GPU 0, the
@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
+
 TASKS = {  # reasoning-gym task -> its settings (chain_sum: the demo's task)
     "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]},
     "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},  # held-out questions need 2 digits
@@ -45,7 +48,7 @@ MODES = {
 
 def make_data(out: Path, task: str, train_size: int = 1024, heldout_size: int = 200) -> None:
     """Train and held-out JSONL (``{"prompt": messages, "answer": str}``); held-out questions never trained on."""
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
     out.mkdir(parents=True, exist_ok=True)
     train = reasoning_gym_dataset(task, size=train_size, seed=0, **TASKS[task])
@@ -111,10 +114,10 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.evaluate import EvalSettings, evaluate_sync
-    from asyncgrpo.recipes import demo_model_dir
-    from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+    from asyncgrpo.assets import demo_model_dir
     from asyncgrpo.server.launcher import launch_server
+    from asyncgrpo.tasks.evaluate import EvalSettings, evaluate_sync
+    from asyncgrpo.tasks.reasoning import format_reward, numeric_answer_reward
 
     train_rows = _read(Path(a.data) / f"{a.task}_train.jsonl")
     held_rows = _read(Path(a.data) / f"{a.task}_heldout.jsonl")[: a.heldout_limit]
@@ -341,7 +344,7 @@ def compare(runs: dict[str, dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench/results/learning_h200.json")
+    p.add_argument("--out", default="bench/results/learning_h200x2.json")
     p.add_argument("--make-data", help="write the task's JSONL files into this folder and exit")
     p.add_argument("--task", default="basic_arithmetic", choices=sorted(TASKS))
     p.add_argument("--data", default=str(DATA_DIR))
@@ -412,7 +415,7 @@ def main() -> int:
     if {"async", "sync"} <= runs.keys():
         summary["compare"] = compare(runs)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(summary, indent=2))
+    write_result(a.out, summary)
     print(json.dumps(summary.get("compare", {}), indent=2))
     return 0
 

@@ -36,6 +36,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SHAPES = {  # Qwen3 shapes (hidden, intermediate, layers, heads, kv heads)
     "1.7b": (2048, 6144, 28, 16, 8),
@@ -143,7 +146,7 @@ def main() -> int:
                   "trainer_gpu": a.trainer_gpu, "rounds": a.rounds, "device": "cpu" if a.cpu else torch.cuda.get_device_name(),
                   "results": results}  # fmt: skip
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(record, indent=1))
+        write_result(Path(a.out), record, indent=1)
         print(f"wrote {a.out}")
         return 0
     finally:

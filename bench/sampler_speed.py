@@ -24,6 +24,9 @@ from asyncgrpo.server.engine.request import SamplingParams
 from asyncgrpo.server.engine.sampler import Sampler, SamplerRow
 from asyncgrpo.server.layers import sample_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
+
 VOCAB = 151936
 SWEEP = [(1024, 4), (2048, 8), (2048, 4), (4096, 16), (4096, 8), (8192, 16)]  # (slice, warps); default: slice/256
 
@@ -110,7 +113,7 @@ def main() -> int:
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

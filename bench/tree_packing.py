@@ -30,28 +30,25 @@ FLOPs, which is below the packing ratio; both quotients are written.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
-from asyncgrpo.packing.planner import TokenBudgetBatcher
 from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers
 from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/helpers
-from tests.helpers.synthetic import grpo_samples
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/helpers, bench.*
+from bench.result_file import write_result
 
 H200_BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s of an H100/H200 SXM (no sparsity)
-TOP_N = 8
+from bench.tree_packing_inputs import make_samples, padded_batches, plan_rows
+
 MODELS = {
     "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144},
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072},
@@ -81,80 +78,6 @@ SMOKE_MODEL = {
     "tie_word_embeddings": True,
 }
 SMOKE_SHAPES = {"G4_P32_C8-48": (2, 4, 32, (8, 48)), "G8_P64_C16-32": (1, 8, 64, (16, 32))}
-
-
-# ---------------------------------------------------------------------------- inputs
-def make_samples(shape: tuple, vocab: int, seed: int) -> list:
-    groups, size, prompt, comp = shape
-    samples = grpo_samples(groups, size, prompt, comp, vocab_size=vocab, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    for s in samples:  # the sampler's top-N per position, as score centering reads it
-        s.sampler_topn_ids = rng.integers(0, vocab, size=(len(s), TOP_N))
-        s.sampler_topn_logprobs = np.full((len(s), TOP_N), -3.0, dtype=np.float32)
-    return samples
-
-
-def plan_rows(samples: list, budget: int, share: bool) -> list:
-    """Rows as the trainer plans them (groups kept in one row when they fit)."""
-    batcher = TokenBudgetBatcher(budget, share_prefixes=share, keep_groups=KEEP_GROUPS and share)  # flat: as before
-    mbs = [mb for mb in (batcher.add(s) for s in samples) if mb is not None]
-    while (last := batcher.flush()) is not None:
-        mbs.append(last)
-    return [row for mb in mbs for row in mb.pack()]
-
-
-def padded_batches(samples: list, budget: int, device: str) -> list[dict]:
-    """Greedy batches in queue order with B x max_len <= budget, right-padded."""
-    batches, cur = [], []
-    for s in samples:
-        if cur and (len(cur) + 1) * max(len(x) for x in cur + [s]) > budget:
-            batches.append(cur)
-            cur = []
-        cur.append(s)
-    batches.append(cur)
-    out = []
-    for b in batches:
-        width = max(len(s) for s in b)
-        ids = torch.zeros(len(b), width, dtype=torch.long)
-        mask = torch.zeros(len(b), width, dtype=torch.long)
-        rows, pos, tgt, adv, extra, old, extra_lp = [], [], [], [], [], [], []
-        for i, s in enumerate(b):
-            ids[i, : len(s)] = torch.from_numpy(s.token_ids)
-            mask[i, : len(s)] = 1
-            t = np.flatnonzero(s.loss_mask)
-            rows.append(np.full(len(t), i))
-            pos.append(t - 1)
-            tgt.append(s.token_ids[t])
-            adv.append(np.full(len(t), s.advantage, dtype=np.float32))
-            extra.append(s.sampler_topn_ids[t])
-            extra_lp.append(s.sampler_topn_logprobs[t])
-            old.append(np.asarray(s.old_logprobs, dtype=np.float32)[t])
-
-        def cat(parts, dtype=torch.long):
-            return torch.from_numpy(np.concatenate(parts)).to(device=device, dtype=dtype)
-
-        out.append(
-            {
-                "ids": ids.to(device),
-                "mask": mask.to(device),
-                "rows": cat(rows),
-                "pos": cat(pos),
-                "targets": cat(tgt),
-                "adv": cat(adv, torch.float32),
-                "loss_row": SimpleNamespace(
-                    target_ids=cat(tgt),
-                    advantages=cat(adv, torch.float32),
-                    old_logprobs=cat(old, torch.float32),
-                    sampler_topn_ids=cat(extra),
-                    sampler_topn_logprobs=cat(extra_lp, torch.float32),
-                    candidates=None,
-                    entry_sample=None,
-                ),
-                "tokens": int(mask.sum()),
-                "width": width,
-            }
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------- steps
@@ -256,7 +179,7 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
     flat_tokens = sum(len(s) for s in samples)
     res: dict = {"samples": len(samples), "trained_tokens": trained, "flat_tokens": flat_tokens}
     methods = {}
-    tree_rows = [r.to(device) for r in plan_rows(samples, budget, share=True)]
+    tree_rows = [r.to(device) for r in plan_rows(samples, budget, share=True, keep_groups=KEEP_GROUPS)]
     flat_rows = [r.to(device) for r in plan_rows(samples, budget, share=False)]
     use_tree_attention(model)
     runs = [(f"tree_{b}", tree_rows, b) for b in tree_backends] + [(f"flat_{flat_backend}", flat_rows, flat_backend)]
@@ -441,7 +364,7 @@ def main() -> int:
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        write_result(args.out, report)
         print(f"wrote {args.out}")
     failed = [f"{k}/{m}" for k, r in results.items() for m, v in r["methods"].items() if "error" in v]
     if failed:

@@ -1,6 +1,6 @@
 """Async GRPO on two GPUs: embedded server on GPU 0, trainer on GPU 1, NCCL weight sync (issue 3 acceptance).
 
-    python bench/two_gpu_run.py --data prompts.jsonl --steps 24 --out bench/results/two_gpu_run_h200.json
+    python bench/two_gpu_run.py --data prompts.jsonl --steps 24 --out bench/results/two_gpu_run_h200x2.json
 
 ``--data`` is a JSONL file of rows ``{"prompt": [messages], "answer": "..."}`` (make one with
 ``python bench/two_gpu_run.py --make-data FILE`` where reasoning-gym is installed). The model is the offline
@@ -18,9 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
+
 
 def make_data(path: str, size: int, seed: int) -> None:
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
     ds = reasoning_gym_dataset("chain_sum", size=size, seed=seed, min_terms=2, max_terms=2, max_digits=2)
     with open(path, "w") as fh:
@@ -32,7 +35,7 @@ def main() -> int:
     p.add_argument("--data")
     p.add_argument("--make-data")
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--out", default="bench/results/two_gpu_run_h200.json")
+    p.add_argument("--out", default="bench/results/two_gpu_run_h200x2.json")
     p.add_argument("--server-gpu", default="0")
     p.add_argument("--trainer-gpu", default="1")
     a = p.parse_args()
@@ -44,9 +47,9 @@ def main() -> int:
     import torch
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.recipes import demo_model_dir
-    from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+    from asyncgrpo.assets import demo_model_dir
     from asyncgrpo.server.launcher import launch_server
+    from asyncgrpo.tasks.reasoning import format_reward, numeric_answer_reward
 
     if not torch.cuda.is_available():
         print("needs CUDA (two GPUs): nothing measured", file=sys.stderr)
@@ -104,7 +107,7 @@ def main() -> int:
             for k in ("num_generations", "max_completion_length", "token_budget", "learning_rate", "max_staleness")
         },
     }
-    Path(a.out).write_text(json.dumps(summary, indent=2))
+    write_result(Path(a.out), summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "reward_by_step"}, indent=2))
     return 0
 

@@ -31,7 +31,6 @@ in ms with ``span``, ``fill`` (before the first broadcast), ``drain`` (after the
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -42,6 +41,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
+from bench.result_file import write_result
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 QWEN3_1_7B = {
@@ -320,7 +322,7 @@ def _keep(report: dict, prefix: str, label: str, mode: str, rounds: dict, bare_s
 def write(path: Path | None, report: dict) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
+        write_result(path, report)
 
 
 if __name__ == "__main__":

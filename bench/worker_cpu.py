@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import random
 import subprocess
@@ -27,6 +26,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.rollout_path
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.server.http.wire_json import completion_logprobs_json
+from bench.result_file import write_result
 
 G = 8
 
@@ -97,7 +97,7 @@ def _run(url: str, groups: int, out_len: int, group_requests: bool) -> float:
     from asyncgrpo.rollout.sampling import SamplingSettings
     from asyncgrpo.rollout.settings import RolloutSettings
     from asyncgrpo.rollout.worker import RolloutWorker
-    from bench.rollout_path import last_token_reward
+    from bench.rollout_server import last_token_reward
 
     sampling = SamplingSettings(base_url=url, max_model_len=4096, max_completion_length=out_len, temperature=1.0,
                                 num_sampler_logprobs=8, kv_cache_tokens=None, has_metrics=False)  # fmt: skip
@@ -155,7 +155,7 @@ def main() -> int:
         stub.kill()
     if opts.out:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(json.dumps(result, indent=2))
+        write_result(opts.out, result)
         print(f"wrote {opts.out}")
     return 0
 

@@ -8,7 +8,7 @@ Each episode is "What is A op B?" with 2-3 digit numbers, too hard for a 135M mo
 ``CalculatorEnv`` exposes one tool, ``calculate(expression)``; its ``get_reward`` pays 0.5 when a call returned
 the right value, and ``answer_reward`` pays 1.0 when the final answer is right. The base model never writes
 ``<tool_call>`` blocks, so a short supervised warm-up on synthetic transcripts comes first
-(``asyncgrpo.recipes.tool_warmup``), then async GRPO. Held-out episodes are evaluated (greedy) on the base,
+(``asyncgrpo.assets.tool_warmup``), then async GRPO. Held-out episodes are evaluated (greedy) on the base,
 warmed-up and trained models: environment reward, answer accuracy and tool-call success rate.
 """
 
@@ -90,7 +90,7 @@ def make_rows(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def transcripts(rows: list[dict[str, Any]]) -> list[Any]:
-    from asyncgrpo.recipes.tool_warmup import Transcript
+    from asyncgrpo.assets.tool_warmup import Transcript
 
     out = []
     for r in rows:
@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.recipes import demo_model_dir
-    from asyncgrpo.recipes.tool_warmup import supervised_tool_warmup
+    from asyncgrpo.assets import demo_model_dir
+    from asyncgrpo.assets.tool_warmup import supervised_tool_warmup
     from asyncgrpo.rollout.agents import prepare_tool_template
     from asyncgrpo.server.launcher import launch_server
 

@@ -84,7 +84,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_llama_dir() -> Path:
     """The cached tiny random-init Llama with the real SmolLM2 tokenizer."""
-    from asyncgrpo.recipes import tiny_model_dir
+    from asyncgrpo.assets import tiny_model_dir
 
     return tiny_model_dir("llama")
 

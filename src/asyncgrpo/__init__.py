@@ -1,7 +1,7 @@
 """asyncgrpo: asynchronous GRPO — a generation server streams rollouts while the trainer learns from them.
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.rewards import accuracy_reward
+    from asyncgrpo.tasks import accuracy_reward
 
 Heavy modules (torch, transformers) load on first use of a name, so the
 command-line tool and the rollout worker start quickly.

@@ -1,10 +1,11 @@
-"""Errors raised by the generation-server client, the weight transfer and the server's peers.
+"""The project's error classes: the generation-server client's, the weight transfer's, and ``UserError``.
 
-One neutral module (no project imports) so ``client/``, ``weights/`` and ``server/`` raise and catch the same
-classes without importing each other.
+One neutral module (no project imports) so ``client/``, ``weights/``, ``server/`` and the commands raise and catch
+the same classes without importing each other.
 
 Every error names what was waited for or called, so a failed run says which
-endpoint or collective to look at (SPEC X4).
+endpoint or collective to look at (SPEC X4). ``UserError`` is a mistake in what the user gave (a config, a
+dataset, a run folder): the command prints its message alone and exits with code 2.
 """
 
 from __future__ import annotations
@@ -47,3 +48,7 @@ class WeightTransferError(RuntimeError):
     After this error the collective group is in an unknown state: the run should
     stop (the server may be stuck inside a collective and need a restart).
     """
+
+
+class UserError(ValueError):
+    """A mistake in the user's input: the command prints the message alone and exits with code 2."""

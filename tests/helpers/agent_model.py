@@ -1,7 +1,7 @@
 """A tiny Llama that really emits tool calls: a short supervised warm-up on CPU, checked, then cached.
 
 The agent integration tests need tool calls written by a real model through the real server. A random-init
-tiny Llama (real SmolLM2 tokenizer) is fine-tuned with ``recipes.tool_warmup`` on transcripts of exactly the
+tiny Llama (real SmolLM2 tokenizer) is fine-tuned with ``assets.tool_warmup`` on transcripts of exactly the
 prompts and tools the reference's agent examples (docs/spec.md) use (tests/helpers/agent_examples). Where the
 tests need reward variance, a prompt has two continuations in the data, so sampling picks either.
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from filelock import FileLock
 
-from asyncgrpo.recipes import cache_dir, smollm2_tokenizer, tiny_model
-from asyncgrpo.recipes.tool_warmup import Transcript, transcript_sequences
+from asyncgrpo.assets import cache_dir, smollm2_tokenizer, tiny_model
+from asyncgrpo.assets.tool_warmup import Transcript, transcript_sequences
 from asyncgrpo.rollout.agents import prepare_tool_template
 from tests.helpers.agent_examples import doc_env_dict, doc_env_self, doc_tools
 from tests.helpers.cached_model import publish

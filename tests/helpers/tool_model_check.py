@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.recipes.tool_warmup import Transcript, supervised_tool_warmup
+from asyncgrpo.assets.tool_warmup import Transcript, supervised_tool_warmup
 from asyncgrpo.rollout.agents import parse_tool_calls, schemas_of
 
 MIN_MARGIN_NATS = 2.0  # logit gap between the written token and the runner-up (at temperature 0.5: a 55x odds ratio)

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from asyncgrpo.assets import smollm2_tokenizer
 from asyncgrpo.packing.sample import PackSample
-from asyncgrpo.recipes import smollm2_tokenizer
 from asyncgrpo.rollout.agents import ToolLoopSettings, prepare_tool_template, run_tool_loop
 from asyncgrpo.rollout.reconcile import ReconcileStats
 from tests.helpers import agent_model

@@ -76,7 +76,7 @@ def test_a_variant_that_fails_makes_the_run_fail(tmp_path):
 def test_the_ramp_splits_the_first_group_from_the_rest():
     """Start stamps of two groups of 3 rollouts, out of order: the first 3 (by time) are the lone first group."""
     sys.path.insert(0, str(ROOT))
-    from bench.rollout_path import _ramp
+    from bench.rollout_server import _ramp
 
     out = _ramp([10.5, 10.0, 10.2, 12.0, 11.0, 11.4], group_size=3)
     assert out == {"worker_first_group_start_spread_s": 0.5, "worker_rest_start_spread_s": 1.0}

@@ -1,4 +1,4 @@
-"""bench/small_batch_probe.py on the CPU (``--tiny``): every batch is timed, and once more after ``--idle-s``."""
+"""bench/probes/small_batch_probe.py on the CPU (``--tiny``): every batch is timed, and once more after ``--idle-s``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_idle_runs_are_tagged_and_follow_the_idle_time(tmp_path):
     out = tmp_path / "probe.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "small_batch_probe.py"), "--tiny", "--batches", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "probes" / "small_batch_probe.py"), "--tiny", "--batches", "2",
                            "--idle-s", "1.5", "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=240, check=False)  # fmt: skip
     wall = time.monotonic() - t0

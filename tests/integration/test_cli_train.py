@@ -95,7 +95,7 @@ def test_eval_command_matches_greedy_completions(run, serve):
     from transformers import AutoTokenizer
 
     from asyncgrpo.client.http_client import AsyncServerClient
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
     path, out, _ = run
     with ThreadPoolExecutor(1) as pool:  # the reference server starts while the command runs
@@ -185,8 +185,8 @@ def test_sampled_eval_keeps_top_k_on_a_masking_server(serve, tiny_llama_dir):
     from transformers import AutoTokenizer
 
     from asyncgrpo.client.http_client import AsyncServerClient
-    from asyncgrpo.evaluate import EvalSettings, evaluate_sync, render
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+    from asyncgrpo.tasks.evaluate import EvalSettings, evaluate_sync, render
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
     server = serve(tiny_llama_dir, "--max-model-len", "256", "--return-sampling-mask")
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)

@@ -115,7 +115,7 @@ def _outputs(engine, requests) -> list:
 def test_outputs_cross_the_pipe_unchanged():
     """What the API process gets from the engine process equals what the engine hands out in process: the prompt
     (which no longer crosses the pipe), tokens, log-probs and top-N (one byte block), long answers and short ones."""
-    from asyncgrpo.recipes import tiny_model_dir
+    from asyncgrpo.assets import tiny_model_dir
     from asyncgrpo.server.engine.engine import Engine
     from asyncgrpo.server.engine.process import RemoteEngine
     from asyncgrpo.server.engine.request import Request, SamplingParams

@@ -208,8 +208,8 @@ def test_unreachable_server_says_what_it_waits_for_every_30s(tmp_path, tiny_llam
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.errors import ServerTimeoutError
-    from asyncgrpo.recipes.tasks import reasoning_gym_dataset
     from asyncgrpo.server.launcher import free_port
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens here
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, vllm_server_base_url=url, report_to=[],

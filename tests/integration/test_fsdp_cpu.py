@@ -19,7 +19,7 @@ import torch
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 from asyncgrpo.trainer.loss import loss_normalizer
 from tests.helpers.fsdp_launch import launch_ranks
 from tests.helpers.rewards import even_token_reward

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 from tests.helpers.reference import PROMPT, check_greedy
 
 pytestmark = pytest.mark.slow
@@ -140,8 +140,8 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
     from types import SimpleNamespace
 
     from asyncgrpo import AsyncRolloutLoop
+    from asyncgrpo.assets import smollm2_tokenizer
     from asyncgrpo.client.pool import ServerPool
-    from asyncgrpo.recipes import smollm2_tokenizer
     from asyncgrpo.rollout.loop import _GROUP_VERSION
     from asyncgrpo.rollout.sampling import SamplingSettings
     from asyncgrpo.rollout.settings import RolloutSettings

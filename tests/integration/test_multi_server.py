@@ -24,8 +24,8 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.metrics import is_documented_metric
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 from asyncgrpo.server.launcher import free_port
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 from asyncgrpo.weights.links import TOPOLOGIES
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 from asyncgrpo.report import load_run
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.recipes import tiny_model_dir
 from asyncgrpo.server.launcher import ServerProcess
 from asyncgrpo.weights.sender import WeightSender
 from tests.helpers.reference import check_greedy, hf_model, perturb, server_greedy

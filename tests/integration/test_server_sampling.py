@@ -24,7 +24,7 @@ MAX_MODEL_LEN = 48
 @pytest.fixture(scope="module")
 def setup(serve, tiny_llama_dir, tmp_path_factory):
     """(server, HF reference model, greedy continuation of PROMPT with the default EOS)."""
-    from asyncgrpo.recipes import tiny_model_dir
+    from asyncgrpo.assets import tiny_model_dir
 
     greedy = hf_greedy(hf_model(tiny_llama_dir), PROMPT, 4)[0]
     assert greedy[2] not in greedy[:2]

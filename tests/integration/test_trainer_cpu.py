@@ -21,8 +21,8 @@ import torch
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.metrics import is_documented_metric
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
 from asyncgrpo.rollout.worker import RolloutWorkerError
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
 pytestmark = pytest.mark.slow
 

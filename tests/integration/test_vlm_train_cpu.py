@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.recipes import tiny_model_dir
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from aiohttp import web
 
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.client.http_client import AsyncServerClient
-from asyncgrpo.recipes import tiny_model_dir
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.http.app import ServerConfig, create_app
 from asyncgrpo.weights.collectives import plan_chunks

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from asyncgrpo.recipes import tiny_model
+from asyncgrpo.assets import tiny_model
 from asyncgrpo.server.engine.lora import read_adapter
 from asyncgrpo.weights.lora_sync import adapter_rank, adapter_state, check_adapter_server, write_adapter
 from tests.helpers.reference import lora_model

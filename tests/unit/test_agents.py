@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncgrpo.recipes.assets import smollm2_tokenizer
+from asyncgrpo.assets.demo_model import smollm2_tokenizer
 from asyncgrpo.rollout.agents import (
     EnvironmentPool,
     ToolLoopSettings,

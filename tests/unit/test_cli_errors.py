@@ -74,7 +74,7 @@ def test_unknown_task_setting(tmp_path, capsys):
 
 
 def test_bad_reward_path(tmp_path, capsys):
-    path = write(tmp_path, lambda c: c["reward_funcs"].__setitem__(0, "asyncgrpo.recipes.tasks:numeric_answer"))
+    path = write(tmp_path, lambda c: c["reward_funcs"].__setitem__(0, "asyncgrpo.tasks.reasoning:numeric_answer"))
     err = run_cli(["train", "--config", str(path)], capsys)
     assert "has no 'numeric_answer' (did you mean 'numeric_answer_reward'?)" in err
     path = write(tmp_path, lambda c: c["reward_funcs"].__setitem__(0, "no_such_module:f"))
@@ -126,7 +126,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_overrides_are_typed(tmp_path):
-    from asyncgrpo.launch import parse_train
+    from asyncgrpo.cli.launch import parse_train
 
     spec, ns = parse_train(
         ["--config", str(write(tmp_path, lambda c: None)), "--max_steps", "3", "--learning_rate", "1e-5", "--log-full"]
@@ -138,7 +138,7 @@ def test_overrides_are_typed(tmp_path):
 
 def test_yaml_numbers_written_as_text_convert(tmp_path):
     """YAML 1.1 reads 5e-6 (no dot) as a string; the field is a float, so it converts."""
-    from asyncgrpo.launch import parse_train
+    from asyncgrpo.cli.launch import parse_train
 
     path = write(tmp_path, lambda c: None)
     path.write_text(re.sub(r"learning_rate: \S+", "learning_rate: 5e-6", path.read_text()))
@@ -172,7 +172,7 @@ def test_hub_model_not_cached_offline(tmp_path, capsys, monkeypatch):
 
 def test_embedded_server_that_cannot_start(tmp_path, capsys):
     """A typo in server.args: the server process exits at once; its own message reaches the user, exit 2."""
-    from asyncgrpo.recipes import tiny_model_dir
+    from asyncgrpo.assets import tiny_model_dir
 
     def edit(c):
         c["model"] = str(tiny_model_dir("llama"))

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from asyncgrpo.recipes import tiny_model, tiny_model_dir
+from asyncgrpo.assets import tiny_model, tiny_model_dir
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 from tests.helpers.reference import hf_greedy

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgrpo.recipes import tiny_model_dir
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.request import Request, SamplingParams
 from tests.helpers.reference import hf_model

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from asyncgrpo.recipes import tiny_model_dir
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 

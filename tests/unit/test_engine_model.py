@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from asyncgrpo.recipes import tiny_model
+from asyncgrpo.assets import tiny_model
 from asyncgrpo.server.engine.kv_cache import KVCache
 from asyncgrpo.server.engine.request import Request, SamplingParams
 from asyncgrpo.server.engine.runner import ModelRunner

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from asyncgrpo.recipes import tiny_model_dir
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.packed_top import PACK_MIN_ENTRIES, PackedTop, engine_top
 from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams

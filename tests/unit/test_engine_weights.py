@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine_batching import Collector, greedy
 
-from asyncgrpo.recipes import tiny_model
+from asyncgrpo.assets import tiny_model
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.request import Request, SamplingParams
 from tests.helpers.reference import hf_greedy

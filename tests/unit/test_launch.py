@@ -5,37 +5,37 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.demo import DEMO_CONFIG
-from asyncgrpo.launch import import_object, load_run_config
+from asyncgrpo.cli.demo import DEMO_CONFIG
+from asyncgrpo.cli.run_config import import_object, load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_example_yaml_is_the_demo():
-    assert load_run_config(ROOT / "examples" / "demo.yaml") == DEMO_CONFIG
+    assert load_yaml(ROOT / "examples" / "demo.yaml") == DEMO_CONFIG
 
 
 def test_import_object_both_spellings():
-    from asyncgrpo.recipes.tasks import numeric_answer_reward
+    from asyncgrpo.tasks.reasoning import numeric_answer_reward
 
-    assert import_object("asyncgrpo.recipes.tasks:numeric_answer_reward") is numeric_answer_reward
-    assert import_object("asyncgrpo.recipes.tasks.numeric_answer_reward") is numeric_answer_reward
+    assert import_object("asyncgrpo.tasks.reasoning:numeric_answer_reward") is numeric_answer_reward
+    assert import_object("asyncgrpo.tasks.reasoning.numeric_answer_reward") is numeric_answer_reward
     with pytest.raises(ValueError, match="cannot import"):
-        import_object("asyncgrpo.recipes.tasks:nope")
+        import_object("asyncgrpo.tasks.reasoning:nope")
 
 
 def test_bad_config_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: demo\nargs: {}\ndataset: {recipe: reasoning_gym}\nrewards: []\n")
     with pytest.raises(ValueError, match="unknown key 'rewards' \\(did you mean 'reward_funcs'\\?\\)"):
-        load_run_config(bad)
+        load_yaml(bad)
     bad.write_text("model: demo\nargs: {}\n")
     with pytest.raises(ValueError, match="missing 'dataset'"):
-        load_run_config(bad)
+        load_yaml(bad)
 
 
 def test_numeric_answer_reward():
-    from asyncgrpo.recipes.tasks import format_reward, numeric_answer_reward
+    from asyncgrpo.tasks.reasoning import format_reward, numeric_answer_reward
 
     done = [[{"role": "assistant", "content": "3 + 4 = <answer>7</answer>"}],
             [{"role": "assistant", "content": "it is 8"}],
@@ -47,7 +47,7 @@ def test_numeric_answer_reward():
 
 def test_demo_config_checks_without_loading_anything():
     """`asyncgrpo demo` goes through the same checks as a YAML file (nothing is fetched or started here)."""
-    from asyncgrpo.launch import _config_from_dict
+    from asyncgrpo.cli.launch import _config_from_dict
 
     spec = _config_from_dict(DEMO_CONFIG)
     assert spec.args.max_steps == DEMO_CONFIG["args"]["max_steps"] and spec.server["embedded"] is True
@@ -58,8 +58,9 @@ def test_plain_text_prompts_become_user_messages(tmp_path):
     """The trainer takes conversational prompts (T4 in docs/spec.md); prompt_column converts text."""
     import json
 
-    from asyncgrpo.launch import build_dataset
-    from asyncgrpo.run_config import UserError, check_dataset
+    from asyncgrpo.cli.launch import build_dataset
+    from asyncgrpo.cli.run_config import check_dataset
+    from asyncgrpo.errors import UserError
 
     data = tmp_path / "qa.jsonl"
     data.write_text("\n".join(json.dumps({"question": q, "answer": a}) for q, a in [("1+1?", "2"), ("2+3?", "5")]))
@@ -73,7 +74,7 @@ def test_plain_text_prompts_become_user_messages(tmp_path):
 
 
 def test_format_reward_pays_exactly_for_the_tagged_answers_numeric_answer_reward_reads():
-    from asyncgrpo.recipes.tasks import extract_answer, format_reward, numeric_answer_reward
+    from asyncgrpo.tasks.reasoning import extract_answer, format_reward, numeric_answer_reward
 
     texts = ["<answer>7</answer>", "<answer> -3 </answer>", "<answer>seven</answer>", "so 7", "<answer>4</answer> 7",
              "<answer>1</answer> then <answer>7</answer>", "<answer></answer> 7"]  # fmt: skip

@@ -94,7 +94,7 @@ def test_trainer_construction_runs_the_guard(tmp_path):
     from transformers import GptOssConfig
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.recipes import smollm2_tokenizer
+    from asyncgrpo.assets import smollm2_tokenizer
 
     cfg = GptOssConfig(**SMALL, num_local_experts=2, num_experts_per_tok=1)
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[])

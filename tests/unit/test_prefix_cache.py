@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.recipes import tiny_model_dir
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.kv_cache import KVCache
 from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams

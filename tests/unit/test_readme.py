@@ -1,4 +1,4 @@
-"""The docs' generated sections match the code (regenerate with `python -m asyncgrpo.docs`).
+"""The docs' generated sections match the code (regenerate with `python -m asyncgrpo.cli.docs`).
 
 ``docs/config.md`` holds the configuration reference and ``docs/metrics.md`` the metrics glossary; the README
 links to both (``tests/unit/test_docs_resolve.py`` checks the links).
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo import docs
+from asyncgrpo.cli import docs
+from asyncgrpo.cli.run_config import LOAD_KEYS, RECIPE_KEYS, SERVER_KEYS, TOP_KEYS
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.metrics import METRICS
-from asyncgrpo.run_config import LOAD_KEYS, RECIPE_KEYS, SERVER_KEYS, TOP_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = [(path, section) for path, sections in docs.DOC_FILES.items() for section in sections]
@@ -28,7 +28,7 @@ def test_every_section_has_a_docs_file():
 def test_generated_section_is_current(path, section):
     text = (ROOT / path).read_text()
     assert docs.section_in(text, section) == docs.generated(section), (
-        f"{path}: section {section} is stale: run `python -m asyncgrpo.docs` from the repository root"
+        f"{path}: section {section} is stale: run `python -m asyncgrpo.cli.docs` from the repository root"
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncgrpo import AsyncGRPOConfig, AsyncRolloutLoop
-from asyncgrpo.recipes import tiny_model_dir
+from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.rollout import loop as loop_module
 from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.worker_settings import build_rollout_settings

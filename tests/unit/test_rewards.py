@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 
-from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.rollout.rewards import (
     RewardFunctionError,
     check_picklable,
@@ -19,6 +18,7 @@ from asyncgrpo.rollout.rewards import (
     run_reward_functions,
     total_rewards,
 )
+from asyncgrpo.tasks import accuracy_reward
 
 PROMPTS = [[{"role": "user", "content": "2+2?"}]] * 3
 COMPLETIONS = [[{"role": "assistant", "content": c}] for c in ("4", "five", r"\boxed{4}")]

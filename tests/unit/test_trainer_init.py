@@ -3,7 +3,7 @@
 import pytest
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.recipes import smollm2_tokenizer, tiny_model
+from asyncgrpo.assets import smollm2_tokenizer, tiny_model
 
 ROWS = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
 

@@ -9,12 +9,12 @@ import torch
 from transformers import AutoModelForImageTextToText, Qwen3VLConfig
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.assets import smollm2_tokenizer, tiny_model_dir
+from asyncgrpo.models.vlm import check_no_images, freeze_non_text, non_text_parameter_ids
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
-from asyncgrpo.recipes import smollm2_tokenizer, tiny_model_dir
 from asyncgrpo.trainer.inputs import check_dataset
 from asyncgrpo.trainer.logprobs import selective_logprobs
-from asyncgrpo.vlm import check_no_images, freeze_non_text, non_text_parameter_ids
 from asyncgrpo.weights.policy import policy_weight_metadata, policy_weights
 from tests.helpers.reference import unpacked_logprobs_and_grads
 from tests.helpers.synthetic import random_tree_samples
@@ -43,7 +43,7 @@ def _is_tower(name: str) -> bool:
 
 
 def _qwen3_5_vlm() -> torch.nn.Module:
-    from asyncgrpo.recipes import tiny_model
+    from asyncgrpo.assets import tiny_model
 
     return tiny_model("qwen3_5_vlm", vocab_size=VOCAB)  # DeltaNet hybrid text model behind a vision tower
 
@@ -145,7 +145,7 @@ def test_text_only_rows_pass():
 
 
 def test_qwen3_5_checkpoint_tower_is_frozen_and_not_synced():
-    from asyncgrpo.recipes import tiny_model
+    from asyncgrpo.assets import tiny_model
 
     model = tiny_model("qwen3_5_vlm")
     freeze_non_text(model)

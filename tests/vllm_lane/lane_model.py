@@ -2,7 +2,7 @@
 
 vLLM's CPU attention refuses the project's usual tiny Llama (head_dim 16), so the lane builds its own: hidden 64
 in one head of 64, the real SmolLM2 tokenizer with the tool-calling template. A short supervised warm-up
-(``recipes.tool_warmup``) teaches it one conversation: a tool call, its result, and one of two endings ("Done." or
+(``assets.tool_warmup``) teaches it one conversation: a tool call, its result, and one of two endings ("Done." or
 "Finished.", so sampled groups have reward variance). Like the agent tests' model (tests/helpers/agent_model.py)
 it is checked before it is cached: greedy decoding must reproduce every written turn (``tool_model_check``), with
 a bounded number of extra rounds, else the build fails naming the turn. The tools test checks once more through
@@ -19,8 +19,8 @@ from typing import Any
 
 from filelock import FileLock
 
-from asyncgrpo.recipes import cache_dir, smollm2_tokenizer, tiny_model
-from asyncgrpo.recipes.tool_warmup import Transcript, transcript_sequences
+from asyncgrpo.assets import cache_dir, smollm2_tokenizer, tiny_model
+from asyncgrpo.assets.tool_warmup import Transcript, transcript_sequences
 from tests.helpers.agent_examples.doc_tools import async_add, multiply
 from tests.helpers.cached_model import publish
 from tests.helpers.tool_model_check import warm_up_until_reproduced

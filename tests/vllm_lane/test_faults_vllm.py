@@ -10,7 +10,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOTrainer
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 from tests.helpers.raw_http import raw
 from tests.vllm_lane.runs import LORA, lane_config, parity_reward, server_complete
 

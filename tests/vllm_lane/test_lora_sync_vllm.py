@@ -12,7 +12,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOTrainer
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 from tests.vllm_lane.runs import (
     FP32_NOISE,
     LORA,

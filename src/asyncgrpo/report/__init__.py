@@ -10,11 +10,11 @@ import argparse
 import logging
 from pathlib import Path
 
+from asyncgrpo.errors import UserError
 from asyncgrpo.report.diagnose import Verdict, diagnose
 from asyncgrpo.report.page import write_html
 from asyncgrpo.report.plots import PANELS, draw_panels
 from asyncgrpo.report.runlog import RunLog, RunSettings, load_run
-from asyncgrpo.run_config import UserError
 
 __all__ = [
     "PANELS",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.run_config import UserError
+from asyncgrpo.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 RUN_CONFIG_FILE = "run_config.json"

@@ -36,6 +36,7 @@ from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.client.server_rules import is_length_error
 from asyncgrpo.errors import ServerError
+from asyncgrpo.models.vlm import check_no_images
 from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages, group_reward_metrics, is_zero_std_group
 from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode
@@ -49,7 +50,6 @@ from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 from asyncgrpo.rollout.server_poll import poll_server_metrics
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
-from asyncgrpo.vlm import check_no_images
 
 logger = logging.getLogger(__name__)
 

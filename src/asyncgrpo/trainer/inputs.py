@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncgrpo.models.vlm import check_no_images
 from asyncgrpo.rollout.agents import (
     ENVIRONMENT_COLUMN,
     EnvironmentRows,
@@ -15,7 +16,6 @@ from asyncgrpo.rollout.agents import (
     check_tool,
     tool_names,
 )
-from asyncgrpo.vlm import check_no_images
 
 __all__ = ["check_dataset", "check_train_inputs"]
 

@@ -76,7 +76,7 @@ def likely_cause(groups: StepGroups, dead_servers: Sequence[str]) -> str:
     if groups.tool_groups and groups.tool_calls == 0:
         return (
             f"no completion of the {groups.tool_groups} groups called a tool: the model does not write tool calls "
-            "yet. Warm it up first (asyncgrpo.recipes.tool_warmup.supervised_tool_warmup, as "
+            "yet. Warm it up first (asyncgrpo.assets.tool_warmup.supervised_tool_warmup, as "
             "examples/agent_calculator.py does)"
         )
     if groups.scored < MIN_TIED_GROUPS:

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, Trainer
 
-from asyncgrpo import vlm
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.files import make_readable
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
+from asyncgrpo.models import vlm
 from asyncgrpo.packing import batch_metrics, build_plan, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
@@ -45,7 +46,7 @@ from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, d
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
-from asyncgrpo.trainer.checkpoint import ResumePoint, make_readable, prepare_resume, resolve_checkpoint
+from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
@@ -103,7 +104,7 @@ class AsyncGRPOTrainer(Trainer):
             methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
             ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
         eval_dataset: held-out conversational prompts (reward columns as in ``train_dataset``), generated on the
-            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.evaluate``).
+            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.tasks.evaluate``).
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -304,7 +305,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
         """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""
-        from asyncgrpo.evaluate import evaluate_sync, settings_from_config
+        from asyncgrpo.tasks.evaluate import evaluate_sync, settings_from_config
 
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.vlm import non_text_parameter_ids
+from asyncgrpo.models.vlm import non_text_parameter_ids
 from asyncgrpo.weights.collectives import TensorMeta
 
 _PEFT_PREFIX = "base_model.model."

@@ -25,7 +25,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
 
 def parity_reward(completion_ids, **kwargs):

@@ -6,7 +6,7 @@ python unguarded.py SERVER_URL MODEL_DIR OUTPUT_DIR
 import sys
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.recipes.tasks import reasoning_gym_dataset
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
 
 def length_reward(completion_ids, **kwargs):

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncgrpo.models.vlm import is_vision_language
 from asyncgrpo.server.models.decoder import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
-from asyncgrpo.vlm import is_vision_language
 
 logger = logging.getLogger(__name__)
 

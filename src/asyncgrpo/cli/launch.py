@@ -1,0 +1,319 @@
+"""``asyncgrpo train --config FILE.yaml [--max_steps 3 ...]``: a training run described by one YAML file.
+
+    model: demo                      # "demo" (SmolLM2-135M-Instruct, offline), a local dir or a hub id
+    dataset:                         # a reasoning-gym task ...
+      recipe: reasoning_gym
+      task: chain_sum
+      size: 256
+    # dataset: {path: my_data.jsonl} # ... or anything `datasets.load_dataset` opens (path, name, split)
+    eval_dataset: {recipe: reasoning_gym, task: chain_sum, size: 64, seed: 1}   # optional held-out set
+    reward_funcs:                    # import paths, "module:function" or "module.function"
+      - asyncgrpo.tasks.reasoning:reasoning_gym_reward
+    server:                          # optional: start the embedded server for this run
+      embedded: true
+      device: cpu
+      args: ["--max-num-seqs", "64"] # any other `asyncgrpo serve` flags
+    args:                            # AsyncGRPOConfig fields; the command line overrides them
+      output_dir: outputs/demo
+      max_steps: 20
+
+Without ``server.embedded`` the run uses ``args.vllm_server_base_url``. The whole file is checked before
+anything starts (``asyncgrpo.cli.run_config``); the final model and tokenizer are always saved to ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.cli.run_config import RunSpec, check_args, check_run, did_you_mean, load_yaml
+from asyncgrpo.errors import UserError
+from asyncgrpo.trainer.gpu_share import EMBEDDED_GPU_SHARE, SHARE_FLAG
+
+__all__ = ["build_dataset", "parse_train", "run_train", "train_from_config"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_dataset(spec: dict[str, Any]):
+    """The ``datasets.Dataset`` a checked ``dataset`` section describes; plain-text prompts in ``prompt_column``
+    become one user message each (the trainer takes conversational prompts)."""
+    spec = dict(spec)
+    try:
+        if spec.pop("recipe", None) == "reasoning_gym":
+            from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
+
+            return reasoning_gym_dataset(**spec)
+        from datasets import load_dataset
+
+        path, column = spec.pop("path"), spec.pop("prompt_column", None)
+        split = spec.pop("split", "train")
+        if Path(path).suffix in (".json", ".jsonl"):
+            ds = load_dataset("json", data_files=path, split=split, **spec)
+        else:
+            ds = load_dataset(path, split=split, **spec)
+    except (ValueError, TypeError, OSError) as e:
+        raise UserError(f"dataset {spec}: cannot build it: {e}") from e
+    if column is not None:
+        if column not in ds.column_names:
+            raise UserError(f"dataset.prompt_column '{column}' is not a column; columns: {ds.column_names}")
+        ds = ds.map(lambda row: {"prompt": [{"role": "user", "content": str(row[column])}]})
+    return ds
+
+
+def resolve_model(name: str) -> str:
+    """A local directory for ``name``: the demo model, a directory, or a hub id through the HF cache (as serve)."""
+    if name == "demo":
+        from asyncgrpo.assets import demo_model_dir
+
+        return str(demo_model_dir())
+    from asyncgrpo.server.startup_checks import StartupError, resolve_model_dir
+
+    try:
+        return resolve_model_dir(name)
+    except StartupError as e:
+        raise UserError(f"model: {e}") from e
+
+
+# ---- the command line ------------------------------------------------------------------------------------------------
+def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
+    """HfArgumentParser over AsyncGRPOConfig (every field a --flag with its help) plus the command's own flags;
+    returns the parser and the group of the command's own flags."""
+    from transformers import HfArgumentParser
+
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    # conflict_handler="resolve": our --debug (tracebacks) replaces TrainingArguments' --debug flag; that field
+    # (underflow_overflow, ...) stays settable in the YAML's args.
+    description = description or (
+        "Run async GRPO from a YAML file; any AsyncGRPOConfig field below overrides "
+        "the file's args (e.g. --max_steps 3 --learning_rate 1e-5)."
+    )
+    parser = HfArgumentParser(AsyncGRPOConfig, prog=prog, conflict_handler="resolve", description=description)
+    debug_default = next(f.default for f in dataclasses.fields(AsyncGRPOConfig) if f.name == "debug")
+    parser.set_defaults(debug=debug_default)  # HfArgumentParser expects every field in the namespace
+    own = parser.add_argument_group(prog)
+    own.add_argument("--config", required=True, help="the run's YAML file (see examples/demo.yaml)")
+    own.add_argument("--debug", dest="show_traceback", action="store_true", help="show the traceback of user errors")
+    if not prog.endswith("train"):  # asyncgrpo eval: no run to resume or to log
+        return parser, own
+    own.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        help="resume from a checkpoint folder; alone: the newest in output_dir; 'auto': the newest if any, else "
+        "start fresh (for jobs restarted after a crash or preemption)",
+    )
+    own.add_argument("--log-full", action="store_true", help="print transformers' whole metrics dict every window")
+    own.add_argument(
+        "--doctor-every",
+        type=int,
+        default=10,
+        help="print the run doctor's verdicts every N logging windows (0: never; default: 10)",
+    )
+    return parser, own
+
+
+def parse_train(
+    argv: list[str], prog: str = "asyncgrpo train", description: str | None = None, add_flags: Any = None
+) -> tuple[RunSpec, argparse.Namespace]:
+    """Read --config, check the whole YAML, apply command-line overrides; nothing is loaded or started.
+
+    The sections but ``args`` are checked first, before transformers is imported (seconds), so most mistakes
+    are reported at once. ``add_flags(parser)`` adds a command's own flags (``asyncgrpo eval --model``).
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    sections = None
+    if known.config is not None and not {"-h", "--help"} & set(argv):
+        cfg = load_yaml(known.config)
+        args_raw = cfg["args"] or {}
+        if not isinstance(args_raw, dict):
+            raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
+        sections = check_run(cfg)
+    from asyncgrpo.cli.help_format import organize_help
+
+    parser, own = train_parser(prog, description)
+    if add_flags is not None:
+        add_flags(own)
+    model = " --model DIR" if add_flags is not None else ""
+    organize_help(parser, own, f"{prog} --config FILE.yaml{model} [options] [--FIELD VALUE ...]")
+    if sections is None:
+        parser.parse_args(argv)  # --help, or argparse's own "--config is required" (exit 2)
+    parser.set_defaults(**check_args(args_raw))
+    try:
+        config, ns, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except ValueError as e:  # AsyncGRPOConfig.__post_init__ lists every problem with its fix
+        raise UserError(str(e)) from e
+    if rest:
+        flags = [o for a in parser._actions for o in a.option_strings]
+        hint = did_you_mean(rest[0].split("=")[0], flags) if rest[0].startswith("-") else ""
+        raise UserError(f"unknown command-line argument(s) {' '.join(rest)}{hint}; `{parser.prog} --help` lists them")
+    return dataclasses.replace(sections, args=config), ns
+
+
+def _config_from_dict(cfg: dict[str, Any]) -> RunSpec:
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    sections = check_run(cfg)
+    try:
+        args = AsyncGRPOConfig(**check_args(dict(cfg["args"])))
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    return dataclasses.replace(sections, args=args)
+
+
+def wait_for_server(base_url: str, wait_s: float) -> None:
+    """Poll ``/health`` of an external server; a clear error (not a silent 30-minute wait) when none answers."""
+    logger.info("waiting up to %.0f s for the generation server at %s", wait_s, base_url)
+    t0 = time.monotonic()
+    deadline, next_note = t0 + wait_s, t0 + 30
+    while True:
+        if time.monotonic() >= next_note:
+            logger.info(
+                "still waiting for the generation server at %s/health (%.0f s)", base_url, time.monotonic() - t0
+            )
+            next_note += 30
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() >= deadline:
+            raise UserError(
+                f"no generation server answers at {base_url} (waited {wait_s:.0f} s for /health): start one with "
+                "`asyncgrpo serve MODEL` (or vllm serve), point args.vllm_server_base_url at it, or set "
+                "`server: {embedded: true}` in the YAML"
+            )
+        time.sleep(1.0)
+
+
+def start_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[str, Any]) -> str:
+    """Start ``asyncgrpo serve`` for the run (stopped with ``stack``); returns its base URL.
+
+    A server that exits during start-up (a bad flag in ``server.args``, a model it cannot load) or never answers
+    is reported with its log tail as a user error, not as a launcher traceback.
+    """
+    from asyncgrpo.server.launcher import launch_server
+
+    timeout = float(server_cfg.get("timeout", 600))
+    flags = server_flags(server_cfg)
+    try:
+        server = launch_server(model, extra_args=flags, timeout=timeout, env=embedded_env(flags))
+        return stack.enter_context(server).base_url
+    except RuntimeError as e:
+        hint = ""
+        if "out of memory" in str(e).lower() or "KV-cache tokens fit" in str(e):
+            hint = (f"\n(the server's share of the GPU is its {SHARE_FLAG}, set in the YAML's server.args; on the "
+                    "trainer's GPU the two must fit together: see docs/gpus.md, One GPU)")  # fmt: skip
+        raise UserError(
+            f"the embedded generation server did not start (check the YAML's server section): {e}{hint}"
+        ) from e
+    except TimeoutError as e:
+        raise UserError(f"{e}\n(raise server.timeout if the machine is just slow)") from e
+
+
+def server_flags(server_cfg: dict[str, Any]) -> list[str]:
+    """``asyncgrpo serve`` flags of the YAML's ``server`` section (device, dtype, then its own args).
+
+    A server on the trainer's GPU (device ``auto``, ``cuda`` or ``cuda:0``: the trainer's default) gets
+    ``--gpu-memory-utilization`` 0.3 unless its args set one, so the trainer keeps most of the GPU.
+    """
+    device = str(server_cfg.get("device", "auto"))
+    extra = ["--device", device]
+    if "dtype" in server_cfg:
+        extra += ["--dtype", str(server_cfg["dtype"])]
+    own = [str(a) for a in server_cfg.get("args", [])]
+    if device in ("auto", "cuda", "cuda:0") and not any(a.split("=")[0] == SHARE_FLAG for a in own):
+        extra += [SHARE_FLAG, str(EMBEDDED_GPU_SHARE)]
+    return extra + own
+
+
+def embedded_env(flags: list[str]) -> dict[str, str]:
+    """The embedded server's environment: the switch vLLM's ipc backend needs to unpickle the trainer's CUDA IPC
+    handles, set only while the server listens on this machine alone (a pickle is code: never off-host)."""
+    from asyncgrpo.weights.ipc import INSECURE_ENV
+
+    host = next((flags[i + 1] for i, a in enumerate(flags[:-1]) if a == "--host"), "127.0.0.1")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("the embedded server listens on %s: %s stays unset, so weights cannot travel over ipc (CUDA "
+                       "IPC) and a trainer on its GPU stops at start", host, INSECURE_ENV)  # fmt: skip
+        return {}
+    return {INSECURE_ENV: "1"}
+
+
+def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: Any = None) -> tuple[Any, Any]:
+    """Run one checked training job; returns (``TrainOutput``, the trainer). The final model is always saved.
+
+    ``progress`` replaces transformers' progress callback (a ``ProgressCallback`` subclass) when given.
+    """
+    from asyncgrpo import AsyncGRPOTrainer
+    from asyncgrpo.errors import ServerError
+
+    args, server_cfg = spec.args, spec.server
+    if not server_cfg.get("embedded"):
+        for url in args.server_urls:
+            wait_for_server(url, float(server_cfg.get("wait_s", 60)))
+    model = resolve_model(spec.model)
+    dataset = build_dataset(spec.dataset)
+    eval_dataset = build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None
+    with contextlib.ExitStack() as stack:
+        if server_cfg.get("embedded"):
+            args.vllm_server_base_url = start_embedded(stack, model, server_cfg)
+        kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
+        try:
+            trainer = AsyncGRPOTrainer(
+                model=model, reward_funcs=list(spec.reward_funcs), args=args, train_dataset=dataset, **kwargs
+            )
+        except ServerError as e:
+            raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
+        # run_config.json (written by the trainer at train() start) records the YAML's sections too
+        trainer.run_info.update(model=spec.model, dataset=spec.dataset, reward_funcs=list(spec.reward_specs))
+        if progress is not None:
+            from asyncgrpo.report.live import install_compact_progress
+
+            install_compact_progress(trainer, progress)
+        out = trainer.train(resume_from_checkpoint=resume)
+        if not trainer.final_model_saved:  # save_strategy="no": a run from the command line still leaves its model
+            trainer.save_model(args.output_dir)
+        return out, trainer
+
+
+def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None, progress: Any = None) -> Any:
+    """A run from a YAML-shaped dict (``asyncgrpo demo``); returns the ``TrainOutput``."""
+    return train_from_spec(_config_from_dict(cfg), resume, progress)[0]
+
+
+def run_train(argv: list[str]) -> int:
+    spec, ns = parse_train(argv)
+
+    from asyncgrpo.report.live import CompactProgress, settings_of
+
+    if ns.doctor_every < 0:
+        raise UserError(f"--doctor-every {ns.doctor_every}: must be >= 0 (0 turns the verdicts off)")
+    a = spec.args
+    progress = None if ns.log_full else CompactProgress(ns.doctor_every, settings_of(a))
+    t0 = time.time()
+    out, _ = train_from_spec(spec, ns.resume, progress)
+    print(run_summary(a.output_dir, out.global_step, t0), flush=True)
+    return 0
+
+
+def run_summary(output_dir: str, steps: int, t0: float) -> str:
+    """The closing line, from this run's windows in metrics.jsonl (what was logged, whatever was printed)."""
+    from asyncgrpo.report.live import summary
+    from asyncgrpo.report.runlog import METRICS_FILE, read_windows
+
+    path = Path(output_dir, METRICS_FILE)
+    windows = [w for w in read_windows(path) if w.get("time", 0) >= t0] if path.is_file() else []
+    return summary(windows, steps, time.time() - t0, output_dir)

@@ -1,0 +1,221 @@
+"""Checks a run's YAML as a whole before anything starts, and turns it into a ``RunSpec``.
+
+Every section is checked against what it can hold: top-level keys, ``dataset`` (a reasoning-gym task and its
+settings, or a ``datasets.load_dataset`` source), ``server``, ``reward_funcs`` (imported here) and ``args``
+(``AsyncGRPOConfig`` through transformers' ``HfArgumentParser``, so command-line overrides such as
+``--max_steps 3`` get the same types and help). A mistake raises ``UserError`` naming the key and the fix,
+with a "did you mean" when the key is close to a valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asyncgrpo.errors import UserError
+
+TOP_KEYS = ("model", "dataset", "eval_dataset", "reward_funcs", "server", "args")
+SERVER_KEYS = ("embedded", "device", "dtype", "args", "timeout", "wait_s")
+RECIPE_KEYS = ("recipe", "task", "size", "seed", "system_prompt")
+LOAD_KEYS = ("path", "name", "split", "data_files", "data_dir", "revision", "prompt_column")
+
+
+def did_you_mean(word: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_keys(where: str, found: typing.Iterable[str], allowed: typing.Iterable[str]) -> None:
+    allowed = list(allowed)
+    for key in found:
+        if key not in allowed:
+            raise UserError(
+                f"{where}: unknown key '{key}'{did_you_mean(str(key), allowed)}; allowed: {', '.join(allowed)}"
+            )
+
+
+def _mapping(where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"{where} must be a mapping (key: value lines), got {type(value).__name__} {value!r}")
+    return value
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse the file and check its top-level keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {path} not found")
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {e}") from e
+    cfg = _mapping(str(path), cfg)
+    _check_keys(str(path), cfg, TOP_KEYS)
+    for key in ("model", "dataset", "args"):
+        if key not in cfg:
+            raise UserError(f"{path}: missing '{key}' (see examples/demo.yaml)")
+    return cfg
+
+
+# ---- dataset ---------------------------------------------------------------------------------------------------------
+def reasoning_gym_tasks() -> dict[str, type]:
+    """Task name -> its settings dataclass (importing reasoning_gym registers them)."""
+    import reasoning_gym  # noqa: F401 - registers the tasks
+    from reasoning_gym.factory import DATASETS
+
+    return {name: cfg_cls for name, (_, cfg_cls) in DATASETS.items()}
+
+
+def check_dataset(where: str, spec: Any) -> dict[str, Any]:
+    spec = _mapping(where, spec)
+    if "recipe" in spec:
+        if spec["recipe"] != "reasoning_gym":
+            raise UserError(f"{where}.recipe: {spec['recipe']!r} is unknown; the one recipe is 'reasoning_gym'")
+        tasks = reasoning_gym_tasks()
+        task = str(spec.get("task", "chain_sum"))
+        if task not in tasks:
+            raise UserError(
+                f"{where}.task: unknown reasoning-gym task '{task}'{did_you_mean(task, tasks)}; valid "
+                f"tasks: {', '.join(sorted(tasks))}"
+            )
+        task_keys = [f.name for f in dataclasses.fields(tasks[task]) if f.name not in ("seed", "size")]
+        _check_keys(f"{where} (reasoning_gym task {task})", spec, [*RECIPE_KEYS, *task_keys])
+        return spec
+    if "path" not in spec:
+        extra = did_you_mean("recipe", spec) or did_you_mean("path", spec)
+        raise UserError(
+            f"{where} needs 'recipe: reasoning_gym' (with a task) or a 'path' for datasets.load_dataset{extra}"
+        )
+    _check_keys(where, spec, LOAD_KEYS)
+    path = str(spec["path"])
+    if Path(path).suffix in (".json", ".jsonl", ".csv", ".parquet") and not Path(path).is_file():
+        raise UserError(f"{where}.path: file {path} not found")
+    return spec
+
+
+# ---- rewards ---------------------------------------------------------------------------------------------------------
+def import_object(spec: str, where: str = "reward_funcs") -> Any:
+    """``"pkg.mod:name"`` or ``"pkg.mod.name"`` -> the object, or a UserError saying what is missing."""
+    module, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module or not name:
+        raise UserError(f"{where}: cannot import {spec!r}: write it as 'package.module:function'")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise UserError(f"{where}: cannot import {spec!r}: {e}") from e
+    if not hasattr(mod, name):
+        public = [n for n in dir(mod) if not n.startswith("_") and callable(getattr(mod, n))]
+        raise UserError(f"{where}: cannot import {spec!r}: module {module} has no '{name}'{did_you_mean(name, public)}")
+    return getattr(mod, name)
+
+
+# ---- args: AsyncGRPOConfig through HfArgumentParser ------------------------------------------------------------------
+def _accepts(tp: Any, value: Any) -> tuple[bool, Any]:
+    """Whether ``value`` fits the annotation ``tp``; numbers written as text (YAML reads 5e-6 as a string) convert."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for member in typing.get_args(tp):
+            ok, converted = _accepts(member, value)
+            if ok:
+                return True, converted
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp in (int, float):
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)) and (tp is float or float(value).is_integer()):
+            return True, tp(value)
+        if isinstance(value, str):
+            try:
+                return True, tp(float(value)) if tp is float else int(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (list, tuple) or tp in (list, tuple):
+        return isinstance(value, (list, tuple, str)), value
+    if origin is dict or tp is dict:
+        return isinstance(value, (dict, str)), value
+    return True, value  # enums, Literal and other types: transformers checks them in __post_init__
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def check_args(raw: dict[str, Any]) -> dict[str, Any]:
+    """The YAML ``args`` with names checked against AsyncGRPOConfig and values against the field types."""
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    hints = typing.get_type_hints(AsyncGRPOConfig)
+    fields = [f.name for f in dataclasses.fields(AsyncGRPOConfig) if f.init]
+    out = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise UserError(
+                f"args: '{key}' is not an AsyncGRPOConfig field{did_you_mean(key, fields)}; "
+                "`asyncgrpo train --help` lists them all"
+            )
+        ok, converted = _accepts(hints[key], value)
+        if not ok:
+            raise UserError(
+                f"args.{key}: {value!r} ({type(value).__name__}) does not fit its type {_type_name(hints[key])}"
+            )
+        out[key] = converted
+    return out
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A checked run: everything ``asyncgrpo train`` needs, with no model loaded yet."""
+
+    model: str
+    dataset: dict[str, Any]
+    eval_dataset: dict[str, Any] | None
+    reward_specs: tuple[str, ...]
+    reward_funcs: tuple[Any, ...]
+    server: dict[str, Any]
+    args: Any  # AsyncGRPOConfig (None until parsed)
+
+
+def check_server(spec: Any) -> dict[str, Any]:
+    spec = _mapping("server", spec or {})
+    _check_keys("server", spec, SERVER_KEYS)
+    if "args" in spec and not isinstance(spec["args"], list):
+        raise UserError(
+            f"server.args must be a list of `asyncgrpo serve` flags, e.g. ['--max-num-seqs', '64'];"
+            f" got {spec['args']!r}"
+        )
+    if "embedded" in spec and not isinstance(spec["embedded"], bool):
+        raise UserError(f"server.embedded must be true or false, got {spec['embedded']!r}")
+    return spec
+
+
+def check_run(cfg: dict[str, Any], args: Any = None) -> RunSpec:
+    """Check every section but ``args`` (parsed separately into an AsyncGRPOConfig, then set on the spec)."""
+    model = cfg["model"]
+    if not isinstance(model, str) or not model:
+        raise UserError(f"model must be 'demo', a local directory or a hub id; got {model!r}")
+    if model.startswith((".", "/", "~")) and not Path(model).expanduser().is_dir():
+        raise UserError(f"model: directory {model} not found")
+    dataset = check_dataset("dataset", cfg["dataset"])
+    eval_ds = check_dataset("eval_dataset", cfg["eval_dataset"]) if cfg.get("eval_dataset") is not None else None
+    specs = cfg.get("reward_funcs") or []
+    if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
+        raise UserError(f"reward_funcs must be a list of 'package.module:function' strings; got {specs!r}")
+    rewards = tuple(import_object(s) for s in specs)
+    if not rewards:
+        raise UserError("reward_funcs is empty: list at least one 'package.module:function'")
+    return RunSpec(model, dataset, eval_ds, tuple(specs), rewards, check_server(cfg.get("server")), args)

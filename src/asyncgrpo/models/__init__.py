@@ -1,0 +1,1 @@
+"""Model families that need handling of their own beyond ``AutoModelForCausalLM`` (vision-language checkpoints)."""

@@ -1,0 +1,144 @@
+"""Held-out evaluation (X7): generate on the server for every prompt of a dataset, score with the reward functions.
+
+Used twice: by the trainer at ``eval_steps`` (``eval/*`` metrics, on the weights the server holds, i.e. the last
+sync) and by ``asyncgrpo eval`` (``cli/eval.py``) for a saved checkpoint. Generation goes through
+``/v1/completions`` with token-id prompts, which vLLM and the embedded server both serve; temperature 0 is greedy
+decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.errors import ServerError
+from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
+
+logger = logging.getLogger(__name__)
+
+# asyncgrpo's own metric names (X7), beside the reference's METRICS (M1 in docs/spec.md).
+EVAL_METRICS: dict[str, str] = {
+    "eval/reward": "mean total reward of the eval_dataset completions (greedy unless eval_temperature > 0)",
+    "eval/rewards/{reward_func_name}/mean": "one reward function's mean over the eval_dataset completions",
+    "eval/completions/mean_length": "mean length of the eval_dataset completions",
+    "eval/completions/clipped_ratio": "fraction of eval_dataset completions cut at max_completion_length",
+    "eval/num_prompts": "prompts scored in the evaluation",
+}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How held-out prompts are sampled. ``temperature == 0``: greedy (one sample is enough)."""
+
+    base_url: str
+    max_tokens: int
+    temperature: float = 0.0
+    num_samples: int = 1
+    concurrency: int = 64
+    timeout: float = 600.0
+    seed: int = 0
+    chat_template_kwargs: dict[str, Any] | None = None
+    top_k: int = 0  # sampled evaluation keeps the training top_k (a --return-sampling-mask server requires one)
+    model: str | None = None  # the request's ``model``: None = the served model; adapter sync: the newest adapter
+
+
+def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+async def _score_row(
+    client: AsyncServerClient, tokenizer: Any, row: dict[str, Any], index: int, reward_funcs: list[Any], s: EvalSettings
+) -> tuple[np.ndarray, np.ndarray, list[int], list[bool]]:
+    params = {"max_tokens": s.max_tokens, "temperature": s.temperature, "n": s.num_samples, "seed": s.seed + index}
+    if s.temperature > 0 and s.top_k > 0:
+        params["top_k"] = s.top_k
+    results = await client.complete_n(
+        render(tokenizer, row["prompt"], s.chat_template_kwargs), params, timeout=s.timeout, model=s.model
+    )
+    texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    extra = {k: [v] * len(results) for k, v in row.items() if k != "prompt"}
+    per_func = await run_reward_functions(
+        reward_funcs,
+        prompts=[row["prompt"]] * len(results),
+        completions=completions,
+        completion_ids=[r.token_ids for r in results],
+        reward_kwargs=extra,
+    )
+    lengths = [len(r.token_ids) for r in results]
+    return per_func, total_rewards(per_func), lengths, [r.finish_reason == "length" for r in results]
+
+
+async def evaluate_dataset(
+    tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings, prefix: str = "eval"
+) -> dict[str, float]:
+    """Mean held-out reward and completion figures, as ``{prefix}/reward`` etc.
+
+    Returns:
+        ``{prefix}/reward`` (mean total reward over scored completions), ``{prefix}/rewards/{name}/mean``,
+        ``{prefix}/completions/mean_length``, ``{prefix}/completions/clipped_ratio`` and ``{prefix}/num_prompts``.
+    """
+    gate = asyncio.Semaphore(s.concurrency)
+    async with AsyncServerClient(s.base_url, max_connections=s.concurrency) as client:
+
+        async def one(i: int) -> Any:
+            async with gate:
+                return await _score_row(client, tokenizer, dataset[i], i, reward_funcs, s)
+
+        try:
+            rows = await asyncio.gather(*(one(i) for i in range(len(dataset))))
+        except ServerError as e:
+            if e.status == 400 and s.temperature == 0 and ("temperature" in e.message or "top_k" in e.message):
+                raise ValueError(
+                    f"the server at {s.base_url} refuses greedy requests ({e.message}): vLLM started with "
+                    "--return-sampling-mask needs temperature > 0 and top_k > 0 on every request; set "
+                    "eval_temperature > 0 (sampled evaluation keeps top_k), e.g. eval_temperature=0.6"
+                ) from e
+            raise
+    per_func = np.concatenate([r[0] for r in rows]) if rows else np.empty((0, len(reward_funcs)))
+    totals = np.concatenate([r[1] for r in rows]) if rows else np.empty(0)
+    lengths = [n for r in rows for n in r[2]]
+    clipped = [c for r in rows for c in r[3]]
+
+    def mean(xs: np.ndarray) -> float:
+        xs = xs[~np.isnan(xs)]
+        return float(xs.mean()) if xs.size else math.nan
+
+    out = {f"{prefix}/reward": mean(totals)}
+    for j, func in enumerate(reward_funcs):
+        out[f"{prefix}/rewards/{reward_function_name(func)}/mean"] = mean(per_func[:, j])
+    out[f"{prefix}/completions/mean_length"] = float(np.mean(lengths)) if lengths else math.nan
+    out[f"{prefix}/completions/clipped_ratio"] = float(np.mean(clipped)) if clipped else math.nan
+    out[f"{prefix}/num_prompts"] = float(len(dataset))
+    return out
+
+
+def evaluate_sync(
+    tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings, prefix: str = "eval"
+) -> dict[str, float]:
+    """Blocking ``evaluate_dataset`` (the trainer's main thread runs no event loop)."""
+    return asyncio.run(evaluate_dataset(tokenizer, dataset, reward_funcs, s, prefix))
+
+
+def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings:
+    """The eval sampling settings an ``AsyncGRPOConfig`` asks for."""
+    return EvalSettings(
+        base_url=base_url or args.server_urls[0],
+        max_tokens=args.max_completion_length,
+        temperature=args.eval_temperature,
+        num_samples=args.eval_num_generations,
+        concurrency=min(args.max_concurrent_rollouts, 64),
+        timeout=args.vllm_server_timeout,
+        seed=args.seed,
+        chat_template_kwargs=args.chat_template_kwargs,
+        top_k=args.top_k,
+    )

@@ -1,0 +1,1 @@
+"""Weight sync from trainer to servers: NCCL/gloo broadcast, CUDA IPC, LoRA adapters."""
