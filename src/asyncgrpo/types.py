@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Rollout", "RolloutGroup", "ToolLoopStats", "TrainingSequence", "TurnRecord"]
+__all__ = ["Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
 
 # Sampler log-probs are log-probabilities, so <= 0; allow float noise from the server's fp16/bf16 math.
 _LOGPROB_SLACK = 1e-3
@@ -53,9 +53,6 @@ class TurnRecord:
             top_k / top_p cut-off. `None` means the full vocabulary.
         output_sampler_logprobs: One dict per `output_ids` token: the log-probabilities of the sampler's most likely
             tokens, keyed by token id. Used by score centering (`num_sampler_logprobs`).
-        finish_reason: Why the sampler stopped, as the server said (`"stop"`: EOS or a stop string, `"length"`: the
-            token limit). `None` when unknown (a turn built by custom code); the `completions/*` metrics count it
-            as stopped. The last turn's reason is the rollout's.
     """
 
     prompt_ids: list[int]
@@ -64,7 +61,6 @@ class TurnRecord:
     output_mask: list[int] | None = None
     output_sampling_mask: list[list[int]] | None = None
     output_sampler_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
 
     @property
     def trains_any(self) -> bool:
@@ -94,25 +90,6 @@ class TurnRecord:
         _raise("TurnRecord", problems)
 
 
-@dataclass
-class ToolLoopStats:
-    """What the built-in tool loop saw in one rollout (the group's ``tools/`` metrics are computed from it).
-
-    Args:
-        calls: ``(tool name, failed, seconds)`` of each executed call of a known tool.
-        unknown_names: calls to a name no tool has.
-        malformed: calls whose JSON could not be read.
-        parallel: for each assistant message that called tools, how many calls it made.
-        exhausted: stopped at ``max_tool_calling_iterations`` while the model was still calling.
-    """
-
-    calls: list[tuple[str, bool, float]] = field(default_factory=list)
-    unknown_names: int = 0
-    malformed: int = 0
-    parallel: list[int] = field(default_factory=list)
-    exhausted: bool = False
-
-
 def _new_rollout_id() -> str:
     """16 random hex digits (64 bits, like the first half of a uuid4 without its object: one per rollout)."""
     return os.urandom(8).hex()
@@ -133,8 +110,6 @@ class Rollout:
         reward: A reward computed during generation (e.g. by an external judge), added to the reward functions'
             and the environment's. `None`: this source does not score the rollout.
         rollout_id: Identifies the rollout in training rows, for debugging. Defaults to a fresh random hex id.
-        tool_loop_stats: What the built-in tool loop saw (set by the default `generate_one` when there are tools);
-            `None` for a rollout of custom code, which still counts in the tool-call rates.
     """
 
     completion: list[dict[str, Any]]
@@ -144,13 +119,6 @@ class Rollout:
     tool_failure_count: int = 0
     reward: float | None = None
     rollout_id: str = field(default_factory=_new_rollout_id)
-    tool_loop_stats: ToolLoopStats | None = None
-
-    @property
-    def finish_reason(self) -> str:
-        """The last turn's finish reason; ``"stop"`` when unknown or without turns (counted as not clipped)."""
-        reason = self.turns[-1].finish_reason if self.turns else None
-        return "stop" if reason is None else reason
 
     def validate(self) -> None:
         """Raise `ValueError` if a turn is broken or the counts are inconsistent."""

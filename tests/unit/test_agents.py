@@ -32,8 +32,9 @@ from asyncgrpo.rollout.agents import (
     run_tool_loop,
     tool_metric_events,
 )
+from asyncgrpo.rollout.agents.stats import ToolLoopStats
 from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
-from asyncgrpo.types import ToolLoopStats, TurnRecord
+from asyncgrpo.types import TurnRecord
 from tests.unit import agent_tools_mod as m
 
 

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from asyncgrpo.rollout.advantages import group_advantages
+from asyncgrpo.rollout.agents.stats import ToolLoopStats
+from asyncgrpo.rollout.records import SampledTurn, ToolLoopRollout, finish_reason, tool_loop_stats
 from asyncgrpo.rollout.scoring import GroupOrigin, score_group, trainable_samples
-from asyncgrpo.types import Rollout, RolloutGroup, ToolLoopStats, TurnRecord
+from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 
 class Env:
@@ -21,18 +23,24 @@ PROMPT = [{"role": "user", "content": "q"}]
 ORIGIN = GroupOrigin(group_id=7, row_index=3, flat_index=13, epoch=1, model_version=5)
 
 
-def _rollout(output_ids: list[int], finish: str | None, **kw) -> Rollout:
-    turn = TurnRecord([1, 2], output_ids, [-0.5] * len(output_ids), finish_reason=finish)
-    return Rollout([{"role": "assistant", "content": "x"}], output_ids, [turn], **kw)
+def _rollout(output_ids: list[int], finish: str | None, stats: ToolLoopStats | None = None, **kw) -> Rollout:
+    """A one-turn rollout; ``finish`` None: a turn of custom code (a plain ``TurnRecord``, no finish reason)."""
+    lps = [-0.5] * len(output_ids)
+    if finish is None:
+        turn = TurnRecord([1, 2], output_ids, lps)
+    else:
+        turn = SampledTurn([1, 2], output_ids, lps, finish_reason=finish)
+    rollout = Rollout([{"role": "assistant", "content": "x"}], output_ids, [turn], **kw)
+    return rollout if stats is None else ToolLoopRollout.of(rollout, stats)
 
 
 def _group() -> tuple[list[Rollout], list, np.ndarray]:
     stats = ToolLoopStats(calls=[("add", True, 0.2), ("add", False, 0.4)], parallel=[2], exhausted=True)
     rollouts = [
-        _rollout([5, 6, 7], "stop", tool_call_count=2, tool_failure_count=1, tool_loop_stats=stats),
+        _rollout([5, 6, 7], "stop", stats, tool_call_count=2, tool_failure_count=1),
         _rollout([5, 6], "length"),
         _rollout([5, 6, 7], "stop"),  # the same tokens as the first: a duplicate
-        _rollout([8], None, reward=1.0),  # no finish reason: counted as stopped
+        _rollout([8], None, reward=1.0),  # a turn of custom code: counted as stopped
     ]
     env_rewards = [None, None, (Env, 2.0), None]
     nan = math.nan
@@ -126,3 +134,15 @@ def test_advantages_of_the_wrong_shape_are_refused():
     rollouts, env_rewards, per_func = _group()
     with pytest.raises(ValueError, match=r"shape \(3,\); expected \(4,\)"):
         _score(rollouts, env_rewards, per_func, compute_advantages=lambda g: np.zeros(3))
+
+
+def test_a_tool_loop_rollout_is_the_same_rollout_with_its_stats():
+    plain = _group()[0][1]  # finish reason "length"
+    stats = ToolLoopStats(unknown_names=2)
+    rollout = ToolLoopRollout.of(plain, stats)
+    assert isinstance(rollout, Rollout) and rollout.tool_loop_stats is stats
+    same = [
+        (f, getattr(rollout, f), getattr(plain, f)) for f in ("completion", "completion_ids", "turns", "rollout_id")
+    ]
+    assert all(a is b for _, a, b in same)
+    assert (finish_reason(rollout), finish_reason(plain), tool_loop_stats(plain)) == ("length", "length", None)

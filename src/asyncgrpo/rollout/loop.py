@@ -4,7 +4,8 @@ Runs inside the spawned worker process (``rollout/worker.py``). For each prompt 
 rollouts, scores the group once all are complete, computes advantages, drops zero-std groups and queues the rest
 as training sequences. This file holds the hooks and the helpers they use; the machinery lives next to it:
 ``production.py`` (groups in flight, admission G3, the concurrency cap G5), ``requests.py`` (one generation
-request: server, model, seed, answer) and ``scoring.py`` (a finished group's rewards, advantages and metrics).
+request: server, model, seed, answer), ``scoring.py`` (a finished group's rewards, advantages and metrics) and
+``records.py`` (what a turn and a rollout carry to the group's metrics besides their reference fields).
 
 Subclass and override the hooks (``filter_prompt``, ``generate_one``, ``generate_one_turn``,
 ``compute_advantages``, ``setup``, ``close``), then set the subclass as the trainer subclass's ``loop_cls``. The
@@ -27,6 +28,7 @@ import numpy as np
 from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop
 from asyncgrpo.rollout.production import ProductionMixin
+from asyncgrpo.rollout.records import ToolLoopRollout
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 from asyncgrpo.vlm import check_no_images
@@ -104,15 +106,15 @@ class AsyncRolloutLoop(ProductionMixin):
                     self.settings.max_tool_calling_iterations, self.settings.sampling.max_model_len
                 ),
             )
-            rollout.tool_loop_stats = stats  # read by the group's tools/* metrics
-            return rollout
+            return ToolLoopRollout.of(rollout, stats)  # the stats: the group's tools/* metrics
         return self._single_turn_rollout(await self.generate_one_turn(self.render_prompt(prompt)))
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the run's sampling settings."""
+        """One sampling request with the run's sampling settings. The turn carries the server's ``finish_reason``;
+        a rollout's last one decides whether it counts as clipped (``completions/*`` metrics)."""
         params = self.settings.sampling.request_params(len(prompt_ids), seed=self._next_seed())
         (res,) = await self._sample(prompt_ids, params)
-        return self._turn(prompt_ids, res)  # its finish_reason: the completions/* metrics
+        return self._turn(prompt_ids, res)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group; 0 for unscored rollouts."""

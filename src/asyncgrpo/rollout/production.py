@@ -34,7 +34,11 @@ END_POLL_S = 0.05  # how often the wait for the last groups re-reads the trainer
 
 
 class ProductionMixin(RequestMixin):
-    """The machinery behind the hooks; its state is set up by ``run`` in the worker process."""
+    """The machinery behind the hooks; its state is set up by ``run`` in the worker process.
+
+    It calls what ``AsyncRolloutLoop`` defines: the hooks ``filter_prompt``, ``setup``, ``close``, ``generate_one``
+    and ``compute_advantages``, and the helpers ``render_prompt`` and ``_group_as_one_request``.
+    """
 
     dataset: Any
     reward_funcs: list[Any]

@@ -16,6 +16,7 @@ from typing import Any
 from asyncgrpo.client.errors import ServerError, is_length_error
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
+from asyncgrpo.rollout.records import SampledTurn
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.types import Rollout, TurnRecord
 
@@ -59,7 +60,7 @@ class RequestMixin:
     def _turn(self, prompt_ids: list[int], res: Any) -> TurnRecord:
         """One answer as a turn; its finish reason rides on the record to the group's ``completions/*`` metrics."""
         sampling = self.settings.sampling
-        return TurnRecord(
+        return SampledTurn(
             prompt_ids=list(prompt_ids),
             output_ids=res.token_ids,
             output_log_probs=res.logprobs,

@@ -19,6 +19,7 @@ from asyncgrpo.rollout.advantages import group_reward_metrics, is_zero_std_group
 from asyncgrpo.rollout.agents.stats import tool_metric_events
 from asyncgrpo.rollout.completion_metrics import completion_metric_events
 from asyncgrpo.rollout.reconcile import ReconcileStats, rollout_to_sequences
+from asyncgrpo.rollout.records import finish_reason, tool_loop_stats
 from asyncgrpo.rollout.rewards import total_rewards
 from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence
 
@@ -124,11 +125,11 @@ def score_group(
         per_source[cls.__name__] = np.array([e[1] if e and e[0] is cls else np.nan for e in env_rewards])
     num_samples = sum(len(seqs) for seqs in sequences)
     events = group_reward_metrics(group.rewards, per_source, dropped, num_samples)
-    events += completion_metric_events(rollouts, [r.finish_reason for r in rollouts])
+    events += completion_metric_events(rollouts, [finish_reason(r) for r in rollouts])
     events += stats.metric_events(num_samples, G)
     if has_tools:
         fails = [r.tool_failure_count for r in rollouts]
-        loop_stats = [r.tool_loop_stats for r in rollouts]
+        loop_stats = [tool_loop_stats(r) for r in rollouts]
         events += tool_metric_events([r.tool_call_count for r in rollouts], fails, loop_stats)
     return ScoredGroup(group, advantages, dropped, sequences, events)
 

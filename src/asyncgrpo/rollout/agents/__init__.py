@@ -14,7 +14,7 @@ from asyncgrpo.rollout.agents.environments import (
     route,
 )
 from asyncgrpo.rollout.agents.parsing import ParsedCall, parse_tool_calls
-from asyncgrpo.rollout.agents.stats import tool_metric_events
+from asyncgrpo.rollout.agents.stats import ToolLoopStats, tool_metric_events
 from asyncgrpo.rollout.agents.templates import chatml_tool_template, prefix_problem, prepare_tool_template
 from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop, schemas_of
 from asyncgrpo.rollout.agents.tools import (
@@ -26,7 +26,6 @@ from asyncgrpo.rollout.agents.tools import (
     tool_names,
     tool_schema,
 )
-from asyncgrpo.types import ToolLoopStats
 
 __all__ = [
     "ENVIRONMENT_COLUMN",

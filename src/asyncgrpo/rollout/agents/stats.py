@@ -10,11 +10,30 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from asyncgrpo.metrics import MetricEvent
-from asyncgrpo.types import ToolLoopStats
 
-__all__ = ["tool_metric_events"]
+__all__ = ["ToolLoopStats", "tool_metric_events"]
+
+
+@dataclass
+class ToolLoopStats:
+    """What the tool loop saw in one rollout.
+
+    Args:
+        calls: ``(tool name, failed, seconds)`` of each executed call of a known tool.
+        unknown_names: calls to a name no tool has.
+        malformed: calls whose JSON could not be read.
+        parallel: for each assistant message that called tools, how many calls it made.
+        exhausted: stopped at ``max_tool_calling_iterations`` while the model was still calling.
+    """
+
+    calls: list[tuple[str, bool, float]] = field(default_factory=list)
+    unknown_names: int = 0
+    malformed: int = 0
+    parallel: list[int] = field(default_factory=list)
+    exhausted: bool = False
 
 
 def tool_metric_events(

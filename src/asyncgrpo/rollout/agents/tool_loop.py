@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.rollout.agents.parsing import parse_tool_calls
+from asyncgrpo.rollout.agents.stats import ToolLoopStats
 from asyncgrpo.rollout.agents.tools import execute_tool, tool_names, tool_schema, underlying_function
-from asyncgrpo.types import Rollout, ToolLoopStats, TurnRecord
+from asyncgrpo.types import Rollout, TurnRecord
 
 __all__ = ["ToolLoopSettings", "run_tool_loop", "schemas_of"]
 
