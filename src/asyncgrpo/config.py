@@ -1,21 +1,22 @@
 """`AsyncGRPOConfig`: every knob of asynchronous GRPO, as a `transformers.TrainingArguments` dataclass.
 
 Users expect a `TrainingArguments`-style config (CLI parsing with `HfArgumentParser`, `report_to`, checkpoints).
-Cross-field rules are checked once in `__post_init__`, and every problem is reported in one `ValueError` that
-says what to change. Works with transformers 5.17 and 5.24 (field sets differ; optional ones are read with
-`getattr`).
+Cross-field rules (`config_checks.py`) are checked once in `__post_init__`, and every problem is reported in one
+`ValueError` that says what to change. Works with transformers 5.17 and 5.24 (field sets differ; optional ones
+are read with `getattr`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import TrainingArguments
+
+from asyncgrpo.config_checks import config_problems, parse_json_dict
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,6 @@ IGNORED_FIELDS = {
     "dataloader_drop_last": "samples come from the rollout worker, not a DataLoader",
     "eval_accumulation_steps": "evaluation runs on the server",
 }
-_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # transformers >= 5.2x renamed gradient_checkpointing -> activation_checkpointing (old name kept as an alias).
 _HAS_ACTIVATION_CHECKPOINTING = any(f.name == "activation_checkpointing" for f in dataclasses.fields(TrainingArguments))
 
@@ -375,15 +375,15 @@ class AsyncGRPOConfig(TrainingArguments):
     eval_num_generations: int = field(default=1, metadata={"help": "Completions per held-out prompt (eval/* means)."})
 
     def __post_init__(self) -> None:
-        self.model_init_kwargs = _parse_json_dict(self.model_init_kwargs, "model_init_kwargs")
-        self.chat_template_kwargs = _parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
+        self.model_init_kwargs = parse_json_dict(self.model_init_kwargs, "model_init_kwargs")
+        self.chat_template_kwargs = parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.vllm_server_base_url is None:  # HfArgumentParser gives None for an omitted list-typed flag
             self.vllm_server_base_url = DEFAULT_SERVER_URL
         self._resolve_changed_defaults()
         self._warn_ignored()
-        problems = self._collect_problems()
+        problems = config_problems(self)
         if problems:
             listing = "\n".join(f"  - {p}" for p in problems)
             raise ValueError(f"AsyncGRPOConfig has {len(problems)} problem(s):\n{listing}")
@@ -410,161 +410,9 @@ class AsyncGRPOConfig(TrainingArguments):
             if not self.bf16 and not self.fp16:
                 logger.info("No bf16-capable accelerator visible: training in fp32 (pass bf16=True to override).")
 
-    def _collect_problems(self) -> list[str]:
-        """Every invalid value or combination, each with its fix."""
-        p: list[str] = []
-        if self.num_generations < 2:
-            p.append(f"num_generations={self.num_generations}: need >= 2, advantages compare rollouts of a group")
-        if self.max_completion_length < 1:
-            p.append(f"max_completion_length={self.max_completion_length}: must be >= 1")
-        if not self.temperature > 0:
-            p.append(
-                f"temperature={self.temperature}: must be > 0 (log-probs are computed from logits / temperature); "
-                "use a small value such as 0.1 for near-greedy sampling"
-            )
-        if not 0 < self.top_p <= 1:
-            p.append(f"top_p={self.top_p}: must be in (0, 1]; 1.0 disables top-p")
-        if self.top_k < 0:
-            p.append(f"top_k={self.top_k}: must be >= 0; 0 disables top-k")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            p.append(f"min_p={self.min_p}: must be in [0, 1] or None")
-        needs_top_k = [name for name, on in (("top_p < 1", self.top_p < 1), ("min_p", bool(self.min_p))) if on]
-        if needs_top_k and self.top_k == 0:
-            p.append(
-                f"{' and '.join(needs_top_k)} needs top_k > 0: the server caps the returned candidate set at top_k, "
-                "and the trainer renormalises over that set (e.g. set top_k=512)"
-            )
-        if self.repetition_penalty <= 0:
-            p.append(f"repetition_penalty={self.repetition_penalty}: must be > 0; 1.0 disables it")
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
-            p.append(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be >= 1 or None")
-        p += self._server_url_problems()
-        for name in ("vllm_server_timeout", "vllm_server_connect_timeout", "rollout_worker_timeout"):
-            if not getattr(self, name) > 0:
-                p.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
-        if not self.vllm_server_restart_timeout >= 0:
-            p.append(f"vllm_server_restart_timeout={self.vllm_server_restart_timeout}: must be >= 0 seconds")
-        p += self._loss_problems()
-        p += self._pipeline_problems()
-        p += self._unsupported_problems()
-        return p
-
     @property
     def server_urls(self) -> tuple[str, ...]:
         """``vllm_server_base_url`` as a tuple of URLs (a list, or a comma-separated string, split)."""
         value = self.vllm_server_base_url
         items = [value] if isinstance(value, str) else list(value)  # the CLI parser gives a list either way
         return tuple(u.strip().rstrip("/") for item in items for u in str(item).split(",") if u.strip())
-
-    def _server_url_problems(self) -> list[str]:
-        value = self.vllm_server_base_url
-        if not isinstance(value, str | list | tuple):
-            return [f"vllm_server_base_url={value!r}: must be a URL string or a list of URLs"]
-        urls = self.server_urls
-        p = [f"vllm_server_base_url: {u!r} must start with http:// or https://" for u in urls
-             if not u.startswith(("http://", "https://"))]  # fmt: skip
-        if not urls:
-            p.append(f"vllm_server_base_url={value!r}: give at least one URL, e.g. 'http://localhost:8000'")
-        if len(set(urls)) != len(urls):
-            p.append(f"vllm_server_base_url={value!r}: lists a server twice; list each server once")
-        return p
-
-    def _loss_problems(self) -> list[str]:
-        p: list[str] = []
-        if not 0 <= self.epsilon < 1:
-            p.append(f"epsilon={self.epsilon}: must be in [0, 1) so that 1 - epsilon > 0")
-        if self.epsilon_high < 0:
-            p.append(f"epsilon_high={self.epsilon_high}: must be >= 0")
-        cmin, cmax = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if not 0 <= cmin < cmax:
-            p.append(
-                f"vllm_importance_sampling_clip_min={cmin} and vllm_importance_sampling_clip_max={cmax}: need "
-                "0 <= clip_min < clip_max"
-            )
-        elif not cmin <= 1 <= cmax:
-            p.append(
-                f"[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]=[{cmin}, {cmax}] must "
-                "contain 1.0, or even on-policy tokens (ratio 1) are excluded from the loss"
-            )
-        if self.score_centering and self.num_sampler_logprobs < 1:
-            p.append(
-                f"num_sampler_logprobs={self.num_sampler_logprobs}: score_centering needs >= 1 sampler top "
-                "log-probs per token (default 8), or set score_centering=False"
-            )
-        elif self.num_sampler_logprobs < 0:
-            p.append(f"num_sampler_logprobs={self.num_sampler_logprobs}: must be >= 0")
-        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
-            p.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0 or None")
-        if self.dtype not in _DTYPES:
-            p.append(f"dtype={self.dtype!r}: must be one of {', '.join(_DTYPES)}")
-        return p
-
-    def _pipeline_problems(self) -> list[str]:
-        p: list[str] = []
-        if self.token_budget is not None and self.token_budget < 1:
-            p.append(f"token_budget={self.token_budget}: must be >= 1, or None for the server's max_model_len")
-        if self.max_concurrent_rollouts < 1:
-            p.append(f"max_concurrent_rollouts={self.max_concurrent_rollouts}: must be >= 1")
-        if self.max_staleness < 0:
-            p.append(f"max_staleness={self.max_staleness}: must be >= 0")
-        if self.answer_parse_processes is not None and self.answer_parse_processes < 0:
-            p.append(f"answer_parse_processes={self.answer_parse_processes}: must be >= 0, or None for the default")
-        if self.weight_sync_topology not in ("per_server", "shared"):
-            p.append(f"weight_sync_topology={self.weight_sync_topology!r}: must be 'per_server' or 'shared'")
-        if self.weight_sync_backend not in ("auto", "ipc", "nccl", "gloo"):
-            p.append(f"weight_sync_backend={self.weight_sync_backend!r}: must be 'auto', 'ipc', 'nccl' or 'gloo'")
-        if self.weight_sync_steps < 1:
-            p.append(f"weight_sync_steps={self.weight_sync_steps}: must be >= 1")
-        if self.eval_temperature < 0 or self.eval_num_generations < 1:
-            p.append(
-                f"eval_temperature={self.eval_temperature}, eval_num_generations={self.eval_num_generations}: "
-                "need temperature >= 0 (0.0 is greedy) and >= 1 generation"
-            )
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
-            p.append(f"num_completions_to_print={self.num_completions_to_print}: must be >= 1 or None")
-        if not self.ignore_data_skip:
-            p.append(
-                "ignore_data_skip=False: must be True; resume restarts the rollout worker at the first untrained "
-                "prompt instead of replaying batches"
-            )
-        if self.remove_unused_columns:
-            p.append(
-                "remove_unused_columns=True: must be False; every dataset column is passed to the reward functions"
-            )
-        return p
-
-    def _unsupported_problems(self) -> list[str]:
-        p: list[str] = []
-        if self.fp16 and self.bf16:
-            p.append("fp16=True and bf16=True: choose one")
-        if self.deepspeed:
-            p.append(
-                "deepspeed is not supported: shard with FSDP2 instead (`fsdp`/`fsdp_config`, or accelerate launch)"
-            )
-        if self.use_liger_kernel:
-            p.append(
-                "use_liger_kernel=True is not supported: the loss computes log-probs in chunks itself; set False "
-                "(compile_decoder_layers=True fuses the norm, RoPE and activation kernels of the packed step instead)"
-            )
-        pc = getattr(self, "parallelism_config", None)
-        for attr, what in (("cp_size", "context"), ("sp_size", "sequence")):
-            size = getattr(pc, attr, 1) if pc is not None else 1
-            if size is not None and size > 1:
-                p.append(
-                    f"parallelism_config.{attr}={size}: {what} parallelism is not supported (rows are packed prefix "
-                    f"trees); use {attr}=1"
-                )
-        return p
-
-
-def _parse_json_dict(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
-    """Accept dicts passed as JSON strings on the command line."""
-    if not isinstance(value, str):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{name}={value!r} is not valid JSON: {exc}; pass a dict or a JSON object string") from exc
-    if not isinstance(parsed, dict):
-        raise TypeError(f"{name}={value!r} must be a JSON object (a dict)")
-    return parsed

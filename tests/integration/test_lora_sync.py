@@ -142,7 +142,7 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
     from asyncgrpo import AsyncRolloutLoop
     from asyncgrpo.assets import smollm2_tokenizer
     from asyncgrpo.client.pool import ServerPool
-    from asyncgrpo.rollout.loop import _GROUP_VERSION
+    from asyncgrpo.rollout.requests import _GROUP_VERSION
     from asyncgrpo.rollout.sampling import SamplingSettings
     from asyncgrpo.rollout.settings import RolloutSettings
     from asyncgrpo.weights.lora_sync import adapter_state, write_adapter

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncgrpo.rollout import loop as loop_module
+from asyncgrpo.rollout import production as production_module
 from asyncgrpo.rollout.admission import StalenessAdmission
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.messages import GroupResult
@@ -60,7 +60,7 @@ class _TimedGroups(AsyncRolloutLoop):
 
 
 def test_end_of_data_follows_the_last_group_without_waiting_for_a_poll(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loop_module, "END_POLL_S", 10.0)
+    monkeypatch.setattr(production_module, "END_POLL_S", 10.0)
     loop = _TimedGroups([0.05, 0.3, 0.1])
     t0 = time.monotonic()
     asyncio.run(asyncio.wait_for(loop._produce(), timeout=20))
@@ -73,7 +73,7 @@ def test_end_of_data_follows_the_last_group_without_waiting_for_a_poll(monkeypat
 
 
 def test_a_group_failing_last_stops_the_run_instead_of_ending_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loop_module, "END_POLL_S", 10.0)
+    monkeypatch.setattr(production_module, "END_POLL_S", 10.0)
     loop = _TimedGroups([0.02, 0.1], fail_last=True)
     with pytest.raises(RuntimeError, match="failed on the last group"):
         asyncio.run(asyncio.wait_for(loop._produce(), timeout=20))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncgrpo.client.http_client import DEFAULT_TIMEOUT_S
+from asyncgrpo.client.transport import DEFAULT_TIMEOUT_S
 from asyncgrpo.rollout.sampling import SamplingSettings
 
 
