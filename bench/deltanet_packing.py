@@ -34,7 +34,7 @@ from asyncgrpo.trainer.logprobs import selective_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/
 from tests.helpers.synthetic import grpo_samples
-from tests.unit.test_packing_deltanet import VOCAB, _deep_tree_samples, hybrid_model
+from tests.unit.packing.test_packing_deltanet import VOCAB, _deep_tree_samples, hybrid_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
 from bench.result_file import write_result

@@ -16,7 +16,7 @@ from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from tests.helpers.reference import unpacked_logprobs_and_grads
 from tests.helpers.synthetic import grpo_samples
-from tests.unit.test_packing_deltanet import VOCAB, _deep_tree_samples, hybrid_model
+from tests.unit.packing.test_packing_deltanet import VOCAB, _deep_tree_samples, hybrid_model
 
 pytestmark = pytest.mark.gpu
 

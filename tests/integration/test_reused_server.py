@@ -5,7 +5,7 @@ must sample from its own weights from the first step: its step-1 gap between sam
 fresh server's (fp32 on both sides: ~1e-5), not the gap to the first run's trained weights. Before the fix the
 trainer pushed weights at start only when resuming, and this gap was the first run's learning step (0.70 here). A
 server started on another checkpoint is the same case (the push is unconditional); its warning line is checked in
-tests/unit/test_served_weights.py.
+tests/unit/trainer/test_served_weights.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers, decoder_layers
 from tests.helpers.synthetic import random_tree_samples
-from tests.unit.test_packing_attention import COMMON, VOCAB, _packed, _reference
+from tests.unit.packing.test_packing_attention import COMMON, VOCAB, _packed, _reference
 
 
 def _qwen3() -> torch.nn.Module:

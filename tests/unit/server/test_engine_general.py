@@ -11,7 +11,7 @@ from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.request import Request, SamplingParams
 from tests.helpers.reference import hf_model
-from tests.unit.test_engine_batching import Collector, greedy
+from tests.unit.server.test_engine_batching import Collector, greedy
 
 
 @torch.no_grad()

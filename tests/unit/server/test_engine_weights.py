@@ -6,12 +6,12 @@ import time
 
 import pytest
 import torch
-from test_engine_batching import Collector, greedy
 
 from asyncgrpo.assets import tiny_model
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.request import Request, SamplingParams
 from tests.helpers.reference import hf_greedy
+from tests.unit.server.test_engine_batching import Collector, greedy
 
 PROMPT = [3, 14, 15, 92, 65]
 

@@ -223,7 +223,7 @@ def test_missing_or_empty_metrics(tmp_path):
 
 
 # ---- a real run ------------------------------------------------------------------------------------------------------
-REAL_RUN = Path(__file__).resolve().parents[2] / "tests" / "data" / "two_gpu_run_h200x2"  # bench/two_gpu_run.py's run
+REAL_RUN = Path(__file__).resolve().parents[3] / "tests" / "data" / "two_gpu_run_h200x2"  # bench/two_gpu_run.py's run
 
 
 def test_real_two_gpu_run(tmp_path):

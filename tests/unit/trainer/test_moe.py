@@ -43,7 +43,7 @@ def _config(arch: str):
 
 def _model(arch: str) -> torch.nn.Module:
     if arch == "qwen3_5_moe":  # Gated DeltaNet hybrid with MoE layers and a shared expert (packing/deltanet.py)
-        from tests.unit.test_packing_deltanet import hybrid_model
+        from tests.unit.packing.test_packing_deltanet import hybrid_model
 
         model = hybrid_model("qwen3_5_moe")
         model.set_attn_implementation("sdpa")

@@ -8,7 +8,7 @@ import pytest
 from asyncgrpo.cli.demo import DEMO_CONFIG
 from asyncgrpo.cli.run_config import import_object, load_yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_example_yaml_is_the_demo():

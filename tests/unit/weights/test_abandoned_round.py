@@ -21,7 +21,7 @@ import torch
 
 from asyncgrpo.weights.collectives import join_group, make_store
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PEER = textwrap.dedent(
     """
     import sys, torch

@@ -9,8 +9,8 @@ from asyncgrpo.server.engine.settings import ReceiverSettings
 from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 from asyncgrpo.weights.collectives import TensorMeta, dtype_name
 from asyncgrpo.weights.wire import send_tensors
-from tests.unit.test_client_collectives import _run_pair
-from tests.unit.test_prefix_cache import BASES, _engine, _run, warm_cache
+from tests.unit.server.test_prefix_cache import BASES, _engine, _run, warm_cache
+from tests.unit.weights.test_client_collectives import _run_pair
 
 
 def test_unpacked_round_lands_in_place_and_resets_the_prefix_cache():

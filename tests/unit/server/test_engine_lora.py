@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from test_engine_batching import Collector, greedy
 
 from asyncgrpo.assets import tiny_model
 from asyncgrpo.server.engine.engine import Engine
 from asyncgrpo.server.engine.request import Request
 from tests.helpers.reference import ALL_LINEAR, hf_greedy, make_lora_adapter
+from tests.unit.server.test_engine_batching import Collector, greedy
 
 TARGETS = list(ALL_LINEAR)
 PROMPT = [10, 20, 30, 40, 50, 60]

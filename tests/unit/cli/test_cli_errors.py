@@ -15,7 +15,7 @@ import yaml
 
 from asyncgrpo.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEMO = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
 
 
