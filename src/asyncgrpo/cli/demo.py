@@ -47,10 +47,10 @@ DEMO_CONFIG: dict[str, Any] = {
         "args": ["--max-model-len", "512", "--kv-cache-tokens", "32768", "--max-num-seqs", "64"],
     },
     "args": {
-        "output_dir": "outputs/demo", "max_steps": 12, "num_generations": 8, "max_completion_length": 40,
-        "token_budget": 1024, "learning_rate": 2.0e-5, "max_staleness": 2, "gradient_checkpointing": False,
+        "output_dir": "outputs/demo", "max_steps": 8, "num_generations": 8, "max_completion_length": 32,
+        "token_budget": 512, "learning_rate": 3.0e-5, "max_staleness": 4, "gradient_checkpointing": False,
         "save_strategy": "no", "report_to": [], "logging_steps": 1, "seed": 0,
-        "eval_strategy": "steps", "eval_steps": 12, "eval_on_start": True,
+        "eval_strategy": "steps", "eval_steps": 8, "eval_on_start": True,
     },
 }  # fmt: skip
 

@@ -240,6 +240,16 @@ class AsyncGRPOTrainer(Trainer):
             self.weight_sync.close()
         self.worker = self.source = self.weight_sync = None
 
+    def _end_generation_after_last_step(self) -> None:
+        """No sample generated after the last optimizer step is trained: stop the worker before the final
+        held-out evaluation, so the server scores the eval prompts alone instead of batching them with rollouts
+        nobody will use (on 2 CPU cores the final evaluation took 53 s so, against 30 s for the first)."""
+        last = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
+        if last and self.worker is not None:
+            self.window.extend(self.worker.drain_metrics())
+            self.worker.stop()
+            self.worker = None
+
     def sync_weights(self) -> None:
         """Push the current policy to the servers and hand its version to the rollout worker.
 
@@ -311,6 +321,7 @@ class AsyncGRPOTrainer(Trainer):
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (pass it to the trainer or to evaluate())")
         metrics: dict[str, float] = {}
+        self._end_generation_after_last_step()
         if self.is_world_process_zero():
             settings = settings_from_config(self.args)
             if self.served_adapter is not None:  # adapter sync: the newest adapter holds the trained policy

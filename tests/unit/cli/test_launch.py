@@ -88,3 +88,23 @@ def test_format_reward_pays_exactly_for_the_tagged_answers_numeric_answer_reward
         if number_in_tag:  # and then the numeric reward judges the tag's number, not a later one
             assert n == (1.0 if float(extract_answer(text)) == 7 else 0.0), text
     assert fmt == [0.1, 0.1, 0.0, 0.0, 0.1, 0.1, 0.0] and num == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_an_embedded_cpu_server_and_the_trainer_split_the_cores(monkeypatch):
+    import torch
+
+    from asyncgrpo.cli.launch import split_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = torch.get_num_threads()
+    try:
+        assert split_cpu_threads(["--device", "cpu"], cores=2) == {"OMP_NUM_THREADS": "1"}
+        assert torch.get_num_threads() == 1
+        assert split_cpu_threads(["--device", "auto"], cores=7) == {"OMP_NUM_THREADS": "3"}
+        assert torch.get_num_threads() == 4
+        assert split_cpu_threads(["--device", "cuda:1"], cores=8) == {}  # the server computes on a GPU
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+        assert split_cpu_threads(["--device", "cpu"], cores=8) == {}
+    finally:
+        torch.set_num_threads(before)
