@@ -18,7 +18,7 @@ from asyncgrpo.assets import tiny_model_dir
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # about a minute on 2 cores: `make test-long`
 
 
 def parity_reward(completion_ids, **kwargs):

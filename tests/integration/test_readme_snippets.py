@@ -51,7 +51,7 @@ def test_train_snippet_runs_as_written(tmp_path, serve):
     (code,) = [b for b in _blocks(section, "python") if "AsyncGRPOTrainer(" in b]
     code = _replace_once(code, '"http://localhost:8000"', repr(server.base_url))
     code = _replace_once(code, 'output_dir="out"', f"output_dir={str(tmp_path / 'out')!r}")
-    code = _replace_once(code, "max_steps=12", "max_steps=1")
+    code = _replace_once(code, "max_steps=8", "max_steps=1")
     script = tmp_path / "train.py"
     script.write_text(code)
     done = subprocess.run([sys.executable, str(script)], check=False, cwd=tmp_path, capture_output=True,

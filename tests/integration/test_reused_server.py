@@ -23,7 +23,7 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.report import load_run
 from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # about a minute on 2 cores: `make test-long`
 
 FRESH_GAP_TOL = 1e-4  # fp32 sampler vs fp32 trainer on the same weights (a fresh server measures ~1e-5)
 
