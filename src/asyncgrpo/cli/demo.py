@@ -1,6 +1,6 @@
 """The README's main job: SmolLM2-135M-Instruct learns 1-digit sums by async GRPO, held-out accuracy before/after.
 
-    asyncgrpo demo [--max-steps 12] [--device auto] [--seed 0]
+    asyncgrpo demo [--max-steps 8] [--device auto] [--seed 0]
 
 It fetches the offline demo model, starts the embedded generation server as a
 child process, spawns the rollout worker and trains with ``AsyncGRPOTrainer``,
@@ -9,17 +9,21 @@ seed of the task, never trained on) before the first step and after the last,
 and the demo prints both accuracies; the final model goes to ``--output-dir``.
 ``examples/demo.yaml`` is the same run as a config file for ``asyncgrpo train --config``.
 
-Why these settings (measured on 2 shared CPU cores; the figures are in the README):
-* the task: 1-digit sums and differences (reasoning-gym ``chain_sum``). The base model solves about half of
-  them greedily but a sixth at temperature 1: most of its sampled answers wander off, so groups of 8 disagree
-  (two groups in three carry a signal) and GRPO has something to sharpen within a few steps.
+Why these settings (measured on the project's 2-core CPU machine; ``bench/results/demo_seeds_cpu.json``,
+the steps that led here in ``bench/LOG.md``):
+* the task: 1-digit sums and differences (reasoning-gym ``chain_sum``). The base model solves 43 of the 100
+  held-out problems greedily but a sixth at temperature 1: most sampled answers wander off, so groups of 8
+  disagree and GRPO has something to sharpen within a few steps.
 * the reward: ``numeric_answer_reward`` alone (the last number, or an ``<answer>`` tag when there is one); the
   model wrote the tag in none of 480 samples, so a format bonus would never fire.
-* the learning rate: 2e-5, full fine-tuning. The earlier demo's 5e-6 moved nothing measurable in 12 steps
-  (reward 0.22 -> 0.19). At 2e-5 held-out accuracy went 0.43 -> 0.78 / 0.85 / 0.76 (seeds 0 / 1 / 2).
-* 12 steps of 8 completions per prompt and 1,024 tokens per packed row (4-5 groups), 40 tokens per completion:
-  after 8 steps one seed of three had not yet turned its training reward into held-out accuracy (0.43 -> 0.44,
-  its answers still long and 16 % cut at 40 tokens); after 12 all three had (``bench/demo_seeds.py``).
+* full fine-tuning at 3e-5 for 8 steps: 5e-6 moved nothing measurable in 12 steps, 2e-5 needed 12. A LoRA
+  adapter saved little in a quick probe (fwd+bwd of 900 tokens 26-29 s against 28-29 s on one busy core): the
+  backward pass through the frozen layers remains.
+* 512-token rows and 32-token completions: on two cores the trainer (22 ms per token) and the server (one
+  decode step of 0.3-0.6 s, bound by reading the weights) are both near full, so the step's tokens set the pace;
+  ``max_staleness`` 4 keeps the samples of a slow generation wave trainable instead of dropped.
+* held-out accuracy went 0.43 -> 0.83 / 0.77 / 0.75 (seeds 0 / 1 / 2) in 237 / 230 / 219 s: with 1,024-token
+  rows, 40-token completions and 12 steps at 2e-5 the same gain took 616 s.
 """
 
 from __future__ import annotations
