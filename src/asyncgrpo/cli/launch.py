@@ -240,12 +240,17 @@ def server_flags(server_cfg: dict[str, Any]) -> list[str]:
     return extra + own
 
 
+def _flag_value(flags: list[str], name: str, default: str) -> str:
+    """The value after ``name`` in ``asyncgrpo serve`` flags (``server_flags`` writes each as two words)."""
+    return next((flags[i + 1] for i, a in enumerate(flags[:-1]) if a == name), default)
+
+
 def embedded_env(flags: list[str]) -> dict[str, str]:
     """The embedded server's environment: the switch vLLM's ipc backend needs to unpickle the trainer's CUDA IPC
     handles, set only while the server listens on this machine alone (a pickle is code: never off-host)."""
     from asyncgrpo.weights.ipc import INSECURE_ENV
 
-    host = next((flags[i + 1] for i, a in enumerate(flags[:-1]) if a == "--host"), "127.0.0.1")
+    host = _flag_value(flags, "--host", "127.0.0.1")
     if host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("the embedded server listens on %s: %s stays unset, so weights cannot travel over ipc (CUDA "
                        "IPC) and a trainer on its GPU stops at start", host, INSECURE_ENV)  # fmt: skip
@@ -265,7 +270,7 @@ def split_cpu_threads(flags: list[str], cores: int | None = None) -> dict[str, s
 
     import torch
 
-    device = next((flags[i + 1] for i, a in enumerate(flags[:-1]) if a == "--device"), "auto")
+    device = _flag_value(flags, "--device", "auto")
     if "OMP_NUM_THREADS" in os.environ or torch.cuda.is_available() or device.startswith("cuda"):
         return {}
     cores = cores or len(os.sched_getaffinity(0))
