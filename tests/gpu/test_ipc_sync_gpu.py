@@ -138,10 +138,17 @@ def test_handles_of_another_gpu_and_bad_sizes_are_refused_and_the_round_closes(s
         wrong_size["tensor_sizes"] = [7]
         assert raw(url, "POST", "/pause?mode=keep")[0] == 200
         assert raw(url, "POST", "/start_weight_update")[0] == 200
+        # vLLM 0.33 (v1/worker/gpu_worker.py): a worker error is a 500 and ends the round; the next update is
+        # refused for that, whatever it carries, and so is the finish (tests/unit/server/test_ipc_refused_round.py)
         status, body = raw(url, "POST", "/update_weights", json={"update_info": elsewhere})
-        assert status == 400 and "IPC handle not found for GPU UUID" in body["error"]["message"]
+        assert status == 500 and "IPC handle not found for GPU UUID" in body["error"]["message"]
         status, body = raw(url, "POST", "/update_weights", json={"update_info": wrong_size})
-        assert status == 400 and "tensor_sizes" in body["error"]["message"]
+        assert status == 500 and "start_weight_update must be called" in body["error"]["message"]
+        assert raw(url, "POST", "/finish_weight_update", json={})[0] == 500
+        assert raw(url, "POST", "/start_weight_update")[0] == 200  # the client's start/finish pair reopens it
+        status, body = raw(url, "POST", "/update_weights", json={"update_info": wrong_size})
+        assert status == 500 and "tensor_sizes" in body["error"]["message"]
+        assert raw(url, "POST", "/start_weight_update")[0] == 200
         assert raw(url, "POST", "/finish_weight_update", json={})[0] == 200
         assert raw(url, "POST", "/resume")[0] == 200
         ref = hf_model(model_dir)

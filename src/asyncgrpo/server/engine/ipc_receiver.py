@@ -37,6 +37,7 @@ class ReceiverState(Protocol):
     _host: dict[str, float]
 
     def _metas(self, info: dict[str, Any]) -> list[TensorMeta]: ...
+    def _reject(self, status: int, message: str) -> ApiError: ...
 
 
 logger = logging.getLogger(__name__)
@@ -120,20 +121,29 @@ class IpcEndpoint:
     def prepare(
         self, receiver: ReceiverState, info: Any, arrived: float
     ) -> tuple[list[TensorMeta], Callable[[], None], None]:
-        """Check one ``update_info`` (HTTP side) and build the engine-thread job that copies it in."""
+        """Check one ``update_info`` (HTTP side) and build the engine-thread job that copies it in.
+
+        vLLM 0.33's order and answers (``v1/worker/gpu_worker.py: update_weights``): the worker first checks that
+        an update is open, then parses ``IPCWeightTransferUpdateInfo`` and receives, all inside the round; any
+        error there is a 500 with its message and ends the round (the caller clears ``active``), so a second
+        update without a new start is refused for that, not for its own content. ``--weight-transfer-checks
+        strict`` keeps the 400/409 of a bad input or a state clash (``receiver._reject`` maps the status).
+        """
+        reject = receiver._reject
+        if not receiver.active:
+            raise reject(409, "start_weight_update must be called before update_weights (no active weight update: "
+                         "a failed update ends the one it was in)")  # fmt: skip
         if not isinstance(info, dict):
-            raise ApiError(400, "update_info must be an object", param="update_info")
+            raise reject(400, "update_info must be an object")
         unknown = sorted(set(info) - _UPDATE_KEYS)
         if unknown:
-            raise ApiError(400, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)}", "update_info")
+            raise reject(400, f"unknown update_info keys {unknown}; allowed: {sorted(_UPDATE_KEYS)}")
         if info.get("ipc_handles") is not None:
-            raise ApiError(400, "ipc_handles cannot travel in JSON: send them pickled in ipc_handles_pickled")
+            raise reject(400, "ipc_handles cannot travel in JSON: send them pickled in ipc_handles_pickled")
         if info.get("ipc_handles_pickled") is None:
-            raise ApiError(400, "update_info needs ipc_handles_pickled (the ipc backend's CUDA IPC handles)")
-        if not receiver.active:
-            raise ApiError(409, "no active weight update: call /start_weight_update first")
+            raise reject(400, "update_info needs ipc_handles_pickled (the ipc backend's CUDA IPC handles)")
         if not info.get("names"):
-            raise ApiError(400, "update_info.names is empty: an ipc update names the tensors its handles hold")
+            raise reject(400, "update_info.names is empty: an ipc update names the tensors its handles hold")
         lists = [info.get("names"), info.get("dtype_names"), info.get("shapes")]
         last = self._last_info
         if last is not None and list(last[:3]) == lists:
@@ -146,14 +156,14 @@ class IpcEndpoint:
         except PermissionError as exc:
             raise ApiError(500, str(exc)) from exc  # vLLM answers this one with 500 too (a worker error)
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="ipc_handles_pickled") from exc
+            raise reject(400, str(exc)) from exc
         try:
             if self.packed:
                 job = self._packed_job(receiver, metas, handles, info.get("tensor_sizes"))
             else:
                 job = self._unpacked_job(receiver, metas, handles)
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="update_info") from exc
+            raise reject(400, str(exc)) from exc
 
         checked = (time.perf_counter() - arrived) * 1e3
 
