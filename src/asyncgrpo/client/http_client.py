@@ -330,6 +330,24 @@ class AsyncServerClient(HttpTransport):
         body = {"weight_version": weight_version} if weight_version is not None else {}
         await self.request("POST", "/finish_weight_update", json_body=body, timeout=timeout, retries=0)
 
+    async def weight_round_step(
+        self,
+        update_info: Mapping[str, Any] | None,
+        *,
+        begin: bool,
+        end: bool,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Ours: ``POST /weight_round_step``, one update call with ``begin`` (pause + start) and ``end`` (finish +
+        resume) folded in (the embedded server only: ``/server_info`` ``asyncgrpo.weight_round_step``)."""
+        body: dict[str, Any] = {"begin": begin, "end": end}
+        if update_info is not None:
+            body["update_info"] = dict(update_info)
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self.request("POST", "/weight_round_step", json_body=body, timeout=timeout, retries=0)
+
     async def shutdown_weight_transfer_engine(self, timeout: float | None = None) -> None:
         await self.request("POST", "/shutdown_weight_transfer_engine", timeout=timeout, retries=0)
 

@@ -68,6 +68,9 @@ class ServerControl(Protocol):
     async def finish_weight_update(self, weight_version: str | None = None, timeout: float | None = None
                                    ) -> None: ...  # fmt: skip
 
+    async def weight_round_step(self, update_info: Mapping[str, Any] | None, *, begin: bool, end: bool,
+                                weight_version: str | None = None, timeout: float | None = None) -> Any: ...  # fmt: skip
+
     async def shutdown_weight_transfer_engine(self, timeout: float | None = None) -> None: ...
 
     async def load_lora_adapter(self, name: str, path: str, *, load_inplace: bool = False) -> None: ...

@@ -228,6 +228,7 @@ class IpcExport:
         self._buffer_pickled: str | None = None  # the buffer's handle, exported once per round
         self.keep: list[torch.Tensor] = []  # alive until the round's finish returned
         self.ours: bool | None = None  # the server is the embedded one (pause and start together); None: not asked
+        self.round_step = False  # and it takes a round's steps with each update call (POST /weight_round_step)
 
     def _share(self, t: torch.Tensor) -> dict[str, tuple]:
         self.keep.append(t)

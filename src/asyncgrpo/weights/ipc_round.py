@@ -17,7 +17,7 @@ import torch
 from asyncgrpo.errors import ServerError, WeightTransferError
 from asyncgrpo.weights.base import ServerControl
 from asyncgrpo.weights.collectives import TensorMeta
-from asyncgrpo.weights.ipc import IpcExport
+from asyncgrpo.weights.ipc import IpcExport, plan_calls
 from asyncgrpo.weights.loop_thread import LoopThread
 from asyncgrpo.weights.round_control import RoundControl
 
@@ -67,7 +67,9 @@ def ipc_round(
     export, client = sender._ipc, link.client
     assert export is not None
     if export.ours is None:
-        export.ours = _is_ours(sender, client)
+        export.ours, export.round_step = _server_kind(sender, client)
+    if barrier is None and export.round_step:
+        return one_request_per_call(sender, link, tensors, metas, version=version)
     t_pre = time.perf_counter()
     bodies = export.bodies(tensors, metas, packed=sender.packed)
     first: dict[str, Any] | None = None
@@ -140,13 +142,17 @@ async def _pause_and_start(sender: WeightSender, client: ServerControl) -> None:
     )
 
 
-def _is_ours(sender: WeightSender, client: ServerControl) -> bool:
-    """Whether the server is the embedded one (its ``/server_info`` has an ``asyncgrpo`` section); once per sender."""
+def _server_kind(sender: WeightSender, client: ServerControl) -> tuple[bool, bool]:
+    """Whether the server is the embedded one (its ``/server_info`` has an ``asyncgrpo`` section), and whether it
+    takes ``/weight_round_step``; asked once per sender."""
     try:
         info = sender._http(client.server_info(), "GET /server_info")
     except (ServerError, WeightTransferError):
-        return False
-    return isinstance(info, dict) and isinstance(info.get("asyncgrpo"), dict)
+        return False, False
+    ours = info.get("asyncgrpo") if isinstance(info, dict) else None
+    if not isinstance(ours, dict):
+        return False, False
+    return True, ours.get("weight_round_step") is True
 
 
 def _end_failed_round(sender: WeightSender, client: ServerControl) -> None:
@@ -154,3 +160,43 @@ def _end_failed_round(sender: WeightSender, client: ServerControl) -> None:
     vLLM clears its round on a failed update and leaves the weights on the meta device until a finish)."""
     assert sender._loop is not None
     RoundControl(client, sender._loop.run, sender.timeout_s).abandon()
+
+
+def one_request_per_call(
+    sender: WeightSender, link: Link, tensors: Iterable[torch.Tensor], metas: list[TensorMeta], *, version: str
+) -> dict[str, float]:
+    """An ipc round on the embedded server in one request per update call (``POST /weight_round_step``): the
+    first carries the pause and the start, the last the finish and the resume, so a model in one buffer is one
+    request instead of five (server/engine/round_step.py). The first body is made before the request, as in
+    :func:`ipc_round`; the next one only after the server answered (the buffer is reused). A failed step was
+    closed and the server resumed before it answered; the sender's rule for a failed round runs all the same."""
+    export, client = sender._ipc, link.client
+    assert export is not None
+    calls = len(plan_calls(metas, sender.packed, export.buffer_size_bytes))
+    t_pre = time.perf_counter()
+    bodies = export.bodies(tensors, metas, packed=sender.packed)
+    steps: dict[str, Any] = {}
+    try:
+        body = next(bodies, None)
+        t0 = time.perf_counter()
+        steps["prepared_before_pause_ms"] = (t0 - t_pre) * 1e3
+        for call in range(1, max(calls, 1) + 1):
+            last = call >= calls
+            step_call = client.weight_round_step(body, begin=call == 1, end=last, timeout=sender.timeout_s,
+                                                 weight_version=str(version) if last else None)  # fmt: skip
+            sender._http(step_call, "POST /weight_round_step")
+            if call == 1:
+                steps["pause"] = steps["start"] = (time.perf_counter() - t0) * 1e3
+            body = None if last else next(bodies, None)
+    except (ServerError, WeightTransferError) as exc:
+        _end_failed_round(sender, client)
+        raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc
+    finally:
+        bodies.close()
+        export.end_round()
+    t3 = time.perf_counter()
+    sender.pushed[client.base_url] = str(version)
+    steps["updates"] = steps["finish_and_reset"] = steps["resume"] = (t3 - t0) * 1e3
+    steps["update_calls"] = steps["round_step_requests"] = max(calls, 1)
+    sender.last_breakdown = steps
+    return {"pause_s": 0.0, "barrier_s": 0.0, "transfer_s": t3 - t0, "total_s": t3 - t0}

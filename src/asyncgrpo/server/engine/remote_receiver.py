@@ -49,6 +49,10 @@ class RemoteReceiver:
         fut = self.engine.call_future("receiver", "finish", version)
         return await awaited(fut, "the engine process to finish the update", 300)
 
+    async def round_step_async(self, info: Any, begin: bool, end: bool, version: Any) -> str:
+        fut = self.engine.call_future("receiver", "round_step", info, begin, end, version)
+        return await awaited(fut, "the weight round step in the engine process")
+
     def set_profile(self, enabled: bool) -> bool:
         return self.engine.call("receiver", "set_profile", enabled, timeout=60)
 

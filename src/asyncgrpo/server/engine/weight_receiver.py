@@ -33,6 +33,7 @@ import torch
 from asyncgrpo.server.engine.api import LocalEngineAPI
 from asyncgrpo.server.engine.awaiting import awaited
 from asyncgrpo.server.engine.ipc_receiver import IpcEndpoint, accepted_backends, is_ipc_init
+from asyncgrpo.server.engine.round_step import round_step
 from asyncgrpo.server.engine.settings import ReceiverSettings
 from asyncgrpo.server.errors import ApiError
 from asyncgrpo.weights.collectives import (
@@ -401,6 +402,13 @@ class WeightReceiver:
 
     async def finish_async(self, version: Any) -> str:
         return self.finish(version)
+
+    def round_step(self, info: Any, begin: bool, end: bool, version: Any) -> str:
+        """Ours: ``/weight_round_step``, the update with the steps around it in one call (``round_step.py``)."""
+        return round_step(self, self.engine, info, begin=begin, end=end, version=version)
+
+    async def round_step_async(self, info: Any, begin: bool, end: bool, version: Any) -> str:
+        return await asyncio.get_running_loop().run_in_executor(None, self.round_step, info, begin, end, version)
 
     def _abandon_round(self) -> None:
         """End the round the engine thread is receiving (callers saw ``_receiving``): its trainer is gone."""

@@ -287,6 +287,7 @@ async def server_info(request: web.Request) -> web.Response:
             "engine_pid": e.pid,
             # the trainer compares this with its own GPU's to choose ipc (same GPU) or NCCL (weights/ipc.py)
             "weight_transfer_backends": list(accepts), "gpu_uuid": e.gpu_uuid,
+            "weight_round_step": True,  # POST /weight_round_step (server/engine/round_step.py)
             "engine_step_timings": e.step_timings()}  # fmt: skip
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},
                               "asyncgrpo": ours})  # fmt: skip

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from asyncgrpo.server.engine.api import EngineAPI, ReceiverAPI
 from asyncgrpo.server.engine.awaiting import awaited
+from asyncgrpo.server.engine.round_step import check_flags
 from asyncgrpo.server.errors import ApiError
 
 
@@ -78,6 +79,13 @@ def add_weight_routes(app: web.Application, receiver: ReceiverAPI, engine: Engin
         version = await receiver.finish_async(body.get("weight_version"))
         return web.json_response({"message": "Weight update finished", "weight_version": version})
 
+    async def round_step(request: web.Request) -> web.Response:
+        body = await _body(request)
+        begin, end = body.get("begin", False), body.get("end", False)
+        check_flags(begin, end)
+        version = await receiver.round_step_async(body.get("update_info"), begin, end, body.get("weight_version"))
+        return web.json_response({"message": "Weight round step done", "weight_version": version})
+
     async def shutdown(request: web.Request) -> web.Response:
         await in_pool(receiver.shutdown)
         return web.json_response({"message": "Weight transfer shut down"})
@@ -99,3 +107,5 @@ def add_weight_routes(app: web.Application, receiver: ReceiverAPI, engine: Engin
     # Ours, not vLLM's: the timeline of the last weight round on this end (see weights/wire_profile.py).
     app.router.add_get("/weight_sync_profile", profile_get)
     app.router.add_post("/weight_sync_profile", profile_set)
+    # Ours: one weight-update call with the steps around it (server/engine/round_step.py; /server_info says so).
+    app.router.add_post("/weight_round_step", round_step)
