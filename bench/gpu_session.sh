@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh model-b fsdp         # issue 12: two-rank FSDP2 run + one-rank run (two H200)
 #   bash bench/gpu_session.sh weightsync           # issue 12 B4: weight sync vs bare NCCL, breakdown, FSDP2 (two H200)
 #   bash bench/gpu_session.sh deltanet             # issue 11: Gated DeltaNet hybrids in the trie (one H200)
+#   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh ipc  # issue 38 B4-IPC, today's main as the baseline
 #   bash bench/gpu_session.sh enginegc             # GC pauses inside the engine at B5's shape (one H200, ~1 min)
 #   bash bench/gpu_session.sh rollout              # issue 10 B5-HTTP: in process / HTTP / worker, both shapes (one H200)
 #   bash bench/gpu_session.sh rollout-long         # the same x4 (streaming through the worker, as in training; one H200)
@@ -31,6 +32,10 @@ for stage in "$@"; do
         ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|PARITY|round|MiB|Error|error" | tail -40 ;;
     generation)
       timeout 260 python3 bench/generation.py --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" | tail -25 ;;
+    ipc)  # issue 38 B4-IPC: weight sync on one GPU against a bare copy; BASELINE_SRC=<a checkout's src> runs it first
+      timeout 400 python3 bench/ipc_sync.py --iters 8 --modes packed:4096 packed:256 unpacked \
+        --baseline-modes packed:4096 packed:256 unpacked ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} \
+        --out "$OUT/ipc_sync_h200.json" 2>&1 | tee "$OUT/ipc_sync.log" | grep -vE "it/s\]|s/it\]" | tail -20 ;;
     enginegc)  # GC pauses in the engine at B5's shape (the flat top-N change: CPU showed 6-7 full collections -> 0)
       timeout 200 python3 bench/probes/engine_gc.py --out "$OUT/engine_gc_h200.json" 2>&1 | tee "$OUT/engine_gc.log" | tail -6 ;;
     packing)
