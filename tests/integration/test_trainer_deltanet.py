@@ -2,8 +2,9 @@
 
 The tiny Qwen3.5-style model (three DeltaNet layers, one attention layer, SmolLM2 tokenizer) samples on
 ``asyncgrpo serve`` and trains on packed trie rows. In step 1 both sides hold the starting weights in
-fp32, so the trainer's packed log-probs must reproduce the sampler's: a sibling completion leaking into
-the DeltaNet convolution or state would show here as a difference of ~1e-2.
+fp32, so the trainer's packed log-probs must reproduce the sampler's (measured: 1.9e-6 under transformers
+5.17 and 5.25): a sibling completion leaking into the DeltaNet convolution or state shows here as ~1e-2 (4.2e-2
+when transformers 5.25's ``kernelize`` at ``model.train()`` dropped the trie-aware forward).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_deltanet_hybrid_trains_with_exact_packed_logprobs(tmp_path, server, del
     first = rows[0]
     assert first["step"] == 1 and first["sample/staleness_max"] == 0
     assert first["batch/packing_ratio"] > 1.2  # the group's prompt is shared: completions fork in the trie
-    assert first["sampling/sampling_logp_difference/max"] <= 1e-3
+    assert first["sampling/sampling_logp_difference/max"] <= 1e-4
 
     async def version() -> str:
         async with AsyncServerClient(server.base_url) as client:

@@ -1,11 +1,22 @@
 """Run transformers' Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on packed trie rows.
 
-``install_tree_linear_attention(model)`` wraps the ``forward`` of every Gated DeltaNet module
-(and of the decoder layer holding it). While a packed row runs — the decoder layer receives the
-``tree_plan`` keyword that tree attention already travels on — the DeltaNet layer computes its
-projections with its own weights, then the trie-aware convolution and delta rule of
-``linear_attention.py``, then its own gated norm and output projection. Without a plan (generation,
-evaluation, ordinary batches) the layer runs its original forward untouched.
+``install_tree_linear_attention(model)`` moves every Gated DeltaNet module to a subclass of its own
+class whose ``forward`` takes the trie path, and wraps the ``forward`` of the decoder layer holding
+it. While a packed row runs — the decoder layer receives the ``tree_plan`` keyword that tree
+attention already travels on — the DeltaNet layer computes its projections with its own weights,
+then the trie-aware convolution and delta rule of ``linear_attention.py``, then its own gated norm
+and output projection. Without a plan (generation, evaluation, ordinary batches) the layer runs its
+original forward untouched.
+
+Why a subclass and not an instance-level ``forward``: transformers 5.25 loads models with hub kernels
+on (``use_kernels`` defaults to True once the ``kernels`` package is installed, and transformers now
+requires it), and every ``model.train()``/``model.eval()`` that changes the mode runs ``kernelize``
+again, which resets each ``@use_kernel_forward_from_hub`` layer (Qwen3.5's ``Qwen3_5GatedDeltaNet``)
+to its class's ``forward`` by deleting the instance attribute. An instance wrapper vanished at the
+trainer's first ``model.train()`` and packed rows ran the flat causal forward, reading sibling
+completions (a 4e-2 log-prob gap to the sampler). The subclass also tells ``kernelize`` to leave the
+layer alone (``kernel_condition``), so a hub kernel never replaces the trie path; and the decoder-layer
+wrapper checks after every packed call that each of its DeltaNet layers took the trie path.
 
 The decoder-layer wrapper hands the plan to its DeltaNet module as an attribute as well, because
 not every transformers version forwards extra keyword arguments from the decoder layer to
@@ -26,6 +37,7 @@ from asyncgrpo.packing.linear_attention import tree_causal_conv, tree_gated_delt
 logger = logging.getLogger(__name__)
 
 _PLAN_ATTR = "_asyncgrpo_tree_plan"
+_TAKEN_ATTR = "_asyncgrpo_tree_taken"  # set by the trie path; the decoder-layer wrapper checks it
 _WRAPPED_ATTR = "_asyncgrpo_tree_wrapped"
 _COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_k_dim", "head_v_dim", "key_dim", "value_dim")
 
@@ -87,17 +99,41 @@ def packed_deltanet_forward(module: Any, hidden_states: torch.Tensor, plan: Any)
     return module.out_proj(core.reshape(1, n_tok, -1))
 
 
-def _wrap_deltanet(module: torch.nn.Module) -> None:
-    original = module.forward
+def _never_kernelize(module: torch.nn.Module) -> bool:
+    """The ``kernel_condition`` of the trie-aware classes: ``kernelize`` skips these layers."""
+    return False
 
-    @functools.wraps(original)
-    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        plan = kwargs.pop("tree_plan", None) or getattr(module, _PLAN_ATTR, None)
+
+class TrieAwareDeltaNet:
+    """Mixed in front of a Gated DeltaNet class: its ``forward`` runs the trie path when a plan is present.
+
+    Living on the class, the override survives what resets instance attributes (``kernelize`` on every
+    ``train()``/``eval()`` under transformers >= 5.25); ``kernel_condition`` keeps hub kernels off it.
+    """
+
+    kernel_condition = staticmethod(_never_kernelize)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        plan = kwargs.pop("tree_plan", None) or getattr(self, _PLAN_ATTR, None)
         if plan is None:
-            return original(hidden_states, *args, **kwargs)
-        return packed_deltanet_forward(module, hidden_states, plan)
+            return super().forward(hidden_states, *args, **kwargs)  # type: ignore[misc]
+        setattr(self, _TAKEN_ATTR, True)
+        return packed_deltanet_forward(self, hidden_states, plan)
 
-    module.forward = forward
+
+_TRIE_CLASSES: dict[type, type] = {}
+
+
+def _make_trie_aware(module: torch.nn.Module) -> None:
+    """Switch ``module`` to the trie-aware subclass of its class (one subclass per class, made once)."""
+    cls = type(module)
+    sub = _TRIE_CLASSES.get(cls)
+    if sub is None:
+        # the name keeps its "GatedDeltaNet" ending: deltanet_layout and model_support recognise it
+        sub = type(f"TrieAware{cls.__name__}", (TrieAwareDeltaNet, cls), {"__module__": __name__})
+        _TRIE_CLASSES[cls] = sub
+    module.__class__ = sub
+    setattr(module, _PLAN_ATTR, None)
 
 
 def _wrap_holder(layer: torch.nn.Module, mixers: list[torch.nn.Module]) -> None:
@@ -110,11 +146,21 @@ def _wrap_holder(layer: torch.nn.Module, mixers: list[torch.nn.Module]) -> None:
             return original(*args, **kwargs)
         for m in mixers:
             setattr(m, _PLAN_ATTR, plan)
+            setattr(m, _TAKEN_ATTR, False)
         try:
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
         finally:
             for m in mixers:
                 setattr(m, _PLAN_ATTR, None)
+        for m in mixers:
+            if not getattr(m, _TAKEN_ATTR, False):
+                raise RuntimeError(
+                    f"the Gated DeltaNet layer {getattr(m, 'layer_idx', '?')} ({type(m).__name__}) ran a packed row "
+                    "without its trie path: something set an instance-level forward on it after "
+                    "install_tree_linear_attention (an accelerate hook, a hub kernel); load the model without "
+                    "device_map offloading and with use_kernels=False"
+                )
+        return out
 
     layer.forward = forward
 
@@ -132,10 +178,8 @@ def install_tree_linear_attention(model: torch.nn.Module) -> int:
             if deltanet_layout(child) is None:
                 continue
             count += 1
-            if not getattr(child, _WRAPPED_ATTR, False):
-                _wrap_deltanet(child)
-                setattr(child, _WRAPPED_ATTR, True)
-                setattr(child, _PLAN_ATTR, None)
+            if not isinstance(child, TrieAwareDeltaNet):
+                _make_trie_aware(child)
                 holders.setdefault(id(parent), (parent, []))[1].append(child)
     for parent, mixers in holders.values():
         if not getattr(parent, _WRAPPED_ATTR, False):

@@ -246,3 +246,44 @@ def test_plan_refuses_a_fork_inside_a_parent_segment():
     parent[starts[child]] = int(starts[parents[child]])  # now forks after the parent segment's first token
     with pytest.raises(ValueError, match="forks inside its parent segment"):
         build_linear_plan(dataclasses.replace(row, parent=parent))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_trie_path_survives_mode_switches_of_a_loaded_model(family, tmp_path):
+    """The trainer's path: ``from_pretrained``, install, then ``train()``/``eval()`` (every step calls ``train()``).
+
+    transformers 5.25 loads with hub kernels on and runs ``kernelize`` again at each mode change, which deletes
+    instance-level ``forward`` attributes of ``@use_kernel_forward_from_hub`` layers (``Qwen3_5GatedDeltaNet``).
+    A trie path kept there was dropped and packed rows ran the flat causal forward (4e-2 log-prob gap).
+    """
+    hybrid_model(family, seed=3).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    use_tree_attention(model)
+    model.train()
+    model.eval()
+    model.train()
+    rng = np.random.default_rng(9)
+    samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=2)
+    row = pack_samples(samples)
+    weights = torch.from_numpy(rng.standard_normal(row.num_trained).astype(np.float32))
+    ref_lp, ref_grads = _reference(model, samples, weights)
+    lp, grads = _packed(model, row, weights, 4)
+    assert (lp - ref_lp).abs().max().item() <= 1e-4
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).abs().max().item() <= 1e-4, name
+
+
+def test_packed_row_refuses_a_deltanet_layer_whose_forward_was_replaced():
+    """An instance-level forward set after installation (a hub kernel, an offloading hook) would bypass the trie
+    path silently; the decoder layer's wrapper names the layer instead."""
+    import types
+
+    model = hybrid_model("qwen3_5")
+    use_tree_attention(model)
+    layer = model.model.layers[1].linear_attn
+    base = type(layer).__mro__[2]  # the transformers class under the trie-aware subclass
+    assert base.__name__ == "Qwen3_5GatedDeltaNet"
+    layer.forward = types.MethodType(base.forward, layer)  # what kernels' _replace_forward does with a hub kernel
+    row = pack_samples(random_tree_samples(np.random.default_rng(1), vocab_size=VOCAB, num_groups=1))
+    with pytest.raises(RuntimeError, match="Gated DeltaNet layer 1 .* without its trie path"):
+        packed_hidden_states(model, row, build_plan(row, "sdpa", linear_attention=True))
