@@ -21,7 +21,13 @@ from asyncgrpo.errors import ServerError
 
 logger = logging.getLogger(__name__)
 
-FRESH_VERSIONS = frozenset({"", "0", "None"})  # what a server reports before any weight update
+# What a server reports as its weight version before any weight update, one entry per source:
+# - "0": asyncgrpo's own server (server/engine/loop.py sets it at start);
+# - "default": vLLM 0.32 and 0.33 (vllm/v1/engine/core.py: EngineCore.__init__ sets it, only a weight update or
+#   /update_weight_version changes it; /weight_info returns it as is, data-parallel engines agree or it fails);
+# - "" and "None": a version field that is empty or a serialised null (no server we know of sends these; they name
+#   no earlier push either, so they must not warn).
+FRESH_VERSIONS = frozenset({"0", "default", "", "None"})
 CHECK_TIMEOUT_S = 30.0  # two small GETs on a server that just answered the start-up probe
 
 
