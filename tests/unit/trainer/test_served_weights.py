@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 
 import pytest
 from aiohttp import web
 
 from asyncgrpo.trainer.served_weights import describe_served_weights, warn_on_foreign_weights
+from tests.helpers.fake_http import ThreadedServer
 
 URL = "http://localhost:8000"
 
@@ -37,52 +36,28 @@ def test_an_earlier_runs_weights_are_named():
     assert len(both) == 2
 
 
-class _FakeServer:
-    """A real aiohttp server in its own thread, answering /v1/models and /weight_info as a fresh vLLM does."""
+def _fresh_server(model_id: str, version: str) -> ThreadedServer:
+    """Answers /v1/models and /weight_info as a server on ``model_id`` holding weight version ``version``."""
 
-    def __init__(self, model_id: str, version: str):
-        self.model_id, self.version = model_id, version
-        self.loop = asyncio.new_event_loop()
-        self.url = ""
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": model_id, "root": model_id}]})
 
-    async def _start(self) -> None:
-        async def models(request):
-            return web.json_response({"object": "list", "data": [{"id": self.model_id, "root": self.model_id}]})
+    async def weight_info(request):
+        return web.json_response({"weight_version": version})
 
-        async def weight_info(request):
-            return web.json_response({"weight_version": self.version})
-
-        app = web.Application()
-        app.add_routes([web.get("/v1/models", models), web.get("/weight_info", weight_info)])
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-
-    def __enter__(self) -> _FakeServer:
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+    return ThreadedServer([web.get("/v1/models", models), web.get("/weight_info", weight_info)])
 
 
 # "default": vLLM 0.32/0.33's EngineCore before any update (issue 44 item 2); "0": asyncgrpo's own server.
 @pytest.mark.parametrize("version", ["default", "0"])
 def test_a_fresh_server_over_http_gives_no_warning(version, caplog):
-    with _FakeServer("m", version) as server, caplog.at_level(logging.WARNING):
+    with _fresh_server("m", version) as server, caplog.at_level(logging.WARNING):
         assert warn_on_foreign_weights([server.url], "m") == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_a_pushed_version_over_http_warns(caplog):
-    with _FakeServer("m", "step-7") as server, caplog.at_level(logging.WARNING):
+    with _fresh_server("m", "step-7") as server, caplog.at_level(logging.WARNING):
         (line,) = warn_on_foreign_weights([server.url], "m")
     assert "'step-7'" in line and server.url in line
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [line]
