@@ -38,7 +38,9 @@ def test_a_step_without_scored_groups_says_it_trained_earlier_groups():
 def test_a_step_whose_groups_were_all_dropped_says_so():
     line = compact_line(6, 8, _window([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]))
     assert line.startswith("step   6/8  reward 0.5  zero-std 1  len 25")  # no kept column
-    assert line.endswith("(every group scored during this step was dropped: equal rewards within each group, no signal)")
+    assert line.endswith(
+        "(every group scored during this step was dropped: equal rewards within each group, no signal)"
+    )
 
 
 def test_a_step_whose_completions_were_all_unscored_says_so():
