@@ -61,3 +61,40 @@ def test_a_pushed_version_over_http_warns(caplog):
         (line,) = warn_on_foreign_weights([server.url], "m")
     assert "'step-7'" in line and server.url in line
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [line]
+
+
+def _saved_copy(src, dst, edit=None):
+    """What warm_up_tool_calls saves: the model loaded in float32 and the tokenizer with the tool template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncgrpo.rollout.agents import prepare_tool_template
+
+    tok = AutoTokenizer.from_pretrained(src)
+    prepare_tool_template(tok)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    if edit is not None:
+        edit(model, tok)
+    model.save_pretrained(dst)
+    tok.save_pretrained(dst)
+    return str(dst)
+
+
+def test_a_copy_with_the_same_config_and_tokens_is_the_served_model(tiny_llama_dir, tmp_path):
+    """Issue 44 item 5: docs/agents.md serves the demo model and trains its warm-up, a copy with another chat
+    template; the warning said the server serves another model on every run of the documented steps."""
+    served = [{"id": str(tiny_llama_dir), "root": str(tiny_llama_dir), "parent": None}]
+    warm = _saved_copy(tiny_llama_dir, tmp_path / "warm")
+    assert describe_served_weights(URL, served, {"weight_version": "0"}, warm) == []
+
+    def more_tokens(model, tok):  # another vocabulary: the server would decode the trainer's ids wrongly
+        tok.add_tokens(["<scratchpad>"])
+
+    (line,) = describe_served_weights(URL, served, None, _saved_copy(tiny_llama_dir, tmp_path / "vocab", more_tokens))
+    assert "not the trainer's model" in line
+
+    def longer(model, tok):  # another config: the server's positions or shapes would not be the trainer's
+        model.config.max_position_embeddings += 1
+
+    (line,) = describe_served_weights(URL, served, None, _saved_copy(tiny_llama_dir, tmp_path / "config", longer))
+    assert "not the trainer's model" in line
