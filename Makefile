@@ -5,7 +5,7 @@ VENV  ?= .venv
 TORCH ?= torch==2.13.0
 PY    := $(VENV)/bin/python
 
-.PHONY: demo test test-long test-vllm test-readme lint docs
+.PHONY: demo test test-long test-vllm test-readme test-lowest lint docs
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -26,6 +26,11 @@ test-vllm: $(VENV)/.installed
 # The long lane: end-to-end scenarios of minutes each on 2 cores (marker long; CI runs it after `make test`).
 test-long: $(VENV)/.installed
 	ASYNCGRPO_LONG_LANE=1 $(PY) -m pytest -q -p no:cacheprovider -m long --durations=10
+
+# The lowest-versions lane: the fast suite on every requirement's declared lowest release (its own venv,
+# .venv-lowest, built on first use and when the bounds change): tests/lowest_lane/run.sh.
+test-lowest:
+	TORCH="$(TORCH)" tests/lowest_lane/run.sh
 
 test-readme: $(VENV)/.installed
 	ASYNCGRPO_README_LANE=1 $(PY) -m pytest -q -n 0 -p no:cacheprovider --durations=5 tests/integration/test_readme_snippets.py

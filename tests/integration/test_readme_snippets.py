@@ -82,6 +82,10 @@ def test_agents_snippet_warms_up_a_model_that_calls_tools_and_trains(tmp_path, s
     done = subprocess.run([sys.executable, str(script)], check=False, cwd=tmp_path, capture_output=True,
                           text=True, timeout=3 * SCRIPT_TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    # the documented steps print what the warm-up does and warn about nothing (issue 44 item 5: the server serves
+    # the demo model, the run trains its warmed-up copy: same config and tokens, so the same model)
+    assert re.search(r"^tool warm-up: step 20/20, loss", done.stdout, re.MULTILINE), done.stdout[-2000:]
+    assert "not the trainer's model" not in done.stderr, done.stderr[-4000:]
     warmed = json.loads((tmp_path / "warm" / "tool_warmup.json").read_text())
     assert warmed["reproduced"] >= 1, warmed  # the warm-up gave a model that calls the tool (greedy, in process)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from asyncgrpo.files import make_readable
 from asyncgrpo.rollout.agents.tool_loop import schemas_of
@@ -77,6 +79,7 @@ def supervised_tool_warmup(
     template_kwargs: dict[str, Any] | None = None,
     negatives: int | None = None,
     seed: int = 0,
+    on_step: Callable[[int, int, float], None] | None = None,
 ) -> list[float]:
     """Train ``model`` in place to continue each transcript's assistant turns; returns the loss per step.
 
@@ -84,6 +87,7 @@ def supervised_tool_warmup(
         batch_size: transcripts' samples per step, packed into one row (shared prompts forwarded once).
         negatives: compute the softmax over the batch's target tokens plus this many random vocabulary tokens
             instead of the whole vocabulary (a large speed-up for tiny models on CPU); None: the whole vocabulary.
+        on_step: called after each step with (step, steps, loss): ``warm_up_tool_calls`` prints progress with it.
     """
     import torch
 
@@ -124,6 +128,8 @@ def supervised_tool_warmup(
         losses.append(loss.item())
         if step % 25 == 0 or step == steps - 1:
             logger.info("tool warm-up step %d/%d: loss %.4f", step + 1, steps, losses[-1])
+        if on_step is not None:
+            on_step(step + 1, steps, losses[-1])
     model.set_attn_implementation(previous_attn)
     model.eval()
     return losses
@@ -153,32 +159,87 @@ def calls_reproduced(model: Any, tokenizer: Any, transcripts: Sequence[Transcrip
     return hits
 
 
+class WarmupProgress:
+    """The warm-up's lines on stdout (a script's user sees them without configuring logging, as with the
+    trainer's ``compact_log``): one per phase, a step line at most every ``STEP_LINE_S``, and a "still ..." line
+    when ``HEARTBEAT_S`` pass without one (a slow step on 2 CPU cores takes several seconds)."""
+
+    STEP_LINE_S = 10.0
+    HEARTBEAT_S = 30.0
+
+    def __init__(self, write: Callable[[str], None] | None = None) -> None:
+        self.write = write or (lambda text: print(text, flush=True))
+        self.t0 = self.last = time.monotonic()
+        self.phase = "starting"
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="asyncgrpo-warmup-progress", daemon=True)
+
+    def say(self, text: str, phase: str | None = None) -> None:
+        with self._lock:
+            self.phase = phase or self.phase
+            self.last = time.monotonic()
+            self.write(f"tool warm-up: {text} ({self.last - self.t0:.0f} s)")
+
+    def step(self, step: int, steps: int, loss: float) -> None:
+        if step in (1, steps) or time.monotonic() - self.last >= self.STEP_LINE_S:
+            self.say(f"step {step}/{steps}, loss {loss:.3f}")
+
+    def _beat(self) -> None:
+        while not self._done.wait(min(1.0, self.HEARTBEAT_S / 4)):
+            if time.monotonic() - self.last >= self.HEARTBEAT_S:
+                self.say(f"still {self.phase}")
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+
 def warm_up_tool_calls(
-    model_dir: str, transcripts: Sequence[Transcript], out_dir: str, *, steps: int = 20, lr: float = 5e-5
+    model_dir: str,
+    transcripts: Sequence[Transcript],
+    out_dir: str,
+    *,
+    steps: int = 20,
+    lr: float = 5e-5,
+    progress: Callable[[str], None] | None = None,
 ) -> str:
     """Load ``model_dir``, imitate the transcripts' calls for ``steps`` steps, check, save to ``out_dir``.
 
     The tokenizer gets the training template the trainer uses with tools (``prepare_tool_template``), so the
     warm-up and the RL run render conversations alike. Logs how many transcripts the model now reproduces and
     warns when none: RL would then find no signal; ``out_dir/tool_warmup.json`` keeps that count and the losses.
-    Returns ``out_dir`` (pass it to ``AsyncGRPOTrainer``).
+    It prints what it does (``progress``: where the lines go instead of stdout), at least every 30 s: on 2 CPU
+    cores the demo model's 20 steps take about a minute. Returns ``out_dir`` (pass it to ``AsyncGRPOTrainer``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncgrpo.rollout.agents import prepare_tool_template
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prepare_tool_template(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    losses = supervised_tool_warmup(model, tokenizer, transcripts, steps=steps, lr=lr, batch_size=len(transcripts))
-    hits = calls_reproduced(model, tokenizer, transcripts)
-    log = logger.info if hits else logger.warning
-    log("tool warm-up: the model reproduces the calls of %d of %d transcripts (greedy)%s", hits, len(transcripts),
-        "" if hits else "; RL will find no signal: raise steps or lr")  # fmt: skip
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    report = {"reproduced": hits, "transcripts": len(transcripts), "steps": steps, "lr": lr, "loss": losses}
-    Path(out_dir, WARMUP_REPORT).write_text(json.dumps(report, indent=1))
-    make_readable(out_dir)
+    with WarmupProgress(progress) as shown:
+        shown.say(f"loading {model_dir}", "loading the model")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prepare_tool_template(tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        shown.say(f"{steps} supervised steps on {len(transcripts)} transcripts, lr {lr:g}", "training")
+        losses = supervised_tool_warmup(model, tokenizer, transcripts, steps=steps, lr=lr,
+                                        batch_size=len(transcripts), on_step=shown.step)  # fmt: skip
+        shown.say(f"checking that the model writes the {len(transcripts)} transcripts' calls (greedy)", "checking")
+        hits = calls_reproduced(model, tokenizer, transcripts)
+        log = logger.info if hits else logger.warning
+        log("tool warm-up: the model reproduces the calls of %d of %d transcripts (greedy)%s", hits,
+            len(transcripts), "" if hits else "; RL will find no signal: raise steps or lr")  # fmt: skip
+        shown.say(f"the model writes the calls of {hits} of {len(transcripts)} transcripts; saving to {out_dir}",
+                  "saving")  # fmt: skip
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        report = {"reproduced": hits, "transcripts": len(transcripts), "steps": steps, "lr": lr, "loss": losses}
+        Path(out_dir, WARMUP_REPORT).write_text(json.dumps(report, indent=1))
+        make_readable(out_dir)
+        shown.say("done")
     return out_dir

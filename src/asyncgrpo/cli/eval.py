@@ -12,6 +12,20 @@ from typing import Any
 
 from asyncgrpo.tasks.evaluate import evaluate_sync, settings_from_config
 
+# The AsyncGRPOConfig fields `asyncgrpo eval` reads (settings_from_config, the tokenizer, the server address): its
+# --help lists these; every other field still parses (a training YAML is accepted as is) and changes nothing here.
+EVAL_HELP_SECTIONS: dict[str, tuple[str, ...]] = {
+    "what is scored": (
+        "eval_temperature", "eval_num_generations", "max_completion_length", "top_k", "chat_template_kwargs", "seed",
+    ),
+    "generation server": ("vllm_server_base_url", "vllm_server_timeout", "max_concurrent_rollouts"),
+    "model": ("trust_remote_code",),
+}  # fmt: skip
+EVAL_REST_NOTE = (
+    "every other AsyncGRPOConfig field of `asyncgrpo train --help` is accepted (a training YAML works as is) and "
+    "does not change the score"
+)
+
 
 def run_eval(argv: list[str]) -> int:
     """``asyncgrpo eval --model DIR --config run.yaml``: the YAML's eval_dataset scored on ``DIR``'s weights."""
@@ -30,7 +44,7 @@ def run_eval(argv: list[str]) -> int:
     def add_model(parser: Any) -> None:
         parser.add_argument("--model", required=True, help="the checkpoint directory (or hub id) to score")
 
-    spec, ns = parse_train(argv, "asyncgrpo eval", description, add_model)
+    spec, ns = parse_train(argv, "asyncgrpo eval", description, add_model, (EVAL_HELP_SECTIONS, EVAL_REST_NOTE))
     if spec.eval_dataset is None:
         raise UserError(f"{ns.config} has no eval_dataset: add one (same keys as dataset, e.g. another seed)")
     model = resolve_model(ns.model)

@@ -123,12 +123,17 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
 
 
 def parse_train(
-    argv: list[str], prog: str = "asyncgrpo train", description: str | None = None, add_flags: Any = None
+    argv: list[str],
+    prog: str = "asyncgrpo train",
+    description: str | None = None,
+    add_flags: Any = None,
+    help_sections: tuple[dict[str, tuple[str, ...]], str] | None = None,
 ) -> tuple[RunSpec, argparse.Namespace]:
     """Read --config, check the whole YAML, apply command-line overrides; nothing is loaded or started.
 
     The sections but ``args`` are checked first, before transformers is imported (seconds), so most mistakes
-    are reported at once. ``add_flags(parser)`` adds a command's own flags (``asyncgrpo eval --model``).
+    are reported at once. ``add_flags(parser)`` adds a command's own flags (``asyncgrpo eval --model``);
+    ``help_sections`` (sections, note on the rest): the fields its ``--help`` lists (``help_format.organize_help``).
     """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
@@ -146,7 +151,8 @@ def parse_train(
     if add_flags is not None:
         add_flags(own)
     model = " --model DIR" if add_flags is not None else ""
-    organize_help(parser, own, f"{prog} --config FILE.yaml{model} [options] [--FIELD VALUE ...]")
+    shown, rest_note = help_sections if help_sections is not None else (None, None)
+    organize_help(parser, own, f"{prog} --config FILE.yaml{model} [options] [--FIELD VALUE ...]", shown, rest_note)
     if sections is None:
         parser.parse_args(argv)  # --help, or argparse's own "--config is required" (exit 2)
     parser.set_defaults(**check_args(args_raw))

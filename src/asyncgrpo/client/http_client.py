@@ -36,12 +36,22 @@ WAIT_LOG_INTERVAL_S = 30.0  # X4: a waiting client says what it waits for at lea
 SERVER_HINT = "is `asyncgrpo serve` (or `vllm serve`) running and reachable at that address?"
 
 
-def not_answering_message(base_url: str, waited_s: float, timeout_s: float, last_error: str) -> str:
-    """The X4 line of a wait on an unreachable server: URL, time so far, timeout, last error and the hint."""
-    return (
-        f"server {base_url} not answering /health for {waited_s:.0f}s (timeout {timeout_s:.0f}s; last error: "
-        f"{last_error}) - {SERVER_HINT}"
-    )
+def not_answering_message(
+    base_url: str, waited_s: float, timeout_s: float, last_error: str, refused_timeout_s: float | None = None
+) -> str:
+    """The X4 line of a wait on an unreachable server: URL, time so far, when the wait gives up, last error, hint.
+
+    ``refused_timeout_s``: the shorter bound that holds while every connection so far was refused (issue 44 item
+    4: the line said "timeout 1800s" of a wait that gives up at 60 s).
+    """
+    if refused_timeout_s is not None and refused_timeout_s < timeout_s:
+        bound = (
+            f"gives up in {max(refused_timeout_s - waited_s, 0.0):.0f}s more if every connection stays refused "
+            f"(vllm_server_connect_timeout={refused_timeout_s:g}), at {timeout_s:.0f}s in all once one is accepted"
+        )
+    else:
+        bound = f"gives up in {max(timeout_s - waited_s, 0.0):.0f}s more, at {timeout_s:.0f}s in all"
+    return f"server {base_url} not answering /health for {waited_s:.0f}s ({bound}; last error: {last_error}) - {SERVER_HINT}"
 
 
 def _check_single(sampling_params: Mapping[str, Any], method: str) -> None:
@@ -117,7 +127,8 @@ class AsyncServerClient(HttpTransport):
                     base_url=self.base_url,
                 )
             if now >= next_log:
-                logger.warning("%s", not_answering_message(self.base_url, now - t0, timeout, last))
+                refused_bound = refused_timeout if always_refused else None
+                logger.warning("%s", not_answering_message(self.base_url, now - t0, timeout, last, refused_bound))
                 next_log = now + log_every
             if now + poll_s > deadline:
                 raise ServerTimeoutError(

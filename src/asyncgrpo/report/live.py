@@ -26,9 +26,30 @@ SHOWN = (
 )
 
 
+def missing_reward_note(logs: dict[str, float]) -> str | None:
+    """Why a window's line has no reward or no kept column (issue 44 item 6), from the reward events it holds.
+
+    Reward metrics are events of the groups scored during the window (``rollout/advantages.py``): every scored
+    group gives ``frac_reward_zero_std``, one with a scorable completion ``reward``, a trained one ``reward_kept``.
+    """
+
+    def has(key: str) -> bool:
+        return isinstance(logs.get(key), int | float) and logs[key] == logs[key]  # present and not NaN
+
+    if not has("frac_reward_zero_std"):
+        return "no group finished scoring during this step: it trained groups scored before"
+    if not has("reward"):
+        return "no completion of the groups scored during this step could be scored"
+    if not has("reward_kept"):
+        return "every group scored during this step was dropped: equal rewards within each group, no signal"
+    return None
+
+
 def compact_line(step: int, max_steps: int, logs: dict[str, float]) -> str:
+    """``step   3/8  reward 0.5  kept 0.6 ...``; a note in parentheses says why a reward column is missing."""
     parts = [f"{label} {logs[key]:.3g}" for key, label in SHOWN if isinstance(logs.get(key), (int, float))]
-    return f"step {step:>3}/{max_steps}  " + "  ".join(parts)
+    note = missing_reward_note(logs)
+    return f"step {step:>3}/{max_steps}  " + "  ".join(parts) + (f"  ({note})" if note else "")
 
 
 class CompactProgress(ProgressCallback):

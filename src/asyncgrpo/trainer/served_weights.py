@@ -5,7 +5,9 @@ The trainer pushes its weights at ``train()`` start whatever the server reports
 about the weights. This module only tells the user what the server held before
 that push: another model (a server started on another checkpoint) or weights an
 earlier run pushed (a weight version other than a fresh server's). Both are
-legitimate workflows, so they warn; neither stops the run.
+legitimate workflows, so they warn; neither stops the run. A checkpoint derived
+from the served one with the same config and tokens (docs/agents.md serves the
+demo model and trains its tool warm-up) is the same model here (issue 44 item 5).
 """
 
 from __future__ import annotations
@@ -21,12 +23,41 @@ from asyncgrpo.errors import ServerError
 
 logger = logging.getLogger(__name__)
 
-FRESH_VERSIONS = frozenset({"", "0", "None"})  # what a server reports before any weight update
+# What a server reports as its weight version before any weight update, one entry per source:
+# - "0": asyncgrpo's own server (server/engine/loop.py sets it at start);
+# - "default": vLLM 0.32 and 0.33 (vllm/v1/engine/core.py: EngineCore.__init__ sets it, only a weight update or
+#   /update_weight_version changes it; /weight_info returns it as is, data-parallel engines agree or it fails);
+# - "" and "None": a version field that is empty or a serialised null (no server we know of sends these; they name
+#   no earlier push either, so they must not warn).
+FRESH_VERSIONS = frozenset({"0", "default", "", "None"})
 CHECK_TIMEOUT_S = 30.0  # two small GETs on a server that just answered the start-up probe
 
 
+# Config entries that differ between a checkpoint and a copy saved from it (warm_up_tool_calls, a trainer's
+# output_dir) without changing what the server computes with: the path, the writer's version, the saved dtype.
+COPY_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype"})
+
+
+def _same_tokens_and_config(served_dir: str, model_dir: str) -> bool:
+    """True when two local checkpoints share their config (but ``COPY_CONFIG_KEYS``) and their vocabulary and
+    special tokens: what the warning below asks to match. The chat template may differ: the trainer renders the
+    prompts and sends token ids (a warmed-up model's tool template is the usual difference)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        configs = [AutoConfig.from_pretrained(d).to_dict() for d in (served_dir, model_dir)]
+        toks = [AutoTokenizer.from_pretrained(d) for d in (served_dir, model_dir)]
+    except (OSError, ValueError):  # not a loadable checkpoint: the names decide
+        return False
+    a, b = ({k: v for k, v in c.items() if k not in COPY_CONFIG_KEYS} for c in configs)
+    specials = [(t.bos_token_id, t.eos_token_id, t.pad_token_id, t.unk_token_id) for t in toks]
+    return a == b and specials[0] == specials[1] and toks[0].get_vocab() == toks[1].get_vocab()
+
+
 def _same_model(served: Sequence[str | None], model_id: str) -> bool:
-    """True when any name the server gives its model (id, root) is the trainer's: equal, or one directory."""
+    """True when the server's model (id, root) is the trainer's: the same name or directory, or a local copy with
+    the same config and tokens (the trainer pushes its own weights before the first sample)."""
+    local = [name for name in served if name and os.path.isdir(name)]
     for name in served:
         if not name:
             continue
@@ -34,7 +65,7 @@ def _same_model(served: Sequence[str | None], model_id: str) -> bool:
             return True
         if os.path.exists(name) and os.path.exists(model_id) and os.path.samefile(name, model_id):
             return True
-    return False
+    return bool(local) and os.path.isdir(model_id) and _same_tokens_and_config(local[0], model_id)
 
 
 def describe_served_weights(base_url: str, models: list[dict[str, Any]], info: dict[str, Any] | None,

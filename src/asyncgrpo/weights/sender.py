@@ -192,6 +192,19 @@ class WeightSender:
         if self.policy is None:
             self.policy = self._restart_policy if len(clients) == 1 else DropDeadServers()
         self._loop = LoopThread()
+        try:
+            self._connect(clients, sizes, device, backend, packed, master_address)
+        except BaseException:
+            # A failed init (NCCL missing, a rejected init, a timeout) must not leave the cloned clients' HTTP
+            # sessions and the loop thread open (issue 44 item 3). The servers are asked to drop their side only
+            # when a group formed: the half of one that never formed ends on the server's own rendezvous timeout.
+            formed = self.shared is not None or any(link.group is not None for link in self.links.values())
+            self.close(shutdown_server_side=formed)
+            raise
+
+    def _connect(self, clients: list[ServerControl], sizes: Sequence[int | None], device: torch.device | str | None,
+                 backend: str, packed: bool, master_address: str | None) -> None:  # fmt: skip
+        """``init``'s work once the loop runs: a link per server, the backend, the group(s), the traits."""
         for i, (c, size) in enumerate(zip(clients, sizes)):
             link = ServerLink(c.clone(), 0, i)
             link.world_size = (

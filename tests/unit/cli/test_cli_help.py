@@ -49,6 +49,59 @@ def test_eval_help_lists_model_and_no_training_flags(capsys):
     assert "--model" in own and "--config" in own and "--resume" not in own and "--log-full" not in own
 
 
+class _Recorder:
+    """Records which config fields a function reads (``server_urls`` is ``vllm_server_base_url`` as a list)."""
+
+    def __init__(self) -> None:
+        self.read: set[str] = set()
+        self._defaults = AsyncGRPOConfig(output_dir="unused", report_to=[])
+
+    def __getattr__(self, name: str):
+        self.read.add("vllm_server_base_url" if name == "server_urls" else name)
+        return getattr(self._defaults, name)
+
+
+def test_eval_help_shows_in_titled_sections_the_fields_eval_reads(capsys, monkeypatch):
+    """Issue 44 item 7: eval's help was train's 555 lines; it lists what changes a score, in sections."""
+    from asyncgrpo.cli.eval import EVAL_HELP_SECTIONS
+    from asyncgrpo.tasks.evaluate import settings_from_config
+
+    monkeypatch.setenv("COLUMNS", "80")
+    lines = _help(capsys, "eval").splitlines()
+    titles = [line[:-1] for line in lines if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles == ["options", "asyncgrpo eval", *EVAL_HELP_SECTIONS, "other fields"]
+    flags = {m.group(1) for line in lines if (m := re.match(r"^  --([a-z_]+)", line))}
+    shown = {name for names in EVAL_HELP_SECTIONS.values() for name in names}
+    assert flags == shown | {"config", "model", "debug"}
+    recorder = _Recorder()
+    settings_from_config(recorder)
+    assert recorder.read <= shown, recorder.read - shown  # every field that changes a score is listed
+    assert len(lines) < 100
+
+
+def test_eval_accepts_a_field_its_help_leaves_out():
+    from asyncgrpo.cli.eval import EVAL_HELP_SECTIONS, EVAL_REST_NOTE
+    from asyncgrpo.cli.launch import parse_train
+
+    argv = ["--config", "examples/demo.yaml", "--model", "m", "--learning_rate", "1e-4", "--eval_temperature", "0"]
+    spec, ns = parse_train(argv, "asyncgrpo eval", None, lambda p: p.add_argument("--model"),
+                           (EVAL_HELP_SECTIONS, EVAL_REST_NOTE))  # fmt: skip
+    assert (spec.args.learning_rate, spec.args.eval_temperature, ns.model) == (1e-4, 0.0, "m")
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "serve", "report", "demo"])
+def test_help_lines_are_at_most_100_characters(capsys, monkeypatch, command):
+    """The --optim line was 644 characters (its 40 choices on the flag line); flag names repeated their value."""
+    monkeypatch.setenv("COLUMNS", "80")
+    lines = _help(capsys, command).splitlines()
+    longest = max(lines, key=len)
+    assert len(longest) <= 100, longest
+    if command == "train":
+        start = next(i for i, line in enumerate(lines) if line.startswith("  --optim "))
+        optim = "\n".join(lines[start : start + 20])
+        assert "One of: adamw_torch, adamw_torch_fused" in optim and "schedule_free_adamw" in optim
+
+
 @pytest.mark.parametrize("command", ["train", "eval", "serve", "report", "demo"])
 def test_help_has_no_internal_tags_or_doubled_defaults(capsys, command):
     text = _help(capsys, command)
