@@ -127,7 +127,7 @@ evaluate() {
 
 report() {
   (cd "$RUN" && "$WORK/venv/bin/asyncgrpo" report out)
-  test -f "$RUN/out/report.html" || { echo "asyncgrpo report wrote no out/report.html"; return 1; }
+  test -f "$RUN/out/report/report.html" || { echo "asyncgrpo report wrote no out/report/report.html"; return 1; }
 }
 
 echo "[install lane] work folder $WORK; ASYNCGRPO_CACHE=${ASYNCGRPO_CACHE:-(unset: ~/.cache/asyncgrpo)}; $TORCH"
