@@ -25,10 +25,18 @@ def have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
+_warned: list[str] = []  # the first fast path found without Triton in this process
+
+
 def warn_missing(what: str) -> None:
-    """One line per ``what`` and process: which fast path is off and which package turns it on."""
-    logger.warning("%s needs Triton, which is not installed: running torch's ops instead; %s", what, INSTALL_HINT)
+    """One line per process, naming the first fast path that is off and the package that turns them all on."""
+    if _warned:
+        return
+    _warned.append(what)
+    logger.warning(
+        "%s (and the other CUDA kernels) need Triton, which is not installed: running torch's ops instead; %s",
+        what, INSTALL_HINT,
+    )  # fmt: skip
 
 
 @functools.cache
