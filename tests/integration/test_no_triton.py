@@ -128,3 +128,28 @@ def test_train_help_and_an_old_path_config_load_without_triton(tmp_path, tiny_ll
     assert len(moved) == 1, done.stderr[-3000:]
     assert "asyncgrpo.recipes.tasks moved to asyncgrpo.tasks.reasoning" in moved[0]
     assert not log.exists(), log.read_text()
+
+
+@pytest.mark.long
+def test_a_run_trains_without_triton_from_an_old_path_config(tmp_path, tiny_llama_dir):
+    """``asyncgrpo train`` end to end (embedded CPU server, rollout worker, trainer) with Triton hidden, from a
+    YAML whose first reward has 0.1.0's path: one step, the model saved, one deprecation line, no lookup."""
+    log = tmp_path / "lookups"
+    cfg = {
+        "model": str(tiny_llama_dir),
+        "dataset": {"recipe": "reasoning_gym", "task": "chain_sum", "size": 16, "seed": 0, "system_prompt": None},
+        # the tiny random model never answers right: the second reward gives groups a spread to train on
+        "reward_funcs": ["asyncgrpo.recipes.tasks:numeric_answer_reward", "tests.helpers.rewards:even_token_reward"],
+        "server": {"embedded": True, "device": "cpu", "args": ["--max-model-len", "256", "--kv-cache-tokens", "16384"]},
+        "args": {"output_dir": str(tmp_path / "out"), "max_steps": 1, "num_generations": 4, "max_completion_length": 12,
+                 "token_budget": 384, "gradient_checkpointing": False, "save_strategy": "no", "report_to": [],
+                 "vllm_server_timeout": 120, "rollout_worker_timeout": 60},
+    }  # fmt: skip
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "asyncgrpo", "train", "--config", str(tmp_path / "old.yaml")],
+                          env=hidden_env(log), cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    moved = [line for line in (done.stdout + done.stderr).splitlines() if " moved to " in line]
+    assert len(moved) == 1 and "asyncgrpo.recipes.tasks moved to asyncgrpo.tasks.reasoning" in moved[0], moved
+    assert not log.exists(), log.read_text()
