@@ -35,6 +35,11 @@ test-lowest:
 test-readme: $(VENV)/.installed
 	ASYNCGRPO_README_LANE=1 $(PY) -m pytest -q -n 0 -p no:cacheprovider --durations=5 tests/integration/test_readme_snippets.py
 
+# The install lane: the built wheel in a fresh venv with torch and [demo] only (tests/install_lane/run.sh).
+.PHONY: test-install
+test-install:
+	TORCH="$(TORCH)" tests/install_lane/run.sh
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench
 

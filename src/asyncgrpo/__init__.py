@@ -4,7 +4,9 @@
     from asyncgrpo.tasks import accuracy_reward
 
 Heavy modules (torch, transformers) load on first use of a name, so the
-command-line tool and the rollout worker start quickly.
+command-line tool and the rollout worker start quickly. ``__all__`` is the
+top-level API; the public modules are listed in ``asyncgrpo.import_paths.PUBLIC_MODULES``
+(and docs/usage.md), and paths that earlier docs showed keep working with a warning.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from asyncgrpo import import_paths
+
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
+
+import_paths.install()
 
 _EXPORTS = {
     "AsyncGRPOConfig": "asyncgrpo.config",

@@ -5,6 +5,7 @@ asyncgrpo train --config run.yaml [--max_steps 3]  # a training run described by
 asyncgrpo eval --model DIR --config run.yaml       # score a checkpoint on the YAML's eval_dataset
 asyncgrpo report RUN_DIR                           # the run doctor: plots, report.html, verdicts
 asyncgrpo demo                                     # the README's main job
+asyncgrpo --version                                # this version, with Python's, torch's and transformers'
 
 A mistake in the input (config, dataset, reward path, unreachable server) prints one message and exits
 with code 2; --debug shows the traceback.
@@ -21,10 +22,28 @@ from asyncgrpo.cli.help_format import DefaultsFormatter
 from asyncgrpo.errors import UserError
 
 
+def version_line() -> str:
+    """``asyncgrpo X (python Y, torch Z, transformers W)``, from the installed metadata (nothing imported)."""
+    import platform
+    from importlib import metadata
+
+    from asyncgrpo import __version__
+
+    def installed(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{d} {installed(d)}" for d in ("torch", "transformers"))
+    return f"asyncgrpo {__version__} (python {platform.python_version()}, {deps})"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncgrpo", description=__doc__.splitlines()[0], formatter_class=DefaultsFormatter
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
     from asyncgrpo.server.main import add_serve_arguments

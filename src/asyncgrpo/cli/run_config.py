@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import pkgutil
 import types
 import typing
 from dataclasses import dataclass
@@ -102,18 +103,59 @@ def check_dataset(where: str, spec: Any) -> dict[str, Any]:
 
 
 # ---- rewards ---------------------------------------------------------------------------------------------------------
+def _public_callables(module: Any) -> list[str]:
+    return [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+
+
+def closest_path(module: str, name: str) -> str | None:
+    """The existing ``module:function`` nearest to a path whose module does not import: the module chosen among
+    asyncgrpo's public and moved modules (a moved one stands for its new path) and the submodules of the deepest
+    package of ``module`` that imports, then the function among that module's callables when it is one of ours
+    (other modules are not imported to guess)."""
+    from asyncgrpo.import_paths import MOVED, PUBLIC_MODULES
+
+    parts = module.split(".")
+    ours = difflib.get_close_matches(parts[0], ["asyncgrpo"], cutoff=0.7)  # asyncgrpo, or a misspelling of it
+    candidates = {*PUBLIC_MODULES, *MOVED} if ours else set()
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:i])
+        if parent in MOVED:
+            continue
+        try:
+            package = importlib.import_module(parent)
+        except ImportError:
+            continue
+        if hasattr(package, "__path__"):
+            candidates.update(f"{parent}.{m.name}" for m in pkgutil.iter_modules(package.__path__))
+        break
+    close = difflib.get_close_matches(module, sorted(candidates), n=1, cutoff=0.6)
+    if not close:
+        return None
+    found = MOVED.get(close[0], close[0])
+    if found.split(".")[0] == "asyncgrpo":
+        names = difflib.get_close_matches(name, _public_callables(importlib.import_module(found)), n=1)
+        return f"{found}:{names[0]}" if names else found
+    return f"{found}:{name}"
+
+
 def import_object(spec: str, where: str = "reward_funcs") -> Any:
-    """``"pkg.mod:name"`` or ``"pkg.mod.name"`` -> the object, or a UserError saying what is missing."""
+    """``"pkg.mod:name"`` or ``"pkg.mod.name"`` -> the object, or a UserError saying what is missing and naming
+    the closest existing path. An old path (``asyncgrpo.import_paths.MOVED``) imports with one deprecation line."""
     module, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not module or not name:
         raise UserError(f"{where}: cannot import {spec!r}: write it as 'package.module:function'")
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise UserError(f"{where}: cannot import {spec!r}: {e}") from e
+        if not (isinstance(e, ModuleNotFoundError) and e.name and module.startswith(e.name)):
+            raise UserError(f"{where}: cannot import {spec!r}: {e}") from e  # the module exists but fails to import
+        close = closest_path(module, name)
+        hint = f" (did you mean '{close}'?)" if close else ""
+        raise UserError(f"{where}: cannot import {spec!r}: no module named '{e.name}'{hint}") from e
     if not hasattr(mod, name):
-        public = [n for n in dir(mod) if not n.startswith("_") and callable(getattr(mod, n))]
-        raise UserError(f"{where}: cannot import {spec!r}: module {module} has no '{name}'{did_you_mean(name, public)}")
+        close = difflib.get_close_matches(name, _public_callables(mod), n=1, cutoff=0.6)
+        hint = f" (did you mean '{module}:{close[0]}'?)" if close else ""
+        raise UserError(f"{where}: cannot import {spec!r}: module {module} has no '{name}'{hint}")
     return getattr(mod, name)
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from asyncgrpo.packing.deltanet import install_tree_linear_attention, needs_linear_plan
 from asyncgrpo.packing.linear_attention import DEFAULT_CHUNK, LinearTreePlan, build_linear_plan
 from asyncgrpo.packing.row import PackedRow
+from asyncgrpo.triton_support import INSTALL_HINT, have_triton, warn_missing
 
 logger = logging.getLogger(__name__)
 
@@ -82,22 +83,27 @@ def build_plan(
 
     Args:
         row: the packed row (its tensors may live on any device).
-        backend: "auto" (flex on CUDA, sdpa elsewhere), "sdpa", "flex" or "varlen".
+        backend: "auto" (flex on CUDA with Triton, sdpa elsewhere), "sdpa", "flex" or "varlen".
         device: where the model runs; defaults to the row's device.
         linear_attention: also lay the row out for Gated DeltaNet layers (``packed_hidden_states`` does this
             by itself for models that have them).
         linear_chunk: tokens per chunk of the delta rule.
 
     Raises:
-        ValueError: for an unknown backend, or a CUDA-only backend on another device.
+        ValueError: for an unknown backend, a CUDA-only backend on another device, or flex without Triton.
     """
     device = torch.device(device) if device is not None else row.input_ids.device
     if backend not in BACKENDS:
         raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
+        if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
+            warn_missing("tree attention (FlexAttention)")
+            backend = "sdpa"
     if backend in ("flex", "varlen") and device.type != "cuda":
         raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use backend='sdpa'")
+    if backend == "flex" and not have_triton():
+        raise ValueError(f"tree attention backend 'flex' needs Triton on CUDA: {INSTALL_HINT}; or use 'varlen'")
     total = row.num_tokens
     end = row.subtree_end.to(device)
     if backend == "sdpa":

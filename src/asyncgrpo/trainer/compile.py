@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from asyncgrpo.triton_support import have_triton, warn_missing
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CompileSettings", "compile_decoder_layers", "decoder_layers", "uncompile_decoder_layers"]
@@ -120,6 +122,10 @@ def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | N
     transformers checkpoints ``forward``).
     """
     settings = settings or CompileSettings()
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    if settings.backend == "inductor" and on_cuda and not have_triton():  # inductor's CUDA code is Triton
+        warn_missing("compile_decoder_layers on CUDA")
+        return 0
     layers = decoder_layers(model)
     todo = [layer for layer in layers if not isinstance(getattr(layer, "_compiled_call_impl", None), _GuardedCall)]
     if not todo:

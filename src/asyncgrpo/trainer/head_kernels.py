@@ -9,7 +9,8 @@ functions read them once or twice each:
 
 The sparse parts (the one-hot terms of targets and top-N ids) are applied to the hidden and weight gradients
 directly by the caller. On CUDA both functions are compiled once (dynamic shapes); if compiling fails they run
-eager with one warning. Off CUDA they run eager (the same arithmetic).
+eager with one warning (without Triton they are not compiled: one warning names the package). Off CUDA they
+run eager (the same arithmetic).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from asyncgrpo.triton_support import have_triton, warn_missing
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ class _Kernel:
         if self.failed or not args[0].is_cuda:
             return self.fn(*args)
         if self.compiled is None:
+            if not have_triton():  # torch.compile's CUDA code is Triton
+                warn_missing("compiling the LM-head loss kernels")
+                self.failed = True
+                return self.fn(*args)
             self.compiled = torch.compile(self.fn, dynamic=True)
         try:
             return self.compiled(*args)

@@ -76,7 +76,7 @@ def test_unknown_task_setting(tmp_path, capsys):
 def test_bad_reward_path(tmp_path, capsys):
     path = write(tmp_path, lambda c: c["reward_funcs"].__setitem__(0, "asyncgrpo.tasks.reasoning:numeric_answer"))
     err = run_cli(["train", "--config", str(path)], capsys)
-    assert "has no 'numeric_answer' (did you mean 'numeric_answer_reward'?)" in err
+    assert "has no 'numeric_answer' (did you mean 'asyncgrpo.tasks.reasoning:numeric_answer_reward'?)" in err
     path = write(tmp_path, lambda c: c["reward_funcs"].__setitem__(0, "no_such_module:f"))
     assert "cannot import 'no_such_module:f'" in run_cli(["train", "--config", str(path)], capsys)
 

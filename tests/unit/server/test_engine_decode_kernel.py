@@ -92,7 +92,7 @@ def test_triton_paged_prefill_matches_reference(tmp_path, dtype, group, block_si
     """Row-wise prefill tiles: each row attends causally to its own sequence's cache up to its position; rows
     outside every tile (graph padding) come out as zeros."""
     pytest.importorskip("triton")
-    from asyncgrpo.server.layers.prefill_kernel import tile_rows
+    from asyncgrpo.server.layers.prefill_tiles import tile_rows
 
     gen = torch.Generator().manual_seed(0)
     Hkv, D, num_blocks, max_blocks = 2, 32, 48, 10

@@ -11,11 +11,11 @@ import torch
 
 CHILD = """
 import sys, torch
-from asyncgrpo.server.layers import fused
+from asyncgrpo.server.layers import fused_triton
 d = torch.load(sys.argv[1] + "/in.pt")
 x, w = d["x"], d["w"]
 out = torch.empty_like(x)
-fused._rms_norm_kernel[(x.shape[0],)](x, w, out, x.stride(0), out.stride(0), x.shape[1], 1e-6, BLOCK=128)
+fused_triton.rms_norm_kernel[(x.shape[0],)](x, w, out, x.stride(0), out.stride(0), x.shape[1], 1e-6, BLOCK=128)
 torch.save(out, sys.argv[1] + "/out.pt")
 """
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.layers.attention import check_prefill_kernel
-from asyncgrpo.server.layers.prefill_kernel import tile_rows
+from asyncgrpo.server.layers.prefill_tiles import tile_rows
 from asyncgrpo.server.models.forward_batch import ForwardBatch, staged_int64
 
 if TYPE_CHECKING:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from asyncgrpo.triton_support import load_kernels
+
 if TYPE_CHECKING:
     from asyncgrpo.server.models.forward_batch import ForwardBatch
 
@@ -192,6 +194,9 @@ def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: 
     """
     if not ENABLED["triton"]:
         return False
+    if load_kernels("asyncgrpo.server.layers.decode_kernel", "the CUDA engine's paged-attention kernels") is None:
+        ENABLED["triton"] = False
+        return False
     try:
         from asyncgrpo.server.layers.decode_kernel import paged_decode
 
@@ -212,8 +217,11 @@ def check_prefill_kernel(
 ) -> bool:
     """Compile the kernel for this shape and compare it once with the torch reference (rows as decode queries);
     False (logged) when it is unusable here: row-wise prefill then reads the context per row (decode kernel)."""
+    if load_kernels("asyncgrpo.server.layers.prefill_kernel", "the CUDA engine's paged-attention kernels") is None:
+        return False
     try:
-        from asyncgrpo.server.layers.prefill_kernel import paged_prefill, tile_rows
+        from asyncgrpo.server.layers.prefill_kernel import paged_prefill
+        from asyncgrpo.server.layers.prefill_tiles import tile_rows
 
         bm = tile_rows(group)
         n = 2 * bm + 3  # one sequence over three tiles (the last one partial), then a one-row sequence

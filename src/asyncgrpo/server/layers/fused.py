@@ -4,36 +4,30 @@ At batch 256 a decode step is bound by the *number* of small kernels, not by
 their bytes: HF's RMSNorm arithmetic is eight launches (upcast, square, mean,
 add, rsqrt, multiply, downcast, scale) and runs four times per layer. One Triton
 program per row does it in a single launch with the same arithmetic: normalise
-in fp32, cast to the input dtype, then multiply by the weight.
+in fp32, cast to the input dtype, then multiply by the weight. The Triton programs live in
+``fused_triton.py``, imported on the first CUDA call (a CPU install never imports Triton).
 """
 
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 
+from asyncgrpo.triton_support import load_kernels
+
 logger = logging.getLogger(__name__)
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (``triton.next_power_of_2`` without importing Triton)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
-if triton is not None:
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        var = tl.sum(x * x, axis=0) / n_cols
-        normed = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+def _kernels() -> ModuleType | None:
+    """``fused_triton`` on first use, or None without Triton (one warning)."""
+    return load_kernels("asyncgrpo.server.layers.fused_triton", "the fused layer kernels of the CUDA engine")
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +39,8 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension; one kernel on CUDA (graph-safe), torch ops elsewhere."""
-    if triton is None or not x.is_cuda or weight.dtype != x.dtype:
+    kernels = _kernels() if x.is_cuda and weight.dtype == x.dtype else None
+    if kernels is None:
         return rms_norm_torch(x, weight, eps)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -53,8 +48,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n_cols = shape[-1]
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, out, x2.stride(0), out.stride(0), n_cols, eps, BLOCK=triton.next_power_of_2(n_cols)
+    kernels.rms_norm_kernel[(x2.shape[0],)](
+        x2, weight, out, x2.stride(0), out.stride(0), n_cols, eps, BLOCK=_pow2(n_cols)
     )
     return out.view(shape)
 
@@ -65,14 +60,14 @@ ENABLED = {"layer": True}  # switched off for the process when the self-check be
 def _use_triton(x: torch.Tensor, force: bool | None) -> bool:
     """Triton on CUDA; ``force=True`` also on CPU (tests run the kernels under ``TRITON_INTERPRET=1``)."""
     if force is not None:
-        return force and triton is not None
-    return triton is not None and x.is_cuda and ENABLED["layer"]
+        return force and _kernels() is not None
+    return x.is_cuda and ENABLED["layer"] and _kernels() is not None
 
 
 def check_layer_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                         qk_norm: bool) -> bool:  # fmt: skip
     """Compile and run the layer kernels once against their torch paths; on any failure use torch from now on."""
-    if triton is None or device.type != "cuda":
+    if device.type != "cuda" or _kernels() is None:
         return False
     try:
         g = torch.Generator(device=device).manual_seed(0)
@@ -105,24 +100,6 @@ def check_layer_kernels(device: torch.device, dtype: torch.dtype, num_heads: int
 
 
 # ------------------------------------------------------------- residual + RMSNorm
-if triton is not None:
-
-    @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        h = tl.load(h_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-        d = tl.load(d_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-        s = (h + d).to(h_out_ptr.dtype.element_ty)  # the residual add rounds to the model dtype, as in HF
-        tl.store(h_out_ptr + row * n_cols + cols, s, mask=ok)
-        x = s.to(tl.float32)
-        var = tl.sum(x * x, axis=0) / n_cols
-        normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # product in fp32, rounded once: torch's
-        tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, force: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,24 +110,11 @@ def add_rms_norm(
     h, delta = h.contiguous(), delta.contiguous()
     s, out = torch.empty_like(h), torch.empty_like(h)
     n = h.shape[-1]
-    _add_rms_norm_kernel[(h.shape[0],)](h, delta, weight, s, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    _kernels().add_rms_norm_kernel[(h.shape[0],)](h, delta, weight, s, out, n, eps, BLOCK=_pow2(n))
     return s, out
 
 
 # ---------------------------------------------------------------------- SiLU * up
-if triton is not None:
-
-    @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        g = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # silu rounds, then the product
-        tl.store(out_ptr + row * n_cols + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def silu_mul(gate_up: torch.Tensor, force: bool | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for the fused [T, 2I] gate/up projection output -> [T, I]."""
     n = gate_up.shape[-1] // 2
@@ -159,61 +123,11 @@ def silu_mul(gate_up: torch.Tensor, force: bool | None = None) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(gate_up.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    _kernels().silu_mul_kernel[(gate_up.shape[0], -(-n // block))](gate_up, out, n, BLOCK=block)
     return out
 
 
 # --------------------------------------------- q/k norm + RoPE + KV-cache write
-if triton is not None:
-
-    @triton.jit
-    def _qkv_rope_kernel(
-        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
-        q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
-        eps, stride_pos, stride_slot, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-        QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
-    ):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        half: tl.constexpr = D // 2
-        d = tl.arange(0, D)
-        partner = (d + half) % D
-        row = qkv_ptr + t * (NQ + 2 * NKV) * D + head * D
-        dt = q_out_ptr.dtype.element_ty
-        slot = tl.load(slot_ptr + t * stride_slot)  # decode reads columns of the runner's static [B, 4+n] buffer
-        if head >= NQ + NKV:  # V: copy into the cache as is
-            v = tl.load(row + d)
-            kv_head = head - NQ - NKV
-            tl.store(v_cache_ptr + (slot * NKV + kv_head) * D + d, v.to(v_cache_ptr.dtype.element_ty))
-            if STORE_KV:
-                tl.store(v_out_ptr + (t * NKV + kv_head) * D + d, v)
-        else:
-            x = tl.load(row + d).to(tl.float32)
-            xp = tl.load(row + partner).to(tl.float32)
-            if QK_NORM:  # Qwen3: RMSNorm per head, HF arithmetic (fp32 normalise, cast, scale in dtype)
-                if head < NQ:
-                    w = tl.load(qn_ptr + d).to(tl.float32)
-                    wp = tl.load(qn_ptr + partner).to(tl.float32)
-                else:
-                    w = tl.load(kn_ptr + d).to(tl.float32)
-                    wp = tl.load(kn_ptr + partner).to(tl.float32)
-                rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-                x = (w * (x * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-                xp = (wp * (xp * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            pos = tl.load(pos_ptr + t * stride_pos)
-            c = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-            s = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-            rot = tl.where(d < half, -xp, xp)
-            y = ((x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)).to(dt)  # HF: each op rounds
-            if head < NQ:
-                tl.store(q_out_ptr + (t * NQ + head) * D + d, y)
-            else:
-                kv_head = head - NQ
-                tl.store(k_cache_ptr + (slot * NKV + kv_head) * D + d, y.to(k_cache_ptr.dtype.element_ty))
-                if STORE_KV:
-                    tl.store(k_out_ptr + (t * NKV + kv_head) * D + d, y)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE, rotate-half layout, HF's arithmetic. x: [T, H, D]; cos/sin: [T, 1, D]."""
     half = x.shape[-1] // 2
@@ -263,7 +177,7 @@ def qkv_rope_write(
     kn = k_norm[0] if k_norm is not None else cos
     eps = q_norm[1] if q_norm is not None else 0.0
     grid = (T, num_heads + 2 * num_kv_heads)
-    _qkv_rope_kernel[grid](
+    _kernels().qkv_rope_kernel[grid](
         qkv, positions, cos, sin, qn, kn, slot_mapping, q, k, v, k_cache, v_cache, eps,
         positions.stride(0), slot_mapping.stride(0),
         NQ=num_heads, NKV=num_kv_heads, D=D, QK_NORM=q_norm is not None, STORE_KV=need_kv,

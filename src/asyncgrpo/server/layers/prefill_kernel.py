@@ -14,12 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-QUERY_ROWS = 64  # BLOCK_M x padded group: query rows of one program's tile, the M of its matmuls
-
-
-def tile_rows(group: int) -> int:
-    """Sequence rows per tile (BLOCK_M) for a GQA group: ``QUERY_ROWS`` query rows in all, at least 1."""
-    return max(1, QUERY_ROWS // triton.next_power_of_2(group))
+from asyncgrpo.server.layers.prefill_tiles import tile_rows
 
 
 @triton.jit

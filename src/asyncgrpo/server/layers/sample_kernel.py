@@ -36,23 +36,21 @@ computed in the kernel, bit for bit (the per-row key in int64 masked to 32 bits,
 the per-token hash in wrapping uint32 arithmetic), so a seeded row draws the
 same ``E`` as on the torch path. Unseeded rows use a per-row 32-bit key drawn
 from the engine's generator each step, hashed the same way. Runs on CPU under
-``TRITON_INTERPRET=1`` for tests.
+``TRITON_INTERPRET=1`` for tests. The programs live in ``sample_triton.py``, imported on the first CUDA use
+(a CPU install never imports Triton).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from types import ModuleType
 
 import torch
 
-logger = logging.getLogger(__name__)
+from asyncgrpo.triton_support import INSTALL_HINT, load_kernels
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
+logger = logging.getLogger(__name__)
 
 MODE_GREEDY, MODE_RANDOM_KEY, MODE_SEEDED = 0, 1, 2
 MAX_TOP_N = 32  # largest top-N selected in the kernel; the sampler uses torch.topk above it (--max-logprobs is 20)
@@ -65,124 +63,19 @@ SLICE_SIZES = (4096, 2048, 1024)
 MAX_SLICES = 256
 GROUP = 64  # top-N: the slice kernel keeps each group's best candidate, V / 64 heads a row (2374 at 152 k)
 
-if triton is not None:
-    _NO_KEY = tl.constexpr(-(2**63))  # below every candidate key: removed or out-of-range lanes
 
-    @triton.jit
-    def _mix32(x):
-        """int64 values < 2**32 -> 32-bit finaliser; products wrap, their low 32 bits are exact."""
-        x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & 0xFFFFFFFF
-        x = x ^ (x >> 15)
-        x = (x * 0x846CA68B) & 0xFFFFFFFF
-        return x ^ (x >> 16)
+def _kernels() -> ModuleType | None:
+    """``sample_triton`` on first use, or None without Triton (one warning)."""
+    return load_kernels("asyncgrpo.server.layers.sample_triton", "the CUDA engine's sampling kernel")
 
-    @triton.jit
-    def _mix32_u32(x):
-        """:func:`_mix32` on uint32 lanes: the same bits, with native wrapping 32-bit multiplies (cheap per token)."""
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        return x ^ (x >> 16)
 
-    @triton.jit(do_not_specialize=["B", "N"])  # one compiled variant per slice size, whatever B and top-N
-    def _slice_kernel(
-        logits_ptr, stride_row, temp_ptr, meta_ptr, rand_ptr, part_f_ptr, part_i_ptr, part_k_ptr,
-        V, B, S, N, BLOCK: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        temp = tl.load(temp_ptr + row)
-        mode = tl.load(meta_ptr + 3 * B + row)
-        lo = tl.load(meta_ptr + row)
-        hi = tl.load(meta_ptr + B + row)
-        pos = tl.load(meta_ptr + 2 * B + row)
-        key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
-        key = _mix32(key ^ _mix32((pos + 0x85EBCA6B) & 0xFFFFFFFF))
-        if mode == 1:
-            key = tl.load(rand_ptr + row) & 0xFFFFFFFF
-        key32 = key.to(tl.uint32)
-        first = split * BLOCK
-        cols = first + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]  # [R, G]: the slice, G per group
-        ok = cols < V
-        base = logits_ptr + row.to(tl.int64) * stride_row
-        x = tl.div_rn(tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32), temp)  # IEEE, as torch
-        m = tl.max(tl.max(x, axis=1), axis=0)
-        s = tl.sum(tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=1), axis=0)
-        if mode == 0:
-            score = x
-        else:
-            tok = _mix32_u32(cols.to(tl.uint32) + 0x27D4EB2F)
-            bits = _mix32_u32(key32 ^ tok)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            e = tl.maximum(-tl.log(u), 1.1754943508222875e-38)
-            score = tl.where(x == float("-inf"), float("-inf"), x - tl.log(e))
-        top = tl.max(tl.max(score, axis=1), axis=0)
-        idx = tl.min(tl.min(tl.where(score == top, cols, 2147483647), axis=1), axis=0)  # lowest among equals
-        x_at = tl.max(tl.max(tl.where(cols == idx, x, float("-inf")), axis=1), axis=0)
-        off = row * S + split
-        tl.store(part_f_ptr + off, m)
-        tl.store(part_f_ptr + B * S + off, s)
-        tl.store(part_f_ptr + 2 * B * S + off, top)
-        tl.store(part_f_ptr + 3 * B * S + off, x_at)
-        tl.store(part_i_ptr + off, idx)
-        if N > 0:  # top-N candidates: the best key of each group of G columns (see the module docstring)
-            gx = tl.max(x, axis=1)  # [R]
-            gi = tl.min(tl.where(x == gx[:, None], cols, 2147483647), axis=1)
-            # the key, inline (a nested jit call costs milliseconds under TRITON_INTERPRET): the value's bits as
-            # an order-preserving int32 (+ 0.0: -0.0 ties with +0.0, as in torch) above 2**31 - 1 - id
-            b = (gx + 0.0).to(tl.int32, bitcast=True)
-            heads = ((b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gi).to(tl.int64)
-            tl.store(part_k_ptr + row * S * R + split * R + tl.arange(0, R), tl.where(gi < V, heads, _NO_KEY))
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
-    @triton.jit(do_not_specialize=["B", "N"])
-    def _combine_kernel(
-        logits_ptr, stride_row, temp_ptr, part_f_ptr, part_i_ptr, part_k_ptr, out_tok_ptr, out_lse_ptr, packed_ptr,
-        V, B, S, N, S_P: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        sp = tl.arange(0, S_P)
-        ok = sp < S
-        off = row * S + sp
-        m = tl.load(part_f_ptr + off, mask=ok, other=float("-inf"))
-        s = tl.load(part_f_ptr + B * S + off, mask=ok, other=0.0)
-        mx = tl.max(m, axis=0)
-        total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), axis=0)
-        lse = mx + tl.log(total)
-        score = tl.load(part_f_ptr + 2 * B * S + off, mask=ok, other=float("-inf"))
-        x_at = tl.load(part_f_ptr + 3 * B * S + off, mask=ok, other=float("-inf"))
-        idx = tl.load(part_i_ptr + off, mask=ok, other=2147483647)
-        top = tl.max(score, axis=0)
-        win = tl.min(tl.where(score == top, idx, 2147483647), axis=0)
-        x_win = tl.max(tl.where((score == top) & (idx == win), x_at, float("-inf")), axis=0)
-        tl.store(out_tok_ptr + row, win.to(tl.int64))
-        tl.store(out_lse_ptr + row, lse)
-        tl.store(packed_ptr + row, win.to(tl.float64))
-        tl.store(packed_ptr + B + row, (x_win - lse).to(tl.float64))
-        if N > 0:
-            # the row's group heads (group g = columns g*G .. g*G+G-1); a round takes the best head and refills
-            # it from the group's G logits read again, without the keys already taken (those >= the best)
-            temp = tl.load(temp_ptr + row)
-            base = logits_ptr + row.to(tl.int64) * stride_row
-            groups = tl.arange(0, NG_P)
-            heads = tl.load(part_k_ptr + row * NG + groups, mask=groups < NG, other=_NO_KEY)
-            lanes = tl.arange(0, G)
-            for j in range(N):
-                best = tl.max(heads, axis=0)
-                hi32 = (best >> 32).to(tl.int32)
-                value = (hi32 ^ ((hi32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-                token = 2147483647 - (best & 2147483647)
-                tl.store(packed_ptr + 2 * B + row * N + j, token.to(tl.float64))
-                tl.store(packed_ptr + 2 * B + B * N + row * N + j, (value - lse).to(tl.float64))
-                g = tl.where(best == _NO_KEY, 0, token // G).to(tl.int32)
-                gc = g * G + lanes  # [G]
-                okg = gc < V
-                xg = tl.div_rn(tl.load(base + gc, mask=okg, other=float("-inf")).to(tl.float32), temp)
-                bg = (xg + 0.0).to(tl.int32, bitcast=True)
-                kg = ((bg ^ ((bg >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - gc).to(tl.int64)
-                kg = tl.where(okg & (kg < best), kg, _NO_KEY)
-                heads = tl.where(groups == g, tl.max(kg, axis=0), heads)
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (``triton.next_power_of_2`` without importing Triton)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=8)
@@ -194,9 +87,9 @@ def choose_slice(batch: int, vocab: int, sms: int) -> int:
     """Slice size for ``batch`` rows of ``vocab`` logits on ``sms`` multiprocessors (see :data:`SLICE_SIZES`)."""
     size = SLICE_SIZES[-1]
     for size in SLICE_SIZES:
-        if batch * triton.cdiv(vocab, size) >= 2 * sms:
+        if batch * _cdiv(vocab, size) >= 2 * sms:
             break
-    while triton.cdiv(vocab, size) > MAX_SLICES:
+    while _cdiv(vocab, size) > MAX_SLICES:
         size *= 2
     return size
 
@@ -227,7 +120,7 @@ def fused_sample(
     k = top_n
     block = slice_size or choose_slice(B, V, _sm_count(logits.device))
     assert block >= 64 and block & (block - 1) == 0, f"slice_size must be a power of two >= 64, got {block}"
-    S = triton.cdiv(V, block)
+    S = _cdiv(V, block)
     dev = logits.device
     part_f = torch.empty(4, B, S, dtype=torch.float32, device=dev)  # max, normaliser, race score, x of the winner
     part_i = torch.empty(B, S, dtype=torch.int32, device=dev)  # race winner's token id
@@ -237,11 +130,17 @@ def fused_sample(
     packed = torch.empty(2 * B + 2 * B * k, dtype=torch.float64, device=dev)
     warps = num_warps or min(16, max(4, block // 256))
     R = block // GROUP
-    _slice_kernel[(B, S)](logits, logits.stride(0), temps, meta, rand_keys, part_f, part_i, part_k, V, B, S, k,
-                          BLOCK=block, G=GROUP, R=R, num_warps=warps)  # fmt: skip
-    _combine_kernel[(B,)](logits, logits.stride(0), temps, part_f, part_i, part_k, tokens, lse, packed, V, B, S, k,
-                          S_P=triton.next_power_of_2(S), G=GROUP, NG=S * R, NG_P=triton.next_power_of_2(S * R),
-                          num_warps=8)  # fmt: skip
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError(f"the sampling kernel needs Triton: {INSTALL_HINT}")
+    kernels.slice_kernel[(B, S)](
+        logits, logits.stride(0), temps, meta, rand_keys, part_f, part_i, part_k, V, B, S, k,
+        BLOCK=block, G=GROUP, R=R, num_warps=warps,
+    )  # fmt: skip
+    kernels.combine_kernel[(B,)](
+        logits, logits.stride(0), temps, part_f, part_i, part_k, tokens, lse, packed, V, B, S, k,
+        S_P=_pow2(S), G=GROUP, NG=S * R, NG_P=_pow2(S * R), num_warps=8,
+    )  # fmt: skip
     return tokens, packed, lse
 
 
@@ -259,7 +158,7 @@ def warm_up(device: torch.device, vocab: int, dtype: torch.dtype) -> list[int]:
 def check_kernel(device: torch.device) -> bool:
     """Compile and run the kernels once on a tiny batch (the greedy row must pick the argmax, which must also
     head its top-8); False on any failure."""
-    if triton is None or device.type != "cuda":
+    if device.type != "cuda" or _kernels() is None:
         return False
     try:
         logits = torch.arange(300, dtype=torch.float32, device=device).remainder(97)[None].repeat(2, 1)
