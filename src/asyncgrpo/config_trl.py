@@ -34,50 +34,43 @@ class TRLFields:
     max_inflight_tasks: int = field(
         default=-1,
         metadata={
-            "help": "TRL 1.16 name of max_concurrent_rollouts: the most generation tasks in flight at once. -1 (auto) "
-            "keeps max_concurrent_rollouts, under which max_staleness already paces generation in tokens; a value "
-            ">= 1 sets max_concurrent_rollouts to it (setting both to different values is refused)."
+            "help": "TRL 1.16 name of max_concurrent_rollouts: >= 1 sets it; -1 (auto) keeps it (max_staleness "
+            "paces generation in tokens). Both set to different values: refused."
         },
     )
     queue_maxsize: int = field(
         default=1024,
         metadata={
-            "help": "Most training samples waiting in the rollout queue (scored, not yet pulled by the trainer). A "
-            "scored group whose samples do not fit waits until the trainer pulls, unless the queue is empty (a group "
-            "larger than the bound still goes through alone). 0 = no bound (max_staleness alone paces generation)."
+            "help": "Most scored samples waiting for the trainer in the rollout queue; a group that does not fit "
+            "waits (unless the queue is empty). 0: no bound."
         },
     )
     heartbeat_stale_after_s: float = field(
         default=300.0,
         metadata={
-            "help": "TRL 1.16 name of rollout_worker_timeout: seconds since the rollout worker's last heartbeat after "
-            "which the run stops. Set away from 300 it sets rollout_worker_timeout (both set differently: refused)."
+            "help": "TRL 1.16 name of rollout_worker_timeout: set away from 300 it sets it. Both set to different "
+            "values: refused."
         },
     )
     request_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "Seconds one generation request may wait for the server's answer. A request unanswered this long "
-            "is not retried: the run stops with an error naming request_timeout (with several servers the silent "
-            "one is dropped and the others take its work). Connection errors are still retried "
-            "(vllm_server_restart_timeout)."
+            "help": "Seconds a generation request waits for its answer. Past it the request is not retried: the "
+            "run stops naming request_timeout (one of several servers is dropped instead)."
         },
     )
     weight_sync_timeout: float = field(
         default=1800.0,
         metadata={
-            "help": "Seconds each wait of a weight-transfer round may take (the rendezvous, each HTTP step, the "
-            "broadcasts; with a custom weight_transfer, the whole pause/send/resume round). A transfer past it raises "
-            "an error naming weight_sync_timeout instead of hanging; the checkpoints and metrics already written stay."
+            "help": "Seconds each wait of a weight sync may take (a custom weight_transfer: each round). Past it the "
+            "run stops naming weight_sync_timeout instead of hanging."
         },
     )
     fork_threshold_tokens: int = field(
         default=0,
         metadata={
-            "help": "Multi-turn reconciliation: when a turn's re-tokenized prompt differs from the held tokens only "
-            "inside the previous answer, and by fewer than this many tokens, the drifted tokens are overwritten as "
-            "context (no longer trained) and the sequence goes on; otherwise the turn starts a new sequence (a fork). "
-            "0 (default) always forks, so every sampled token is trained exactly once; TRL 1.16 defaults to 1024."
+            "help": "A multi-turn prompt that drifts inside the last answer by fewer tokens realigns (those tokens "
+            "become context) instead of forking. 0: always fork (TRL 1.16: 1024)."
         },
     )
 

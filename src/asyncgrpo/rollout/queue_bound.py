@@ -25,6 +25,8 @@ async def wait_for_queue_room(channels: Any, n: int, bound: int) -> float:
     counter = getattr(channels, "samples_queued", None)
     if bound <= 0 or counter is None:
         return 0.0
+    if not 0 < counter.value or counter.value + n <= bound:
+        return 0.0
     t0 = time.monotonic()
     logged = False
     while 0 < counter.value and counter.value + n > bound and not channels.stop.is_set():
