@@ -66,7 +66,7 @@ def test_a_trl_1_16_config_at_trl_defaults_is_accepted_field_by_field(tmp_path, 
     assert pool.clients[0].clone().timeout_name == "request_timeout"
     # fork_threshold_tokens=1024: a 2-token drift inside the last answer realigns (one sequence, no fork).
     stats = ReconcileStats()
-    (seq,) = _seqs(_drift_turns(), cfg.fork_threshold_tokens, stats)
+    (_seq,) = _seqs(_drift_turns(), cfg.fork_threshold_tokens, stats)
     assert (stats.realigns, stats.forks) == (1, 0)
 
 
@@ -96,11 +96,11 @@ def test_an_alias_sets_ours_and_the_start_line_says_so(tmp_path):
     ("kw", "line"),
     [
         ({"max_inflight_tasks": 64, "max_concurrent_rollouts": 32},
-         "max_inflight_tasks=64 and max_concurrent_rollouts=32: max_inflight_tasks is TRL 1.16's name of "
-         "max_concurrent_rollouts; set only one of them"),
+         ("max_inflight_tasks=64 and max_concurrent_rollouts=32: max_inflight_tasks is TRL 1.16's name of "
+         "max_concurrent_rollouts; set only one of them")),
         ({"heartbeat_stale_after_s": 30.0, "rollout_worker_timeout": 90.0},
-         "heartbeat_stale_after_s=30.0 and rollout_worker_timeout=90.0: heartbeat_stale_after_s is TRL 1.16's name "
-         "of rollout_worker_timeout; set only one of them"),
+         ("heartbeat_stale_after_s=30.0 and rollout_worker_timeout=90.0: heartbeat_stale_after_s is TRL 1.16's name "
+         "of rollout_worker_timeout; set only one of them")),
         ({"max_inflight_tasks": 0}, "max_inflight_tasks=0: must be >= 1, or -1 for auto"),
         ({"request_timeout": 0}, "request_timeout=0: must be > 0 seconds"),
         ({"weight_sync_timeout": -1}, "weight_sync_timeout=-1: must be > 0 seconds"),

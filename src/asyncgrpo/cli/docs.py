@@ -35,12 +35,14 @@ def _type_text(tp: object) -> str:
 
 def config_reference() -> str:
     """A table of every field AsyncGRPOConfig defines or re-defaults (TrainingArguments' own are linked)."""
-    from asyncgrpo.config import AsyncGRPOConfig
-
     from transformers import TrainingArguments
 
+    from asyncgrpo.config import AsyncGRPOConfig
+
     # Its own fields, then those of its field mixins (config_<topic>.py), each with the source text of its type.
-    mixins = [c for c in AsyncGRPOConfig.__mro__ if "__annotations__" in vars(c) and not issubclass(TrainingArguments, c)]
+    mixins = [
+        c for c in AsyncGRPOConfig.__mro__ if "__annotations__" in vars(c) and not issubclass(TrainingArguments, c)
+    ]
     annotations = {name: tp for c in reversed(mixins) for name, tp in vars(c)["__annotations__"].items()}
     own = [name for c in mixins for name in vars(c)["__annotations__"]]
     fields = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}

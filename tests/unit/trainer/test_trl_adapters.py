@@ -124,7 +124,9 @@ def test_worker_metrics_become_weighted_events():
 def test_call_within_raises_naming_weight_sync_timeout_and_passes_errors_on():
     release = threading.Event()
     t0 = time.monotonic()
-    with pytest.raises(WeightSyncTimeoutError, match=r"send_weights\(\) did not return within weight_sync_timeout=0.4s"):
+    with pytest.raises(
+        WeightSyncTimeoutError, match=r"send_weights\(\) did not return within weight_sync_timeout=0.4s"
+    ):
         call_within(release.wait, 0.4, "send_weights()")
     assert 0.4 <= time.monotonic() - t0 < 2.0
     release.set()
