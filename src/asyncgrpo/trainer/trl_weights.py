@@ -47,8 +47,9 @@ def check_weight_transfer_protocol(obj: Any) -> None:
         )
 
 
-def call_within(fn: Callable[[], Any], timeout: float, what: str) -> Any:
-    """``fn()`` on a daemon thread; its result, its exception, or :class:`WeightSyncTimeoutError` after ``timeout``."""
+def call_within(fn: Callable[[], Any], timeout: float, what: str, limit: float | None = None) -> Any:
+    """``fn()`` on a daemon thread; its result, its exception, or :class:`WeightSyncTimeoutError` after ``timeout``
+    seconds (what is left of the round's ``limit``, the ``weight_sync_timeout`` the error names)."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -62,8 +63,9 @@ def call_within(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     thread.join(max(timeout, 0.0))
     if thread.is_alive():
         raise WeightSyncTimeoutError(
-            f"weight transfer stalled: {what} did not return within weight_sync_timeout={timeout:g}s; raise "
-            "weight_sync_timeout if a transfer of this model legitimately takes longer"
+            f"weight transfer stalled: {what} did not return within weight_sync_timeout="
+            f"{timeout if limit is None else limit:g}s; raise weight_sync_timeout if a transfer of this model "
+            "legitimately takes longer"
         )
     if "error" in box:
         raise box["error"]
@@ -93,15 +95,16 @@ class TRLWeightTransferSync:
             call_within(self.transfer.init_weight_transfer, self.timeout_s, "init_weight_transfer()")
             self._ready = True
         deadline = time.monotonic() + self.timeout_s
-        call_within(self.transfer.pause, deadline - time.monotonic(), "pause()")
+        left = lambda: deadline - time.monotonic()  # one deadline for the whole round
+        call_within(self.transfer.pause, left(), "pause()", self.timeout_s)
         t_pause = time.perf_counter()
         if self.barrier is not None:
             self.barrier()
         t_barrier = time.perf_counter()
-        call_within(lambda: self.transfer.send_weights(policy_weights(model)), deadline - time.monotonic(),
-                    "send_weights()")  # fmt: skip
+        call_within(lambda: self.transfer.send_weights(policy_weights(model)), left(), "send_weights()",
+                    self.timeout_s)  # fmt: skip
         t_sent = time.perf_counter()
-        call_within(self.transfer.resume, deadline - time.monotonic(), "resume()")
+        call_within(self.transfer.resume, left(), "resume()", self.timeout_s)
         t_end = time.perf_counter()
         return {"perf/weight_sync_s": t_end - t0, "perf/weight_sync_pause_s": t_pause - t0,
                 "perf/weight_sync_barrier_s": t_barrier - t_pause,
