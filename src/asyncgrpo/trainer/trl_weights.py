@@ -151,7 +151,10 @@ def _is_timeout(exc: BaseException) -> bool:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, TimeoutError) or "timed out" in str(exc) or "no answer within" in str(exc):
+        text = str(exc).lower()  # ours: "timed out after", "no answer within"; gloo's: "Timed out waiting"
+        if isinstance(exc, TimeoutError) or any(
+            w in text for w in ("timed out", "no answer within", "not finish within")
+        ):
             return True
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     return False
