@@ -87,7 +87,7 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments, TRLFields):
+class AsyncGRPOConfig(TRLFields, TrainingArguments):  # mixins first: output_dir stays the first field
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for

@@ -19,11 +19,12 @@ from typing import Any
 
 CONFIG = "trl/experimental/async_grpo/async_grpo_config.py"  # class AsyncGRPOConfig(_BaseConfig)
 BASE = "trl/trainer/base_config.py"  # class _BaseConfig(TrainingArguments): defaults TRL changes for every trainer
+TRAINER = "trl/experimental/async_grpo/async_grpo_trainer.py"  # AsyncGRPOTrainer and the two plug-in protocols
 
 
 def dataclass_fields(source: str, class_name: str) -> list[dict[str, Any]]:
     """``name``, ``annotation`` and ``default`` of each ``name: T = field(default=...)`` in ``class_name``."""
-    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    cls = _class(source, class_name)
     out = []
     for stmt in cls.body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
@@ -39,11 +40,27 @@ def dataclass_fields(source: str, class_name: str) -> list[dict[str, Any]]:
     return out
 
 
+def _class(source: str, name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def methods(source: str, class_name: str) -> list[str]:
+    """The public methods a ``Protocol`` class declares, in order."""
+    return [f.name for f in _class(source, class_name).body if isinstance(f, ast.FunctionDef)]
+
+
+def init_parameters(source: str, class_name: str) -> list[str]:
+    """``__init__``'s parameter names after ``self``, in order."""
+    init = next(f for f in _class(source, class_name).body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    return [a.arg for a in init.args.args[1:]]
+
+
 def main(wheel: str) -> dict[str, Any]:
     data = Path(wheel).read_bytes()
     with zipfile.ZipFile(wheel) as zf:
         config = dataclass_fields(zf.read(CONFIG).decode(), "AsyncGRPOConfig")
         base = dataclass_fields(zf.read(BASE).decode(), "_BaseConfig")
+        trainer = zf.read(TRAINER).decode()
     return {
         "wheel": Path(wheel).name,
         "sha256": hashlib.sha256(data).hexdigest(),
@@ -51,6 +68,10 @@ def main(wheel: str) -> dict[str, Any]:
         "fields": config,
         "base_source": BASE,
         "base_fields": base,
+        "trainer_source": TRAINER,
+        "trainer_init": init_parameters(trainer, "AsyncGRPOTrainer"),
+        "rollout_worker_protocol": methods(trainer, "RolloutWorkerProtocol"),
+        "weight_transfer_protocol": methods(trainer, "WeightTransferProtocol"),
     }
 
 

@@ -70,6 +70,24 @@ def test_a_trl_1_16_config_at_trl_defaults_is_accepted_field_by_field(tmp_path, 
     assert (stats.realigns, stats.forks) == (1, 0)
 
 
+def test_output_dir_stays_the_first_positional_field(tmp_path):
+    cfg = AsyncGRPOConfig(str(tmp_path / "run"))  # TRL 1.16's trainer builds its default config this way
+    assert cfg.output_dir == str(tmp_path / "run") and cfg.max_inflight_tasks == -1
+
+
+def test_the_trainer_and_protocols_have_trl_1_16s_names():
+    import inspect
+
+    from asyncgrpo import AsyncGRPOTrainer
+    from asyncgrpo.trainer.trl_weights import WEIGHT_TRANSFER_METHODS
+    from asyncgrpo.trainer.trl_worker import ROLLOUT_WORKER_METHODS
+
+    ours = list(inspect.signature(AsyncGRPOTrainer.__init__).parameters)[1:]
+    assert ours[: len(TRL["trainer_init"])] == TRL["trainer_init"]  # same names, same positions
+    assert list(ROLLOUT_WORKER_METHODS) == TRL["rollout_worker_protocol"]
+    assert list(WEIGHT_TRANSFER_METHODS) == TRL["weight_transfer_protocol"]
+
+
 def test_our_defaults_keep_our_behaviour(tmp_path):
     cfg = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[])
     assert (cfg.max_inflight_tasks, cfg.heartbeat_stale_after_s, cfg.fork_threshold_tokens) == (-1, 300.0, 0)

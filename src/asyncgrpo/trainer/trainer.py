@@ -124,9 +124,9 @@ class AsyncGRPOTrainer(Trainer):
         peft_config: Any = None,
         tools: list[Any] | None = None,
         environment_factory: Any = None,
-        eval_dataset: Any = None,
         rollout_worker: Any = None,
         weight_transfer: Any = None,
+        eval_dataset: Any = None,
     ) -> None:
         if getattr(mp.current_process(), "_inheriting", False):  # a spawned child re-importing the user's script
             raise RuntimeError(GUARD_HINT)
