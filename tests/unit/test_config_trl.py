@@ -2,7 +2,7 @@
 
 The field list is TRL's own, read from the 1.16 wheel by ``tests/data/trl_1_16_fields.py`` (committed JSON); the
 six fields this library lacked are checked for their effect here and, with real processes, in
-``tests/integration/test_trl_compat_cpu.py``.
+``tests/integration/test_trl_compat_cpu.py`` and ``test_trl_server_cpu.py``.
 """
 
 from __future__ import annotations

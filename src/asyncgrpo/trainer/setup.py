@@ -103,7 +103,7 @@ def read_servers(trainer: SetupSeam) -> ServerFacts | None:
     args: AsyncGRPOConfig = trainer.args
     line = describe_aliases(args)
     if line and trainer.is_world_process_zero():
-        logger.info("%s", line)  # the run's start line about TRL 1.16 names (issue 43)
+        logger.warning("%s", line)  # the run's start line about TRL 1.16 names: seen in scripts too (issue 43)
     if trainer.rollout_worker is not None and trainer.weight_transfer is not None:
         if args.token_budget is None:
             raise ValueError("token_budget=None reads the server's max_model_len, but rollout_worker and "

@@ -1,13 +1,20 @@
-"""Issue 43's timeouts against a real ``asyncgrpo serve`` process: once a run has checkpointed, a fault-injecting
-proxy in front of the server (``tests/helpers/stall_proxy.py``) stops answering one kind of request. A generation
-request left unanswered stops the run within ``request_timeout``, naming it; a weight transfer left hanging stops
-it within ``weight_sync_timeout``, naming it. The checkpoint and the metrics written before stay whole.
+"""Issue 43 against a real ``asyncgrpo serve`` process.
+
+The timeouts: once a run has checkpointed, a fault-injecting proxy in front of the server
+(``tests/helpers/stall_proxy.py``) stops answering one kind of request. A generation request left unanswered stops
+the run within ``request_timeout``, naming it; a weight transfer left hanging stops it within
+``weight_sync_timeout``, naming it. The checkpoint and the metrics written before stay whole.
+
+And docs/usage.md's TRL 1.16 script runs after changing only its import.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +30,7 @@ from asyncgrpo.trainer.trl_weights import WeightSyncTimeoutError
 from tests.helpers import stall_proxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # two runs against a real server (~90 s): `make test-long`
+USAGE = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
 SLACK_S = 8.0  # 2 shared cores: the worker's health poll, the trainer's step in progress, process scheduling
 
 
@@ -123,3 +131,31 @@ def test_a_hanging_weight_transfer_stops_the_run_within_weight_sync_timeout(tmp_
     assert len(held) == 1
     assert 4.0 <= failed_at - held[0] < 4.0 + SLACK_S, failed_at - held[0]
     _intact(tmp_path)
+
+
+def _replace_once(code: str, old: str, new: str) -> str:
+    assert code.count(old) == 1, f"docs/usage.md's TRL 1.16 script no longer contains {old!r} exactly once"
+    return code.replace(old, new)
+
+
+def test_the_trl_1_16_script_of_usage_md_runs_after_changing_its_import(tmp_path, server, tiny_llama_dir):
+    section = USAGE.split("\n## Coming from TRL 1.16\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    # The one change a TRL 1.16 user makes:
+    code = _replace_once(code, "from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer",
+                         "from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer")  # fmt: skip
+    # The test's own: this test's server and offline tiny model, a scratch folder, two steps instead of twenty.
+    code = _replace_once(code, '"http://localhost:8000"', repr(server.base_url))
+    code = _replace_once(code, '"HuggingFaceTB/SmolLM2-135M-Instruct"', repr(str(tiny_llama_dir)))
+    code = _replace_once(code, 'output_dir="trl-async-out"', f"output_dir={str(tmp_path / 'out')!r}")
+    code = _replace_once(code, "max_steps=20", "max_steps=2")
+    script = tmp_path / "trl_script.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], check=False, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=420)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = ("TRL 1.16 names in the config: max_inflight_tasks=32 -> max_concurrent_rollouts=32; "
+            "heartbeat_stale_after_s=120.0 -> rollout_worker_timeout=120.0")  # fmt: skip
+    assert done.stderr.count(line) == 1 and line in USAGE.replace("\n", " ")  # once, and as the page quotes it
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
