@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.errors import WeightSyncTimeoutError
 from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
-from asyncgrpo.trainer.trl_weights import WeightSyncTimeoutError
 from tests.helpers.trl_plugins import CopyWeightTransfer, LocalGenerator, ThreadRolloutWorker
 
 pytestmark = pytest.mark.slow

@@ -24,12 +24,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.errors import WeightSyncTimeoutError
 from asyncgrpo.rollout.worker import RolloutWorkerError
 from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
-from asyncgrpo.trainer.trl_weights import WeightSyncTimeoutError
 from tests.helpers import stall_proxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]  # two runs against a real server (~90 s): `make test-long`
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # three runs against a real server (~2.5 min): `make test-long`
 USAGE = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
 SLACK_S = 8.0  # 2 shared cores: the worker's health poll, the trainer's step in progress, process scheduling
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.errors import WeightTransferError
+from asyncgrpo.errors import WeightSyncTimeoutError, WeightTransferError
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.policy import policy_weights
 
@@ -27,10 +27,6 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "resume", "destroy")
 DESTROY_TIMEOUT_S = 30.0  # destroy() at the end of a run: a hung one is logged, not waited for
-
-
-class WeightSyncTimeoutError(WeightTransferError, TimeoutError):
-    """A weight-transfer call ran past ``weight_sync_timeout``."""
 
 
 def missing_methods(obj: Any, methods: tuple[str, ...]) -> list[str]:

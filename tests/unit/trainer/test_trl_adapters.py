@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.errors import WeightTransferError
+from asyncgrpo.errors import WeightSyncTimeoutError, WeightTransferError
 from asyncgrpo.trainer.trl_weights import (
     NamedTimeouts,
     TRLWeightTransferSync,
-    WeightSyncTimeoutError,
     call_within,
     check_weight_transfer_protocol,
 )
