@@ -93,7 +93,7 @@ def test_a_missing_protocol_method_is_named_at_construction(tmp_path, tiny_llama
                          train_dataset=dataset, rollout_worker=NoVersion(generator))  # fmt: skip
 
 
-def test_a_stalled_weight_transfer_fails_within_weight_sync_timeout(tmp_path, tiny_llama_dir, dataset):
+def test_a_stalled_weight_transfer_fails_within_weight_sync_timeout(tmp_path, tiny_llama_dir, dataset, record_property):
     generator = LocalGenerator(tiny_llama_dir)
     transfer = CopyWeightTransfer(generator, stall_from=3)  # sends 0 (train begin), 1, 2 pass; after step 3: hangs
     worker = ThreadRolloutWorker(generator)
@@ -103,6 +103,7 @@ def test_a_stalled_weight_transfer_fails_within_weight_sync_timeout(tmp_path, ti
     with pytest.raises(WeightSyncTimeoutError, match=r"send_weights\(\) did not return within weight_sync_timeout=3s"):
         trainer.train()
     failed_after = time.monotonic() - transfer.paused_at  # the stalled round's start
+    record_property("failed_after_s", round(failed_after, 3))  # --junitxml keeps the measurement
     assert transfer.stalled_at is not None and 3.0 <= failed_after < 3.0 + 5.0, failed_after
     assert worker.stopped == 1 and transfer.calls[-1] == "destroy"  # the run still cleaned up
     # Nothing written is lost: checkpoint-2 holds exactly the weights of the last completed transfer, and the

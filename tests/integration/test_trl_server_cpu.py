@@ -106,7 +106,9 @@ def _intact(tmp_path: Path) -> None:
     assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
 
 
-def test_an_unanswered_generation_request_stops_the_run_within_request_timeout(tmp_path, proxy, tiny_llama_dir):
+def test_an_unanswered_generation_request_stops_the_run_within_request_timeout(
+    tmp_path, proxy, tiny_llama_dir, record_property
+):
     url, flag, log = proxy(["/v1/completions", "/inference/v1/generate"])
     # sync_rollouts: the trainer waits on the worker while it generates, so the failure is seen the moment it
     # happens (with samples queued ahead the trainer would first train them, as it should).
@@ -115,11 +117,14 @@ def test_an_unanswered_generation_request_stops_the_run_within_request_timeout(t
     assert "request_timeout=4" in str(exc) and "ServerTimeoutError" in str(exc)
     held = _held(log, "/v1/completions") + _held(log, "/inference/v1/generate")
     assert held, "no generation request was held"
+    record_property("failed_after_s", round(failed_at - min(held), 3))  # --junitxml keeps the measurement
     assert 4.0 <= failed_at - min(held) < 4.0 + SLACK_S, failed_at - min(held)
     _intact(tmp_path)
 
 
-def test_a_hanging_weight_transfer_stops_the_run_within_weight_sync_timeout(tmp_path, proxy, tiny_llama_dir, server):
+def test_a_hanging_weight_transfer_stops_the_run_within_weight_sync_timeout(
+    tmp_path, proxy, tiny_llama_dir, server, record_property
+):
     url, flag, log = proxy(["/update_weights"])  # the server never joins the broadcast: the transfer stalls
     exc, failed_at = _run(tmp_path, url, tiny_llama_dir, flag, weight_sync_timeout=4)
     assert isinstance(exc, WeightSyncTimeoutError), repr(exc)
@@ -129,6 +134,7 @@ def test_a_hanging_weight_transfer_stops_the_run_within_weight_sync_timeout(tmp_
     assert "POST /update_weights" in str(exc) or "Timed out waiting 4000ms for send" in str(exc)
     held = _held(log, "/update_weights")
     assert len(held) == 1
+    record_property("failed_after_s", round(failed_at - held[0], 3))
     assert 4.0 <= failed_at - held[0] < 4.0 + SLACK_S, failed_at - held[0]
     _intact(tmp_path)
 
