@@ -104,7 +104,8 @@ def test_a_stalled_weight_transfer_fails_within_weight_sync_timeout(tmp_path, ti
         trainer.train()
     failed_after = time.monotonic() - transfer.paused_at  # the stalled round's start
     record_property("failed_after_s", round(failed_after, 3))  # --junitxml keeps the measurement
-    assert transfer.stalled_at is not None and 3.0 <= failed_after < 3.0 + 5.0, failed_after
+    # The round's clock starts just before pause() runs (on its helper thread): allow that start-up below 3 s.
+    assert transfer.stalled_at is not None and 3.0 - 0.2 <= failed_after < 3.0 + 5.0, failed_after
     assert worker.stopped == 1 and transfer.calls[-1] == "destroy"  # the run still cleaned up
     # Nothing written is lost: checkpoint-2 holds exactly the weights of the last completed transfer, and the
     # metrics file has every logged step, each a whole JSON line.
