@@ -5,7 +5,8 @@ The timeouts: once a run has checkpointed, a fault-injecting proxy in front of t
 the run within ``request_timeout``, naming it; a weight transfer left hanging stops it within
 ``weight_sync_timeout``, naming it. The checkpoint and the metrics written before stay whole.
 
-And docs/usage.md's TRL 1.16 script runs after changing only its import.
+``queue_maxsize`` bounds the samples waiting for the trainer (a run without the bound queues far more), and
+docs/usage.md's TRL 1.16 script runs after changing only its import.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from asyncgrpo.rollout.worker import RolloutWorkerError
 from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 from tests.helpers import stall_proxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]  # three runs against a real server (~2.5 min): `make test-long`
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # five runs against a real server (~2.5 min): `make test-long`
 USAGE = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
 SLACK_S = 8.0  # 2 shared cores: the worker's health poll, the trainer's step in progress, process scheduling
 
@@ -165,3 +166,31 @@ def test_the_trl_1_16_script_of_usage_md_runs_after_changing_its_import(tmp_path
     assert done.stderr.count(line) == 1 and line in USAGE.replace("\n", " ")  # once, and as the page quotes it
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+class SlowTrainer(AsyncGRPOTrainer):
+    """Training slower than generation, so that samples pile up in the queue unless something bounds it."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        time.sleep(1.5)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_queue_maxsize_bounds_the_samples_waiting_for_the_trainer(tmp_path, server, tiny_llama_dir, record_property):
+    dataset = reasoning_gym_dataset("chain_sum", size=64, seed=0, system_prompt=None)
+    peaks = {}
+    for bound in (0, 4):  # 0: no bound, only max_staleness's token allowance paces generation
+        out = tmp_path / f"q{bound}"
+        args = AsyncGRPOConfig(
+            output_dir=str(out), max_steps=4, num_generations=4, max_completion_length=12, token_budget=384,
+            vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=1e-3,
+            gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0,
+            queue_maxsize=bound,
+        )  # fmt: skip
+        SlowTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        peaks[bound] = max(r["rollout/queue_size"] for r in rows if "rollout/queue_size" in r)
+    # Samples waiting when a step starts pulling: never more than the bound (a group of 4 fits it exactly),
+    # while without it generation runs ahead by max_staleness steps' worth of tokens.
+    record_property("queue_size_peaks", json.dumps(peaks))
+    assert peaks[4] <= 4 < peaks[0], peaks
