@@ -21,6 +21,7 @@ from asyncgrpo.trainer.trl_weights import (
     check_weight_transfer_protocol,
 )
 from asyncgrpo.trainer.trl_worker import TRLWorkerHost, check_rollout_worker_protocol
+from asyncgrpo.weights.base import WeightSync
 
 
 @dataclass
@@ -163,6 +164,7 @@ def test_the_weight_sync_calls_the_protocol_in_trls_order():
     metrics = sync.push(model, 0)
     sync.push(model, 1)
     sync.close()
+    assert isinstance(sync, WeightSync)  # the trainer's seam (weights/base.py), every member there
     assert rec.calls == ["init", "pause", "send", "resume", "pause", "send", "resume", "destroy"]
     assert set(rec.received) == {"weight", "bias"} and torch.equal(rec.received["weight"], model.weight)
     assert set(metrics) == {"perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_barrier_s",
@@ -187,4 +189,4 @@ def test_our_senders_timeouts_are_named():
     with pytest.raises(WeightTransferError, match="500") as info:
         NamedTimeouts(Broken(), 3.0).push(None, 4)
     assert not isinstance(info.value, WeightSyncTimeoutError)
-    assert NamedTimeouts(Stuck(), 3.0).backend == "gloo"
+    assert NamedTimeouts(Stuck(), 3.0).backend == "gloo" and isinstance(NamedTimeouts(Stuck(), 3.0), WeightSync)
