@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from asyncgrpo.config_checks import config_problems, parse_json_dict
+from asyncgrpo.config_trl import TRLFields
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
         "max_concurrent_rollouts", "answer_parse_processes", "max_staleness", "sync_rollouts", "weight_sync_steps",
         "weight_sync_topology", "weight_sync_backend", "rollout_worker_timeout",
     ),
+    "TRL 1.16 names and timeouts": (
+        "max_inflight_tasks", "queue_maxsize", "heartbeat_stale_after_s", "request_timeout", "weight_sync_timeout",
+        "fork_threshold_tokens",
+    ),
     "logging and evaluation": (
         "log_completions", "num_completions_to_print", "compact_log", "eval_temperature", "eval_num_generations",
     ),
@@ -82,7 +87,7 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments):
+class AsyncGRPOConfig(TRLFields, TrainingArguments):  # mixins first: output_dir stays the first field
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from asyncgrpo.config_trl import resolve_trl_aliases
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def config_problems(cfg: Any) -> list[str]:
     """Every invalid value or combination of ``cfg`` (an ``AsyncGRPOConfig``), each with its fix."""
-    p: list[str] = []
+    p: list[str] = resolve_trl_aliases(cfg)  # first: an alias sets the field the checks below read
     if cfg.num_generations < 2:
         p.append(f"num_generations={cfg.num_generations}: need >= 2, advantages compare rollouts of a group")
     if cfg.max_completion_length < 1:

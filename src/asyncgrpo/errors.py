@@ -50,5 +50,9 @@ class WeightTransferError(RuntimeError):
     """
 
 
+class WeightSyncTimeoutError(WeightTransferError, TimeoutError):
+    """A weight sync ran past ``weight_sync_timeout`` (the message names it and the call that stalled)."""
+
+
 class UserError(ValueError):
     """A mistake in the user's input: the command prints the message alone and exits with code 2."""

@@ -35,9 +35,16 @@ def _type_text(tp: object) -> str:
 
 def config_reference() -> str:
     """A table of every field AsyncGRPOConfig defines or re-defaults (TrainingArguments' own are linked)."""
+    from transformers import TrainingArguments
+
     from asyncgrpo.config import AsyncGRPOConfig
 
-    own = list(AsyncGRPOConfig.__annotations__)
+    # Its own fields, then those of its field mixins (config_<topic>.py), each with the source text of its type.
+    mixins = [
+        c for c in AsyncGRPOConfig.__mro__ if "__annotations__" in vars(c) and not issubclass(TrainingArguments, c)
+    ]
+    annotations = {name: tp for c in reversed(mixins) for name, tp in vars(c)["__annotations__"].items()}
+    own = [name for c in mixins for name in vars(c)["__annotations__"]]
     fields = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}
     lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for name in own:
@@ -46,7 +53,7 @@ def config_reference() -> str:
             default = f.default
         else:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
-        tp = _type_text(AsyncGRPOConfig.__annotations__[name])  # the source text: HfArgumentParser rewrites f.type
+        tp = _type_text(annotations[name])  # the source text: HfArgumentParser rewrites f.type
         lines.append(f"| `{name}` | `{_cell(tp)}` | `{default!r}` | {_cell(f.metadata.get('help', ''))} |")
     return "\n".join(lines)
 

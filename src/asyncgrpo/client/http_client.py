@@ -75,6 +75,7 @@ class AsyncServerClient(HttpTransport):
             retries=self.retries,
             backoff=self.backoff,
             retry_for_s=self.retry_for_s,
+            timeout_name=self.timeout_name,
         )
 
     # ------------------------------------------------------------------ basic endpoints

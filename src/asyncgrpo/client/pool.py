@@ -63,6 +63,8 @@ class ServerPool:
             with several, unused: a silent server is dropped after the client's few retries and its work
             moves to the others.
         answer_parsers: helpers every client hands large answers to (the caller owns and closes them).
+        timeout_name: the config field ``timeout`` comes from; a request past it fails at once, naming it
+            (``HttpTransport``). The rollout loop's requests: ``request_timeout``.
     """
 
     def __init__(
@@ -73,13 +75,19 @@ class ServerPool:
         max_connections: int,
         retry_for_s: float = 0.0,
         answer_parsers: AnswerParsers | None = None,
+        timeout_name: str | None = "request_timeout",
     ) -> None:
         if not base_urls:
             raise ValueError("ServerPool needs at least one server URL")
         retry = 0.0 if len(base_urls) > 1 else retry_for_s
         self.clients = [
             AsyncServerClient(
-                url, timeout=timeout, max_connections=max_connections, retry_for_s=retry, answer_parsers=answer_parsers
+                url,
+                timeout=timeout,
+                max_connections=max_connections,
+                retry_for_s=retry,
+                answer_parsers=answer_parsers,
+                timeout_name=timeout_name,
             )
             for url in base_urls
         ]

@@ -44,6 +44,9 @@ class HttpTransport:
             first attempt, even past ``retries`` (a server restarting); 0 = only ``retries`` count.
         answer_parsers: helper processes that parse large generation answers off the event loop (shared between
             clients of one loop; their owner closes them); None parses every answer inline.
+        timeout_name: the config field that set ``timeout`` (e.g. ``request_timeout``). When given, a call that runs
+            past ``timeout`` is not retried: it raises at once, naming the field (a server that holds a request that
+            long is hung, and retrying would only multiply the wait). None: timeouts are retried like lost connections.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class HttpTransport:
         backoff: float = 0.5,
         retry_for_s: float = 0.0,
         answer_parsers: AnswerParsers | None = None,
+        timeout_name: str | None = None,
     ) -> None:
         parsed = urlparse(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -74,6 +78,7 @@ class HttpTransport:
         self.retry_count = 0
         self.parse_seconds = 0.0  # diagnostics: event-loop time spent decoding JSON answers and parsing choices
         self.answer_parsers = answer_parsers
+        self.timeout_name = timeout_name
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
@@ -161,6 +166,11 @@ class HttpTransport:
                     body = await resp.read()
                     status = resp.status
             except TimeoutError:
+                if self.timeout_name is not None and timeout is None:  # the named bound is the caller's whole wait
+                    raise ServerTimeoutError(endpoint, None, f"no answer within {limit:g}s ({self.timeout_name}="
+                                             f"{limit:g}); the server holds the request: it may be hung or overloaded. "
+                                             f"Raise {self.timeout_name} if its answers are just slow",
+                                             base_url=self.base_url) from None  # fmt: skip
                 last = ServerTimeoutError(endpoint, None, f"no answer within {limit:.0f}s", base_url=self.base_url)
                 continue
             except aiohttp.ClientError as exc:

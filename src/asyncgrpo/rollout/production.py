@@ -21,6 +21,7 @@ from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompt_order import PromptOrder
+from asyncgrpo.rollout.queue_bound import wait_for_queue_room
 from asyncgrpo.rollout.requests import _GROUP_SERVER, _GROUP_VERSION, RequestMixin
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions
 from asyncgrpo.rollout.scoring import GroupOrigin, score_group, trainable_samples
@@ -311,6 +312,7 @@ class ProductionMixin(RequestMixin):
             has_tools=self.agents.has_tools,
             compute_advantages=self.compute_advantages,
             queued_at=time.monotonic(),
+            fork_threshold_tokens=self.settings.fork_threshold_tokens,
         )
         for name, value, weight in scored.events:
             self.channels.put_metric(name, value, weight)
@@ -322,6 +324,7 @@ class ProductionMixin(RequestMixin):
         kept_tokens = sum(len(s.input_ids) for s in kept)
         self.admission.on_group_finished(tokens, kept_tokens)
         self._group_finished.set()
+        await wait_for_queue_room(self.channels, len(kept), self.settings.queue_maxsize)
         self.channels.count_queued(len(kept))
         log_texts = self.settings.log_completions
         self.channels.flush_metrics()  # the group's metrics go out ahead of its samples

@@ -7,6 +7,10 @@ turn whose prompt does not (the chat template re-rendered history differently)
 closes the held sequence and starts a new one — a *fork*. Every sampled token
 is trained in exactly one sequence; a single-turn rollout yields one sequence,
 ``prompt + completion``.
+
+With ``fork_threshold_tokens`` > 0 (TRL 1.16's field), a turn whose prompt differs from the held tokens only
+inside the previous answer, by fewer tokens than the threshold, *realigns* instead: the drifted answer tokens
+are overwritten by the new prompt's as context (no longer trained) and the sequence goes on. 0 always forks.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class _Held:
     tops: list[tuple[int, Any]] = field(default_factory=list)  # (positions, their top log-probs or None)
     masks: list[tuple[int, Any]] = field(default_factory=list)  # (positions, their candidate sets or None)
     trained: bool = False  # any output token trained (context tokens never are)
+    answer_start: int | None = None  # where the last added answer begins (a realign may only cut inside it)
 
     def add_context(self, ids: list[int]) -> None:
         n = len(ids)
@@ -47,6 +52,7 @@ class _Held:
 
     def add_output(self, turn: TurnRecord) -> None:
         """Append a turn's sampled tokens; whole-list operations, no per-token method calls."""
+        self.answer_start = len(self.ids)
         n = len(turn.output_ids)
         self.ids += turn.output_ids
         mask = list(turn.output_mask) if turn.output_mask is not None else [1] * n
@@ -55,6 +61,16 @@ class _Held:
         self.logprobs += list(turn.output_log_probs) if turn.output_log_probs else [0.0] * n
         self.tops.append((n, turn.output_sampler_logprobs))
         self.masks.append((n, turn.output_sampling_mask))
+
+    def cut_answer(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens, cutting only inside the last answer (a realign drops its drifted tail)."""
+        assert self.answer_start is not None and keep >= self.answer_start
+        drop = len(self.ids) - keep
+        del self.ids[keep:], self.mask[keep:], self.logprobs[keep:]
+        for blocks in (self.tops, self.masks):  # the last block is the answer's
+            n, data = blocks[-1]
+            blocks[-1] = (n - drop, _head(data, n - drop))
+        self.trained = any(self.mask)
 
     def candidates(self) -> list[list[int]] | None:
         """Per position the candidate set (empty: the full vocabulary); None when no position has one."""
@@ -100,6 +116,15 @@ class _Held:
         return ids_rows, logprob_rows
 
 
+def _head(data: Any, k: int) -> Any:
+    """The first ``k`` per-token entries of a block (None, a list, or the client's ``TopLogprobs`` arrays)."""
+    if data is None:
+        return None
+    if isinstance(data, TopLogprobs):
+        return TopLogprobs(data.ids[:k], data.values[:k], data.counts[:k], data.sortable)
+    return list(data)[:k]
+
+
 def _padding(n: int, top_n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full((n, top_n), -1, dtype=np.int64), np.full((n, top_n), -np.inf, dtype=np.float64)
 
@@ -110,6 +135,7 @@ class ReconcileStats:
 
     transitions: int = 0
     forks: int = 0
+    realigns: int = 0  # transitions that overwrote a short drift inside the last answer (fork_threshold_tokens)
     drift_tokens: list[int] = field(default_factory=list)  # one entry per transition, 0 when it extended
 
     def metric_events(self, num_sequences: int, num_rollouts: int) -> list[MetricEvent]:
@@ -146,11 +172,13 @@ def rollout_to_sequences(
     model_version: int,
     num_sampler_logprobs: int | None,
     stats: ReconcileStats | None = None,
+    fork_threshold_tokens: int = 0,
 ) -> list[TrainingSequence]:
     """Training sequences of one rollout, advantage 0.0 (set after scoring).
 
     Args:
         num_sampler_logprobs: keep this many sampler top log-probs per trained token (None/0: none).
+        fork_threshold_tokens: realign (see the module docstring) drifts inside the last answer shorter than this.
     """
     stats = stats if stats is not None else ReconcileStats()
     out: list[TrainingSequence] = []
@@ -183,8 +211,16 @@ def rollout_to_sequences(
                 held.add_output(turn)
                 stats.drift_tokens.append(0)
                 continue
+            matched = _common_prefix(held.ids, turn.prompt_ids)
+            drift = len(held.ids) - matched
+            stats.drift_tokens.append(drift)
+            if held.answer_start is not None and matched >= held.answer_start and drift < fork_threshold_tokens:
+                stats.realigns += 1
+                held.cut_answer(matched)
+                held.add_context(turn.prompt_ids[matched:])
+                held.add_output(turn)
+                continue
             stats.forks += 1
-            stats.drift_tokens.append(len(held.ids) - _common_prefix(held.ids, turn.prompt_ids))
             emit()
             held = _Held()
         if not turn.prompt_ids:

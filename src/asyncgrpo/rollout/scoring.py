@@ -70,6 +70,7 @@ def score_group(
     has_tools: bool,
     compute_advantages: Callable[[RolloutGroup], Any],
     queued_at: float = 0.0,
+    fork_threshold_tokens: int = 0,
 ) -> ScoredGroup:
     """Score one group of G rollouts.
 
@@ -83,6 +84,7 @@ def score_group(
         has_tools: whether the run has tools; ``tools/*`` events only then (M1).
         compute_advantages: the loop's hook: ``RolloutGroup`` -> G advantages.
         queued_at: the group's ``RolloutGroup.queued_at``.
+        fork_threshold_tokens: the reconciliation's realign threshold (``reconcile.py``).
 
     Raises:
         ValueError: ``compute_advantages`` returned something other than G values.
@@ -97,6 +99,7 @@ def score_group(
             model_version=origin.model_version,
             num_sampler_logprobs=num_sampler_logprobs,
             stats=stats,
+            fork_threshold_tokens=fork_threshold_tokens,
         )
         for r in rollouts
     ]

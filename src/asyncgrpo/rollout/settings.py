@@ -31,7 +31,9 @@ class RolloutSettings:
         seed: the run's seed; every request gets a distinct seed derived from it (G7).
         max_concurrent_rollouts: hard bound on rollouts in flight, connections and reward threads (G5, G6).
         initial_tokens_per_step: G3's assumption before the first step, ``token_budget × rows per step``.
-        request_timeout_s: one generation request's HTTP timeout (the config's ``vllm_server_timeout``).
+        request_timeout_s: one generation request's HTTP timeout (the config's ``request_timeout``).
+        queue_maxsize: most samples waiting in the sample queue (the config's ``queue_maxsize``; 0: no bound).
+        fork_threshold_tokens: realign drifts inside the last answer shorter than this (``reconcile.py``; 0: fork).
         eos_token_ids: token ids that end a completion.
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` when rendering prompts.
         max_tool_calling_iterations: executed tool-calling turns per rollout (None: until a turn has no call).
@@ -59,6 +61,8 @@ class RolloutSettings:
     max_concurrent_rollouts: int
     initial_tokens_per_step: int
     request_timeout_s: float = DEFAULT_TIMEOUT_S
+    queue_maxsize: int = 0
+    fork_threshold_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tool_calling_iterations: int | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ import torch
 
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config_trl import describe_aliases
 from asyncgrpo.packing import TokenBudgetBatcher
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable
@@ -37,11 +39,15 @@ from asyncgrpo.trainer.server_setup import (
     check_weight_transfer,
     probe_servers,
 )
+from asyncgrpo.trainer.trl_weights import NamedTimeouts, TRLWeightTransferSync, check_weight_transfer_protocol
+from asyncgrpo.trainer.trl_worker import TRLWorkerHost, check_rollout_worker_protocol
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.collectives import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 from asyncgrpo.weights.lora_sync import AdapterFollower, AdapterSyncSettings, lora_cache_dir, start_adapter_sync
 from asyncgrpo.weights.policy import GatherFollower, is_peft_model
 from asyncgrpo.weights.sender import WeightSender
+
+logger = logging.getLogger(__name__)
 
 
 class SetupSeam(Protocol):
@@ -57,6 +63,8 @@ class SetupSeam(Protocol):
     environment_factory: Any
     loop_cls: type[AsyncRolloutLoop]
     lora_prefix: str
+    rollout_worker: Any  # TRL 1.16's RolloutWorkerProtocol object, or None for ours
+    weight_transfer: Any  # TRL 1.16's WeightTransferProtocol object, or None for ours
 
     def is_world_process_zero(self) -> bool: ...
 
@@ -70,8 +78,16 @@ class RunParts:
     """What ``train()`` runs with: built once at its start, stopped at its end (``worker``/``source``: rank 0)."""
 
     weight_sync: WeightSync
-    worker: RolloutWorker | None = None
+    worker: RolloutWorker | TRLWorkerHost | None = None
     source: RolloutSource | None = None
+
+
+def check_plugins(rollout_worker: Any, weight_transfer: Any) -> None:
+    """``AsyncGRPOTrainer(rollout_worker=, weight_transfer=)``: a ``TypeError`` naming the first missing method."""
+    if rollout_worker is not None:
+        check_rollout_worker_protocol(rollout_worker)
+    if weight_transfer is not None:
+        check_weight_transfer_protocol(weight_transfer)
 
 
 def adapter_sync_chosen(facts: ServerFacts, model: torch.nn.Module) -> bool:
@@ -79,9 +95,20 @@ def adapter_sync_chosen(facts: ServerFacts, model: torch.nn.Module) -> bool:
     return facts.lora_enabled and is_peft_model(model)
 
 
-def read_servers(trainer: SetupSeam) -> ServerFacts:
-    """Rank 0 probes every server and checks the run against its limits; every process gets the facts."""
+def read_servers(trainer: SetupSeam) -> ServerFacts | None:
+    """Rank 0 probes every server and checks the run against its limits; every process gets the facts.
+
+    None when a TRL rollout worker and weight transfer replace ours: nothing of ours talks to a server then.
+    """
     args: AsyncGRPOConfig = trainer.args
+    line = describe_aliases(args)
+    if line and trainer.is_world_process_zero():
+        logger.warning("%s", line)  # the run's start line about TRL 1.16 names: seen in scripts too (issue 43)
+    if trainer.rollout_worker is not None and trainer.weight_transfer is not None:
+        if args.token_budget is None:
+            raise ValueError("token_budget=None reads the server's max_model_len, but rollout_worker and "
+                             "weight_transfer replace everything that talks to the server: set token_budget")  # fmt: skip
+        return None
     facts = None
     if trainer.is_world_process_zero():
         want_masks = truncates_distribution(args.top_k, args.top_p, args.min_p)
@@ -97,24 +124,34 @@ def read_servers(trainer: SetupSeam) -> ServerFacts:
     return facts
 
 
-def build_parts(trainer: SetupSeam, facts: ServerFacts, resume: ResumePoint, token_budget: int) -> RunParts:
-    """The worker and source (rank 0, not started) and the weight sync of every process."""
+def build_parts(trainer: SetupSeam, facts: ServerFacts | None, resume: ResumePoint, token_budget: int) -> RunParts:
+    """The worker and source (rank 0, not started) and the weight sync of every process.
+
+    A TRL 1.16 ``rollout_worker`` / ``weight_transfer`` given to the trainer replaces ours (``trl_worker.py``,
+    ``trl_weights.py``); ``facts`` is None only when both are given.
+    """
     args: AsyncGRPOConfig = trainer.args
-    adapter = adapter_sync_chosen(facts, trainer.model)
+    adapter = trainer.weight_transfer is None and facts is not None and adapter_sync_chosen(facts, trainer.model)
     if not trainer.is_world_process_zero():
         return RunParts(AdapterFollower() if adapter else GatherFollower())
     publisher = _start_adapter_sync(trainer, facts) if adapter else None  # checks the server's LoRA limits first
-    settings = trainer.rollout_settings(facts, resume.start_index)
-    if adapter:
-        settings = dataclasses.replace(
-            settings, lora_name=trainer.lora_prefix, lora_dir=lora_cache_dir(args.output_dir)
-        )
-    settings = dataclasses.replace(settings, skip_indices=resume.skip)
     dataset = trainer.train_dataset
-    loop = trainer.loop_cls(settings, dataset, trainer.reward_funcs, trainer.processing_class, tools=trainer.tools,
-                            environment_factory=trainer.environment_factory)  # fmt: skip
-    check_picklable(loop, f"rollout loop {type(loop).__name__}")
-    worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
+    worker: RolloutWorker | TRLWorkerHost
+    if trainer.rollout_worker is not None:
+        first_row = max([resume.start_index, *(int(r) + 1 for r in (resume.settled or {}))])
+        worker = TRLWorkerHost(trainer.rollout_worker, args.rollout_worker_timeout, first_row)
+    else:
+        assert facts is not None
+        settings = trainer.rollout_settings(facts, resume.start_index)
+        if adapter:
+            settings = dataclasses.replace(
+                settings, lora_name=trainer.lora_prefix, lora_dir=lora_cache_dir(args.output_dir)
+            )
+        settings = dataclasses.replace(settings, skip_indices=resume.skip)
+        loop = trainer.loop_cls(settings, dataset, trainer.reward_funcs, trainer.processing_class,
+                                tools=trainer.tools, environment_factory=trainer.environment_factory)  # fmt: skip
+        check_picklable(loop, f"rollout loop {type(loop).__name__}")
+        worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
     n = len(dataset) if hasattr(dataset, "__len__") else None
     total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
     source = RolloutSource(
@@ -130,7 +167,14 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts, resume: ResumePoint, tok
         settled=resume.settled,
         server_urls=args.server_urls,  # a step without trainable groups names a dead server as the cause
     )
-    sync = publisher if publisher is not None else _start_sender(args, facts, worker)
+    barrier = torch.distributed.barrier if args.world_size > 1 else None
+    if trainer.weight_transfer is not None:
+        sync: WeightSync = TRLWeightTransferSync(trainer.weight_transfer, args.weight_sync_timeout, barrier)
+    elif publisher is not None:
+        sync = publisher
+    else:
+        assert facts is not None
+        sync = NamedTimeouts(_start_sender(args, facts, worker), args.weight_sync_timeout)
     return RunParts(sync, worker, source)
 
 
@@ -144,18 +188,18 @@ def _start_adapter_sync(trainer: SetupSeam, facts: ServerFacts) -> WeightSync:
     return start_adapter_sync(trainer.model, sync, limits, args.save_strategy, connect, lora_adapter_name)
 
 
-def _start_sender(args: AsyncGRPOConfig, facts: ServerFacts, worker: RolloutWorker) -> WeightSender:
+def _start_sender(args: AsyncGRPOConfig, facts: ServerFacts, worker: RolloutWorker | TRLWorkerHost) -> WeightSender:
     """One server: it survives a restart of its server. Several: one group per server (or one shared); a server
     that stops answering is dropped and the worker told to stop routing there (X5)."""
     urls = args.server_urls
     backend = args.weight_sync_backend  # auto: ipc / nccl / gloo from the server's /server_info (weights/ipc.py)
     if len(urls) == 1:
-        sender = WeightSender(timeout_s=args.vllm_server_timeout, restart_timeout_s=args.vllm_server_restart_timeout)
+        sender = WeightSender(timeout_s=args.weight_sync_timeout, restart_timeout_s=args.vllm_server_restart_timeout)
         sender.init(AsyncServerClient(urls[0]), facts.world_size, backend=backend, device=args.device)
     else:
         if backend == "auto":
             backend = facts.weight_backend or "auto"
-        sender = WeightSender(timeout_s=args.vllm_server_timeout, topology=args.weight_sync_topology,
+        sender = WeightSender(timeout_s=args.weight_sync_timeout, topology=args.weight_sync_topology,
                               packed_buffer_size_bytes=DEFAULT_PACKED_BUFFER_SIZE_BYTES,  # as before the one sender
                               on_drop=worker.drop_server)  # fmt: skip
         sender.init([AsyncServerClient(u) for u in urls], facts.world_sizes, backend=backend, device=args.device)

@@ -57,7 +57,7 @@ from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
-from asyncgrpo.trainer.setup import build_parts, read_servers
+from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.worker_settings import build_rollout_settings
 from asyncgrpo.weights.base import WeightSync
@@ -105,6 +105,8 @@ class AsyncGRPOTrainer(Trainer):
             ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
         eval_dataset: held-out conversational prompts (reward columns as in ``train_dataset``), generated on the
             server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.tasks.evaluate``).
+        rollout_worker, weight_transfer: TRL 1.16's ``RolloutWorkerProtocol`` / ``WeightTransferProtocol`` objects,
+            used instead of ours (``trainer/trl_worker.py``, ``trainer/trl_weights.py``; docs/usage.md).
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -122,6 +124,8 @@ class AsyncGRPOTrainer(Trainer):
         peft_config: Any = None,
         tools: list[Any] | None = None,
         environment_factory: Any = None,
+        rollout_worker: Any = None,
+        weight_transfer: Any = None,
         eval_dataset: Any = None,
     ) -> None:
         if getattr(mp.current_process(), "_inheriting", False):  # a spawned child re-importing the user's script
@@ -163,6 +167,8 @@ class AsyncGRPOTrainer(Trainer):
         self.tools, self.environment_factory = tools, factories
         if eval_dataset is not None:
             check_dataset(eval_dataset)  # evaluation is single-turn: it needs the conversational 'prompt' column
+        check_plugins(rollout_worker, weight_transfer)  # a missing method is named here, not at train()
+        self.rollout_worker, self.weight_transfer = rollout_worker, weight_transfer
         self.model_id = model_id
         self.reward_funcs = reward_funcs
         super().__init__(
@@ -189,7 +195,7 @@ class AsyncGRPOTrainer(Trainer):
             "model": model_id,
             "reward_funcs": [reward_function_name(f) for f in reward_funcs],
         }
-        self.worker: RolloutWorker | None = None  # rank 0, during train()
+        self.worker: RolloutWorker | Any = None  # rank 0, during train() (a TRLWorkerHost around rollout_worker)
         self.source: RolloutSource | None = None  # rank 0, during train()
         self.weight_sync: WeightSync | None = None  # every process, during train() (trainer/setup.py picks it)
         self.facts: ServerFacts | None = None

@@ -49,7 +49,7 @@ def test_settings_carry_the_config_values_resolved_against_the_server(tmp_path):
         top_k=20,
         temperature=0.7,
         chat_template_kwargs={"enable_thinking": False},
-        vllm_server_timeout=90,
+        request_timeout=90,
         max_steps=5,
         answer_parse_processes=2,
     )
