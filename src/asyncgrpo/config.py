@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from asyncgrpo.config_checks import config_problems, parse_json_dict
+from asyncgrpo.config_loss import LossFields, resolve_loss_fields
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
         "vllm_server_base_url", "vllm_server_timeout", "vllm_server_connect_timeout", "vllm_server_restart_timeout",
     ),
     "loss and packing": (
-        "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
+        "loss_type", "importance_sampling_level", "scale_rewards", "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget", "compile_decoder_layers",
     ),
     "asynchronous pipeline": (
@@ -82,7 +84,7 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments):
+class AsyncGRPOConfig(TrainingArguments, LossFields):
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for
@@ -377,6 +379,7 @@ class AsyncGRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         self.model_init_kwargs = parse_json_dict(self.model_init_kwargs, "model_init_kwargs")
         self.chat_template_kwargs = parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
+        resolve_loss_fields(self)  # loss_type's defaults (config_loss.py) before epsilon_high falls back
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.vllm_server_base_url is None:  # HfArgumentParser gives None for an omitted list-typed flag
