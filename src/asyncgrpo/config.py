@@ -254,7 +254,8 @@ class AsyncGRPOConfig(TrainingArguments, LossFields):
     score_centering: bool = field(
         default=True,
         metadata={
-            "help": "Train with score centering instead of the clipped surrogate: subtract from each sampled token's "
+            "help": "loss_type='asyncgrpo' only (off for the others). Train with score centering instead of the "
+            "clipped surrogate: subtract from each sampled token's "
             "importance-weighted score its expectation under the sampler, so a constant advantage does not pull "
             "the policy toward the sampler. The expectation runs over the `num_sampler_logprobs` most likely tokens "
             "at each position, whose log-probs the sampler reports."
@@ -263,12 +264,13 @@ class AsyncGRPOConfig(TrainingArguments, LossFields):
     vllm_importance_sampling_clip_min: float = field(
         default=0.5,
         metadata={
-            "help": "Lower bound C_min of the policy/sampler importance ratio. Tokens whose ratio lies outside "
-            "[C_min, C_max] are excluded from the loss (masked importance sampling)."
+            "help": "Lower bound C_min of the trainer/sampler importance ratio: the *_mask modes of "
+            "vllm_importance_sampling_mode drop tokens (sequences) whose ratio lies outside [C_min, C_max] (the "
+            "reference's masked importance sampling), the *_truncate modes clamp the ratio to it."
         },
     )
     vllm_importance_sampling_clip_max: float = field(
-        default=5.0, metadata={"help": "Upper bound C_max of the importance ratio."}
+        default=5.0, metadata={"help": "Upper bound C_max of the importance ratio (TRL's default is 3.0)."}
     )
     num_sampler_logprobs: int = field(
         default=8,

@@ -37,7 +37,14 @@ def config_reference() -> str:
     """A table of every field AsyncGRPOConfig defines or re-defaults (TrainingArguments' own are linked)."""
     from asyncgrpo.config import AsyncGRPOConfig
 
-    own = list(AsyncGRPOConfig.__annotations__)
+    from transformers import TrainingArguments
+
+    # its own fields, then those of its field mixins (config_<topic>.py); TrainingArguments' are linked instead
+    mixins = [
+        c for c in AsyncGRPOConfig.__mro__[1:] if "__annotations__" in vars(c) and not issubclass(TrainingArguments, c)
+    ]
+    owner = {n: c for c in (AsyncGRPOConfig, *mixins) for n in vars(c)["__annotations__"]}
+    own = list(owner)
     fields = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}
     lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for name in own:
@@ -46,7 +53,7 @@ def config_reference() -> str:
             default = f.default
         else:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
-        tp = _type_text(AsyncGRPOConfig.__annotations__[name])  # the source text: HfArgumentParser rewrites f.type
+        tp = _type_text(vars(owner[name])["__annotations__"][name])  # the source text: HfArgumentParser rewrites f.type
         lines.append(f"| `{name}` | `{_cell(tp)}` | `{default!r}` | {_cell(f.metadata.get('help', ''))} |")
     return "\n".join(lines)
 
