@@ -83,3 +83,17 @@ def test_split_rows_normalizers_count_every_process_and_micro_batch():
     assert norms["dapo"] == [20 / 2, 20 / 2]
     assert norms["dr_grpo"] == [3 * 8 * 2 / 2, 3 * 8 * 2 / 2]
     assert torch.equal(split_rows(packed, 2, 2)[1][0]["row"].target_ids, packed[0][1].target_ids)
+
+
+def test_the_trl_config_of_usage_md_runs_unchanged():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    block = text.split("### A TRL config that runs unchanged", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(block, scope)  # the documented snippet, as a user pastes it
+    args = scope["args"]
+    fam = loss_settings(args).family
+    assert (fam.loss_type, fam.level, fam.correction.mode, fam.correction.clip_max) == (
+        "dr_grpo", "token", "sequence_mask", 3.0)  # fmt: skip
+    assert args.scale_rewards == "none" and fam.epsilon_high == 0.28
