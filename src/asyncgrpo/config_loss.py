@@ -106,8 +106,10 @@ def loss_field_problems(cfg: Any) -> list[str]:
     p: list[str] = []
     if cfg.loss_type == "gspo":
         return [
-            "loss_type='gspo': GSPO is importance_sampling_level='sequence' with loss_type='grpo' (epsilon=3e-4, "
-            "epsilon_high=4e-4 as in the paper)"
+            (
+                "loss_type='gspo': GSPO is importance_sampling_level='sequence' with loss_type='grpo' (epsilon=3e-4, "
+                "epsilon_high=4e-4 as in the paper)"
+            )
         ]
     if cfg.loss_type not in LOSS_TYPES:
         p.append(f"loss_type={cfg.loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
@@ -120,7 +122,9 @@ def loss_field_problems(cfg: Any) -> list[str]:
             "for GSPO set loss_type='grpo'"
         )
     if cfg.vllm_importance_sampling_mode not in IS_MODES:
-        p.append(f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r}: must be one of {', '.join(IS_MODES)}")
+        p.append(
+            f"vllm_importance_sampling_mode={cfg.vllm_importance_sampling_mode!r}: must be one of {', '.join(IS_MODES)}"
+        )
     elif (
         cfg.loss_type == "asyncgrpo"
         and cfg.vllm_importance_sampling_correction

@@ -91,7 +91,7 @@ def test_the_trl_config_of_usage_md_runs_unchanged():
     text = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     block = text.split("### A TRL config that runs unchanged", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     scope: dict = {}
-    exec(block, scope)  # the documented snippet, as a user pastes it
+    exec(block, scope)  # noqa: S102 - the documented snippet, as a user pastes it
     args = scope["args"]
     fam = loss_settings(args).family
     assert (fam.loss_type, fam.level, fam.correction.mode, fam.correction.clip_max) == (

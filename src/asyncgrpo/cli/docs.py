@@ -35,9 +35,9 @@ def _type_text(tp: object) -> str:
 
 def config_reference() -> str:
     """A table of every field AsyncGRPOConfig defines or re-defaults (TrainingArguments' own are linked)."""
-    from asyncgrpo.config import AsyncGRPOConfig
-
     from transformers import TrainingArguments
+
+    from asyncgrpo.config import AsyncGRPOConfig
 
     # its own fields, then those of its field mixins (config_<topic>.py); TrainingArguments' are linked instead
     mixins = [

@@ -26,7 +26,7 @@ the gradient all-reduce averages over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,7 +44,7 @@ class FamilySettings:
     level: str = "token"  # importance_sampling_level: token, sequence (GSPO) or sequence_token (GSPO-token)
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
-    correction: Correction = Correction()
+    correction: Correction = field(default_factory=Correction)
 
     @property
     def sequence_level(self) -> bool:
@@ -78,7 +78,11 @@ def _segment_sum(values: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_stats(
-    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, loss_mask: torch.Tensor, seq: torch.Tensor, s: FamilySettings
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq: torch.Tensor,
+    s: FamilySettings,
 ) -> SequenceStats:
     """The sequence quantities of every token from the (detached) log-probs of all trained tokens of the row."""
     mask = loss_mask.bool()
@@ -226,7 +230,9 @@ def family_loss(
     if settings.correction.sequence_level:  # one value per sequence: its first trained token stands for it
         trained = torch.nonzero(mask).view(-1)
         s_tr = seq[trained]
-        starts = torch.cat([torch.ones(min(1, s_tr.numel()), dtype=torch.bool, device=seq.device), s_tr[1:] != s_tr[:-1]])
+        starts = torch.cat(
+            [torch.ones(min(1, s_tr.numel()), dtype=torch.bool, device=seq.device), s_tr[1:] != s_tr[:-1]]
+        )
         first = torch.zeros_like(mask)
         first[trained[starts]] = True
         n_seq = first.sum()

@@ -108,7 +108,11 @@ def packed_policy_loss(
 
 
 def _family_packed_loss(
-    hidden: torch.Tensor, head_weight: torch.Tensor, row: Any, normalizer: float | torch.Tensor, settings: PolicyLossSettings
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    row: Any,
+    normalizer: float | torch.Tensor,
+    settings: PolicyLossSettings,
 ) -> LossOutput:
     """``packed_policy_loss`` for one of TRL's families (``settings.family``)."""
     fam = settings.family

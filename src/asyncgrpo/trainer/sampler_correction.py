@@ -67,7 +67,9 @@ class CorrectionWeight:
     ratio: torch.Tensor  # [N] the ratio the mode uses (q_t, or Q_i broadcast to the sequence's tokens)
 
 
-def correction_weight(token_log_ratio: torch.Tensor, seq_log_ratio: torch.Tensor | None, c: Correction) -> CorrectionWeight:
+def correction_weight(
+    token_log_ratio: torch.Tensor, seq_log_ratio: torch.Tensor | None, c: Correction
+) -> CorrectionWeight:
     """The weight of every token.
 
     Args:
