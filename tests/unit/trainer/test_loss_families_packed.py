@@ -145,3 +145,19 @@ def test_packed_in_tries_equals_unpacked(case, lora):
     ref_events = {k: v for k, v, _ in ref.metric_events()}
     for key in ("sampling/masked_mean", "sampling/truncated_mean", "clip_ratio/region_mean", "policy_ratio/max"):
         assert events[key] == pytest.approx(ref_events[key], abs=1e-5), key
+
+
+def test_bf16_head_gives_the_fp32_loss_within_bf16_rounding():
+    """The bf16 path: log-probs and ratios are taken in fp32 from the bf16 logits (as the reference objective)."""
+    torch.manual_seed(1)
+    row = _head_row(2)
+    h, w = torch.randn(N, H), torch.randn(V, H) * 0.5
+    lp0 = (h @ w.T).log_softmax(-1).gather(1, row.target_ids[:, None])[:, 0]
+    row.old_logprobs = lp0 + 0.05 * torch.randn(N)
+    fam = CASES["gspo_token_seqmask"]
+    ref = packed_policy_loss(h, w, row, 7.0, PolicyLossSettings(chunk_size=4, family=fam)).loss
+    hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    got = packed_policy_loss(hb, wb, row, 7.0, PolicyLossSettings(chunk_size=4, family=fam))
+    got.loss.backward()
+    assert got.loss.dtype == torch.float32 and torch.isfinite(hb.grad.float()).all() and hb.grad.abs().max() > 0
+    assert abs(got.loss.item() - ref.item()) <= 0.05 * max(1.0, abs(ref.item()))
