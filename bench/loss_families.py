@@ -7,7 +7,8 @@ Each loss type is one run of the demo's config (``cli/demo.py``'s ``DEMO_CONFIG`
 sums, 8 steps at 3e-5, held-out accuracy on 100 problems before the first step and after the last) with the loss
 fields below changed, in its own process (``nice -n 5``, ``OMP_NUM_THREADS=2``), timed from its start to its exit.
 ``--jobs`` runs several at once on a many-core host; on a shared 2-core machine keep 1 (the default). Every
-finished run is written to the JSON at once, so an interrupted bench keeps what ran.
+finished run is written to the JSON at once, so an interrupted bench keeps what ran; runs of loss types not named
+this time are kept from the file (``--loss-types asyncgrpo`` adds the reference objective to it).
 """
 
 from __future__ import annotations
@@ -93,12 +94,21 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done: list[dict[str, Any]] = []
+    if out.exists():  # keep the file's runs of other loss types (a bench run in parts)
+        kept = [r for r in json.loads(out.read_text()).get("runs", []) if r["loss_type"] not in a.loss_types]
+        done.extend(kept)
+    order = [*dict.fromkeys([*DEFAULT_TYPES, *LOSS_TYPES])]
 
     def record(result: dict[str, Any]) -> None:
         done.append(result)
-        gain = f"{result['before']:.2f} -> {result['after']:.2f} ({result['gain']:+.2f})" if "gain" in result else "no eval"
+        gain = (
+            f"{result['before']:.2f} -> {result['after']:.2f} ({result['gain']:+.2f})"
+            if "gain" in result
+            else "no eval"
+        )
         print(f"{result['loss_type']}: {gain} in {result['wall_s']:.0f} s (exit {result['exit_code']})", flush=True)
-        write_result(out, {"seed": a.seed, "jobs": a.jobs, "runs": sorted(done, key=lambda r: a.loss_types.index(r["loss_type"]))}, indent=1)  # fmt: skip
+        runs = sorted(done, key=lambda r: order.index(r["loss_type"]))
+        write_result(out, {"seed": a.seed, "jobs": a.jobs, "runs": runs}, indent=1)
 
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
         futures = [pool.submit(launch, name, a.seed, Path(a.work), a.timeout_s) for name in a.loss_types]
