@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from asyncgrpo.config_checks import config_problems, parse_json_dict
+from asyncgrpo.config_loss import LossFields, resolve_loss_fields
 from asyncgrpo.config_trl import TRLFields
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
         "vllm_server_base_url", "vllm_server_timeout", "vllm_server_connect_timeout", "vllm_server_restart_timeout",
     ),
     "loss and packing": (
-        "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
+        "loss_type", "importance_sampling_level", "scale_rewards", "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget", "compile_decoder_layers",
     ),
     "asynchronous pipeline": (
@@ -87,7 +89,7 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TRLFields, TrainingArguments):  # mixins first: output_dir stays the first field
+class AsyncGRPOConfig(TRLFields, LossFields, TrainingArguments):  # mixins first: output_dir stays the first field
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for
@@ -257,7 +259,8 @@ class AsyncGRPOConfig(TRLFields, TrainingArguments):  # mixins first: output_dir
     score_centering: bool = field(
         default=True,
         metadata={
-            "help": "Train with score centering instead of the clipped surrogate: subtract from each sampled token's "
+            "help": "loss_type='asyncgrpo' only (off for the others). Train with score centering instead of the "
+            "clipped surrogate: subtract from each sampled token's "
             "importance-weighted score its expectation under the sampler, so a constant advantage does not pull "
             "the policy toward the sampler. The expectation runs over the `num_sampler_logprobs` most likely tokens "
             "at each position, whose log-probs the sampler reports."
@@ -266,12 +269,13 @@ class AsyncGRPOConfig(TRLFields, TrainingArguments):  # mixins first: output_dir
     vllm_importance_sampling_clip_min: float = field(
         default=0.5,
         metadata={
-            "help": "Lower bound C_min of the policy/sampler importance ratio. Tokens whose ratio lies outside "
-            "[C_min, C_max] are excluded from the loss (masked importance sampling)."
+            "help": "Lower bound C_min of the trainer/sampler importance ratio: the *_mask modes of "
+            "vllm_importance_sampling_mode drop tokens (sequences) whose ratio lies outside [C_min, C_max] (the "
+            "reference's masked importance sampling), the *_truncate modes clamp the ratio to it."
         },
     )
     vllm_importance_sampling_clip_max: float = field(
-        default=5.0, metadata={"help": "Upper bound C_max of the importance ratio."}
+        default=5.0, metadata={"help": "Upper bound C_max of the importance ratio (TRL's default is 3.0)."}
     )
     num_sampler_logprobs: int = field(
         default=8,
@@ -382,6 +386,7 @@ class AsyncGRPOConfig(TRLFields, TrainingArguments):  # mixins first: output_dir
     def __post_init__(self) -> None:
         self.model_init_kwargs = parse_json_dict(self.model_init_kwargs, "model_init_kwargs")
         self.chat_template_kwargs = parse_json_dict(self.chat_template_kwargs, "chat_template_kwargs")
+        resolve_loss_fields(self)  # loss_type's defaults (config_loss.py) before epsilon_high falls back
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.vllm_server_base_url is None:  # HfArgumentParser gives None for an omitted list-typed flag

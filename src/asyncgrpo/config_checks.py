@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from asyncgrpo.config_loss import loss_field_problems
 from asyncgrpo.config_trl import resolve_trl_aliases
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -50,6 +51,7 @@ def config_problems(cfg: Any) -> list[str]:
     if not cfg.vllm_server_restart_timeout >= 0:
         p.append(f"vllm_server_restart_timeout={cfg.vllm_server_restart_timeout}: must be >= 0 seconds")
     p += _loss_problems(cfg)
+    p += loss_field_problems(cfg)
     p += _pipeline_problems(cfg)
     p += _unsupported_problems(cfg)
     return p

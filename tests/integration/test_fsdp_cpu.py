@@ -46,9 +46,9 @@ def _config(out: Path, **overrides) -> dict:
     return base
 
 
-def _one_process_grads(model_dir: Path, base_url: str, out: Path, rows: list, params: dict) -> dict:
+def _one_process_grads(model_dir: Path, base_url: str, out: Path, rows: list, params: dict, **loss) -> dict:
     """The same trainer on one process: step 1's micro-batches, every process's row in turn, one backward each."""
-    kwargs = _config(out / "reference", gradient_checkpointing=False, save_strategy="no")
+    kwargs = _config(out / "reference", gradient_checkpointing=False, save_strategy="no", **loss)
     args = AsyncGRPOConfig(vllm_server_base_url=base_url, **kwargs)
     dataset = reasoning_gym_dataset("chain_sum", size=24, seed=0, system_prompt=None)
     trainer = AsyncGRPOTrainer(str(model_dir), reward_funcs=[even_token_reward], args=args, train_dataset=dataset)
@@ -57,8 +57,13 @@ def _one_process_grads(model_dir: Path, base_url: str, out: Path, rows: list, pa
         for name, p in model.named_parameters():
             p.copy_(params[name])  # the two-process run's starting point
     model.zero_grad()
+    step_tokens = sum(r.num_trained for micro in rows for r in micro)
     for micro in rows:
         norm = loss_normalizer(sum(r.num_trained for r in micro), args.gradient_accumulation_steps, 1)
+        if args.loss_type == "grpo":  # GSPO's mean over the micro-batch's sequences, both processes' rows
+            norm = sum(len(set(r.entry_sample.tolist())) for r in micro) * args.gradient_accumulation_steps
+        elif args.loss_type == "dapo":  # the step's tokens over both processes and both micro-batches
+            norm = step_tokens
         for row in micro:
             trainer.training_step(model, {"row": row, "normalizer": norm})
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -117,3 +122,32 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_sharded(tmp_path, ser
             assert torch.equal(resumed[kind][name], value), (kind, name)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3]  # step 3 once, after the resume
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {
+            "loss_type": "grpo",
+            "importance_sampling_level": "sequence",
+            "vllm_importance_sampling_mode": "sequence_truncate",
+        },
+        {"loss_type": "dapo", "vllm_importance_sampling_mode": "token_truncate"},
+    ],
+)
+def test_two_process_fsdp2_loss_families_use_global_normalizers(tmp_path, server, tiny_llama_dir, loss):
+    """GSPO divides by the sequences, DAPO by the step's tokens, of every process: the FSDP2 gradient of step 1
+    equals one process training both processes' rows with those counts written out here."""
+    out = tmp_path / "out"
+    cfg = {**_config(out, max_steps=1, save_strategy="no", **loss), **FSDP}
+    spec = {"model_dir": str(tiny_llama_dir), "base_url": server.base_url, "dump_dir": str(tmp_path / "run"),
+            "config": cfg}  # fmt: skip
+    assert launch_ranks(spec, 2, tmp_path / "run")["global_step"] == 1
+    step1 = torch.load(tmp_path / "run" / "step1.pt", weights_only=False)
+    rows = step1["rows"]
+    assert all(row.num_trained > 0 for micro in rows for row in micro)
+    want = _one_process_grads(tiny_llama_dir, server.base_url, tmp_path, rows, step1["params"], **loss)
+    got = step1["grads"]
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=name)

@@ -1,7 +1,8 @@
 """The diagnosis tables of docs/metrics.md ("The run doctor"), applied to the last steps of a run (X2).
 
-Four tables: the rollout queue (which side is the bottleneck), concurrency (which limit holds generation
-back), saturation (``frac_reward_zero_std`` / ``reward_dropped`` / ``reward`` read together) and duplicates.
+Five tables: the rollout queue (which side is the bottleneck), concurrency (which limit holds generation
+back), saturation (``frac_reward_zero_std`` / ``reward_dropped`` / ``reward`` read together), duplicates and
+the sampler mismatch (how much the sampler correction masks or truncates).
 The tables state the rows in words ("high", "nearly empty", "climbing"); the constants below turn each
 word into a figure, and every verdict carries the figures it rests on so a reader can disagree with them.
 """
@@ -33,6 +34,8 @@ DUP_HEALTHY = 0.05
 DUP_JUMP = 0.8  # duplicates above 80 % of (G-1)/G: nearly every group is copies of one rollout
 DUP_CLIMB = 0.05
 CLIPPED_HIGH = 0.2
+MASKED_HIGH = 0.1  # the sampler correction removes more than a tenth of the trained tokens (window mean)
+TRUNCATED_HIGH = 0.2  # ... or clamps the weight of more than a fifth
 
 
 @dataclass(frozen=True)
@@ -328,7 +331,38 @@ def duplicate_verdict(run: RunLog, last: int) -> Verdict | None:
     )
 
 
+# ---- sampler mismatch ------------------------------------------------------------------------------------------------
+MISMATCH_CAUSES = (
+    "likely causes: stale samples (lower max_staleness or learning_rate when sample/staleness_mean is high), "
+    "numerics (a bf16 server against an fp32 trainer, or other kernels: compare the server's dtype with bf16), "
+    "sampling the server did not apply as configured (temperature, top_k, top_p), or weights that did not reach "
+    "the server (perf/weight_sync_s); widen vllm_importance_sampling_clip_min / clip_max only once the cause is known"
+)
+
+
+def sampler_verdict(run: RunLog, last: int) -> Verdict | None:
+    """How much of the batch the sampler correction removes (``sampling/masked_mean``) or clamps."""
+    _, masked = run.series("sampling/masked_mean", last)
+    if not masked:
+        return None
+    _, trunc = run.series("sampling/truncated_mean", last)
+    _, stale = run.series("sample/staleness_mean", last)
+    _, diff = run.series("sampling/sampling_logp_difference/mean", last)
+    m, t = _mean(masked), _mean(trunc)
+    figs = {"sampling/masked_mean": _pct(m), "sampling/truncated_mean": "n/a" if t is None else _pct(t),
+            "sample/staleness_mean": "n/a" if not stale else _g(_mean(stale)),
+            "sampling/sampling_logp_difference/mean": "n/a" if not diff else _g(_mean(diff))}  # fmt: skip
+    if m > MASKED_HIGH:
+        what = f"the sampler correction removes {_pct(m)} of the trained tokens: the sampler and the trainer disagree"
+        return Verdict("sampler mismatch", what, MISMATCH_CAUSES, False, figs)
+    if t is not None and t > TRUNCATED_HIGH:
+        what = f"the sampler correction clamps the weight of {_pct(t)} of the trained tokens"
+        return Verdict("sampler mismatch", what, MISMATCH_CAUSES, False, figs)
+    return Verdict("sampler mismatch", "healthy: the sampler and the trainer agree on nearly every token",
+                   "nothing to do", True, figs)  # fmt: skip
+
+
 def diagnose(run: RunLog, last: int = 50) -> list[Verdict]:
     """Every table that the run's metrics allow, over the windows of the last ``last`` steps."""
-    checks = (queue_verdict, concurrency_verdict, saturation_verdict, duplicate_verdict)
+    checks = (queue_verdict, concurrency_verdict, saturation_verdict, duplicate_verdict, sampler_verdict)
     return [v for v in (check(run, last) for check in checks) if v is not None]

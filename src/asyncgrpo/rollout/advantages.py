@@ -1,6 +1,6 @@
 """Group advantages (R4), the zero-std drop (R5) and the reward metrics of a scored group.
 
-Advantages are standardised within the group, always by the group's std (there is no `scale_rewards`).
+Advantages are centred within the group and divided by the group's std unless `scale_rewards="none"` (Dr. GRPO).
 Rollouts no source scored (NaN total) are left out of the mean and std and get advantage 0. Groups whose
 scored rewards are all equal, or with fewer than two scored rollouts, carry no signal and are dropped; the
 drop is decided from the rewards, never from the advantages, so a custom `compute_advantages` cannot
@@ -31,11 +31,12 @@ def is_zero_std_group(rewards: np.ndarray) -> bool:
     return scored.size < 2 or bool(np.all(scored == scored[0]))
 
 
-def group_advantages(rewards: np.ndarray) -> np.ndarray:
+def group_advantages(rewards: np.ndarray, scale: bool = True) -> np.ndarray:
     """(r - mean) / std over the scored rollouts of one group; 0 for unscored ones (and for a zero-std group).
 
     Args:
         rewards: [G] total rewards, NaN where no source scored the rollout.
+        scale: divide by the std; False leaves r - mean (Dr. GRPO: the std favours easy and hard prompts).
 
     Returns:
         [G] float64 advantages, in the order of `rewards`.
@@ -46,7 +47,8 @@ def group_advantages(rewards: np.ndarray) -> np.ndarray:
         return advantages
     scored = ~np.isnan(rewards)
     values = rewards[scored]
-    advantages[scored] = (values - values.mean()) / values.std(ddof=STD_DDOF)
+    centred = values - values.mean()
+    advantages[scored] = centred / values.std(ddof=STD_DDOF) if scale else centred
     return advantages
 
 

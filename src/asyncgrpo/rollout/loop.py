@@ -180,8 +180,9 @@ class AsyncRolloutLoop:
         return self.requester.turn(prompt_ids, res)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """One advantage per rollout: rewards standardised within the group; 0 for unscored rollouts."""
-        return group_advantages(group.rewards)
+        """One advantage per rollout: rewards centred (and divided by the std unless ``scale_rewards`` is off)
+        within the group; 0 for unscored rollouts."""
+        return group_advantages(group.rewards, scale=self.settings.scale_rewards)
 
     # ------------------------------------------------------------------ helpers
 

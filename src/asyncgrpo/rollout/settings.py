@@ -50,6 +50,8 @@ class RolloutSettings:
         sync_rollouts: start groups only while the trainer waits for samples (the config's ``sync_rollouts``).
         answer_parse_processes: helper processes that parse large answers off the worker's event loop
             (``client/answer_parse.py``); None: a quarter of the machine's cores, at most 4; 0: inline.
+        scale_rewards: divide advantages by the group's reward std (the config's ``scale_rewards`` 'group'); False
+            for 'none' (Dr. GRPO).
         extra: free-form values for custom loops; the library never reads it.
     """
 
@@ -73,6 +75,7 @@ class RolloutSettings:
     retry_for_s: float = 0.0
     sync_rollouts: bool = False
     answer_parse_processes: int | None = None
+    scale_rewards: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None
     lora_dir: str | None = None

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncgrpo.trainer.sampler_correction import in_bounds
+
 __all__ = ["LossOutput", "loss_normalizer", "policy_loss", "policy_loss_value"]
 
 
@@ -140,7 +142,7 @@ def policy_loss_value(
     log_ratio = torch.where(mask, logp - _up(sampler_logprobs).detach(), 0.0)
     ratio = torch.exp(log_ratio)  # [N], differentiable
     r = ratio.detach()
-    in_range = (r >= clip_min) & (r <= clip_max)
+    in_range = in_bounds(r, clip_min, clip_max)
     keep = (mask & in_range).float()  # m_t of the module docstring, detached
 
     if score_centering:
@@ -150,7 +152,7 @@ def policy_loss_value(
         s_top = _up(sampler_top_logprobs).detach()
         valid = torch.isfinite(s_top)
         r_top = torch.exp(top_lp.detach() - torch.where(valid, s_top, 0.0))
-        keep_top = valid & (r_top >= clip_min) & (r_top <= clip_max) & mask[:, None]
+        keep_top = valid & in_bounds(r_top, clip_min, clip_max) & mask[:, None]
         # sum_v m_v pi(v): its gradient is sum_v mu(v) f(r_v) grad log pi(v). Select before exp() so padding
         # slots (any value, even NaN) get an exact zero gradient.
         centering = torch.exp(torch.where(keep_top, top_lp, -math.inf)).sum(dim=-1)  # [N]
@@ -210,7 +212,7 @@ def policy_loss(
     logp = _up(logprobs)
     adv = _up(advantages).detach()
     r = torch.exp(torch.where(mask, logp.detach() - _up(sampler_logprobs).detach(), 0.0))
-    in_range = (r >= clip_min) & (r <= clip_max)
+    in_range = in_bounds(r, clip_min, clip_max)
     metrics = _loss_metrics(
         logp.detach(),
         _up(sampler_logprobs),

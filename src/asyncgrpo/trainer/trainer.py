@@ -53,7 +53,7 @@ from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
 from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
-from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
+from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
@@ -365,7 +365,8 @@ class AsyncGRPOTrainer(Trainer):
             dropped = self.source.batcher.take_dropped_count()
             for name, value in batch_metrics(packed, self.token_budget, dropped).items():
                 self.window.add(name, value)
-            per_rank = split_rows(packed, self.args.gradient_accumulation_steps, self.args.world_size)
+            per_rank = split_rows(packed, self.args.gradient_accumulation_steps, self.args.world_size,
+                                  self.args.loss_type, self.args.max_completion_length)  # fmt: skip
         batches = scatter_from_zero(per_rank, self.args.world_size)
         if not batches:
             self.control.should_training_stop = True
@@ -405,14 +406,7 @@ class AsyncGRPOTrainer(Trainer):
     def _policy_loss(self, fwd: PackedForward, row: Any, normalizer: float):
         """LM head on the trained tokens, then the loss of ``trainer/loss.py`` (L1-L6): ``packed_policy_loss``
         (the gradient of the LM head and the hidden states is formed in the forward, chunk by chunk)."""
-        args: AsyncGRPOConfig = self.args
-        settings = PolicyLossSettings(
-            temperature=args.temperature,
-            clip_min=args.vllm_importance_sampling_clip_min,
-            clip_max=args.vllm_importance_sampling_clip_max,
-            epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-        )
+        settings = loss_settings(self.args)  # the family, its correction and the reference's mask band
         return packed_policy_loss(fwd.hidden[row.pred_index], fwd.head_weight, row, normalizer, settings)
 
     def _device_is_cuda(self) -> bool:

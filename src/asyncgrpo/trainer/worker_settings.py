@@ -68,5 +68,6 @@ def build_rollout_settings(
         num_epochs=math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None,
         sync_rollouts=args.sync_rollouts,
         answer_parse_processes=args.answer_parse_processes,
+        scale_rewards=args.scale_rewards != "none",
         extra=config_extra_fields(args),
     )

@@ -239,7 +239,8 @@ def test_real_two_gpu_run(tmp_path):
     verdicts = write_report(run, tmp_path)
     queue = next(v for v in verdicts if v.table == "queue")
     assert queue.figures["perf/rollout_wait_s"].startswith(f"{100 * median:.0f} % of a step")
-    assert {v.table for v in verdicts} == {"queue", "concurrency", "saturation", "duplicates"}
+    assert {v.table for v in verdicts} == {"queue", "concurrency", "saturation", "duplicates", "sampler mismatch"}
+    assert next(v for v in verdicts if v.table == "sampler mismatch").healthy  # masked_mean is 0 there
     assert (tmp_path / "report.html").is_file() and len(list(tmp_path.glob("*.png"))) >= 10
 
 
@@ -284,3 +285,23 @@ def test_no_verdict_contradicts_another_and_every_action_names_a_setting():
             if v.action.startswith("nothing to"):
                 assert v.healthy, v.text()  # an unhealthy verdict always says what to change
     assert seen_generation_bound > 10
+
+
+# ---- sampler mismatch table ------------------------------------------------------------------------------------------
+def test_sampler_mismatch_masking_too_much(tmp_path):
+    run = write_run(tmp_path, sampling__masked_mean=0.3, sample__staleness_mean=3.5)
+    v = verdict(run, "sampler mismatch")
+    assert not v.healthy and "removes 30 % of the trained tokens" in v.diagnosis
+    assert "max_staleness" in v.action and "bf16" in v.action
+    assert v.figures["sample/staleness_mean"] == "3.5"
+
+
+def test_sampler_mismatch_truncating_too_much(tmp_path):
+    run = write_run(tmp_path, sampling__masked_mean=0.0, sampling__truncated_mean=0.4)
+    v = verdict(run, "sampler mismatch")
+    assert not v.healthy and "clamps the weight of 40 %" in v.diagnosis
+
+
+def test_sampler_mismatch_healthy(tmp_path):
+    v = verdict(write_run(tmp_path, sampling__masked_mean=0.02), "sampler mismatch")
+    assert v.healthy and v.figures["sampling/masked_mean"] == "2 %"
