@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from asyncgrpo.config_checks import config_problems, parse_json_dict
+from asyncgrpo.config_data import DATA_FIELDS, DataFields
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
     "logging and evaluation": (
         "log_completions", "num_completions_to_print", "compact_log", "eval_temperature", "eval_num_generations",
     ),
+    "data: dynamic sampling, prompt pools": DATA_FIELDS,
 }  # fmt: skip
 # Fields `--help` does not list: ignored (IGNORED_FIELDS), refused whatever their value, fixed by this trainer, or
 # replaced by a command flag (--resume).
@@ -82,7 +84,7 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments):
+class AsyncGRPOConfig(TrainingArguments, DataFields):
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for

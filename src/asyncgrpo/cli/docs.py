@@ -37,7 +37,14 @@ def config_reference() -> str:
     """A table of every field AsyncGRPOConfig defines or re-defaults (TrainingArguments' own are linked)."""
     from asyncgrpo.config import AsyncGRPOConfig
 
-    own = list(AsyncGRPOConfig.__annotations__)
+    # Its own fields, then those of the field groups it inherits beside TrainingArguments (config_<topic>.py).
+    groups = [
+        c for c in AsyncGRPOConfig.__mro__[1:] if dataclasses.is_dataclass(c) and c.__module__.startswith("asyncgrpo")
+    ]
+    annotations = {**AsyncGRPOConfig.__annotations__}
+    for group in groups:
+        annotations.update({k: v for k, v in group.__annotations__.items() if k not in annotations})
+    own = list(annotations)
     fields = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}
     lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for name in own:
@@ -46,7 +53,7 @@ def config_reference() -> str:
             default = f.default
         else:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
-        tp = _type_text(AsyncGRPOConfig.__annotations__[name])  # the source text: HfArgumentParser rewrites f.type
+        tp = _type_text(annotations[name])  # the source text: HfArgumentParser rewrites f.type
         lines.append(f"| `{name}` | `{_cell(tp)}` | `{default!r}` | {_cell(f.metadata.get('help', ''))} |")
     return "\n".join(lines)
 
@@ -54,11 +61,19 @@ def config_reference() -> str:
 def metrics_glossary() -> str:
     """A table of every metric name with its meaning and its window rule (M2)."""
     from asyncgrpo.metrics import METRICS, SERVER_METRICS, aggregation_rule, unit_of
+    from asyncgrpo.rollout.dynamic_sampling import DYNAMIC_SAMPLING_METRICS
+    from asyncgrpo.rollout.prompt_pools import POOL_METRICS
     from asyncgrpo.tasks.evaluate import EVAL_METRICS
 
     rule_text = {"sum": "sum", "max": "max", "min": "min", "mean": "mean"}
     lines = ["| metric | meaning | window | unit |", "|---|---|---|---|"]
-    for name, meaning in {**METRICS, **SERVER_METRICS, **EVAL_METRICS}.items():
+    for name, meaning in {
+        **METRICS,
+        **SERVER_METRICS,
+        **EVAL_METRICS,
+        **DYNAMIC_SAMPLING_METRICS,
+        **POOL_METRICS,
+    }.items():
         unit = unit_of(name) or ""
         lines.append(f"| `{name}` | {_cell(meaning)} | {rule_text[aggregation_rule(name)]} | {unit} |")
     return "\n".join(lines)

@@ -20,11 +20,18 @@ at once: a draw never waits for results that cannot come.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 NEW_POOL = "new"
+POOL_METRICS: dict[str, str] = {
+    "pools/{pool}/size": "prompts in the pool (new, hard, medium, easy with the default cuts) at the step's end",
+    "pools/{pool}/pass_rate": "mean running pass rate of the pool's prompts (NaN while none has returned)",
+    "pools/retired": "prompts retired as solved so far",
+    "pools/parked": "unsolved prompts waiting out prompt_pool_requeue_delay",
+}
 
 
 @dataclass(frozen=True)
@@ -171,13 +178,13 @@ class PromptPools:
 
     # ---- metrics and checkpoints ---------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        """``pools/<pool>/count`` and ``pools/<pool>/pass_rate`` (mean running rate; NaN when empty), retired and
+        """``pools/<pool>/size`` and ``pools/<pool>/pass_rate`` (mean running rate; NaN when empty), retired and
         parked counts, in the order of ``names``."""
         out: dict[str, float] = {}
         for name in self.s.names:
             members = [p for p in range(self.n) if p not in self.retired and self.pool_of(p) == name]
             rates = [self.rate[p] for p in members if p in self.rate]
-            out[f"pools/{name}/count"] = float(len(members))
+            out[f"pools/{name}/size"] = float(len(members))
             out[f"pools/{name}/pass_rate"] = sum(rates) / len(rates) if rates else float("nan")
         out["pools/retired"] = float(len(self.retired))
         out["pools/parked"] = float(sum(1 for p, at in self.parked.items() if at > self.draws))
@@ -215,5 +222,5 @@ class PromptPools:
 
 def pass_fraction(rewards: Sequence[float], threshold: float) -> float | None:
     """Fraction of a group's rewards at or above ``threshold`` (NaN: unscored, left out); None if none scored."""
-    scored = [r for r in rewards if r == r]
+    scored = [r for r in rewards if not math.isnan(r)]
     return sum(r >= threshold for r in scored) / len(scored) if scored else None

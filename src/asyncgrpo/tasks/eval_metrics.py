@@ -70,7 +70,9 @@ def set_metrics(
         return {}
     n = min(len(r) for r in rewards)
     if n == 0 or any(len(r) != n for r in rewards):
-        raise ValueError(f"every prompt needs the same number (>= 1) of samples, got {sorted({len(r) for r in rewards})}")
+        raise ValueError(
+            f"every prompt needs the same number (>= 1) of samples, got {sorted({len(r) for r in rewards})}"
+        )
     ks = list(ks) if ks is not None else report_ks(n)
     out: dict[str, float] = {}
     for k in ks:

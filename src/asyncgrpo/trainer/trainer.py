@@ -45,6 +45,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns, reward_function_name
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
+from asyncgrpo.tasks.eval_sets import as_eval_sets
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
@@ -104,7 +105,8 @@ class AsyncGRPOTrainer(Trainer):
             methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
             ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
         eval_dataset: held-out conversational prompts (reward columns as in ``train_dataset``), generated on the
-            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.tasks.evaluate``).
+            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.tasks.evaluate``);
+            or a dict of named sets (``{name: EvalSet(...)}``, ``tasks/eval_sets.py``), logged as ``eval/<name>/*``.
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -161,8 +163,10 @@ class AsyncGRPOTrainer(Trainer):
         if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
             prepare_tool_template(processing_class, args.chat_template_kwargs)
         self.tools, self.environment_factory = tools, factories
-        if eval_dataset is not None:
-            check_dataset(eval_dataset)  # evaluation is single-turn: it needs the conversational 'prompt' column
+        if eval_dataset is not None:  # evaluation is single-turn: every set needs the conversational 'prompt' column
+            sets = as_eval_sets(eval_dataset)
+            for ds in [s.dataset for s in sets.values()] if sets else [eval_dataset]:
+                check_dataset(ds)
         self.model_id = model_id
         self.reward_funcs = reward_funcs
         super().__init__(
@@ -315,6 +319,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
         """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""
+        from asyncgrpo.tasks.eval_sets import evaluate_sets
         from asyncgrpo.tasks.evaluate import evaluate_sync, settings_from_config
 
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -326,7 +331,11 @@ class AsyncGRPOTrainer(Trainer):
             settings = settings_from_config(self.args)
             if self.served_adapter is not None:  # adapter sync: the newest adapter holds the trained policy
                 settings = dataclasses.replace(settings, model=self.served_adapter)
-            metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
+            sets = as_eval_sets(dataset)
+            if sets is not None:
+                metrics = evaluate_sets(self.processing_class, sets, self.reward_funcs, settings, metric_key_prefix)
+            else:
+                metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
             Trainer.log(self, metrics)  # not self.log: that would flush the training window into this line
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics

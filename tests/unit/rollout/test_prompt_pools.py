@@ -27,7 +27,7 @@ def test_transitions_on_a_scripted_sequence():
     assert pools.on_group(2, 0.5) == "easy"  # 0.5 >= the cut
     assert pools.on_group(3, 0.25) == "hard"
     m = pools.metrics()
-    assert (m["pools/new/count"], m["pools/hard/count"], m["pools/easy/count"]) == (0.0, 2.0, 2.0)  # 1 parked: hard
+    assert (m["pools/new/size"], m["pools/hard/size"], m["pools/easy/size"]) == (0.0, 2.0, 2.0)  # 1 parked: hard
     assert m["pools/easy/pass_rate"] == pytest.approx((1.0 + 0.5) / 2)
     assert m["pools/hard/pass_rate"] == pytest.approx((0.0 + 0.25) / 2)
     assert (m["pools/parked"], m["pools/retired"]) == (1.0, 0.0)
@@ -86,7 +86,7 @@ def test_pools_are_drawn_by_weight():
     rated = counts["hard"] + counts["medium"]
     assert counts["hard"] / rated == pytest.approx(0.25, abs=0.03)
     m = pools.metrics()
-    assert (m["pools/hard/count"], m["pools/medium/count"], m["pools/easy/count"]) == (5.0, 5.0, 10.0)
+    assert (m["pools/hard/size"], m["pools/medium/size"], m["pools/easy/size"]) == (5.0, 5.0, 10.0)
     assert m["pools/easy/pass_rate"] == pytest.approx(0.9)
 
 
