@@ -104,7 +104,7 @@ class PromptPools:
         self.groups: dict[int, int] = {}  # prompt -> groups returned
         self.parked: dict[int, int] = {}  # prompt -> draw count at which it is eligible again
         self.retired: set[int] = set()
-        self.in_flight: set[int] = set()
+        self.in_flight: dict[int, int] = {}  # prompt -> its groups in flight (more than 1 only if forced)
         self.draws = 0
 
     # ---- drawing -------------------------------------------------------------------------------------------------
@@ -124,10 +124,12 @@ class PromptPools:
             pools[self.pool_of(p)].append(p)
         return pools
 
-    def next_prompt(self) -> int | None:
+    def next_prompt(self, force: bool = False) -> int | None:
         """The next prompt to generate, or None: every prompt is in flight, retired or parked behind one in flight.
 
-        ``exhausted`` tells the two cases of None apart: all retired (no more data), or wait for a group.
+        ``exhausted`` tells the two cases of None apart: all retired (no more data), or wait for a group. With
+        ``force`` (a caller that cannot wait, such as the worker's synchronous prompt iterator) a prompt in flight
+        or parked is drawn again instead of None, evenly among those not retired.
         """
         pools = self._eligible()
         if not any(pools.values()) and self.parked and not self.in_flight:
@@ -135,15 +137,20 @@ class PromptPools:
             self.parked[first] = self.draws
             pools = self._eligible()
         names = [name for name in self.s.names if pools[name]]
+        if not names and force and not self.exhausted:
+            prompt = self.rng.choice([p for p in range(self.n) if p not in self.retired])
+            return self._take(prompt)
         if not names:
             return None
         weights = [self.s.weights[self.s.names.index(name)] for name in names]
         if not any(w > 0 for w in weights):  # only weight-0 pools hold eligible prompts: they are drawn evenly
             weights = [1.0] * len(names)
         pool = self.rng.choices(names, weights=weights)[0]
-        prompt = pools[pool][self.rng.randrange(len(pools[pool]))]
+        return self._take(pools[pool][self.rng.randrange(len(pools[pool]))])
+
+    def _take(self, prompt: int) -> int:
         self.parked.pop(prompt, None)
-        self.in_flight.add(prompt)
+        self.in_flight[prompt] = self.in_flight.get(prompt, 0) + 1
         self.draws += 1
         return prompt
 
@@ -160,7 +167,19 @@ class PromptPools:
         """
         if prompt not in self.in_flight:
             raise ValueError(f"prompt {prompt} returned but was not drawn (or returned twice)")
-        self.in_flight.discard(prompt)
+        self.in_flight[prompt] -= 1
+        if not self.in_flight[prompt]:
+            del self.in_flight[prompt]
+        return self.record(prompt, pass_fraction)
+
+    def record(self, prompt: int, pass_fraction: float | None, count_draw: bool = False) -> str:
+        """Learn from a group of ``prompt`` (``on_group`` without the in-flight check). The trainer's copy of the
+        pools (``trainer/data_accounting.py``) records each group its steps settled with ``count_draw``: one draw
+        each, so its delays run in settled groups; its state is what a checkpoint saves."""
+        if not 0 <= prompt < self.n:
+            raise ValueError(f"prompt {prompt} is not a row of the dataset's {self.n} prompts")
+        if count_draw:
+            self.draws += 1
         if pass_fraction is None:
             return self.pool_of(prompt)
         if not 0.0 <= pass_fraction <= 1.0:
@@ -215,7 +234,7 @@ class PromptPools:
         self.groups = {int(p): int(g) for p, g in state["groups"].items()}
         self.parked = {int(p): int(at) for p, at in state["parked"].items()}
         self.retired = {int(p) for p in state["retired"]}
-        self.in_flight = set()
+        self.in_flight = {}
         version, internal, gauss = state["rng"]
         self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
@@ -224,3 +243,13 @@ def pass_fraction(rewards: Sequence[float], threshold: float) -> float | None:
     """Fraction of a group's rewards at or above ``threshold`` (NaN: unscored, left out); None if none scored."""
     scored = [r for r in rewards if not math.isnan(r)]
     return sum(r >= threshold for r in scored) / len(scored) if scored else None
+
+
+def worker_pools(num_prompts: int, settings: PoolSettings, state: dict | None) -> PromptPools:
+    """The rollout worker's pools: fresh, or the checkpoint's settled state with a generator seeded by it (the
+    trainer's copy never draws, so its generator says nothing of the draws to come)."""
+    pools = PromptPools(num_prompts, settings)
+    if state is not None:
+        pools.load_state_dict(state)
+        pools.rng = random.Random(f"{settings.seed}/{pools.draws}")
+    return pools

@@ -26,6 +26,7 @@ from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings, lora_adapter_name
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.checkpoint import ResumePoint
+from asyncgrpo.trainer.data_accounting import DataAccounting
 from asyncgrpo.trainer.packed_forward import causal_lm_of
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.served_weights import warn_on_foreign_weights
@@ -109,7 +110,7 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts, resume: ResumePoint, tok
         settings = dataclasses.replace(
             settings, lora_name=trainer.lora_prefix, lora_dir=lora_cache_dir(args.output_dir)
         )
-    settings = dataclasses.replace(settings, skip_indices=resume.skip)
+    settings = dataclasses.replace(settings, skip_indices=resume.skip, pool_state=resume.pools)
     dataset = trainer.train_dataset
     loop = trainer.loop_cls(settings, dataset, trainer.reward_funcs, trainer.processing_class, tools=trainer.tools,
                             environment_factory=trainer.environment_factory)  # fmt: skip
@@ -129,6 +130,7 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts, resume: ResumePoint, tok
         weight_sync_steps=args.weight_sync_steps,
         settled=resume.settled,
         server_urls=args.server_urls,  # a step without trainable groups names a dead server as the cause
+        data=DataAccounting.build(args, n, resume),
     )
     sync = publisher if publisher is not None else _start_sender(args, facts, worker)
     return RunParts(sync, worker, source)

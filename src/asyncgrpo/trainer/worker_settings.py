@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config_data import pool_settings
 from asyncgrpo.rollout.sampling import SamplingSettings
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.trainer.server_setup import ServerFacts
@@ -67,4 +68,7 @@ def build_rollout_settings(
         sync_rollouts=args.sync_rollouts,
         answer_parse_processes=args.answer_parse_processes,
         extra=config_extra_fields(args),
+        oversample_cap=args.dynamic_sampling_max_factor if args.dynamic_sampling else 1.0,
+        prompt_pools=pool_settings(args) if args.prompt_pools else None,
+        pass_threshold=args.pass_threshold,
     )

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from asyncgrpo.rollout.prompt_pools import PoolSettings, PromptPools, pass_fraction
+from asyncgrpo.rollout.prompt_pools import PoolSettings, PromptPools, pass_fraction, worker_pools
 
 # One cut at 0.5: pools new, hard (< 0.5), easy (>= 0.5). Only 'new' is weighted, so unseen prompts go first and
 # the rest are drawn evenly once none is left: the test knows which pool every draw comes from.
@@ -129,3 +129,36 @@ def test_pass_fraction():
     assert pass_fraction([1.0, 0.0, 1.0, 0.5], 1.0) == 0.5
     assert pass_fraction([1.0, float("nan")], 1.0) == 1.0
     assert pass_fraction([float("nan")], 1.0) is None
+
+
+def test_a_forced_draw_takes_a_prompt_in_flight_again():
+    pools = PromptPools(2, NEW_FIRST)
+    a, b = pools.next_prompt(), pools.next_prompt()
+    assert pools.next_prompt() is None
+    again = pools.next_prompt(force=True)  # the worker's iterator cannot wait: a prompt in flight is drawn again
+    assert again in (a, b) and pools.in_flight[again] == 2
+    pools.on_group(again, 0.5)
+    pools.on_group(again, 0.5)
+    assert again not in pools.in_flight and pools.groups[again] == 2
+
+
+def test_the_trainers_copy_records_settled_groups_as_draws():
+    pools = PromptPools(3, NEW_FIRST)
+    assert pools.record(2, 0.0, count_draw=True) == "parked"  # parked until draw 1 + 3
+    assert pools.parked[2] == 4 and pools.draws == 1
+    assert pools.record(1, 1.0, count_draw=True) == "easy"
+    with pytest.raises(ValueError, match="not a row"):
+        pools.record(3, 1.0)
+
+
+def test_worker_pools_resume_from_the_checkpoint_state():
+    trainer_copy = PromptPools(4, NEW_FIRST)
+    for p, f in [(0, 1.0), (0, 1.0), (1, 0.0), (2, 0.5)]:
+        trainer_copy.record(p, f, count_draw=True)
+    state = json.loads(json.dumps(trainer_copy.state_dict()))
+    a, b = worker_pools(4, NEW_FIRST, state), worker_pools(4, NEW_FIRST, state)
+    assert a.retired == {0} and a.parked == {1: 6} and a.draws == 4
+    draws = [a.next_prompt() for _ in range(2)]
+    assert draws == [b.next_prompt() for _ in range(2)]  # the same state draws the same prompts
+    assert draws[0] == 3  # the one prompt still new goes first (only 'new' is weighted)
+    assert 0 not in draws and 1 not in draws  # retired; parked until draw 6
