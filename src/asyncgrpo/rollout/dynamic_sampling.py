@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 
 DYNAMIC_SAMPLING_METRICS: dict[str, str] = {
-    "dynamic_sampling/generated_groups": "groups scored during the step (kept and dropped for tied rewards)",
-    "dynamic_sampling/kept_groups": "groups of the step with non-zero reward variance (trainable)",
+    "dynamic_sampling/generated_groups": "scored groups the step pulled from the worker (kept and dropped for ties)",
+    "dynamic_sampling/kept_groups": "of those, groups with non-zero reward variance (trained now, or held for the next step)",
     "dynamic_sampling/generated_per_kept": "groups generated per kept group in the step (the over-sampling factor)",
     "dynamic_sampling/cap_hit": "1 when the step passed dynamic_sampling_max_factor, else 0",
 }

@@ -69,7 +69,7 @@ class ProductionMixin(RequestMixin):
         )
         self._score_slots = asyncio.Semaphore(min(st.max_concurrent_rollouts, 64))  # the reward threads
         self._score_waiting = 0
-        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
+        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step, st.oversample_cap)
         self.cap = ConcurrencyCap(
             st.max_concurrent_rollouts,
             st.sampling.kv_cache_tokens,
@@ -343,6 +343,7 @@ class ProductionMixin(RequestMixin):
                 else None,
                 rewards=[float(x) for x in scored.group.rewards],
                 tool_calls=sum(r.tool_call_count for r in rollouts) if self.agents.has_tools else None,
+                dataset_row=origin.row_index,
             )
         )
 

@@ -1,0 +1,74 @@
+"""Dynamic sampling and prompt pools end to end on CPU: real server, worker and trainer on the tiny model (issue 36).
+
+A scripted reward makes every even dataset row a tied group (all 1.0: dropped, no signal) and scores odd rows by
+their tokens, so about one generated group in two is kept; the test checks what the per-step metrics say against
+the groups the reward function itself recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
+from tests.helpers.rewards import half_constant_reward
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(serve, tiny_llama_dir):
+    return serve(tiny_llama_dir, "--max-model-len", "256", "--kv-cache-tokens", "16384")
+
+
+def _dataset(size: int):
+    ds = reasoning_gym_dataset("chain_sum", size=size, seed=0, system_prompt=None)
+    return ds.add_column("idx", list(range(size)))
+
+
+def _config(tmp_path: Path, server, **overrides) -> AsyncGRPOConfig:
+    base = dict(  # noqa: C408 - AsyncGRPOConfig keyword arguments
+        output_dir=str(tmp_path / "out"), max_steps=3, num_generations=4, max_completion_length=12,
+        token_budget=384, vllm_server_base_url=server.base_url, report_to=[], save_strategy="no",
+        learning_rate=1e-3, gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0,
+    )  # fmt: skip
+    base.update(overrides)
+    return AsyncGRPOConfig(**base)
+
+
+def _rows(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "train_runtime" not in r]
+
+
+def test_dynamic_sampling_fills_steps_and_counts_generated_per_kept(tmp_path, server, tiny_llama_dir, monkeypatch):
+    record = tmp_path / "groups.jsonl"
+    monkeypatch.setenv("ASYNCGRPO_TEST_RECORD", str(record))
+    args = _config(tmp_path, server, dynamic_sampling=True, dynamic_sampling_max_factor=8.0)
+    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[half_constant_reward], args=args,
+                               train_dataset=_dataset(48))  # fmt: skip
+    assert trainer.train().global_step == 3
+    rows = [r for r in _rows(tmp_path) if "dynamic_sampling/generated_groups" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        generated, kept = r["dynamic_sampling/generated_groups"], r["dynamic_sampling/kept_groups"]
+        assert kept >= 1  # every step trained groups with a signal
+        assert r["dynamic_sampling/generated_per_kept"] == pytest.approx(generated / kept)
+        assert r["dynamic_sampling/cap_hit"] == 0.0  # about 2 per kept group, far under 8
+        assert r["batch/groups_per_step"] >= 1
+    # The reward's own records: every even row tied (dropped), odd rows scored by tokens.
+    groups = [json.loads(line) for line in record.read_text().splitlines()]
+    assert all(len(set(g["rewards"])) == 1 for g in groups if g["row"] % 2 == 0)
+    tied = sum(len(set(g["rewards"])) == 1 for g in groups)
+    generated = sum(r["dynamic_sampling/generated_groups"] for r in rows)
+    kept = sum(r["dynamic_sampling/kept_groups"] for r in rows)
+    assert generated <= len(groups)  # the trainer pulled at most what the worker scored
+    # Kept groups pulled are trained in their step or held for the next (a group stays in one row): no tied group
+    # is trained, and what was pulled with a signal and not trained is at most the last step's carry-over.
+    trained = sum(r["batch/groups_per_step"] for r in rows)
+    assert 0 <= kept - trained <= 8, (kept, trained)
+    # Groups are pulled in the order the worker finishes them, close to the dataset's: about half tie.
+    assert 1.5 <= generated / kept <= 2.8, (generated, kept, tied, len(groups))
