@@ -3,7 +3,8 @@
 ``RolloutSource`` tells it of every group it pulls and of every prompt it settles:
 
 * dynamic sampling: each pulled group counts as generated, and as kept when it has a signal (not dropped for tied
-  rewards); per step that gives ``dynamic_sampling/*`` and, past the cap, one line in the log;
+  rewards); per step that gives ``dynamic_sampling/*`` (logged in every run: what a kept group costs is worth
+  knowing with the switch off too) and, with ``dynamic_sampling`` on and past the cap, one line in the log;
 * prompt pools: the trainer keeps its own ``PromptPools`` and records a group's pass fraction only once its prompt
   is *settled* (trained, or dropped for tied rewards), in settlement order. A checkpoint saves that copy, so it
   holds exactly what the checkpoint's weights settled: groups pulled but not yet trained, or dropped as stale, are
@@ -29,27 +30,31 @@ class DataAccounting:
     """Dynamic sampling's counts and the settled prompt pools (either may be off).
 
     Args:
-        oversampling: the per-step count, or None when dynamic sampling is off.
+        oversampling: the per-step count (None: not counted).
         pools: the trainer's copy of the pools, or None when prompt pools are off.
         pass_threshold: a sample passes when its total reward is at least this.
+        cap_line: print the line when a step passes the cap (``dynamic_sampling`` on).
     """
 
     def __init__(
-        self, oversampling: OverSamplingCount | None, pools: PromptPools | None, pass_threshold: float
+        self,
+        oversampling: OverSamplingCount | None,
+        pools: PromptPools | None,
+        pass_threshold: float,
+        cap_line: bool = True,
     ) -> None:
         self.oversampling = oversampling
+        self.cap_line = cap_line
         self.pools = pools
         self.pass_threshold = pass_threshold
         self._unsettled: dict[int, tuple[int, float | None]] = {}  # flat index -> (dataset row, pass fraction)
 
     @classmethod
-    def build(cls, args: Any, dataset_len: int | None, resume: Any) -> DataAccounting | None:
-        """From the config and the resume point (its ``pools`` state); None when both features are off."""
+    def build(cls, args: Any, dataset_len: int | None, resume: Any) -> DataAccounting:
+        """From the config and the resume point (its ``pools`` state)."""
         from asyncgrpo.config_data import pool_settings
 
-        if not (args.dynamic_sampling or args.prompt_pools):
-            return None
-        count = OverSamplingCount(args.dynamic_sampling_max_factor) if args.dynamic_sampling else None
+        count = OverSamplingCount(args.dynamic_sampling_max_factor)
         pools = None
         if args.prompt_pools:
             if not dataset_len:
@@ -57,7 +62,7 @@ class DataAccounting:
             pools = PromptPools(dataset_len, pool_settings(args))
             if resume.pools is not None:
                 pools.load_state_dict(resume.pools)
-        return cls(count, pools, args.pass_threshold)
+        return cls(count, pools, args.pass_threshold, cap_line=args.dynamic_sampling)
 
     def on_pulled(self, res: GroupResult, step: int) -> None:
         """A scored group reached the trainer (not a duplicate of a settled prompt)."""
@@ -65,7 +70,7 @@ class DataAccounting:
             return
         if self.oversampling is not None:
             line = self.oversampling.on_group(kept=not res.dropped and bool(res.sequences))
-            if line:
+            if line and self.cap_line:
                 logger.warning("step %d: %s", step, line)
         if self.pools is not None and res.dataset_row is not None:
             self._unsettled[res.row_index] = (res.dataset_row, pass_fraction(res.rewards or [], self.pass_threshold))

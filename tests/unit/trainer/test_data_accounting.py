@@ -61,3 +61,12 @@ def test_rejected_prompts_are_not_generated_groups():
     assert {n: v for n, v, _ in data.step_metrics()}["dynamic_sampling/generated_groups"] == 0.0
     with pytest.raises(ValueError, match=">= 1"):
         OverSamplingCount(max_factor=0.0)
+
+
+def test_without_dynamic_sampling_the_counts_are_kept_but_no_line(caplog):
+    data = DataAccounting(OverSamplingCount(max_factor=1.0), None, pass_threshold=1.0, cap_line=False)
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.data_accounting"):
+        for _ in range(3):
+            data.on_pulled(group(0, 0, [0.0, 0.0], dropped=True), step=1)
+    assert not caplog.records
+    assert {n: v for n, v, _ in data.step_metrics()}["dynamic_sampling/cap_hit"] == 1.0
