@@ -72,3 +72,34 @@ def test_dynamic_sampling_fills_steps_and_counts_generated_per_kept(tmp_path, se
     assert 0 <= kept - trained <= 8, (kept, trained)
     # Groups are pulled in the order the worker finishes them, close to the dataset's: about half tie.
     assert 1.5 <= generated / kept <= 2.8, (generated, kept, tied, len(groups))
+
+
+def test_prompt_pools_retire_solved_rows_and_checkpoint_their_state(tmp_path, server, tiny_llama_dir, monkeypatch):
+    """Even rows score 1.0 on every sample (solved: retired after one group); odd rows pass nowhere (their reward is
+    below 1.0 unless all 12 tokens are even), so they are parked. The checkpoint holds the pools of what was settled."""
+    record = tmp_path / "groups.jsonl"
+    monkeypatch.setenv("ASYNCGRPO_TEST_RECORD", str(record))
+    n = 16
+    args = _config(tmp_path, server, prompt_pools=True, prompt_pool_min_groups=1, prompt_pool_requeue_delay=64,
+                   save_strategy="steps", save_steps=3)  # fmt: skip
+    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[half_constant_reward], args=args,
+                               train_dataset=_dataset(n))  # fmt: skip
+    assert trainer.train().global_step == 3
+    rows = [r for r in _rows(tmp_path) if "pools/new/size" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        sizes = sum(r[f"pools/{p}/size"] for p in ("new", "hard", "medium", "easy"))
+        assert sizes + r["pools/retired"] == n
+    state = json.loads((tmp_path / "out" / "checkpoint-3" / "rollout_state.json").read_text())
+    pools = state["pools"]
+    settled = sum(o != "stale" for o in state["settled"].values())
+    assert pools["draws"] == state["first_untrained_prompt"] + settled == sum(pools["groups"].values())
+    counted = {int(p) for p in pools["groups"]}
+    assert {int(p) for p in pools["retired"]} == {p for p in counted if p % 2 == 0}  # solved rows retired
+    assert all(pools["rate"][str(p)] == 0.0 for p in counted if p % 2 == 1)
+    assert {int(p) for p in pools["parked"]} == {p for p in counted if p % 2 == 1}
+    assert rows[-1]["pools/retired"] == len(pools["retired"])
+    # The worker drew the rows the reward function saw; a retired row is drawn again only while its group was
+    # still in flight or unsettled (the worker's pools learn when a group is scored).
+    seen = [json.loads(line)["row"] for line in record.read_text().splitlines()]
+    assert counted <= set(seen)
