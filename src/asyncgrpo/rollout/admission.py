@@ -15,8 +15,9 @@ Two independent limits gate generation:
   (``token_budget × rows``). Until the first group completes nobody knows how long
   a rollout is, so groups start one at a time. With dynamic sampling on
   (``oversample_cap > 1``), an in-flight group counts at its expected *kept* share
-  (``dynamic_sampling.expected_kept_share``), so a worker whose groups mostly tie
-  over-samples within the same limit, at most ``oversample_cap`` times.
+  (``dynamic_sampling.expected_kept_share``, over the last ``KEPT_SHARE_WINDOW``
+  groups), so a worker whose groups mostly tie over-samples within the same limit,
+  at most ``oversample_cap`` times.
 * **Server load** (G5). A live cap on concurrent rollouts follows the server's
   KV-cache usage, polled from its Prometheus ``/metrics``; without ``/metrics``
   the cap is ``max_concurrent_rollouts`` (G6), which also bounds it from above.
@@ -26,8 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncgrpo.rollout.dynamic_sampling import expected_kept_share
 
@@ -37,6 +39,10 @@ KV_USAGE_LOW = 0.60  # below this (and nothing queued on the server) the cap may
 KV_USAGE_HIGH = 0.80  # above this the cap shrinks
 CAP_GROWTH = 0.25  # at most +25 % per raise, one raise per `cap` completed rollouts
 CAP_SHRINK = 0.30  # -30 % when the KV cache is over KV_USAGE_HIGH
+# Dynamic sampling's kept share is read off this many recent groups: the share moves as training goes (early groups
+# tie at 0, late ones at 1), and a share measured since the start lags it, over-samples when ties have become rare,
+# and the overshoot lands past max_staleness (the demo on CPU dropped 78 samples as stale in one step that way).
+KEPT_SHARE_WINDOW = 16
 
 
 @dataclass
@@ -61,7 +67,7 @@ class StalenessAdmission:
     inflight_groups: int = 0
     completed_groups: int = 0
     completed_group_tokens: int = 0  # sum over completed groups, for the per-group estimate
-    completed_kept_tokens: int = 0  # the part of it that went to the queue (dynamic sampling's kept share)
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=KEPT_SHARE_WINDOW))  # (tokens, kept)
 
     def __post_init__(self) -> None:
         if self.initial_tokens_per_step <= 0:
@@ -88,7 +94,8 @@ class StalenessAdmission:
     def inflight_group_estimate(self) -> float:
         """Tokens one in-flight group counts for: its estimated size, times the expected kept share when
         dynamic sampling over-samples."""
-        share = expected_kept_share(self.completed_kept_tokens, self.completed_group_tokens, self.oversample_cap)
+        kept = sum(k for _, k in self.recent)
+        share = expected_kept_share(kept, sum(t for t, _ in self.recent), self.oversample_cap)
         return (self.tokens_per_group_estimate or 0.0) * share
 
     @property
@@ -112,7 +119,7 @@ class StalenessAdmission:
         self.inflight_groups -= 1
         self.completed_groups += 1
         self.completed_group_tokens += tokens
-        self.completed_kept_tokens += kept_tokens
+        self.recent.append((tokens, kept_tokens))
         self.enqueued_tokens += kept_tokens
 
     def on_trainer_report(self, consumed_tokens: int, tokens_per_step: int) -> None:

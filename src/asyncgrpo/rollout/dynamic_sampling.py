@@ -6,7 +6,7 @@ Groups whose rewards all tie are dropped (R5) and a step fills with kept groups,
 * ``expected_kept_share``: the staleness admission (G3, ``admission.py``) bounds the *trainable* tokens queued or
   in flight. Counting every in-flight group at its full size, a worker whose groups mostly tie holds back although
   most of that work will never reach the trainer; with dynamic sampling on, an in-flight group counts at its
-  expected kept share (the kept fraction of the tokens generated so far), floored at ``1 / max_factor``: the
+  expected kept share (the kept fraction of the recent groups' tokens), floored at ``1 / max_factor``: the
   over-sampled work goes through the same admission and limit, and the cap bounds how far it runs ahead.
 * ``OverSamplingCount``: per optimizer step, groups generated (scored) against groups kept; the ratio is the
   ``dynamic_sampling/generated_per_kept`` metric, and the first time a step passes the cap it yields the one line

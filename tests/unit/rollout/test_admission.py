@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
+from asyncgrpo.rollout.admission import KEPT_SHARE_WINDOW, ConcurrencyCap, StalenessAdmission
 
 
 def test_one_group_at_a_time_until_the_first_completes():
@@ -152,3 +152,13 @@ def test_over_sampled_groups_still_meet_the_limit_through_what_they_queue():
         adm.on_group_started()
         started += 1
     assert started == 2  # 500 queued + 2 * 250 = 1000
+
+
+def test_the_kept_share_follows_the_recent_groups():
+    # Twenty tied groups, then sixteen kept whole: the window (16 groups) holds only kept ones, so in-flight groups
+    # count whole again (share 1) -- a share since the start (16/36) would still over-sample 2.25 times.
+    adm = StalenessAdmission(max_staleness=1, initial_tokens_per_step=1000, oversample_cap=8.0)
+    for kept in [0] * 20 + [100] * KEPT_SHARE_WINDOW:
+        adm.on_group_started()
+        adm.on_group_finished(tokens=100, kept_tokens=kept)
+    assert KEPT_SHARE_WINDOW == 16 and adm.inflight_group_estimate == 100
