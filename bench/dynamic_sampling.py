@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
-from bench.result_file import write_result
+from bench.result_file import current_commit, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"default": [], "dynamic_sampling": ["--dynamic_sampling", "true"]}
@@ -64,9 +64,17 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1, help="variants run at once (1 on a shared 2-core machine)")
     p.add_argument("--work", default="outputs/bench_dynamic_sampling", help="where each run's folder goes")
     p.add_argument("--out", default="bench/results/dynamic_sampling_cpu.json")
+    p.add_argument("--keep", default=None, help="a former result file: its runs of the variants not run now are "
+                   "kept (each run names the commit it ran on)")  # fmt: skip
     a = p.parse_args()
     with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
         runs = list(pool.map(lambda v: one_run(v, a.seed, Path(a.work), a.max_steps), a.variants))
+    for r in runs:
+        r["commit"] = current_commit()
+    if a.keep:
+        former = json.loads(Path(a.keep).read_text())
+        kept = [{"commit": former["commit"], **r} for r in former["runs"] if r["variant"] not in a.variants]
+        runs = kept + runs
     for r in runs:
         per_k = r["gain_per_1k_generated_samples"]
         print(f"{r['variant']:>16}: {r['before']:.2f} -> {r['after']:.2f} ({r['gain']:+.2f}) from "
