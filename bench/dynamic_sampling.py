@@ -9,6 +9,11 @@ kept and dropped ones, not the few the worker had in flight when the run ended. 
 ``eval/reward`` minus the first (100 held-out problems, greedy, before the first step and after the last).
 ``--jobs N`` runs N variants at once (a many-core host); on a shared 2-core machine keep 1 (the default): the runs
 then take ~4 min each and are started under ``nice``.
+
+The committed result (commit 946d042) measured ``dynamic_sampling`` when it also made the staleness admission count
+in-flight groups at their expected kept share: it dropped 70 samples as stale for no held-out gain, and that part
+was removed. Since then the two variants run the same algorithm (the switch adds the cap line), so a rerun measures
+how far two runs of one seed differ on this machine (async timing), which is what any later variant must beat.
 """
 
 from __future__ import annotations

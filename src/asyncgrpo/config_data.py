@@ -23,16 +23,13 @@ class DataFields:
     dynamic_sampling: bool = field(
         default=False,
         metadata={
-            "help": "Over-sample so steps fill with groups that have a signal: the staleness admission counts an "
-            "in-flight group at its expected kept share; logs dynamic_sampling/* per step."
+            "help": "Steps always fill with groups that have a signal (tied groups are dropped); on, a step "
+            "that generates more than dynamic_sampling_max_factor groups per kept one prints a line saying so."
         },
     )
     dynamic_sampling_max_factor: float = field(
         default=8.0,
-        metadata={
-            "help": "Cap on groups generated per kept group: the admission over-samples at most this much; a step "
-            "past it prints one line (dynamic_sampling/cap_hit)."
-        },
+        metadata={"help": "Groups generated per kept group past which a step says so (dynamic_sampling/cap_hit)."},
     )
     prompt_pools: bool = field(
         default=False,

@@ -13,11 +13,7 @@ Two independent limits gate generation:
   weight update too late (G4 drops it, whole when the planner keeps groups
   together). Before the first step every row of a step is assumed full
   (``token_budget × rows``). Until the first group completes nobody knows how long
-  a rollout is, so groups start one at a time. With dynamic sampling on
-  (``oversample_cap > 1``), an in-flight group counts at its expected *kept* share
-  (``dynamic_sampling.expected_kept_share``, over the last ``KEPT_SHARE_WINDOW``
-  groups), so a worker whose groups mostly tie over-samples within the same limit,
-  at most ``oversample_cap`` times.
+  a rollout is, so groups start one at a time.
 * **Server load** (G5). A live cap on concurrent rollouts follows the server's
   KV-cache usage, polled from its Prometheus ``/metrics``; without ``/metrics``
   the cap is ``max_concurrent_rollouts`` (G6), which also bounds it from above.
@@ -27,11 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-from asyncgrpo.rollout.dynamic_sampling import expected_kept_share
+from dataclasses import dataclass
 
 # G5 constants, from the reference (docs/spec.md).
 METRICS_POLL_INTERVAL_S = 5.0  # how often the worker reads the server's /metrics
@@ -39,10 +32,6 @@ KV_USAGE_LOW = 0.60  # below this (and nothing queued on the server) the cap may
 KV_USAGE_HIGH = 0.80  # above this the cap shrinks
 CAP_GROWTH = 0.25  # at most +25 % per raise, one raise per `cap` completed rollouts
 CAP_SHRINK = 0.30  # -30 % when the KV cache is over KV_USAGE_HIGH
-# Dynamic sampling's kept share is read off this many recent groups: the share moves as training goes (early groups
-# tie at 0, late ones at 1), and a share measured since the start lags it, over-samples when ties have become rare,
-# and the overshoot lands past max_staleness (the demo on CPU dropped 78 samples as stale in one step that way).
-KEPT_SHARE_WINDOW = 16
 
 
 @dataclass
@@ -55,19 +44,16 @@ class StalenessAdmission:
     Args:
         max_staleness: the config's ``max_staleness`` (0 allows one step of look-ahead tokens).
         initial_tokens_per_step: the first step's assumption, ``token_budget × rows per step``.
-        oversample_cap: dynamic sampling's ``dynamic_sampling_max_factor`` (1: off, in-flight groups count whole).
     """
 
     max_staleness: int
     initial_tokens_per_step: int
-    oversample_cap: float = 1.0
     tokens_per_step: int | None = None  # last value reported by the trainer
     enqueued_tokens: int = 0  # tokens of every sample put on the queue so far
     consumed_tokens: int = 0  # tokens of every sample the trainer pulled so far (its report)
     inflight_groups: int = 0
     completed_groups: int = 0
     completed_group_tokens: int = 0  # sum over completed groups, for the per-group estimate
-    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=KEPT_SHARE_WINDOW))  # (tokens, kept)
 
     def __post_init__(self) -> None:
         if self.initial_tokens_per_step <= 0:
@@ -91,23 +77,16 @@ class StalenessAdmission:
         return self.completed_group_tokens / self.completed_groups
 
     @property
-    def inflight_group_estimate(self) -> float:
-        """Tokens one in-flight group counts for: its estimated size, times the expected kept share when
-        dynamic sampling over-samples."""
-        kept = sum(k for _, k in self.recent)
-        share = expected_kept_share(kept, sum(t for t, _ in self.recent), self.oversample_cap)
-        return (self.tokens_per_group_estimate or 0.0) * share
-
-    @property
     def outstanding_tokens(self) -> float:
         """Queued tokens plus the estimated size of groups still generating."""
-        return self.queued_tokens + self.inflight_groups * self.inflight_group_estimate
+        est = self.tokens_per_group_estimate or 0.0
+        return self.queued_tokens + self.inflight_groups * est
 
     def can_start_group(self) -> bool:
         if self.completed_groups == 0:
             return self.inflight_groups == 0  # unknown rollout length: one group at a time
         outstanding = self.outstanding_tokens
-        return outstanding == 0 or outstanding + self.inflight_group_estimate <= self.limit
+        return outstanding == 0 or outstanding + (self.tokens_per_group_estimate or 0.0) <= self.limit
 
     def on_group_started(self) -> None:
         self.inflight_groups += 1
@@ -119,7 +98,6 @@ class StalenessAdmission:
         self.inflight_groups -= 1
         self.completed_groups += 1
         self.completed_group_tokens += tokens
-        self.recent.append((tokens, kept_tokens))
         self.enqueued_tokens += kept_tokens
 
     def on_trainer_report(self, consumed_tokens: int, tokens_per_step: int) -> None:

@@ -1,16 +1,16 @@
-"""Dynamic sampling's accounting: how far the worker over-samples, and how many groups each kept one cost (issue 36).
+"""Dynamic sampling's accounting: how many groups each kept one cost, per optimizer step (issue 36).
 
-Groups whose rewards all tie are dropped (R5) and a step fills with kept groups, so a step of ``B`` tokens needs
-``B / keep`` generated tokens when a fraction ``keep`` of the generated tokens survives. Two pieces:
+Groups whose rewards all tie are dropped and a step fills with kept groups (R5): that is DAPO's dynamic sampling,
+and the worker never stops producing while a step still needs samples. The groups generated to replace dropped
+ones count whole against the same token-based staleness admission (G3): a dropped group frees its tokens when it
+ends. (An admission that counted in-flight groups at their expected kept share, so as to over-sample ahead, was
+measured on the demo and removed: its overshoot landed past ``max_staleness``, 70 samples dropped as stale in one
+step against none, for no held-out gain; ``bench/results/dynamic_sampling_cpu.json``.)
 
-* ``expected_kept_share``: the staleness admission (G3, ``admission.py``) bounds the *trainable* tokens queued or
-  in flight. Counting every in-flight group at its full size, a worker whose groups mostly tie holds back although
-  most of that work will never reach the trainer; with dynamic sampling on, an in-flight group counts at its
-  expected kept share (the kept fraction of the recent groups' tokens), floored at ``1 / max_factor``: the
-  over-sampled work goes through the same admission and limit, and the cap bounds how far it runs ahead.
-* ``OverSamplingCount``: per optimizer step, groups generated (scored) against groups kept; the ratio is the
-  ``dynamic_sampling/generated_per_kept`` metric, and the first time a step passes the cap it yields the one line
-  that says so (the step goes on filling; the worker's look-ahead stays at the cap).
+``OverSamplingCount`` counts, per optimizer step, the scored groups the step pulled against those kept; the ratio
+is the ``dynamic_sampling/generated_per_kept`` metric (logged in every run). With ``dynamic_sampling`` on, the first
+time a step passes ``dynamic_sampling_max_factor`` it yields the one line that says so (the step goes on filling;
+``ZERO_STD_PATIENCE_GROUPS`` tied groups in a row still stop the run with its diagnosis).
 """
 
 from __future__ import annotations
@@ -24,17 +24,6 @@ DYNAMIC_SAMPLING_METRICS: dict[str, str] = {
     "dynamic_sampling/generated_per_kept": "groups generated per kept group in the step (the over-sampling factor)",
     "dynamic_sampling/cap_hit": "1 when the step passed dynamic_sampling_max_factor, else 0",
 }
-
-
-def expected_kept_share(kept_tokens: int, generated_tokens: int, max_factor: float) -> float:
-    """Fraction of an in-flight group's tokens the admission counts: the kept share so far, at least 1/max_factor.
-
-    Before any token is generated nothing is known and the whole group counts (1.0); ``max_factor <= 1`` turns
-    over-sampling off (1.0 always).
-    """
-    if max_factor <= 1 or generated_tokens <= 0:
-        return 1.0
-    return min(1.0, max(kept_tokens / generated_tokens, 1.0 / max_factor))
 
 
 @dataclass

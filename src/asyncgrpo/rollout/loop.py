@@ -114,7 +114,7 @@ class AsyncRolloutLoop:
         cap = ConcurrencyCap(st.max_concurrent_rollouts, st.sampling.kv_cache_tokens, st.sampling.max_model_len,
                              has_metrics=st.sampling.has_metrics)  # fmt: skip
         self.slots = RolloutSlots(cap, channels.put_metric)
-        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step, st.oversample_cap)
+        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
         parsers.start()  # in the background: answers are parsed inline until a helper is up
         await self.setup()
         poller = asyncio.create_task(poll_server_metrics(st.sampling.has_metrics, self.pool, cap, channels,

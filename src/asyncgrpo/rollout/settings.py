@@ -50,7 +50,6 @@ class RolloutSettings:
         answer_parse_processes: helper processes that parse large answers off the worker's event loop
             (``client/answer_parse.py``); None: a quarter of the machine's cores, at most 4; 0: inline.
         extra: free-form values for custom loops; the library never reads it.
-        oversample_cap: dynamic sampling's cap (``dynamic_sampling_max_factor``) for the admission; 1.0: off.
         prompt_pools: the difficulty pools' settings when ``prompt_pools`` is on (``rollout/prompt_pools.py``).
         pool_state: the pools' state a checkpoint recorded (resume), or None.
         pass_threshold: a sample passes (the pools' pass rates) when its total reward is at least this.
@@ -77,7 +76,6 @@ class RolloutSettings:
     extra: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None
     lora_dir: str | None = None
-    oversample_cap: float = 1.0
     prompt_pools: PoolSettings | None = None
     pool_state: dict[str, Any] | None = None
     pass_threshold: float = 1.0

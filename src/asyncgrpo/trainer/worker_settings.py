@@ -68,7 +68,6 @@ def build_rollout_settings(
         sync_rollouts=args.sync_rollouts,
         answer_parse_processes=args.answer_parse_processes,
         extra=config_extra_fields(args),
-        oversample_cap=args.dynamic_sampling_max_factor if args.dynamic_sampling else 1.0,
         prompt_pools=pool_settings(args) if args.prompt_pools else None,
         pass_threshold=args.pass_threshold,
     )

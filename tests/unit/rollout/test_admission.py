@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncgrpo.rollout.admission import KEPT_SHARE_WINDOW, ConcurrencyCap, StalenessAdmission
+from asyncgrpo.rollout.admission import ConcurrencyCap, StalenessAdmission
 
 
 def test_one_group_at_a_time_until_the_first_completes():
@@ -119,46 +119,3 @@ def test_no_metrics_means_the_hard_bound():
     cap = ConcurrencyCap(max_concurrent_rollouts=32, kv_cache_tokens=None, max_model_len=4096, has_metrics=False)
     assert cap.cap == 32
     assert cap.on_metrics(kv_cache_usage=0.99, num_waiting=10) == 32
-
-
-def test_dynamic_sampling_counts_in_flight_groups_at_their_kept_share():
-    # Four groups of 400 tokens finished, one kept: kept share 400 / 1600 = 1/4. Limit: max(1, 1) * 2000 tokens.
-    def admitted(cap: float) -> int:
-        adm = StalenessAdmission(max_staleness=1, initial_tokens_per_step=2000, oversample_cap=cap)
-        for kept in (400, 0, 0, 0):
-            adm.on_group_started()
-            adm.on_group_finished(tokens=400, kept_tokens=kept)
-        adm.on_trainer_report(consumed_tokens=400, tokens_per_step=0)  # the kept group was pulled
-        started = 0
-        while adm.can_start_group():
-            adm.on_group_started()
-            started += 1
-        return started
-
-    assert admitted(1.0) == 5  # off: each in-flight group counts 400 -> 5 * 400 = 2000 <= 2000
-    assert admitted(8.0) == 20  # share 1/4 (above 1/8): each counts 100 -> 20 * 100 = 2000
-    assert admitted(2.0) == 10  # the cap floors the share at 1/2: each counts 200 -> 10 groups
-
-
-def test_over_sampled_groups_still_meet_the_limit_through_what_they_queue():
-    adm = StalenessAdmission(max_staleness=1, initial_tokens_per_step=1000, oversample_cap=4.0)
-    adm.on_group_started()
-    adm.on_group_finished(tokens=500, kept_tokens=0)  # share 0 -> floored at 1/4: in flight counts 125
-    assert adm.inflight_group_estimate == 125
-    adm.on_group_started()
-    adm.on_group_finished(tokens=500, kept_tokens=500)  # queued 500; share 500/1000 = 1/2 -> 250 each
-    started = 0
-    while adm.can_start_group():
-        adm.on_group_started()
-        started += 1
-    assert started == 2  # 500 queued + 2 * 250 = 1000
-
-
-def test_the_kept_share_follows_the_recent_groups():
-    # Twenty tied groups, then sixteen kept whole: the window (16 groups) holds only kept ones, so in-flight groups
-    # count whole again (share 1) -- a share since the start (16/36) would still over-sample 2.25 times.
-    adm = StalenessAdmission(max_staleness=1, initial_tokens_per_step=1000, oversample_cap=8.0)
-    for kept in [0] * 20 + [100] * KEPT_SHARE_WINDOW:
-        adm.on_group_started()
-        adm.on_group_finished(tokens=100, kept_tokens=kept)
-    assert KEPT_SHARE_WINDOW == 16 and adm.inflight_group_estimate == 100

@@ -6,14 +6,7 @@ import math
 
 import pytest
 
-from asyncgrpo.rollout.dynamic_sampling import OverSamplingCount, expected_kept_share
-
-
-def test_expected_kept_share():
-    assert expected_kept_share(0, 0, 8.0) == 1.0  # nothing known yet: a group counts whole
-    assert expected_kept_share(300, 1200, 8.0) == 0.25
-    assert expected_kept_share(0, 1200, 8.0) == 0.125  # floored at 1 / cap
-    assert expected_kept_share(100, 1200, 1.0) == 1.0  # cap 1: off
+from asyncgrpo.rollout.dynamic_sampling import OverSamplingCount
 
 
 def test_over_sampling_factor_and_the_cap_line():
