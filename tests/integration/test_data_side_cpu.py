@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.tasks.eval_sets import EvalSet
 from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
-from tests.helpers.rewards import half_constant_reward
+from tests.helpers.rewards import even_token_reward, half_constant_reward
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +48,23 @@ def _rows(tmp_path: Path) -> list[dict]:
 def test_dynamic_sampling_fills_steps_and_counts_generated_per_kept(tmp_path, server, tiny_llama_dir, monkeypatch):
     record = tmp_path / "groups.jsonl"
     monkeypatch.setenv("ASYNCGRPO_TEST_RECORD", str(record))
-    args = _config(tmp_path, server, dynamic_sampling=True, dynamic_sampling_max_factor=8.0)
+    args = _config(tmp_path, server, dynamic_sampling=True, dynamic_sampling_max_factor=8.0, eval_strategy="steps",
+                   eval_steps=3)  # fmt: skip
+    held_out = {
+        "odd": EvalSet(_dataset(6).select([1, 3, 5]), num_samples=4, temperature=1.0),
+        "even": EvalSet(_dataset(4).select([0, 2]), reward_funcs=[half_constant_reward, even_token_reward]),
+    }
     trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[half_constant_reward], args=args,
-                               train_dataset=_dataset(48))  # fmt: skip
+                               train_dataset=_dataset(48), eval_dataset=held_out)  # fmt: skip
     assert trainer.train().global_step == 3
+    # The two named sets, each with its own samples and rewards, scored at step 3.
+    (evals,) = [r for r in _rows(tmp_path) if "eval/odd/reward" in r]
+    assert evals["step"] == 3 and evals["eval/odd/num_prompts"] == 3 and evals["eval/even/num_prompts"] == 2
+    assert {"eval/odd/pass@1", "eval/odd/pass@2", "eval/odd/pass@4", "eval/odd/mean@4"} <= set(evals)
+    assert "eval/odd/pass@8" not in evals and "eval/odd/maj@1" not in evals  # 4 samples; no answer reader
+    assert evals["eval/odd/pass@1"] == 0.0  # odd rows score below 1.0 unless all 12 tokens are even
+    assert evals["eval/even/pass@1"] == 1.0  # even rows: half_constant_reward 1.0 plus even_token_reward >= 0
+    assert evals["eval/even/rewards/even_token_reward/mean"] == pytest.approx(evals["eval/even/reward"] - 1.0)
     rows = [r for r in _rows(tmp_path) if "dynamic_sampling/generated_groups" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
