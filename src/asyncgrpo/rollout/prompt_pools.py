@@ -9,13 +9,14 @@ the rollout worker's prompt order and learn from every returned group:
   first), and each draw picks a pool by its weight among the non-empty ones, then a prompt in it at random;
 * a prompt whose rate reaches ``retire_at`` (after ``min_groups`` groups) is *retired*: solved, never drawn again;
 * a prompt whose rate is 0 (nothing solved) is *parked* for ``requeue_delay`` draws, then eligible again;
-* a prompt is never drawn while its group is in flight;
+* a prompt is not drawn while its group is in flight (unless the caller cannot wait: ``next_prompt(force=True)``);
 * a pool of weight 0 is drawn only when no weighted pool has an eligible prompt (so the run never stalls on it).
 
 Everything a draw depends on (the rates, the parked prompts, the draw count, the random generator) is in
-``state_dict``, which is plain JSON, so a checkpoint restores exactly the pools an uninterrupted run holds at that
-point. When nothing is eligible but prompts are parked and none is in flight, the earliest parked one is released
-at once: a draw never waits for results that cannot come.
+``state_dict``, which is plain JSON, so a loaded state draws exactly what the saved one would have. In a run the
+checkpoint saves the trainer's copy, which learns only from settled groups (``trainer/data_accounting.py``), and the
+resumed worker starts from it (``worker_pools``). When nothing is eligible but prompts are parked and none is in
+flight, the earliest parked one is released at once: a draw never waits for results that cannot come.
 """
 
 from __future__ import annotations
