@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from asyncgrpo.config_checks import config_problems, parse_json_dict
+from asyncgrpo.config_data import DATA_FIELDS, DataFields
 from asyncgrpo.config_loss import LossFields, resolve_loss_fields
 from asyncgrpo.config_trl import TRLFields
 
@@ -71,6 +72,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
     "logging and evaluation": (
         "log_completions", "num_completions_to_print", "compact_log", "eval_temperature", "eval_num_generations",
     ),
+    "data: dynamic sampling, prompt pools": DATA_FIELDS,
 }  # fmt: skip
 # Fields `--help` does not list: ignored (IGNORED_FIELDS), refused whatever their value, fixed by this trainer, or
 # replaced by a command flag (--resume).
@@ -89,7 +91,7 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TRLFields, LossFields, TrainingArguments):  # mixins first: output_dir stays the first field
+class AsyncGRPOConfig(TRLFields, LossFields, DataFields, TrainingArguments):  # mixins first: output_dir stays the first field
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from asyncgrpo.config_data import data_problems
 from asyncgrpo.config_loss import loss_field_problems
 from asyncgrpo.config_trl import resolve_trl_aliases
 
@@ -45,6 +46,7 @@ def config_problems(cfg: Any) -> list[str]:
     if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 1:
         p.append(f"max_tool_calling_iterations={cfg.max_tool_calling_iterations}: must be >= 1 or None")
     p += _server_url_problems(cfg)
+    p += data_problems(cfg)
     for name in ("vllm_server_timeout", "vllm_server_connect_timeout", "rollout_worker_timeout"):
         if not getattr(cfg, name) > 0:
             p.append(f"{name}={getattr(cfg, name)}: must be > 0 seconds")

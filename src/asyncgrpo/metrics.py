@@ -172,12 +172,20 @@ def _template(name: str) -> re.Pattern[str]:
     return re.compile("^" + pattern + "$")
 
 
-_TEMPLATES = [_template(n) for n in (*METRICS, *SERVER_METRICS) if "{" in n]
+def _data_metrics() -> dict[str, str]:
+    """Dynamic sampling's and the prompt pools' names (issue 36), documented beside their code."""
+    from asyncgrpo.rollout.dynamic_sampling import DYNAMIC_SAMPLING_METRICS
+    from asyncgrpo.rollout.prompt_pools import POOL_METRICS
+
+    return {**DYNAMIC_SAMPLING_METRICS, **POOL_METRICS}
+
+
+_TEMPLATES = [_template(n) for n in (*METRICS, *SERVER_METRICS, *_data_metrics()) if "{" in n]
 
 
 def is_documented_metric(name: str) -> bool:
     """Whether `name` is in the glossary: the reference's names (M1) or ours (templates filled with one path part)."""
-    return name in METRICS or any(t.match(name) for t in _TEMPLATES)
+    return name in METRICS or name in _data_metrics() or any(t.match(name) for t in _TEMPLATES)
 
 
 def _last_words(name: str) -> list[str]:

@@ -28,3 +28,14 @@ def recording_reward(completion_ids: list[list[int]], row: list[int], **kwargs: 
     completion ids (tests compare them with requests of their own)."""
     append_record({"row": row[0], "completion_ids": completion_ids})
     return even_token_reward(completion_ids)
+
+
+def half_constant_reward(completion_ids: list[list[int]], idx: list[int], **kwargs: Any) -> list[float]:
+    """1.0 for every completion of an even dataset row (a tied group: no signal), ``even_token_reward`` for an odd
+    row; one record per scored group (``row``, ``rewards``) when ``$ASYNCGRPO_TEST_RECORD`` is set."""
+    import os
+
+    rewards = [1.0] * len(completion_ids) if idx[0] % 2 == 0 else even_token_reward(completion_ids)
+    if os.environ.get("ASYNCGRPO_TEST_RECORD"):
+        append_record({"row": idx[0], "rewards": rewards})
+    return rewards

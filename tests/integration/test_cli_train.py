@@ -103,7 +103,9 @@ def test_eval_command_matches_greedy_completions(run, serve):
         proc = asyncgrpo("eval", "--model", str(out), "--config", str(path), timeout=600)
         server = starting.result()
     assert proc.returncode == 0, proc.stderr[-4000:]
-    score = float(re.search(r"eval/reward ([0-9.]+) over 4 prompts \(greedy\)", proc.stdout).group(1))
+    score = float(
+        re.search(r"eval: 4 prompts x 1 samples \(greedy\) in [0-9.]+s; reward ([0-9.]+)", proc.stdout).group(1)
+    )
 
     tok = AutoTokenizer.from_pretrained(out)
     ds = reasoning_gym_dataset("chain_sum", size=4, seed=1, system_prompt=None)

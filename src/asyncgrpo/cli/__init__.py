@@ -2,7 +2,7 @@
 
 asyncgrpo serve MODEL [--port 8000] ...            # vLLM-protocol server on CPU or GPU (dir or hub id)
 asyncgrpo train --config run.yaml [--max_steps 3]  # a training run described by a YAML file
-asyncgrpo eval --model DIR --config run.yaml       # score a checkpoint on the YAML's eval_dataset
+asyncgrpo eval --model DIR --config run.yaml       # score a checkpoint on the YAML's held-out sets
 asyncgrpo report RUN_DIR                           # the run doctor: plots, report.html, verdicts
 asyncgrpo demo                                     # the README's main job
 asyncgrpo --version                                # this version, with Python's, torch's and transformers'
@@ -58,7 +58,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "train", help="run async GRPO from a YAML config (asyncgrpo train --help lists every field)", add_help=False
     )
-    sub.add_parser("eval", help="score a model on the YAML's eval_dataset (asyncgrpo eval --help)", add_help=False)
+    sub.add_parser("eval", help="score a model on the YAML's held-out sets (asyncgrpo eval --help)", add_help=False)
 
     from asyncgrpo.report import add_report_arguments
 

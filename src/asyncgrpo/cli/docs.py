@@ -61,11 +61,19 @@ def config_reference() -> str:
 def metrics_glossary() -> str:
     """A table of every metric name with its meaning and its window rule (M2)."""
     from asyncgrpo.metrics import METRICS, SERVER_METRICS, aggregation_rule, unit_of
+    from asyncgrpo.rollout.dynamic_sampling import DYNAMIC_SAMPLING_METRICS
+    from asyncgrpo.rollout.prompt_pools import POOL_METRICS
     from asyncgrpo.tasks.evaluate import EVAL_METRICS
 
     rule_text = {"sum": "sum", "max": "max", "min": "min", "mean": "mean"}
     lines = ["| metric | meaning | window | unit |", "|---|---|---|---|"]
-    for name, meaning in {**METRICS, **SERVER_METRICS, **EVAL_METRICS}.items():
+    for name, meaning in {
+        **METRICS,
+        **SERVER_METRICS,
+        **EVAL_METRICS,
+        **DYNAMIC_SAMPLING_METRICS,
+        **POOL_METRICS,
+    }.items():
         unit = unit_of(name) or ""
         lines.append(f"| `{name}` | {_cell(meaning)} | {rule_text[aggregation_rule(name)]} | {unit} |")
     return "\n".join(lines)

@@ -68,6 +68,17 @@ def build_dataset(spec: dict[str, Any]):
     return ds
 
 
+def build_eval(spec: RunSpec) -> Any:
+    """The held-out data a run's YAML asks for: one dataset (``eval_dataset``), named ``EvalSet``s
+    (``eval_datasets``), or None."""
+    if spec.eval_sets:
+        from asyncgrpo.tasks.eval_sets import EvalSet
+
+        return {name: EvalSet(build_dataset(e["dataset"]), e["reward_funcs"], e["num_samples"], e["temperature"])
+                for name, e in spec.eval_sets.items()}  # fmt: skip
+    return build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None
+
+
 def resolve_model(name: str) -> str:
     """A local directory for ``name``: the demo model, a directory, or a hub id through the HF cache (as serve)."""
     if name == "demo":
@@ -301,7 +312,7 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
             wait_for_server(url, float(server_cfg.get("wait_s", 60)))
     model = resolve_model(spec.model)
     dataset = build_dataset(spec.dataset)
-    eval_dataset = build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None
+    eval_dataset = build_eval(spec)
     with contextlib.ExitStack() as stack:
         if server_cfg.get("embedded"):
             args.vllm_server_base_url = start_embedded(stack, model, server_cfg)

@@ -23,7 +23,8 @@ import yaml
 
 from asyncgrpo.errors import UserError
 
-TOP_KEYS = ("model", "dataset", "eval_dataset", "reward_funcs", "server", "args")
+TOP_KEYS = ("model", "dataset", "eval_dataset", "eval_datasets", "reward_funcs", "server", "args")
+EVAL_SET_KEYS = ("num_samples", "temperature", "reward_funcs")  # beside a dataset's keys, in each eval_datasets set
 SERVER_KEYS = ("embedded", "device", "dtype", "args", "timeout", "wait_s")
 RECIPE_KEYS = ("recipe", "task", "size", "seed", "system_prompt")
 LOAD_KEYS = ("path", "name", "split", "data_files", "data_dir", "revision", "prompt_column")
@@ -230,6 +231,7 @@ class RunSpec:
     reward_funcs: tuple[Any, ...]
     server: dict[str, Any]
     args: Any  # AsyncGRPOConfig (None until parsed)
+    eval_sets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # name -> check_eval_sets' entry
 
 
 def check_server(spec: Any) -> dict[str, Any]:
@@ -245,6 +247,35 @@ def check_server(spec: Any) -> dict[str, Any]:
     return spec
 
 
+def _reward_list(where: str, specs: Any) -> tuple[Any, ...]:
+    if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
+        raise UserError(f"{where} must be a list of 'package.module:function' strings; got {specs!r}")
+    rewards = tuple(import_object(s, where) for s in specs)
+    if not rewards:
+        raise UserError(f"{where} is empty: list at least one 'package.module:function'")
+    return rewards
+
+
+def check_eval_sets(raw: Any) -> dict[str, dict[str, Any]]:
+    """``eval_datasets``: name -> {dataset: its checked section, num_samples, temperature, reward_funcs (or None)}."""
+    out = {}
+    for name, spec in _mapping("eval_datasets", raw).items():
+        where = f"eval_datasets.{name}"
+        spec = dict(_mapping(where, spec))
+        own = {k: spec.pop(k) for k in EVAL_SET_KEYS if k in spec}
+        n, t = own.get("num_samples"), own.get("temperature")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise UserError(f"{where}.num_samples must be an integer >= 1, got {n!r}")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
+            raise UserError(f"{where}.temperature must be a number >= 0 (0 is greedy), got {t!r}")
+        rewards = _reward_list(f"{where}.reward_funcs", own["reward_funcs"]) if "reward_funcs" in own else None
+        out[str(name)] = {"dataset": check_dataset(where, spec), "num_samples": n,
+                          "temperature": None if t is None else float(t), "reward_funcs": rewards}  # fmt: skip
+    if not out:
+        raise UserError("eval_datasets is empty: name at least one set, e.g. sums: {recipe: reasoning_gym, ...}")
+    return out
+
+
 def check_run(cfg: dict[str, Any], args: Any = None) -> RunSpec:
     """Check every section but ``args`` (parsed separately into an AsyncGRPOConfig, then set on the spec)."""
     model = cfg["model"]
@@ -254,10 +285,9 @@ def check_run(cfg: dict[str, Any], args: Any = None) -> RunSpec:
         raise UserError(f"model: directory {model} not found")
     dataset = check_dataset("dataset", cfg["dataset"])
     eval_ds = check_dataset("eval_dataset", cfg["eval_dataset"]) if cfg.get("eval_dataset") is not None else None
+    if eval_ds is not None and cfg.get("eval_datasets") is not None:
+        raise UserError("give eval_dataset (one set) or eval_datasets (named sets), not both")
+    eval_sets = check_eval_sets(cfg["eval_datasets"]) if cfg.get("eval_datasets") is not None else {}
     specs = cfg.get("reward_funcs") or []
-    if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
-        raise UserError(f"reward_funcs must be a list of 'package.module:function' strings; got {specs!r}")
-    rewards = tuple(import_object(s) for s in specs)
-    if not rewards:
-        raise UserError("reward_funcs is empty: list at least one 'package.module:function'")
-    return RunSpec(model, dataset, eval_ds, tuple(specs), rewards, check_server(cfg.get("server")), args)
+    rewards = _reward_list("reward_funcs", specs)
+    return RunSpec(model, dataset, eval_ds, tuple(specs), rewards, check_server(cfg.get("server")), args, eval_sets)

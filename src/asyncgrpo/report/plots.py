@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,17 +11,35 @@ from asyncgrpo.report.runlog import RunLog
 
 @dataclass(frozen=True)
 class Panel:
-    """One figure: its file stem, title, y label and the metrics drawn on it."""
+    """One figure: its file stem, title, y label and the metrics drawn on it; ``pattern`` adds every logged metric
+    whose name it matches (names that depend on the run: eval sets, pools)."""
 
     name: str
     title: str
     ylabel: str
     metrics: tuple[str, ...]
+    pattern: str = ""
+
+    def lines(self, run: RunLog) -> list[str]:
+        """The panel's metrics the run logged: the fixed ones, then those matching ``pattern``."""
+        found = [m for m in self.metrics if run.has(m)]
+        if self.pattern:
+            found += [m for m in run.names() if re.search(self.pattern, m) and m not in found]
+        return found
 
 
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward: all groups, trained, dropped", "reward", ("reward", "reward_kept", "reward_dropped")),
-    Panel("eval", "Held-out reward (eval_dataset)", "reward", ("eval/reward",)),
+    Panel("eval", "Held-out reward (eval_dataset, each eval set)", "reward", ("eval/reward",), r"^eval/[^/]+/reward$"),
+    Panel("eval_k", "Held-out pass@k and maj@k", "fraction", (), r"^eval/([^/]+/)?(pass|maj)@\d+$"),
+    Panel("pools", "Prompt pools over steps", "prompts", ("pools/retired", "pools/parked"), r"^pools/[^/]+/size$"),
+    Panel("pool_pass_rate", "Prompt pools: mean running pass rate", "pass rate", (), r"^pools/[^/]+/pass_rate$"),
+    Panel(
+        "dynamic_sampling",
+        "Dynamic sampling: groups generated per kept group",
+        "groups",
+        ("dynamic_sampling/generated_per_kept", "dynamic_sampling/cap_hit"),
+    ),
     Panel("zero_std", "Groups without signal (dropped)", "fraction", ("frac_reward_zero_std",)),
     Panel("staleness", "Sample staleness", "weight updates", ("sample/staleness_mean", "sample/staleness_max")),
     Panel(
@@ -65,7 +84,7 @@ def draw_panels(run: RunLog, out_dir: Path) -> list[tuple[Panel, Path]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     drawn = []
     for panel in PANELS:
-        lines = [(m, *run.series(m)) for m in panel.metrics if run.has(m)]
+        lines = [(m, *run.series(m)) for m in panel.lines(run)]
         if not lines:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)

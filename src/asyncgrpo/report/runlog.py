@@ -51,6 +51,10 @@ class RunLog:
     def has(self, name: str) -> bool:
         return any(_finite(r.get(name)) for r in self.windows)
 
+    def names(self) -> list[str]:
+        """Every metric name logged with a finite value, sorted."""
+        return sorted({k for r in self.windows for k, v in r.items() if k != "step" and _finite(v)})
+
     @property
     def last_step(self) -> int:
         return int(self.windows[-1]["step"]) if self.windows else 0

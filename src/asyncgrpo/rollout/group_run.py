@@ -244,6 +244,7 @@ class GroupRunner:
                 else None,
                 rewards=[float(x) for x in scored.group.rewards],
                 tool_calls=sum(r.tool_call_count for r in rollouts) if self.agents.has_tools else None,
+                dataset_row=origin.row_index,
             )
         )
-        return GroupOutcome(tokens, kept_tokens)
+        return GroupOutcome(tokens, kept_tokens, tuple(float(x) for x in scored.group.rewards))

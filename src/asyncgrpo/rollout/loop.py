@@ -38,8 +38,9 @@ from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.rollout.agents.episode import AgentRuntime
 from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop
 from asyncgrpo.rollout.group_run import GroupRunner
-from asyncgrpo.rollout.production import GroupProducer
-from asyncgrpo.rollout.prompt_order import PromptOrder, PromptSource
+from asyncgrpo.rollout.pool_source import PoolPromptSource
+from asyncgrpo.rollout.production import GroupOutcome, GroupProducer
+from asyncgrpo.rollout.prompt_order import PromptItem, PromptOrder, PromptSource
 from asyncgrpo.rollout.records import ToolLoopRollout
 from asyncgrpo.rollout.requests import Requester, current_route, single_turn_rollout
 from asyncgrpo.rollout.server_poll import poll_server_metrics
@@ -124,8 +125,22 @@ class AsyncRolloutLoop:
                                  reward_funcs=self.reward_funcs, executor=self._executor, tokenizer=self.tokenizer,
                                  has_environments=self.environment_factory is not None,
                                  one_request=self._group_as_one_request())  # fmt: skip
-            producer = GroupProducer(self.prompt_source(), channels, self.admission, run_group=runner.run,
-                                     accept=lambda p: self.filter_prompt(p.row_index, p.row, p.epoch),
+            source = self.prompt_source()
+            feedback = getattr(source, "on_group", None)  # a source that learns from results (prompt pools)
+
+            async def run_group(item: PromptItem, group_id: int) -> GroupOutcome:
+                outcome = await runner.run(item, group_id)
+                if feedback is not None:
+                    feedback(item.flat_index, outcome.rewards)
+                return outcome
+
+            def accept(item: PromptItem) -> bool:
+                taken = self.filter_prompt(item.row_index, item.row, item.epoch)
+                if not taken and feedback is not None:
+                    feedback(item.flat_index, None)  # nothing generated: the prompt is no longer in flight
+                return taken
+
+            producer = GroupProducer(source, channels, self.admission, run_group=run_group, accept=accept,
                                      sync_rollouts=st.sync_rollouts)  # fmt: skip
             await producer.run()
         finally:
@@ -139,8 +154,12 @@ class AsyncRolloutLoop:
 
     def prompt_source(self) -> PromptSource:
         """Where the prompts come from (default: epochs over ``dataset``, resumed at the checkpoint's first unsettled
-        prompt). A subclass may return another ``PromptSource`` (a pool, a curriculum)."""
+        prompt; with ``prompt_pools``, draws by difficulty, ``pool_source.py``). A subclass may return another
+        ``PromptSource`` (a curriculum); one with ``on_group(flat_index, rewards)`` is told every finished group."""
         st = self.settings
+        if st.prompt_pools is not None:
+            return PoolPromptSource(self.dataset, st.prompt_pools, st.dataset_start_index, st.num_epochs,
+                                    st.skip_indices, st.pool_state, st.pass_threshold)  # fmt: skip
         return PromptOrder(self.dataset, st.dataset_start_index, st.num_epochs, st.skip_indices)
 
     # ------------------------------------------------------------------ hooks

@@ -34,6 +34,7 @@ class GroupResult:
     prompt_text: str | None = None
     completion_texts: list[str] | None = None
     tool_calls: int | None = None  # tool calls over the group's rollouts; None when the run has no tools
+    dataset_row: int | None = None  # the dataset row generated (prompt pools draw rows in no fixed order)
 
     @classmethod
     def rejected(cls, row_index: int, epoch: int) -> GroupResult:

@@ -25,10 +25,12 @@ END_POLL_S = 0.05  # how often the wait for the last groups re-reads the trainer
 
 @dataclass(frozen=True)
 class GroupOutcome:
-    """What a finished group tells the admission: the tokens it generated in all and those that went to the queue."""
+    """What a finished group tells the admission: the tokens it generated in all and those that went to the queue;
+    and its total rewards, which a prompt source that learns from them (prompt pools) is told."""
 
     tokens: int
     kept_tokens: int
+    rewards: tuple[float, ...] | None = None
 
 
 class GroupProducer:

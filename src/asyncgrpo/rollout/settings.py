@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncgrpo.client.transport import DEFAULT_TIMEOUT_S
+from asyncgrpo.rollout.prompt_pools import PoolSettings
 from asyncgrpo.rollout.sampling import SamplingSettings
 
 
@@ -53,6 +54,9 @@ class RolloutSettings:
         scale_rewards: divide advantages by the group's reward std (the config's ``scale_rewards`` 'group'); False
             for 'none' (Dr. GRPO).
         extra: free-form values for custom loops; the library never reads it.
+        prompt_pools: the difficulty pools' settings when ``prompt_pools`` is on (``rollout/prompt_pools.py``).
+        pool_state: the pools' state a checkpoint recorded (resume), or None.
+        pass_threshold: a sample passes (the pools' pass rates) when its total reward is at least this.
     """
 
     model_name: str
@@ -79,6 +83,9 @@ class RolloutSettings:
     extra: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None
     lora_dir: str | None = None
+    prompt_pools: PoolSettings | None = None
+    pool_state: dict[str, Any] | None = None
+    pass_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         problems = []

@@ -1,9 +1,13 @@
 """Held-out evaluation (X7): generate on the server for every prompt of a dataset, score with the reward functions.
 
 Used twice: by the trainer at ``eval_steps`` (``eval/*`` metrics, on the weights the server holds, i.e. the last
-sync) and by ``asyncgrpo eval`` (``cli/eval.py``) for a saved checkpoint. Generation goes through
-``/v1/completions`` with token-id prompts, which vLLM and the embedded server both serve; temperature 0 is greedy
-decoding.
+sync) and by ``asyncgrpo eval`` (``cli/eval.py``) for a saved checkpoint; several named sets go through
+``tasks/eval_sets.py``. Generation goes through ``/v1/completions`` with token-id prompts, which vLLM and the
+embedded server both serve; temperature 0 is greedy decoding. Each prompt's n samples also give ``mean@k``,
+``pass@k`` and (when a reward function exposes ``extract_answer``) ``maj@k`` (``tasks/eval_metrics.py``).
+
+These requests go straight to the server, beside the rollout worker: they never pass its staleness admission,
+so evaluation takes nothing from the training's token allowance.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +24,7 @@ import numpy as np
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.errors import ServerError
 from asyncgrpo.rollout.rewards import reward_function_name, run_reward_functions, total_rewards
+from asyncgrpo.tasks.eval_metrics import answer_extractor, set_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,10 @@ EVAL_METRICS: dict[str, str] = {
     "eval/completions/mean_length": "mean length of the eval_dataset completions",
     "eval/completions/clipped_ratio": "fraction of eval_dataset completions cut at max_completion_length",
     "eval/num_prompts": "prompts scored in the evaluation",
+    "eval/mean@{k}": "mean total reward of each prompt's first k samples (k = 1, 2, 4, ... up to the samples drawn)",
+    "eval/pass@{k}": "unbiased pass@k, 1 - C(n-c, k)/C(n, k) over n samples with c at or above pass_threshold",
+    "eval/maj@{k}": "fraction of prompts whose most frequent answer among k samples passes (answer rewards only)",
+    "eval/{set}/...": "the same figures for each named set of eval_datasets (eval/{set}/pass@{k}, ...)",
 }
 
 
@@ -46,6 +56,7 @@ class EvalSettings:
     chat_template_kwargs: dict[str, Any] | None = None
     top_k: int = 0  # sampled evaluation keeps the training top_k (a --return-sampling-mask server requires one)
     model: str | None = None  # the request's ``model``: None = the served model; adapter sync: the newest adapter
+    pass_threshold: float = 1.0  # a sample passes (pass@k, maj@k) when its total reward is at least this
 
 
 def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None) -> list[int]:
@@ -57,7 +68,7 @@ def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: d
 
 async def _score_row(
     client: AsyncServerClient, tokenizer: Any, row: dict[str, Any], index: int, reward_funcs: list[Any], s: EvalSettings
-) -> tuple[np.ndarray, np.ndarray, list[int], list[bool]]:
+) -> tuple[np.ndarray, np.ndarray, list[int], list[bool], list[str | None] | None]:
     params = {"max_tokens": s.max_tokens, "temperature": s.temperature, "n": s.num_samples, "seed": s.seed + index}
     if s.temperature > 0 and s.top_k > 0:
         params["top_k"] = s.top_k
@@ -75,24 +86,38 @@ async def _score_row(
         reward_kwargs=extra,
     )
     lengths = [len(r.token_ids) for r in results]
-    return per_func, total_rewards(per_func), lengths, [r.finish_reason == "length" for r in results]
+    extract = answer_extractor(reward_funcs)
+    answers = [extract(t) for t in texts] if extract is not None else None
+    return per_func, total_rewards(per_func), lengths, [r.finish_reason == "length" for r in results], answers
 
 
 async def evaluate_dataset(
-    tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings, prefix: str = "eval"
+    tokenizer: Any,
+    dataset: Any,
+    reward_funcs: list[Any],
+    s: EvalSettings,
+    prefix: str = "eval",
+    progress: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Mean held-out reward and completion figures, as ``{prefix}/reward`` etc.
+    """Held-out reward, pass@k and completion figures, as ``{prefix}/reward`` etc.
+
+    Args:
+        progress: called once per scored prompt (``asyncgrpo eval``'s progress bar).
 
     Returns:
         ``{prefix}/reward`` (mean total reward over scored completions), ``{prefix}/rewards/{name}/mean``,
-        ``{prefix}/completions/mean_length``, ``{prefix}/completions/clipped_ratio`` and ``{prefix}/num_prompts``.
+        ``{prefix}/completions/mean_length``, ``{prefix}/completions/clipped_ratio``, ``{prefix}/num_prompts``,
+        and ``{prefix}/mean@k``, ``{prefix}/pass@k``, ``{prefix}/maj@k`` (``tasks/eval_metrics.set_metrics``).
     """
     gate = asyncio.Semaphore(s.concurrency)
     async with AsyncServerClient(s.base_url, max_connections=s.concurrency) as client:
 
         async def one(i: int) -> Any:
             async with gate:
-                return await _score_row(client, tokenizer, dataset[i], i, reward_funcs, s)
+                row = await _score_row(client, tokenizer, dataset[i], i, reward_funcs, s)
+            if progress is not None:
+                progress()
+            return row
 
         try:
             rows = await asyncio.gather(*(one(i) for i in range(len(dataset))))
@@ -119,14 +144,22 @@ async def evaluate_dataset(
     out[f"{prefix}/completions/mean_length"] = float(np.mean(lengths)) if lengths else math.nan
     out[f"{prefix}/completions/clipped_ratio"] = float(np.mean(clipped)) if clipped else math.nan
     out[f"{prefix}/num_prompts"] = float(len(dataset))
+    comparable = all(r[4] is not None for r in rows)
+    k_metrics = set_metrics([list(r[1]) for r in rows], [r[4] for r in rows] if comparable else None, s.pass_threshold)
+    out.update({f"{prefix}/{name}": value for name, value in k_metrics.items()})
     return out
 
 
 def evaluate_sync(
-    tokenizer: Any, dataset: Any, reward_funcs: list[Any], s: EvalSettings, prefix: str = "eval"
+    tokenizer: Any,
+    dataset: Any,
+    reward_funcs: list[Any],
+    s: EvalSettings,
+    prefix: str = "eval",
+    progress: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Blocking ``evaluate_dataset`` (the trainer's main thread runs no event loop)."""
-    return asyncio.run(evaluate_dataset(tokenizer, dataset, reward_funcs, s, prefix))
+    return asyncio.run(evaluate_dataset(tokenizer, dataset, reward_funcs, s, prefix, progress))
 
 
 def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings:
@@ -141,4 +174,5 @@ def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings
         seed=args.seed,
         chat_template_kwargs=args.chat_template_kwargs,
         top_k=args.top_k,
+        pass_threshold=args.pass_threshold,
     )

@@ -120,3 +120,8 @@ def numeric_answer_reward(completions: list[Any], answer: list[str], **kwargs: A
         except ValueError:
             out.append(0.0)
     return out
+
+
+# maj@k in the evaluation harness compares the answers these rewards read (tasks/eval_metrics.answer_extractor).
+reasoning_gym_reward.extract_answer = extract_answer  # type: ignore[attr-defined]
+numeric_answer_reward.extract_answer = extract_answer  # type: ignore[attr-defined]

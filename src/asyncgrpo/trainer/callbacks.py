@@ -112,7 +112,8 @@ class AsyncGRPOCallback(TrainerCallback):
             if os.path.isdir(ckpt):
                 first, settled = tr.source.checkpoint_state()
                 num_tokens = tr.step_stats.num_tokens_total
-                write_rollout_state(ckpt, first, tr.source.dataset_len, settled, state.global_step, num_tokens)
+                write_rollout_state(ckpt, first, tr.source.dataset_len, settled, state.global_step, num_tokens,
+                                    tr.source.pools_state())  # fmt: skip
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
         tr = self.trainer

@@ -2,7 +2,8 @@
 
 Each checkpoint records the index of the first unsettled prompt (counted over
 epochs: ``epoch × len(dataset) + row``) and the outcome of every settled prompt
-past it (``trained``, ``zero_std``, ``rejected``, ``stale``, ``invalid``).
+past it (``trained``, ``zero_std``, ``rejected``, ``stale``, ``invalid``), and with
+prompt pools on, the pools' state as the settled groups left it (``rollout/prompt_pools.py``).
 Resuming restarts the worker at the first unsettled prompt and skips the settled
 ones, except prompts only dropped as stale, which are generated again: nothing
 the checkpoint's weights trained is trained twice, nothing is lost.
@@ -39,6 +40,7 @@ def write_rollout_state(
     settled: dict[int, str] | None = None,
     step: int | None = None,
     num_tokens: float = 0.0,
+    pools: dict | None = None,
 ) -> Path:
     path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME
     state = {
@@ -50,6 +52,8 @@ def write_rollout_state(
         "num_tokens": float(num_tokens),
         "settled": {str(k): v for k, v in sorted((settled or {}).items())},
     }
+    if pools is not None:
+        state["pools"] = pools
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     os.replace(tmp, path)  # atomic: a crash never leaves a half-written state
@@ -87,6 +91,14 @@ def read_num_tokens(checkpoint_dir: str | os.PathLike | None) -> float:
     if path is None or not path.is_file():
         return 0.0
     return float(json.loads(path.read_text()).get("num_tokens", 0.0))
+
+
+def read_pools(checkpoint_dir: str | os.PathLike | None) -> dict | None:
+    """The prompt pools' state at the checkpoint (None: pools were off, or no checkpoint)."""
+    path = Path(checkpoint_dir) / ROLLOUT_STATE_NAME if checkpoint_dir else None
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("pools")
 
 
 def checkpoint_step(checkpoint_dir: str | os.PathLike) -> int:
@@ -180,11 +192,13 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: st
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a run restarts: the first unsettled prompt, the settled outcomes past it, the running token count."""
+    """Where a run restarts: the first unsettled prompt, the settled outcomes past it, the running token count
+    and the prompt pools' state."""
 
     start_index: int = 0
     settled: dict[int, str] = field(default_factory=dict)
     num_tokens: float = 0.0
+    pools: dict | None = None
 
     @property
     def skip(self) -> frozenset[int]:
@@ -206,7 +220,10 @@ def prepare_resume(
             logger.warning("starting again from step 0: %d metrics.jsonl lines of the earlier attempt removed", cut)
         return ResumePoint()
     point = ResumePoint(
-        read_rollout_state(checkpoint_dir, dataset_len), read_settled(checkpoint_dir), read_num_tokens(checkpoint_dir)
+        read_rollout_state(checkpoint_dir, dataset_len),
+        read_settled(checkpoint_dir),
+        read_num_tokens(checkpoint_dir),
+        read_pools(checkpoint_dir),
     )
     step = checkpoint_step(checkpoint_dir)
     cut = trim_metrics_file(Path(output_dir) / "metrics.jsonl", step)

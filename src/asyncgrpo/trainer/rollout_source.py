@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from asyncgrpo.packing import MicroBatch, PackedRow, PackSample, TokenBudgetBatcher, plan_step
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.worker import RolloutWorker
+from asyncgrpo.trainer.data_accounting import DataAccounting
 from asyncgrpo.trainer.loss_families import family_normalizer
 from asyncgrpo.trainer.no_signal import StepGroups, likely_cause, unanswering
 
@@ -83,6 +84,7 @@ class RolloutSource:
         zero_std_patience: consecutive all-tied groups after which the run stops (default ``ZERO_STD_PATIENCE_GROUPS``).
         server_urls: the run's generation servers, asked for ``/health`` when a step gets no trainable group (a
             dead server is named as the cause, not the reward).
+        data: dynamic sampling's per-step counts and the settled prompt pools (``data_accounting.py``), or None.
     """
 
     def __init__(
@@ -99,8 +101,10 @@ class RolloutSource:
         settled: dict[int, str] | None = None,
         zero_std_patience: int | None = None,
         server_urls: Sequence[str] = (),
+        data: DataAccounting | None = None,
     ) -> None:
         self.worker = worker
+        self.data = data
         self.batcher = batcher
         if batcher.keep_groups and batcher.must_not_wait is None:
             batcher.must_not_wait = self._stale_next_step
@@ -152,6 +156,8 @@ class RolloutSource:
             return  # already counted
         self._partial.discard(row_index)
         self._consumed[row_index] = outcome
+        if self.data is not None:
+            self.data.on_settled(row_index, outcome)
         while self.first_untrained in self._consumed:
             del self._consumed[self.first_untrained]
             self.first_untrained += 1
@@ -167,6 +173,10 @@ class RolloutSource:
         settled = dict(self._consumed)
         settled.update({row: "trained" for row in self._partial})
         return self.first_untrained, settled
+
+    def pools_state(self) -> dict | None:
+        """The settled prompt pools' state for a checkpoint (None when pools are off); read right after a step."""
+        return self.data.pools_state() if self.data is not None else None
 
     def _receive(self, timeout: float) -> None:
         """Pull one group result from the worker into the buffer (G4 stale drop happens here)."""
@@ -199,6 +209,8 @@ class RolloutSource:
             return  # settled before a resume (or a duplicate): never trained twice
         self._step_groups += 1
         self._step_seen.add(res.dropped, res.rewards, res.tool_calls)
+        if self.data is not None:
+            self.data.on_pulled(res, self.policy_version + 1)
         if res.prompt_text is not None:
             self.completions_log.append(res)
         if res.dropped:
@@ -328,6 +340,8 @@ class RolloutSource:
             # Pulled but left for a later step: queued again as far as the worker's allowance (G3) goes.
             self._carried_tokens = sum(s.meta.num_tokens for s in self.carried_samples())
             self.worker.report_consumed(-self._carried_tokens)
+            if self.data is not None:
+                self.metrics += self.data.step_metrics()
 
     def carried_samples(self) -> list[PackSample]:
         """Pulled from the worker but in no micro-batch returned yet: held by the planner, or buffered."""

@@ -28,6 +28,7 @@ from asyncgrpo.rollout.sampling import truncates_distribution
 from asyncgrpo.rollout.settings import RolloutSettings, lora_adapter_name
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.checkpoint import ResumePoint
+from asyncgrpo.trainer.data_accounting import DataAccounting
 from asyncgrpo.trainer.packed_forward import causal_lm_of
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.served_weights import warn_on_foreign_weights
@@ -147,7 +148,7 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts | None, resume: ResumePoi
             settings = dataclasses.replace(
                 settings, lora_name=trainer.lora_prefix, lora_dir=lora_cache_dir(args.output_dir)
             )
-        settings = dataclasses.replace(settings, skip_indices=resume.skip)
+        settings = dataclasses.replace(settings, skip_indices=resume.skip, pool_state=resume.pools)
         loop = trainer.loop_cls(settings, dataset, trainer.reward_funcs, trainer.processing_class,
                                 tools=trainer.tools, environment_factory=trainer.environment_factory)  # fmt: skip
         check_picklable(loop, f"rollout loop {type(loop).__name__}")
@@ -166,6 +167,7 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts | None, resume: ResumePoi
         weight_sync_steps=args.weight_sync_steps,
         settled=resume.settled,
         server_urls=args.server_urls,  # a step without trainable groups names a dead server as the cause
+        data=DataAccounting.build(args, n, resume),
     )
     barrier = torch.distributed.barrier if args.world_size > 1 else None
     if trainer.weight_transfer is not None:

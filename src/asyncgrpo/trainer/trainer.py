@@ -45,6 +45,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns, reward_function_name
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
+from asyncgrpo.tasks.eval_sets import as_eval_sets
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
@@ -104,7 +105,8 @@ class AsyncGRPOTrainer(Trainer):
             methods as tools), or a dict name -> factory routed by the dataset's ``environment`` column. Without
             ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
         eval_dataset: held-out conversational prompts (reward columns as in ``train_dataset``), generated on the
-            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.tasks.evaluate``).
+            server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.tasks.evaluate``);
+            or a dict of named sets (``{name: EvalSet(...)}``, ``tasks/eval_sets.py``), logged as ``eval/<name>/*``.
         rollout_worker, weight_transfer: TRL 1.16's ``RolloutWorkerProtocol`` / ``WeightTransferProtocol`` objects,
             used instead of ours (``trainer/trl_worker.py``, ``trainer/trl_weights.py``; docs/usage.md).
     """
@@ -165,8 +167,10 @@ class AsyncGRPOTrainer(Trainer):
         if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
             prepare_tool_template(processing_class, args.chat_template_kwargs)
         self.tools, self.environment_factory = tools, factories
-        if eval_dataset is not None:
-            check_dataset(eval_dataset)  # evaluation is single-turn: it needs the conversational 'prompt' column
+        if eval_dataset is not None:  # evaluation is single-turn: every set needs the conversational 'prompt' column
+            sets = as_eval_sets(eval_dataset)
+            for ds in [s.dataset for s in sets.values()] if sets else [eval_dataset]:
+                check_dataset(ds)
         check_plugins(rollout_worker, weight_transfer)  # a missing method is named here, not at train()
         self.rollout_worker, self.weight_transfer = rollout_worker, weight_transfer
         self.model_id = model_id
@@ -321,6 +325,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
         """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""
+        from asyncgrpo.tasks.eval_sets import evaluate_sets
         from asyncgrpo.tasks.evaluate import evaluate_sync, settings_from_config
 
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -332,7 +337,11 @@ class AsyncGRPOTrainer(Trainer):
             settings = settings_from_config(self.args)
             if self.served_adapter is not None:  # adapter sync: the newest adapter holds the trained policy
                 settings = dataclasses.replace(settings, model=self.served_adapter)
-            metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
+            sets = as_eval_sets(dataset)
+            if sets is not None:
+                metrics = evaluate_sets(self.processing_class, sets, self.reward_funcs, settings, metric_key_prefix)
+            else:
+                metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
             Trainer.log(self, metrics)  # not self.log: that would flush the training window into this line
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics

@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config_data import pool_settings
 from asyncgrpo.rollout.sampling import SamplingSettings
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.trainer.server_setup import ServerFacts
@@ -70,4 +71,6 @@ def build_rollout_settings(
         answer_parse_processes=args.answer_parse_processes,
         scale_rewards=args.scale_rewards != "none",
         extra=config_extra_fields(args),
+        prompt_pools=pool_settings(args) if args.prompt_pools else None,
+        pass_threshold=args.pass_threshold,
     )

@@ -155,7 +155,7 @@ def test_report_without_metrics(tmp_path, capsys):
 def test_eval_without_eval_dataset(tmp_path, capsys):
     path = write(tmp_path, lambda c: c.pop("eval_dataset"))
     err = run_cli(["eval", "--model", str(tmp_path), "--config", str(path)], capsys)
-    assert "has no eval_dataset: add one" in err
+    assert "has no eval_datasets (or eval_dataset): add one" in err
 
 
 def test_eval_settings_are_checked(tmp_path, capsys):

@@ -1,0 +1,72 @@
+"""The trainer's copy of the pools counts a group once its prompt settles; dynamic sampling's per-step counts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from asyncgrpo.rollout.dynamic_sampling import OverSamplingCount
+from asyncgrpo.rollout.messages import GroupResult
+from asyncgrpo.rollout.prompt_pools import PoolSettings, PromptPools
+from asyncgrpo.trainer.data_accounting import DataAccounting
+
+SETTINGS = PoolSettings(thresholds=(0.5,), weights=(1.0, 1.0, 1.0), min_groups=1, requeue_delay=2)
+
+
+def group(flat: int, row: int, rewards: list[float], dropped: bool = False) -> GroupResult:
+    return GroupResult(row_index=flat, epoch=0, dataset_row=row, rewards=rewards, dropped=dropped)
+
+
+def test_pools_learn_a_group_only_when_its_prompt_settles():
+    data = DataAccounting(None, PromptPools(3, SETTINGS), pass_threshold=1.0)
+    data.on_pulled(group(0, 2, [1.0, 0.0, 1.0, 1.0]), step=1)  # 3 of 4 pass
+    data.on_pulled(group(1, 0, [1.0, 1.0, 1.0, 1.0], dropped=True), step=1)  # all tied at 1: solved
+    data.on_pulled(group(2, 1, [0.0, 0.0, 1.0, 0.0]), step=1)
+    assert data.pools.rate == {}  # pulled, none settled yet: a checkpoint now saves none of them
+    data.on_settled(1, "zero_std")
+    data.on_settled(0, "trained")
+    data.on_settled(2, "stale")  # generated again after a resume: forgotten here, counted when it settles again
+    assert data.pools.rate == {0: 1.0, 2: 0.75}
+    assert data.pools.retired == {0}  # rate 1.0 after min_groups=1
+    assert data.pools.draws == 2
+    state = data.pools_state()
+    assert state["retired"] == [0] and state["rate"] == {"0": 1.0, "2": 0.75}
+    m = {name: value for name, value, _ in data.step_metrics()}
+    assert (m["pools/new/size"], m["pools/easy/size"], m["pools/retired"]) == (1.0, 1.0, 1.0)
+
+
+def test_dynamic_sampling_counts_each_step_and_logs_the_cap_once(caplog):
+    data = DataAccounting(OverSamplingCount(max_factor=2.0), None, pass_threshold=1.0)
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.data_accounting"):
+        for dropped in (True, True, True):  # 3 generated, none kept: 3 > 2 * max(0, 1)
+            data.on_pulled(group(0, 0, [0.0, 0.0], dropped=dropped), step=5)
+    assert [r.getMessage()[:60] for r in caplog.records] == [
+        "step 5: dynamic sampling: 3 groups generated for 0 kept, ove"
+    ]
+    data.on_pulled(GroupResult(row_index=9, epoch=0, sequences=[object()], rewards=[1.0, 0.0]), step=5)  # kept
+    m = {name: value for name, value, _ in data.step_metrics()}
+    assert m == {
+        "dynamic_sampling/generated_groups": 4.0,
+        "dynamic_sampling/kept_groups": 1.0,
+        "dynamic_sampling/generated_per_kept": 4.0,
+        "dynamic_sampling/cap_hit": 1.0,
+    }
+    assert data.pools_state() is None
+
+
+def test_rejected_prompts_are_not_generated_groups():
+    data = DataAccounting(OverSamplingCount(max_factor=2.0), None, pass_threshold=1.0)
+    data.on_pulled(GroupResult.rejected(3, 0), step=1)
+    assert {n: v for n, v, _ in data.step_metrics()}["dynamic_sampling/generated_groups"] == 0.0
+    with pytest.raises(ValueError, match=">= 1"):
+        OverSamplingCount(max_factor=0.0)
+
+
+def test_without_dynamic_sampling_the_counts_are_kept_but_no_line(caplog):
+    data = DataAccounting(OverSamplingCount(max_factor=1.0), None, pass_threshold=1.0, cap_line=False)
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.data_accounting"):
+        for _ in range(3):
+            data.on_pulled(group(0, 0, [0.0, 0.0], dropped=True), step=1)
+    assert not caplog.records
+    assert {n: v for n, v, _ in data.step_metrics()}["dynamic_sampling/cap_hit"] == 1.0
