@@ -91,7 +91,9 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TRLFields, LossFields, DataFields, TrainingArguments):  # mixins first: output_dir stays the first field
+class AsyncGRPOConfig(
+    TRLFields, LossFields, DataFields, TrainingArguments
+):  # mixins first: output_dir stays the first field
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for

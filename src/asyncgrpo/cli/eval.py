@@ -43,11 +43,13 @@ def format_table(name: str, scores: dict[str, float], s: EvalSettings, seconds: 
 def _fmt(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.4f}"
 
+
 # The AsyncGRPOConfig fields `asyncgrpo eval` reads (settings_from_config, the tokenizer, the server address): its
 # --help lists these; every other field still parses (a training YAML is accepted as is) and changes nothing here.
 EVAL_HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "what is scored": (
         "eval_temperature", "eval_num_generations", "max_completion_length", "top_k", "chat_template_kwargs", "seed",
+        "pass_threshold",
     ),
     "generation server": ("vllm_server_base_url", "vllm_server_timeout", "max_concurrent_rollouts"),
     "model": ("trust_remote_code",),
