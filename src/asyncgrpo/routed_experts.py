@@ -16,7 +16,7 @@ Array layout (``vllm/distributed/aux_output_connector/connector.py: take_output`
 Row ``i`` is the routing of token ``start + i`` of ``prompt + output``; the last sampled token was never fed
 back, so it has no row. ``start`` is the request's ``routed_experts_prompt_start`` (0 to the prompt length;
 vLLM refuses other values): a multi-turn client sets it to the tokens whose routing it already holds.
-Layers without a router (dense layers of a mixed model) hold zeros. 
+Layers without a router (dense layers of a mixed model) hold zeros.
 
 Numpy only: both the server's HTTP layer and the client import this module.
 """
@@ -61,8 +61,7 @@ def decode(text: str) -> np.ndarray:
         raise ValueError(f"routed_experts is not base64 .npy data ({exc})") from exc
     if array.ndim != 3 or array.dtype.kind not in "ui":
         raise ValueError(
-            f"routed_experts must decode to a [tokens, layers, top_k] integer array, got {array.dtype} "
-            f"{array.shape}"
+            f"routed_experts must decode to a [tokens, layers, top_k] integer array, got {array.dtype} {array.shape}"
         )
     return array
 

@@ -114,7 +114,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--return-sampling-mask", action="store_true",
       help="return each token's candidate set (requests with temperature > 0 and top_k > 0)")  # fmt: skip
     a("--enable-return-routed-experts", action="store_true",
-      help="answer each choice with routed_experts: the experts every MoE router chose per token (vLLM 0.33)")
+      help="answer each choice with routed_experts: the experts every MoE router chose per token (vLLM 0.33)")  # fmt: skip
     a("--kv-cache-tokens", type=int, default=None, help="KV-cache capacity in tokens (default: from memory)")
     a("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory this server may use")
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")

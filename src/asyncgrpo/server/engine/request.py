@@ -126,8 +126,10 @@ def validate_request(request: Request, max_model_len: int, vocab_size: int, lora
         (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
         (0 <= p.min_tokens <= p.max_tokens, f"min_tokens ({p.min_tokens}) must be in [0, max_tokens]"),
         (p.logprobs is None or 0 <= p.logprobs <= vocab_size, f"logprobs must be >= 0, got {p.logprobs}"),
-        (0 <= p.routed_experts_prompt_start <= len(ids), "routed_experts_prompt_start must be between 0 and the "
-         f"prompt length ({len(ids)}), inclusive, got {p.routed_experts_prompt_start}"),
+        (
+            0 <= p.routed_experts_prompt_start <= len(ids),
+            f"routed_experts_prompt_start must be in [0, {len(ids)}] (the prompt), got {p.routed_experts_prompt_start}",
+        ),
     ]
     for ok, msg in checks:
         if not ok:
