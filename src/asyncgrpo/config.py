@@ -17,6 +17,7 @@ import torch
 from transformers import TrainingArguments
 
 from asyncgrpo.config_checks import config_problems, parse_json_dict
+from asyncgrpo.config_moe import MoeReplayFields
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
         "eval_strategy", "eval_steps", "report_to", "push_to_hub", "hub_model_id",
     ),
     "model": ("model_init_kwargs", "dtype", "trust_remote_code", "router_aux_loss_coef"),
+    "mixture-of-experts routing replay": ("router_replay_mode", "vllm_return_routed_experts"),
     "generation": (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
         "chat_template_kwargs", "max_tool_calling_iterations",
@@ -82,7 +84,7 @@ def _bf16_device_available() -> bool:
 
 
 @dataclass
-class AsyncGRPOConfig(TrainingArguments):
+class AsyncGRPOConfig(TrainingArguments, MoeReplayFields):
     """Configuration of `AsyncGRPOTrainer`.
 
     Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments` for

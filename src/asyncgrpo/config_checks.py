@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from asyncgrpo.config_moe import moe_replay_problems
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -50,6 +52,7 @@ def config_problems(cfg: Any) -> list[str]:
     p += _loss_problems(cfg)
     p += _pipeline_problems(cfg)
     p += _unsupported_problems(cfg)
+    p += moe_replay_problems(cfg)
     return p
 
 

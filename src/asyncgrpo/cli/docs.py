@@ -37,7 +37,12 @@ def config_reference() -> str:
     """A table of every field AsyncGRPOConfig defines or re-defaults (TrainingArguments' own are linked)."""
     from asyncgrpo.config import AsyncGRPOConfig
 
-    own = list(AsyncGRPOConfig.__annotations__)
+    # its own fields, then those of the asyncgrpo field mixins it inherits (config_<topic>.py)
+    annotations = {}
+    for cls in AsyncGRPOConfig.__mro__:
+        if cls.__module__.startswith("asyncgrpo"):
+            annotations.update({k: v for k, v in vars(cls).get("__annotations__", {}).items() if k not in annotations})
+    own = list(annotations)
     fields = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}
     lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for name in own:
@@ -46,7 +51,7 @@ def config_reference() -> str:
             default = f.default
         else:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
-        tp = _type_text(AsyncGRPOConfig.__annotations__[name])  # the source text: HfArgumentParser rewrites f.type
+        tp = _type_text(annotations[name])  # the source text: HfArgumentParser rewrites f.type
         lines.append(f"| `{name}` | `{_cell(tp)}` | `{default!r}` | {_cell(f.metadata.get('help', ''))} |")
     return "\n".join(lines)
 
