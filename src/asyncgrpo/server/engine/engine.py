@@ -112,6 +112,10 @@ class Engine:
         self.max_model_len = int(max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN))
         if self.max_model_len > limit:
             logger.warning("max_model_len %d exceeds max_position_embeddings %d", self.max_model_len, limit)
+        if s.enable_return_routed_experts:  # a dense model (every native one is dense) is refused, as vLLM does
+            self.routing = RoutingCapture(hf, cfg)
+            if not self.general_path:
+                raise ValueError(f"--enable-return-routed-experts: {type(hf).__name__} has no MoE router to capture")
         self._model = GeneralLM(hf) if self.general_path else DecoderLM(hf, self.max_model_len)
         self.dtype = self._model.dtype
         self.device = self._model.device
@@ -163,10 +167,6 @@ class Engine:
             enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
         self._scheduler = Scheduler(self._kv, max_num_seqs, budget)
-        if s.enable_return_routed_experts:  # a dense model (every native one is dense) is refused, as vLLM does
-            self.routing = RoutingCapture(hf, cfg)
-            if not self.general_path:
-                raise ValueError(f"--enable-return-routed-experts: {m.arch} has no mixture-of-experts router")
         if self.general_path:  # KVCache above holds no tensors (m.layers is empty): block accounting only
             self._runner = GeneralRunner(m, self._kv, self.routing)
         else:
