@@ -171,3 +171,17 @@ def build_router_replay(model: nn.Module, mode: str, wants_routing: bool) -> Rou
     if not wants_routing:
         return None
     return RouterReplay(model, replay=mode == "R3")
+
+
+def check_server_routing(wanted: bool, server_returns: bool, base_urls: list[str]) -> None:
+    """Refuse a run that replays (or diagnoses) routing against servers that do not return it.
+
+    Raises:
+        RuntimeError: says which server flag to add.
+    """
+    if wanted and not server_returns:
+        raise RuntimeError(
+            f"router_replay_mode / vllm_return_routed_experts need each token's routed experts, but the generation "
+            f"server at {', '.join(base_urls)} does not return them: start it with --enable-return-routed-experts "
+            "(vLLM >= 0.32 and the embedded server), or set router_replay_mode='disabled'"
+        )

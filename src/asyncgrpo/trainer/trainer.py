@@ -51,7 +51,7 @@ from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
-from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
+from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
 from asyncgrpo.trainer.moe_replay import build_router_replay
 from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
 from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
@@ -190,6 +190,7 @@ class AsyncGRPOTrainer(Trainer):
         self.run_info: dict[str, Any] = {
             "model": model_id,
             "reward_funcs": [reward_function_name(f) for f in reward_funcs],
+            "mixture_of_experts": is_moe(text_config),  # the run doctor's routing table
         }
         self.worker: RolloutWorker | None = None  # rank 0, during train()
         self.source: RolloutSource | None = None  # rank 0, during train()
