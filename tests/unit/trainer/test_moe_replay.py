@@ -136,3 +136,22 @@ def test_replay_refuses_routing_of_another_model():
     )
     with pytest.raises(ValueError, match="router_replay_mode='disabled'"):
         RouterReplay(dense, replay=True)
+
+
+def test_replay_finds_the_routers_of_a_lora_model_and_replays_them():
+    from peft import LoraConfig, get_peft_model
+
+    model = _model("olmoe")
+    block = model.model.layers[0].mlp
+    x = torch.randn(N, COMMON["hidden_size"], generator=torch.Generator().manual_seed(0))
+    sampler, _ = _sampler_routing(block, x)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    replay = RouterReplay(peft, replay=True)
+    assert [layer for layer, _ in replay.routers] == [0, 1]
+    routing = torch.full((N, 2, 2), -1, dtype=torch.int16)
+    routing[:, 0] = sampler.to(torch.int16)
+    replay.begin(routing)
+    got = block(x[None])[0]
+    replay.end()
+    ref = _forced(block, x, sampler, normalise=False)
+    assert torch.allclose(got, ref, atol=1e-5)
