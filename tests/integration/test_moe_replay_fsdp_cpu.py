@@ -70,8 +70,8 @@ def test_fsdp2_replay_matches_one_process(tmp_path, serve):
     want = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     got = step1["grads"]
     assert set(got) == set(want) and any("mlp.gate" in n for n in want)  # the routers train under replay
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-7, msg=name)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in metrics if "moe/routing_mismatch/max" in r]
     assert logged and all(r["moe/routing_mismatch/max"] == 0.0 for r in logged)
