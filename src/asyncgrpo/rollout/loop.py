@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from asyncgrpo.models.vlm import check_no_images
+from asyncgrpo.rollout import routing
 from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop
 from asyncgrpo.rollout.production import ProductionMixin
@@ -113,6 +114,8 @@ class AsyncRolloutLoop(ProductionMixin):
         """One sampling request with the run's sampling settings. The turn carries the server's ``finish_reason``;
         a rollout's last one decides whether it counts as clipped (``completions/*`` metrics)."""
         params = self.settings.sampling.request_params(len(prompt_ids), seed=self._next_seed())
+        if self.settings.sampling.routed_experts:  # only the rows this rollout does not hold yet (rollout/routing.py)
+            params["routed_experts_prompt_start"] = routing.prompt_start(prompt_ids)
         (res,) = await self._sample(prompt_ids, params)
         return self._turn(prompt_ids, res)
 
