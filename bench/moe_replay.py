@@ -1,6 +1,6 @@
 """Routing replay (R3) on CPU: the same short GRPO run on a tiny MoE with replay off and on.
 
-    nice python bench/moe_replay.py --out bench/results/moe_replay_cpu.json [--steps 12] [--arch olmoe]
+    nice python bench/moe_replay.py --out bench/results/moe_replay_cpu.json [--steps 8] [--arch olmoe]
 
 The server samples in bf16 (``asyncgrpo serve --dtype bfloat16 --enable-return-routed-experts``), the trainer
 learns in fp32, so the two route some tokens differently, as a GPU server's kernels and a trainer's do. Both runs
@@ -8,7 +8,9 @@ fetch the routing (``vllm_return_routed_experts=True``) so both log ``moe/router
 own top-k set vs the sampler's) and ``moe/routing_mismatch`` (the experts its forward used; 0 under replay). Task:
 a reward for even token ids (``parity``), which a random-init model learns in a few steps. Model: the tiny
 OLMoE- or Qwen3-MoE-shaped checkpoint of ``tests/helpers/moe_models.py`` (many experts, large expert outputs).
-Same seed, same prompts, same initial weights for both runs; each run has its own server.
+Same seed, same prompts, same initial weights for both runs; each run has its own server. ``max_staleness=0``:
+every sample comes from the weights being trained, so the sampler/trainer gap is the bf16/fp32 one alone (with
+stale samples the weights' change dominates it, and replay cannot undo that).
 
 Reported per mode: the reward, ``sampling/sampling_logp_difference/mean`` and the moe metrics per step, and their
 means. What replay must show: ``moe/routing_mismatch`` 0 and a smaller sampler/trainer log-prob gap.
@@ -47,9 +49,9 @@ def one_run(mode: str, model_dir: Path, steps: int, work: Path) -> dict:
     try:
         args = AsyncGRPOConfig(
             output_dir=str(out), max_steps=steps, num_generations=8, max_completion_length=16, token_budget=1024,
-            vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=3e-3,
+            vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=2e-3,
             gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=120, seed=0,
-            logging_steps=1, max_staleness=1, router_replay_mode=mode, vllm_return_routed_experts=True,
+            logging_steps=1, max_staleness=0, router_replay_mode=mode, vllm_return_routed_experts=True,
         )  # fmt: skip
         dataset = reasoning_gym_dataset("chain_sum", size=64, seed=0, system_prompt=None)
         AsyncGRPOTrainer(str(model_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()
@@ -64,7 +66,7 @@ def one_run(mode: str, model_dir: Path, steps: int, work: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--arch", default="olmoe", choices=["olmoe", "qwen3_moe"])
     p.add_argument("--out", default="bench/results/moe_replay_cpu.json")
     a = p.parse_args()

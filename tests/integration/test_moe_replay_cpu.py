@@ -105,3 +105,33 @@ def test_server_routing_replayed_in_the_trainer(arch, serve, tmp_path):
     assert m_own["moe/routing_mismatch/mean"] == m_own["moe/router_disagreement/mean"]
     assert m_trie["moe/routing_mismatch/max"] == 0.0  # ...which replay uses exactly as sampled
     assert gap_replay < gap_own
+
+
+def test_a_training_run_replays_the_server_routing(serve, tmp_path):
+    """The whole pipeline (worker, queue, packer, trainer, weight sync) with ``router_replay_mode='R3'``: every
+    trained row carries routing, the experts used never differ from the sampler's, the routers' own disagreement
+    is logged, and the step syncs."""
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
+    from tests.helpers.rewards import even_token_reward
+
+    model_dir = sharp_moe_dir("qwen3_moe", tmp_path / "model")
+    server = serve(model_dir, "--max-model-len", "256", "--kv-cache-tokens", "8192", "--dtype", "bfloat16",
+                   "--enable-return-routed-experts")  # fmt: skip
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), max_steps=2, num_generations=4, max_completion_length=8, token_budget=256,
+        vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=1e-3, seed=0,
+        gradient_checkpointing=True, vllm_server_timeout=120, rollout_worker_timeout=60, logging_steps=1,
+        router_replay_mode="R3", max_staleness=0,
+    )  # fmt: skip
+    dataset = reasoning_gym_dataset("chain_sum", size=8, seed=0, system_prompt=None)
+    trainer = AsyncGRPOTrainer(str(model_dir), reward_funcs=[even_token_reward], args=args, train_dataset=dataset)
+    assert trainer.router_replay is not None and trainer.router_replay.replay
+    assert trainer.train().global_step == 2
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "moe/routing_mismatch/max" in r]
+    assert len(trained) == 2 and all(r["moe/routing_mismatch/max"] == 0.0 for r in trained)
+    assert all(0.0 <= r["moe/router_disagreement/mean"] <= 1.0 for r in trained)
+    assert all(r["sampling/sampling_logp_difference/mean"] < 0.01 for r in trained)  # on-policy, bf16 vs fp32
+    config = json.loads((tmp_path / "out" / "run_config.json").read_text())
+    assert config["mixture_of_experts"] is True and config["args"]["router_replay_mode"] == "R3"
