@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
+__all__ = ["Rollout", "RolloutGroup", "RoutedTurn", "TrainingSequence", "TurnRecord"]
 
 # Sampler log-probs are log-probabilities, so <= 0; allow float noise from the server's fp16/bf16 math.
 _LOGPROB_SLACK = 1e-3
@@ -53,11 +53,6 @@ class TurnRecord:
             top_k / top_p cut-off. `None` means the full vocabulary.
         output_sampler_logprobs: One dict per `output_ids` token: the log-probabilities of the sampler's most likely
             tokens, keyed by token id. Used by score centering (`num_sampler_logprobs`).
-        routed_experts: MoE routing replay: the expert ids the sampler's routers chose, `[n, layers, top_k]` for
-            tokens `routed_experts_start ... routed_experts_start + n - 1` of `prompt_ids + output_ids` (the
-            server's `routed_experts`; the last output token has no row). `None`: no routing.
-        routed_experts_start: The request's `routed_experts_prompt_start`: prompt tokens before it have no row here
-            (an earlier turn of the conversation holds theirs).
     """
 
     prompt_ids: list[int]
@@ -66,8 +61,6 @@ class TurnRecord:
     output_mask: list[int] | None = None
     output_sampling_mask: list[list[int]] | None = None
     output_sampler_logprobs: list[dict[int, float]] | None = None
-    routed_experts: np.ndarray | None = None
-    routed_experts_start: int = 0
 
     @property
     def trains_any(self) -> bool:
@@ -94,14 +87,42 @@ class TurnRecord:
                 if cand and tok not in cand:
                     problems.append(f"output_sampling_mask[{i}] does not contain the sampled token {tok}")
                     break
+        problems += self._extra_problems()
+        _raise("TurnRecord", problems)
+
+    def _extra_problems(self) -> list[str]:
+        return []
+
+
+@dataclass
+class RoutedTurn(TurnRecord):
+    """A `TurnRecord` with the sampler's MoE routing (routing replay, `router_replay_mode`).
+
+    Invariants (checked by `validate`, beside the turn's own): `routed_experts_start` lies in
+    [0, len(prompt_ids)]; `routed_experts`, when given, has one row per token from `routed_experts_start` to the
+    last output token, excluded.
+
+    Args:
+        routed_experts: The expert ids the sampler's routers chose, `[n, layers, top_k]` for tokens
+            `routed_experts_start ... routed_experts_start + n - 1` of `prompt_ids + output_ids` (the server's
+            `routed_experts`; the last output token was never forwarded and has no row). `None`: no routing.
+        routed_experts_start: The request's `routed_experts_prompt_start`: prompt tokens before it have no row here
+            (an earlier turn of the conversation holds theirs).
+    """
+
+    routed_experts: np.ndarray | None = None
+    routed_experts_start: int = 0
+
+    def _extra_problems(self) -> list[str]:
+        problems = []
         if not 0 <= self.routed_experts_start <= len(self.prompt_ids):
             problems.append(f"routed_experts_start={self.routed_experts_start} is outside [0, len(prompt_ids)]")
         if self.routed_experts is not None:
-            rows = len(self.prompt_ids) + n - 1 - self.routed_experts_start
+            rows = len(self.prompt_ids) + len(self.output_ids) - 1 - self.routed_experts_start
             if self.routed_experts.ndim != 3 or len(self.routed_experts) != rows:
                 problems.append(f"routed_experts {self.routed_experts.shape} must be [{rows}, layers, top_k]: one row "
                                 "per token from routed_experts_start to the last output token, excluded")  # fmt: skip
-        _raise("TurnRecord", problems)
+        return problems
 
 
 def _new_rollout_id() -> str:

@@ -193,6 +193,7 @@ def test_worker_says_shorten_the_prompts_only_for_a_length_400(mask_server):
     that is too long (before, every 400 was)."""
     from asyncgrpo.client.pool import ServerPool
     from asyncgrpo.rollout.loop import AsyncRolloutLoop
+    from asyncgrpo.rollout.requests import Requester
     from asyncgrpo.rollout.settings import RolloutSettings
     from asyncgrpo.rollout.worker import RolloutWorker
 
@@ -200,18 +201,19 @@ def test_worker_says_shorten_the_prompts_only_for_a_length_400(mask_server):
         settings = RolloutSettings(model_name=None, sampling=sampling, num_generations=2, max_staleness=1, seed=0,
                                    max_concurrent_rollouts=1, initial_tokens_per_step=1)  # fmt: skip
         loop = AsyncRolloutLoop(settings, dataset=[], reward_funcs=[], processing_class=None)
-        loop._seed_counter = 0  # what run() sets before the first request
         loop.channels = RolloutWorker(loop).channels  # the worker's real shared objects (the child is not started)
         return loop
 
     async def turn(settings: SamplingSettings, prompt: list[int]) -> str:
         loop = loop_with(settings)
-        loop.pool = ServerPool([mask_server.base_url], timeout=60, max_connections=1)
+        pool = ServerPool([mask_server.base_url], timeout=60, max_connections=1)
+        ch = loop.channels
+        loop.requester = Requester(loop.settings, pool, lambda: ch.policy_version.value, ch.dropped_server_mask)
         try:
             with pytest.raises(ValueError) as info:
                 await loop.generate_one_turn(prompt)
         finally:
-            await loop.pool.close()
+            await pool.close()
         return str(info.value)
 
     no_top_k = asyncio.run(turn(SamplingSettings(mask_server.base_url, 128, 4, top_k=0), PROMPT))

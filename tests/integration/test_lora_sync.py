@@ -137,12 +137,11 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
     """A group started under version 2 asks for adapter t-step-2; once that left the window (404) its rollouts
     continue on the current version's adapter (their samples are too stale to train anyway)."""
     import multiprocessing as mp
-    from types import SimpleNamespace
 
     from asyncgrpo import AsyncRolloutLoop
     from asyncgrpo.assets import smollm2_tokenizer
     from asyncgrpo.client.pool import ServerPool
-    from asyncgrpo.rollout.requests import _GROUP_VERSION
+    from asyncgrpo.rollout.requests import GroupRoute, Requester, current_route, enter_group
     from asyncgrpo.rollout.sampling import SamplingSettings
     from asyncgrpo.rollout.settings import RolloutSettings
     from asyncgrpo.weights.lora_sync import adapter_state, write_adapter
@@ -155,21 +154,22 @@ def test_a_rollout_names_its_groups_adapter_and_falls_back_once_it_is_retired(tm
         seed=0, max_concurrent_rollouts=2, initial_tokens_per_step=64, lora_name="t",
     )  # fmt: skip
     loop = AsyncRolloutLoop(settings, [], [], smollm2_tokenizer())
-    loop.channels = SimpleNamespace(policy_version=mp.get_context("spawn").Value("q", 3))
+    policy_version = mp.get_context("spawn").Value("q", 3)
 
     async def go():
-        loop.pool = ServerPool([server.base_url], timeout=60, max_connections=2)
-        client = loop.pool.client(0)
+        pool = ServerPool([server.base_url], timeout=60, max_connections=2)
+        loop.requester = Requester(settings, pool, lambda: policy_version.value)  # what run() wires
+        client = pool.client(0)
         await client.load_lora_adapter("t-step-3", str(tmp_path / "t-step-3"))
         try:
             outside = loop.request_model()  # no group: the current version
-            _GROUP_VERSION.set(2)
+            enter_group(GroupRoute(server=0, version=2))
             asked = loop.request_model()
-            (got,) = await loop._request(PROMPT, GREEDY, asked)  # one result: n = 1
+            (got,) = await loop.requester._request(PROMPT, GREEDY, asked, current_route())  # one result: n = 1
             direct = await client.generate(PROMPT, GREEDY, model="t-step-3")
         finally:
             await client.unload_lora_adapter("t-step-3")
-            await loop.pool.close()
+            await pool.close()
         return outside, asked, got, direct
 
     outside, asked, got, direct = asyncio.run(go())

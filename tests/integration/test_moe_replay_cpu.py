@@ -25,7 +25,7 @@ from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.moe_replay import RouterReplay
-from asyncgrpo.types import Rollout, TurnRecord
+from asyncgrpo.types import Rollout, RoutedTurn
 from tests.helpers.moe_models import sharp_moe_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # ~20 s per model on 2 cores: `make test-long`
@@ -45,8 +45,8 @@ async def _episodes(url: str, n: int) -> list[Rollout]:
             start = len(PROMPT) + len(first.token_ids) - 1  # rows held so far: every token but the last sampled
             second = await client.complete(history, {**params, "routed_experts_prompt_start": start})
             turns = [
-                TurnRecord(PROMPT, first.token_ids, first.logprobs, routed_experts=first.routed_experts),
-                TurnRecord(history, second.token_ids, second.logprobs, routed_experts=second.routed_experts,
+                RoutedTurn(PROMPT, first.token_ids, first.logprobs, routed_experts=first.routed_experts),
+                RoutedTurn(history, second.token_ids, second.logprobs, routed_experts=second.routed_experts,
                            routed_experts_start=start),
             ]  # fmt: skip
             rollouts.append(Rollout([], first.token_ids + second.token_ids, turns))

@@ -21,7 +21,9 @@ Two independent limits gate generation:
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # G5 constants, from the reference (docs/spec.md).
@@ -142,3 +144,44 @@ class ConcurrencyCap:
             self.cap = min(self.max_concurrent, max(self.cap + 1, math.floor(self.cap * (1.0 + CAP_GROWTH))))
             self._completed_since_raise = 0
         return self.cap
+
+
+class RolloutSlots:
+    """The running rollouts under the live cap (G5): a rollout takes a slot before its first request and frees it
+    when it ends; a group sent as one request takes its G slots at once.
+
+    Args:
+        cap: the live cap (its ``cap`` moves with the server's KV use).
+        put_metric: sink for ``rollout/concurrency``.
+    """
+
+    def __init__(self, cap: ConcurrencyCap, put_metric: Callable[[str, float], None]) -> None:
+        self.cap = cap
+        self.put_metric = put_metric
+        self.running = 0
+        self.freed = asyncio.Condition()
+
+    async def acquire(self, count: int = 1) -> None:
+        """Take ``count`` slots at once: taking them one by one, two groups could each hold part of what both
+        need. More than the cap starts only when nothing runs."""
+        async with self.freed:
+            while self.running and self.running + count > self.cap.cap:
+                try:
+                    await self.freed.wait()
+                except asyncio.CancelledError:  # pass on a wake-up this waiter may have taken (it holds the lock)
+                    if self.running < self.cap.cap:
+                        self.freed.notify(1)
+                    raise
+            self.running += count
+            if self.running < self.cap.cap:  # room left (the cap grew): pass the wake-up on to the next one
+                self.freed.notify(1)
+        self.put_metric("rollout/concurrency", self.running)
+
+    async def release(self, count: int = 1) -> None:
+        async with self.freed:
+            self.running -= count
+            for _ in range(count):
+                self.cap.on_rollout_completed()
+            # As many waiters woken as slots freed (each wakes the next if room is left): notify_all would wake
+            # every queued rollout on each completion, work that grows with concurrency.
+            self.freed.notify(count)

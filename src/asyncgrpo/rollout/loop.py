@@ -2,10 +2,11 @@
 
 Runs inside the spawned worker process (``rollout/worker.py``). For each prompt it generates ``num_generations``
 rollouts, scores the group once all are complete, computes advantages, drops zero-std groups and queues the rest
-as training sequences. This file holds the hooks and the helpers they use; the machinery lives next to it:
-``production.py`` (groups in flight, admission G3, the concurrency cap G5), ``requests.py`` (one generation
-request: server, model, seed, answer), ``scoring.py`` (a finished group's rewards, advantages and metrics) and
-``records.py`` (what a turn and a rollout carry to the group's metrics besides their reference fields).
+as training sequences. This file holds the hooks, the helpers they use and ``run``, which wires the components
+the loop holds (docs/design.md, "The rollout side"): a prompt source (``prompt_order.py``), the requester
+(``requests.py``: server, model, seed, answer), the concurrency slots (``admission.py``), the group runner
+(``group_run.py``: one group's rollouts, rewards and queueing, scored by the pure ``scoring.py``) and the group
+producer (``production.py``: groups in flight under the staleness admission G3, failures, the end of data).
 
 Subclass and override the hooks (``filter_prompt``, ``generate_one``, ``generate_one_turn``,
 ``compute_advantages``, ``setup``, ``close``), then set the subclass as the trainer subclass's ``loop_cls``. The
@@ -21,23 +22,35 @@ adds are copied into ``settings.extra`` and read as ``self.config.<field>``; any
 
 from __future__ import annotations
 
+import asyncio
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from asyncgrpo.client.answer_parse import AnswerParsers
+from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.models.vlm import check_no_images
 from asyncgrpo.rollout import routing
+from asyncgrpo.rollout.admission import ConcurrencyCap, RolloutSlots, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages
+from asyncgrpo.rollout.agents.episode import AgentRuntime
 from asyncgrpo.rollout.agents.tool_loop import ToolLoopSettings, run_tool_loop
-from asyncgrpo.rollout.production import ProductionMixin
+from asyncgrpo.rollout.group_run import GroupRunner
+from asyncgrpo.rollout.production import GroupProducer
+from asyncgrpo.rollout.prompt_order import PromptOrder, PromptSource
 from asyncgrpo.rollout.records import ToolLoopRollout
+from asyncgrpo.rollout.requests import Requester, current_route, single_turn_rollout
+from asyncgrpo.rollout.server_poll import poll_server_metrics
 from asyncgrpo.rollout.settings import ConfigView, RolloutSettings
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 RENDER_CACHE_SIZE = 512  # rendered prompts kept (a group's G rollouts share one)
 
 
-class AsyncRolloutLoop(ProductionMixin):
+class AsyncRolloutLoop:
     """Generates and scores the rollouts of an ``AsyncGRPOTrainer`` run (default: single-turn GRPO).
 
     Args:
@@ -81,6 +94,56 @@ class AsyncRolloutLoop(ProductionMixin):
         """The fields an ``AsyncGRPOConfig`` subclass adds (``settings.extra``), as attributes."""
         return ConfigView(self.settings.extra)
 
+    # ------------------------------------------------------------------ wiring
+
+    async def run(self, channels: Any) -> None:
+        """Entry point called by the worker process; returns when ``channels.stop`` is set or data runs out.
+
+        Builds the components the loop holds, from the inside out, runs the producer, and closes them again."""
+        self.channels = channels
+        st = self.settings
+        # Sync tools, reset/get_reward and sync reward functions share this pool: one thread per concurrent
+        # rollout (G6 in docs/spec.md); threads start lazily, so a large cap costs nothing until used.
+        self._executor = ThreadPoolExecutor(max_workers=st.max_concurrent_rollouts)
+        self.agents = AgentRuntime(self.tools, self.environment_factory, self._executor, channels.put_metric)
+        parsers = AnswerParsers(st.answer_parse_processes)
+        self.pool = ServerPool(st.sampling.urls, timeout=st.request_timeout_s,
+                               max_connections=st.max_concurrent_rollouts, retry_for_s=st.retry_for_s,
+                               answer_parsers=parsers)  # fmt: skip
+        self.requester = Requester(st, self.pool, lambda: channels.policy_version.value, channels.dropped_server_mask)
+        cap = ConcurrencyCap(st.max_concurrent_rollouts, st.sampling.kv_cache_tokens, st.sampling.max_model_len,
+                             has_metrics=st.sampling.has_metrics)  # fmt: skip
+        self.slots = RolloutSlots(cap, channels.put_metric)
+        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
+        parsers.start()  # in the background: answers are parsed inline until a helper is up
+        await self.setup()
+        poller = asyncio.create_task(poll_server_metrics(st.sampling.has_metrics, self.pool, cap, channels,
+                                                         lambda: self.requester.generated_tokens))  # fmt: skip
+        try:
+            # After setup: it may change what the runner's choices and the prompt source read (the dataset).
+            runner = GroupRunner(self, st, self.requester, self.slots, self.agents, self.pool, channels,
+                                 reward_funcs=self.reward_funcs, executor=self._executor, tokenizer=self.tokenizer,
+                                 has_environments=self.environment_factory is not None,
+                                 one_request=self._group_as_one_request())  # fmt: skip
+            producer = GroupProducer(self.prompt_source(), channels, self.admission, run_group=runner.run,
+                                     accept=lambda p: self.filter_prompt(p.row_index, p.row, p.epoch),
+                                     sync_rollouts=st.sync_rollouts)  # fmt: skip
+            await producer.run()
+        finally:
+            poller.cancel()
+            try:
+                await self.close()
+            finally:
+                await self.pool.close()
+                await parsers.close()
+                self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def prompt_source(self) -> PromptSource:
+        """Where the prompts come from (default: epochs over ``dataset``, resumed at the checkpoint's first unsettled
+        prompt). A subclass may return another ``PromptSource`` (a pool, a curriculum)."""
+        st = self.settings
+        return PromptOrder(self.dataset, st.dataset_start_index, st.num_epochs, st.skip_indices)
+
     # ------------------------------------------------------------------ hooks
 
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
@@ -108,22 +171,37 @@ class AsyncRolloutLoop(ProductionMixin):
                 ),
             )
             return ToolLoopRollout.of(rollout, stats)  # the stats: the group's tools/* metrics
-        return self._single_turn_rollout(await self.generate_one_turn(self.render_prompt(prompt)))
+        return single_turn_rollout(await self.generate_one_turn(self.render_prompt(prompt)), self.tokenizer)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the run's sampling settings. The turn carries the server's ``finish_reason``;
         a rollout's last one decides whether it counts as clipped (``completions/*`` metrics)."""
-        params = self.settings.sampling.request_params(len(prompt_ids), seed=self._next_seed())
+        params = self.settings.sampling.request_params(len(prompt_ids), seed=self.requester.next_seed())
         if self.settings.sampling.routed_experts:  # only the rows this rollout does not hold yet (rollout/routing.py)
             params["routed_experts_prompt_start"] = routing.prompt_start(prompt_ids)
         (res,) = await self._sample(prompt_ids, params)
-        return self._turn(prompt_ids, res)
+        return self.requester.turn(prompt_ids, res)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """One advantage per rollout: rewards standardised within the group; 0 for unscored rollouts."""
         return group_advantages(group.rewards)
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def client(self) -> AsyncServerClient:
+        """The client of this rollout's server (X5: its group's; a live one if it died); hooks may call it directly."""
+        return self.requester.client(current_route())
+
+    def request_model(self) -> str:
+        """The ``model`` of this rollout's requests: the served model, or under adapter sync (T6) the adapter of the
+        policy version its group started under."""
+        return self.requester.request_model(current_route())
+
+    async def _sample(self, prompt_ids: list[int], params: dict[str, Any]) -> list[Any]:
+        """One request (``params["n"]`` choices, default 1) to this group's server: every request of the loop
+        passes here (a subclass may watch them)."""
+        return await self.requester.sample(prompt_ids, params, current_route())
 
     def render_prompt(self, prompt: list[dict[str, Any]]) -> list[int]:
         """Token ids of a dataset prompt. The G rollouts of a group render the same prompt, and a chat template costs
@@ -168,3 +246,20 @@ class AsyncRolloutLoop(ProductionMixin):
         G = self.settings.num_generations
         fits = G <= self.settings.max_concurrent_rollouts  # G6 bounds running rollouts; a request of G runs G
         return self.group_requests and default_hooks and single_turn and fits and G > 1
+
+    # ------------------------------------------------------------------ old names (before the requester)
+
+    def _next_seed(self) -> int:
+        warnings.warn(
+            "AsyncRolloutLoop._next_seed is deprecated: use self.requester.next_seed()", DeprecationWarning, 2
+        )
+        return self.requester.next_seed()
+
+    def _turn(self, prompt_ids: list[int], res: Any) -> TurnRecord:
+        warnings.warn("AsyncRolloutLoop._turn is deprecated: use self.requester.turn(...)", DeprecationWarning, 2)
+        return self.requester.turn(prompt_ids, res)
+
+    def _single_turn_rollout(self, turn: TurnRecord) -> Rollout:
+        warnings.warn("AsyncRolloutLoop._single_turn_rollout is deprecated: use requests.single_turn_rollout(turn, "
+                      "self.tokenizer)", DeprecationWarning, 2)  # fmt: skip
+        return single_turn_rollout(turn, self.tokenizer)

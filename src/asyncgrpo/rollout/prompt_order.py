@@ -1,19 +1,46 @@
-"""Which prompt the rollout worker takes next: epochs over the dataset from a flat start index (T3, T5, X3).
+"""Which prompt the rollout worker takes next: the ``PromptSource`` interface and its default, ``PromptOrder``.
 
-Prompts are numbered over epochs (``epoch × len(dataset) + row``). A resumed run starts
-at the checkpoint's first unsettled prompt and skips the settled ones past it, so no
-prompt the checkpoint trained is generated again. A dataset without ``len`` (an
+``PromptOrder`` walks epochs over the dataset from a flat start index (T3, T5, X3). Prompts are numbered over
+epochs (``epoch × len(dataset) + row``). A resumed run starts at the checkpoint's first unsettled prompt and skips
+the settled ones past it, so no prompt the checkpoint trained is generated again. A dataset without ``len`` (an
 ``IterableDataset``) is re-iterated each epoch; its length is learnt from the first pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple, Protocol
+
+
+class PromptItem(NamedTuple):
+    """One prompt to generate a group for.
+
+    ``flat_index`` is the key the trainer settles and checkpoints (``GroupResult.row_index``): a source must give
+    each prompt it yields a flat index of its own, and resume from the checkpoint's first unsettled one.
+    """
+
+    epoch: int
+    row_index: int  # the row in the dataset
+    flat_index: int  # the prompt counted over the run (epochs: ``epoch * len(dataset) + row_index``)
+    row: Any  # the dataset row (a conversational ``prompt`` and the reward functions' columns)
+
+
+class PromptSource(Protocol):
+    """What the group producer takes prompts from (``production.py``); ``AsyncRolloutLoop.prompt_source`` builds it.
+
+    Its state lives in the checkpoint as the trainer's settled flat indices: a source is built from
+    ``settings.dataset_start_index`` (the first unsettled prompt) and ``settings.skip_indices`` (settled past it).
+    """
+
+    epoch_len: int | None  # prompts in one epoch once known; the producer fails an epoch whose every prompt it rejected
+
+    def __iter__(self) -> Iterator[PromptItem]:
+        """The prompts in training order; ends when the data runs out."""
+        ...
 
 
 class PromptOrder:
-    """Yields ``(epoch, row_index, flat_index, row)`` in training order.
+    """The default ``PromptSource``: yields ``PromptItem(epoch, row_index, flat_index, row)`` in training order.
 
     Args:
         dataset: indexable with ``len``, or only iterable.
@@ -56,6 +83,11 @@ class PromptOrder:
 
     def first_epoch(self) -> int:
         return self.start_index // self.epoch_len if self.epoch_len else 0
+
+    def __iter__(self) -> Iterator[PromptItem]:
+        for epoch in self.epochs():
+            for row_index, flat_index, row in self.epoch_rows(epoch):
+                yield PromptItem(epoch, row_index, flat_index, row)
 
     def epochs(self) -> Iterator[int]:
         epoch = self.first_epoch()

@@ -56,8 +56,9 @@ class _Held:
         self.logprobs += list(turn.output_log_probs) if turn.output_log_probs else [0.0] * n
         self.tops.append((n, turn.output_sampler_logprobs))
         self.masks.append((n, turn.output_sampling_mask))
-        if turn.routed_experts is not None:  # the turn's prompt starts with the held tokens: same positions
-            self.routed.append((turn.routed_experts_start, turn.routed_experts))
+        routed = getattr(turn, "routed_experts", None)  # a RoutedTurn's (types.py); plain turns carry none
+        if routed is not None:  # the turn's prompt starts with the held tokens: same positions
+            self.routed.append((getattr(turn, "routed_experts_start", 0), routed))
 
     def routing(self) -> np.ndarray | None:
         """Per position the sampler's expert ids, int16 ``[L, layers, top_k]``, -1 where no turn routed the token.

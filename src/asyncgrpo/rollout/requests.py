@@ -1,15 +1,18 @@
-"""One generation request of the rollout loop: its server, model and seed, sending it, and its answer as a turn.
+"""The requester: one generation request of the rollout loop, its server, model and seed, and its answer as a turn.
 
-``RequestMixin`` is a base of ``AsyncRolloutLoop`` (``rollout/loop.py``); the hooks there call it. Which server
-and which policy version a request belongs to is its group's: the group's task sets two context variables that
-the tasks of its rollouts inherit (X5: a group and all its turns stay on one server; T6: under adapter sync a
-rollout names the adapter of the version its group started under), so no hook has to pass them along.
+Which server and which policy version a request belongs to is its group's, a ``GroupRoute`` passed to every
+method that needs it (X5: a group and all its turns stay on one server; T6: under adapter sync a rollout names the
+adapter of the version its group started under). The hooks (``generate_one_turn``) take no route argument, so the
+group's task enters its route once (``enter_group``) and the loop reads it back with ``current_route``: the
+tasks of the group's rollouts inherit it, and nothing else in the package sets it.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +28,66 @@ from asyncgrpo.types import Rollout, TurnRecord
 logger = logging.getLogger(__name__)
 
 SEED_MODULUS = 2**31 - 1  # request seeds stay in int32 range for every server
-# The policy version a group started under; its rollouts' tasks inherit it (adapter sync: the adapter they name).
-_GROUP_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_version", default=None)
-# The server a group was routed to (X5); set in the group's task, inherited by its rollouts' tasks.
-_GROUP_SERVER: contextvars.ContextVar[int | None] = contextvars.ContextVar("asyncgrpo_group_server", default=None)
 
 
-class RequestMixin:
-    """Sending one request and reading its answer; the state it reads is set up by ``run`` (``production.py``)."""
+@dataclass(frozen=True)
+class GroupRoute:
+    """Where a group's requests go: its server (X5) and the policy version it started under (T6)."""
 
-    settings: RolloutSettings
-    tokenizer: Any
-    channels: Any
-    pool: ServerPool
-    _seed_counter: int
-    _generated_tokens: int
+    server: int
+    version: int
 
-    async def _sample(self, prompt_ids: list[int], params: dict[str, Any]) -> list[Any]:
-        """One request (``params["n"]`` choices, default 1) to this group's server; a 400 becomes an error that
-        says what to change."""
-        self.pool.drop_flagged(self.channels.dropped_server_mask())
+
+# The route of the group whose task runs now; set once in the group's task, inherited by its rollouts' tasks.
+_ROUTE: contextvars.ContextVar[GroupRoute | None] = contextvars.ContextVar("asyncgrpo_group_route", default=None)
+
+
+def enter_group(route: GroupRoute) -> None:
+    """Make ``route`` the current task's (a group's task calls it before it starts its rollouts)."""
+    _ROUTE.set(route)
+
+
+def current_route() -> GroupRoute | None:
+    """The route of the group this task belongs to; None outside a group."""
+    return _ROUTE.get()
+
+
+def single_turn_rollout(turn: TurnRecord, tokenizer: Any) -> Rollout:
+    """A one-turn rollout: the turn's output decoded as the assistant's message."""
+    text = tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+    return Rollout(completion=[{"role": "assistant", "content": text}], completion_ids=turn.output_ids, turns=[turn])
+
+
+class Requester:
+    """Sends requests for the rollout loop and turns answers into turns.
+
+    Args:
+        settings: the run's settings (sampling, seed, ``num_generations``, adapter sync).
+        pool: the generation servers.
+        policy_version: the trainer's current policy version (a shared counter).
+        dropped_servers: the bit mask of servers the trainer dropped.
+    """
+
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        pool: ServerPool,
+        policy_version: Callable[[], int],
+        dropped_servers: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.policy_version = policy_version
+        self.dropped_servers = dropped_servers
+        self.seed_counter = 0
+        self.generated_tokens = 0  # the G5 poller's tokens/s
+
+    async def sample(self, prompt_ids: list[int], params: dict[str, Any], route: GroupRoute | None) -> list[Any]:
+        """One request (``params["n"]`` choices, default 1) to the route's server; a 400 becomes an error that says
+        what to change."""
+        self.pool.drop_flagged(self.dropped_servers())
         try:
-            results = await self._request(prompt_ids, params, self.request_model())
+            results = await self._request(prompt_ids, params, self.request_model(route), route)
         except ServerError as e:
             if e.status == 400 and is_length_error(e.message):
                 raise ValueError(
@@ -56,10 +97,10 @@ class RequestMixin:
             if e.status == 400:
                 raise ValueError(f"the generation server rejected a request (sampling settings {params}): {e}") from e
             raise
-        self._generated_tokens += sum(len(r.token_ids) for r in results)
+        self.generated_tokens += sum(len(r.token_ids) for r in results)
         return results
 
-    def _turn(self, prompt_ids: list[int], res: Any) -> TurnRecord:
+    def turn(self, prompt_ids: list[int], res: Any) -> TurnRecord:
         """One answer as a turn; its finish reason rides on the record to the group's ``completions/*`` metrics."""
         sampling = self.settings.sampling
         return SampledTurn(
@@ -72,24 +113,27 @@ class RequestMixin:
             **(routing.turn_routing(prompt_ids, res) if sampling.routed_experts else {}),
         )
 
-    def _single_turn_rollout(self, turn: TurnRecord) -> Rollout:
-        text = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
-        return Rollout(
-            completion=[{"role": "assistant", "content": text}], completion_ids=turn.output_ids, turns=[turn]
-        )
+    def request_model(self, route: GroupRoute | None) -> str:
+        """The ``model`` of a request: the served model, or under adapter sync (T6) the LoRA adapter of the policy
+        version the route's group started under (it finishes under that policy); outside a group the current one."""
+        return self.settings.request_model(self.policy_version() if route is None else route.version)
 
-    def request_model(self) -> str:
-        """The ``model`` of this rollout's requests: the served model, or under adapter sync (T6) the LoRA adapter
-        of the policy version the rollout's group started under (it finishes under that policy)."""
-        version = _GROUP_VERSION.get()
-        return self.settings.request_model(self.channels.policy_version.value if version is None else version)
+    def server_index(self, route: GroupRoute | None) -> int:
+        """The route's server (X5); outside a group the least loaded one."""
+        return self.pool.least_loaded() if route is None else route.server
 
-    async def _request(self, prompt_ids: list[int], params: dict[str, Any], model: str) -> Any:
-        """One request to this rollout's server (X5) naming ``model``; its ``n`` results (one unless ``n`` > 1)."""
+    def client(self, route: GroupRoute | None) -> AsyncServerClient:
+        """The client of the route's server (a live one if it died)."""
+        return self.pool.client(None if route is None else route.server)
+
+    async def _request(self, prompt_ids: list[int], params: dict[str, Any], model: str, route: GroupRoute | None
+                       ) -> Any:  # fmt: skip
+        """One request to the route's server naming ``model``; its ``n`` results (one unless ``n`` > 1)."""
         generate = self.settings.sampling.use_generate_endpoint
+        server = self.server_index(route)
 
         def call(m: str) -> Any:
-            return self.pool.call(self.server_index, lambda c: (c.generate_n if generate else c.complete_n)(
+            return self.pool.call(server, lambda c: (c.generate_n if generate else c.complete_n)(
                 prompt_ids, params, model=m))  # fmt: skip
 
         try:
@@ -97,15 +141,15 @@ class RequestMixin:
         except ServerError as e:
             if e.status != 404 or self.settings.lora_name is None:
                 raise
-            if await self._register_again(model):  # the server restarted and lost the adapters
+            if await self._register_again(model, server):  # the server restarted and lost the adapters
                 return await call(model)
-            current = self.settings.request_model(self.channels.policy_version.value)
+            current = self.settings.request_model(self.policy_version())
             if model == current:
                 raise
             # The group's adapter left the staleness window: its samples will be dropped as stale anyway.
             return await call(current)
 
-    async def _register_again(self, name: str) -> bool:
+    async def _register_again(self, name: str, server: int) -> bool:
         """Adapter sync: a server that restarted lost every adapter, so a rollout registers its own again from
         the run's adapter directory (while it is still there: retired versions are deleted). True when the server
         has it now (another rollout may have registered it first)."""
@@ -115,7 +159,7 @@ class RequestMixin:
         if not (path / "adapter_config.json").is_file():
             return False
         try:
-            await self.pool.call(self.server_index, lambda c: c.load_lora_adapter(name, str(path.resolve())))
+            await self.pool.call(server, lambda c: c.load_lora_adapter(name, str(path.resolve())))
         except ServerError as e:
             if e.status != 400 or "already" not in e.message:
                 logger.warning("could not register LoRA adapter %s again: %s", name, e)
@@ -123,23 +167,12 @@ class RequestMixin:
         logger.warning("the server had lost LoRA adapter %s (did it restart?): registered it again from %s", name, path)
         return True
 
-    @property
-    def server_index(self) -> int:
-        """The server this rollout's group was routed to (X5: a group and all its turns stay on one server)."""
-        i = _GROUP_SERVER.get()
-        return self.pool.least_loaded() if i is None else i
+    def next_seed(self) -> int:
+        """A seed unique per request (G7): data-parallel engines never decode identical text for one prompt."""
+        self.seed_counter += 1
+        return (self.settings.seed * 1_000_003 + self.seed_counter) % SEED_MODULUS
 
-    @property
-    def client(self) -> AsyncServerClient:
-        """The client of this rollout's server (a live one if it died); hooks may call it directly."""
-        return self.pool.client(_GROUP_SERVER.get())
-
-    def _next_seed(self) -> int:
-        # Unique per request (G7): data-parallel engines never decode identical text for one prompt.
-        self._seed_counter += 1
-        return (self.settings.seed * 1_000_003 + self._seed_counter) % SEED_MODULUS
-
-    def _group_seed(self, group_id: int) -> int:
+    def group_seed(self, group_id: int) -> int:
         """The seed of a group sent as one request: its G choices get seeds seed .. seed+G-1 (the server adds the
         choice index), the block ``group_id`` owns. Fixed by the group's place in the run, not by when its request
         goes out, so a run's samples do not depend on timing; unique per choice over the run (G7)."""

@@ -12,7 +12,7 @@ import pytest
 
 from asyncgrpo.rollout import routing
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
-from asyncgrpo.types import Rollout, TurnRecord
+from asyncgrpo.types import Rollout, RoutedTurn
 
 
 def _answer(prompt: list[int], output: list[int], start: int, layers: int = 2, k: int = 2):
@@ -25,7 +25,7 @@ def _answer(prompt: list[int], output: list[int], start: int, layers: int = 2, k
 
 def _turn(prompt, output, start):
     res = _answer(prompt, output, start)
-    return TurnRecord(prompt, output, [-0.1] * len(output), **routing.turn_routing(prompt, res))
+    return RoutedTurn(prompt, output, [-0.1] * len(output), **routing.turn_routing(prompt, res))
 
 
 def test_turns_ask_for_new_rows_and_reconciliation_places_them():

@@ -10,30 +10,20 @@ import asyncio
 
 import pytest
 
-from asyncgrpo.rollout.admission import ConcurrencyCap
-from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.admission import ConcurrencyCap, RolloutSlots
 
 
-class _Channels:
-    def put_metric(self, name: str, value: float, weight: float = 1.0) -> None:
-        pass
-
-
-def _slots(cap: int) -> AsyncRolloutLoop:
-    """The loop's slot state alone (what run() sets up before any rollout starts)."""
-    loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)
-    loop.channels = _Channels()
-    loop.cap = ConcurrencyCap(cap, kv_cache_tokens=None, max_model_len=1, has_metrics=False)
-    loop._running = 0
-    loop._slot_freed = asyncio.Condition()
-    return loop
+def _slots(cap: int) -> RolloutSlots:
+    """The loop's slots (what run() sets up before any rollout starts)."""
+    return RolloutSlots(ConcurrencyCap(cap, kv_cache_tokens=None, max_model_len=1, has_metrics=False),
+                        lambda name, value: None)  # fmt: skip
 
 
 def test_each_completion_wakes_only_the_rollouts_it_frees_a_slot_for():
     async def main() -> tuple[int, int]:
-        loop = _slots(cap=8)
+        slots = _slots(cap=8)
         wakeups, peak = 0, 0
-        inner = loop._slot_freed.wait
+        inner = slots.freed.wait
 
         async def counted_wait() -> bool:
             nonlocal wakeups
@@ -41,14 +31,14 @@ def test_each_completion_wakes_only_the_rollouts_it_frees_a_slot_for():
             wakeups += 1
             return result
 
-        loop._slot_freed.wait = counted_wait  # type: ignore[method-assign]
+        slots.freed.wait = counted_wait  # type: ignore[method-assign]
 
         async def rollout() -> None:
             nonlocal peak
-            await loop._acquire_slot()
-            peak = max(peak, loop._running)
+            await slots.acquire()
+            peak = max(peak, slots.running)
             await asyncio.sleep(0)
-            await loop._release_slot()
+            await slots.release()
 
         await asyncio.wait_for(asyncio.gather(*(rollout() for _ in range(400))), timeout=30)
         return wakeups, peak
@@ -63,15 +53,15 @@ def test_a_cancelled_waiter_passes_its_wake_up_on():
     """The rollout woken for a freed slot is cancelled before it runs: the next queued one gets the slot."""
 
     async def main() -> None:
-        loop = _slots(cap=1)
-        await loop._acquire_slot()  # the one running rollout
-        first = asyncio.create_task(loop._acquire_slot())
-        second = asyncio.create_task(loop._acquire_slot())
+        slots = _slots(cap=1)
+        await slots.acquire()  # the one running rollout
+        first = asyncio.create_task(slots.acquire())
+        second = asyncio.create_task(slots.acquire())
         await asyncio.sleep(0.01)  # both queued
-        await loop._release_slot()  # wakes `first` only
+        await slots.release()  # wakes `first` only
         first.cancel()
         await asyncio.wait_for(second, timeout=5)  # would hang if the wake-up died with `first`
-        assert loop._running == 1
+        assert slots.running == 1
 
     asyncio.run(main())
 
@@ -82,18 +72,18 @@ def test_groups_take_their_slots_at_once_and_never_deadlock(cap, group, most):
     alone), and groups that each took part of what they need can never block one another."""
 
     async def main() -> int:
-        loop = _slots(cap=cap)
+        slots = _slots(cap=cap)
         peak = 0
 
         async def one_group() -> None:
             nonlocal peak
-            await loop._acquire_slot(group)
-            peak = max(peak, loop._running)
+            await slots.acquire(group)
+            peak = max(peak, slots.running)
             await asyncio.sleep(0)
-            await loop._release_slot(group)
+            await slots.release(group)
 
         await asyncio.wait_for(asyncio.gather(*(one_group() for _ in range(60))), timeout=30)
-        assert loop._running == 0
+        assert slots.running == 0
         return peak
 
     assert asyncio.run(main()) == most  # whole groups up to the cap (or one group alone when it exceeds the cap)
