@@ -1,4 +1,4 @@
-"""Routing replay (R3) on CPU: the same short GRPO run on a tiny MoE with replay off and on.
+"""MoE routing replay on CPU: the same short GRPO run on a tiny MoE with replay off and on.
 
     nice python bench/moe_replay.py --out bench/results/moe_replay_cpu.json [--steps 8] [--arch olmoe]
 
@@ -51,7 +51,7 @@ def one_run(mode: str, model_dir: Path, steps: int, work: Path) -> dict:
             output_dir=str(out), max_steps=steps, num_generations=8, max_completion_length=16, token_budget=1024,
             vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=2e-3,
             gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=120, seed=0,
-            logging_steps=1, max_staleness=0, router_replay_mode=mode, vllm_return_routed_experts=True,
+            logging_steps=1, max_staleness=0, router_replay=mode == "replay", vllm_return_routed_experts=True,
         )  # fmt: skip
         dataset = reasoning_gym_dataset("chain_sum", size=64, seed=0, system_prompt=None)
         AsyncGRPOTrainer(str(model_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset).train()
@@ -75,7 +75,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = sharp_moe_dir(a.arch, work / "model")
-        runs = {mode: one_run(mode, model_dir, a.steps, work) for mode in ("disabled", "R3")}
+        runs = {mode: one_run(mode, model_dir, a.steps, work) for mode in ("disabled", "replay")}
     for mode, run in runs.items():
         m = run["means"]
         print(f"{mode:8s} reward {run['curves']['reward'][0]:.3f} -> {run['curves']['reward'][-1]:.3f}, "

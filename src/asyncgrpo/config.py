@@ -47,7 +47,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
         "eval_strategy", "eval_steps", "report_to", "push_to_hub", "hub_model_id",
     ),
     "model": ("model_init_kwargs", "dtype", "trust_remote_code", "router_aux_loss_coef"),
-    "mixture-of-experts routing replay": ("router_replay_mode", "vllm_return_routed_experts"),
+    "mixture-of-experts routing replay": ("router_replay", "vllm_return_routed_experts"),
     "generation": (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
         "chat_template_kwargs", "max_tool_calling_iterations",

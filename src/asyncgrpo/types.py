@@ -96,7 +96,7 @@ class TurnRecord:
 
 @dataclass
 class RoutedTurn(TurnRecord):
-    """A `TurnRecord` with the sampler's MoE routing (routing replay, `router_replay_mode`).
+    """A `TurnRecord` with the sampler's MoE routing (routing replay, `router_replay`).
 
     Invariants (checked by `validate`, beside the turn's own): `routed_experts_start` lies in
     [0, len(prompt_ids)]; `routed_experts`, when given, has one row per token from `routed_experts_start` to the
@@ -208,7 +208,7 @@ class TrainingSequence:
         candidate_sets: Per position, the candidate set of the sampled token under top-k/top-p (G9).
         rollout_id: The rollout this sample came from (debugging; several samples share it after a fork).
         routed_experts: Per position, the experts the sampler's MoE routers chose for the token (routing replay:
-            `router_replay_mode`); rows of -1 are routed by the trainer's own routers.
+            `router_replay`); rows of -1 are routed by the trainer's own routers.
     """
 
     input_ids: list[int]

@@ -108,7 +108,7 @@ def test_server_routing_replayed_in_the_trainer(arch, serve, tmp_path):
 
 
 def test_a_training_run_replays_the_server_routing(serve, tmp_path):
-    """The whole pipeline (worker, queue, packer, trainer, weight sync) with ``router_replay_mode='R3'``: every
+    """The whole pipeline (worker, queue, packer, trainer, weight sync) with ``router_replay=True``: every
     trained row carries routing, the experts used never differ from the sampler's, the routers' own disagreement
     is logged, and the step syncs."""
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -122,7 +122,7 @@ def test_a_training_run_replays_the_server_routing(serve, tmp_path):
         output_dir=str(tmp_path / "out"), max_steps=2, num_generations=4, max_completion_length=8, token_budget=256,
         vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=1e-3, seed=0,
         gradient_checkpointing=True, vllm_server_timeout=120, rollout_worker_timeout=60, logging_steps=1,
-        router_replay_mode="R3", max_staleness=0,
+        router_replay=True, max_staleness=0,
     )  # fmt: skip
     dataset = reasoning_gym_dataset("chain_sum", size=8, seed=0, system_prompt=None)
     trainer = AsyncGRPOTrainer(str(model_dir), reward_funcs=[even_token_reward], args=args, train_dataset=dataset)
@@ -134,4 +134,4 @@ def test_a_training_run_replays_the_server_routing(serve, tmp_path):
     assert all(0.0 <= r["moe/router_disagreement/mean"] <= 1.0 for r in trained)
     assert all(r["sampling/sampling_logp_difference/mean"] < 0.01 for r in trained)  # on-policy, bf16 vs fp32
     config = json.loads((tmp_path / "out" / "run_config.json").read_text())
-    assert config["mixture_of_experts"] is True and config["args"]["router_replay_mode"] == "R3"
+    assert config["mixture_of_experts"] is True and config["args"]["router_replay"] is True

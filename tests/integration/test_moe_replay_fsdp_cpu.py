@@ -1,4 +1,4 @@
-"""Routing replay (R3) under FSDP2 on two processes (gloo, CPU), against the same trainer on one process.
+"""MoE routing replay under FSDP2 on two processes (gloo, CPU), against the same trainer on one process.
 
 The server (bf16, ``--enable-return-routed-experts``) samples a tiny OLMoE-shaped model; the two-process run
 shards it with FSDP2 and recomputes every decoder layer in backward (gradient checkpointing), so the routing must
@@ -35,7 +35,7 @@ def _config(out, **overrides) -> dict:
         output_dir=str(out), max_steps=1, num_generations=4, max_completion_length=12, token_budget=256,
         report_to=[], save_strategy="no", learning_rate=1e-3, optim="adamw_torch", max_grad_norm=0.0,
         gradient_checkpointing=True, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0, use_cpu=True,
-        logging_steps=1, gradient_accumulation_steps=2, router_replay_mode="R3",
+        logging_steps=1, gradient_accumulation_steps=2, router_replay=True,
     )  # fmt: skip
     base.update(overrides)
     return base

@@ -336,23 +336,23 @@ def duplicate_verdict(run: RunLog, last: int) -> Verdict | None:
 
 # ---- MoE routing -----------------------------------------------------------------------------------------------------
 def routing_verdict(run: RunLog, last: int) -> Verdict | None:
-    """On an MoE model: is the sampler/trainer log-prob gap the routers' doing (R3 routing replay fixes that)?"""
+    """On an MoE model: is the sampler/trainer log-prob gap the routers' doing (routing replay fixes that)?"""
     moe = run.settings.mixture_of_experts or any(run.has(n) for n in ("aux_loss", "moe/router_disagreement/mean"))
     gap = _mean(run.series("sampling/sampling_logp_difference/mean", last)[1][-3:])
     if not moe or gap is None:
         return None
     disagree = _mean(run.series("moe/router_disagreement/mean", last)[1][-3:])
     worst = _mean(run.series("moe/router_disagreement/max", last)[1][-3:])
-    replay = run.settings.router_replay_mode
+    replay = run.settings.router_replay
     figs = {
         "sampling/sampling_logp_difference/mean": _g(gap),
         "moe/router_disagreement/mean": "n/a" if disagree is None else _pct(disagree),
         "moe/router_disagreement/max": "n/a" if worst is None else _pct(worst),
-        "router_replay_mode": replay,
+        "router_replay": str(replay),
     }
     if gap <= LOGP_GAP_HIGH:
         return Verdict("routing", "sampler and trainer log-probs agree", "nothing to do", True, figs)
-    if replay == "R3":
+    if replay:
         return Verdict(
             "routing",
             "the log-prob gap is high although routing is replayed: the routers are not its cause",
@@ -372,7 +372,7 @@ def routing_verdict(run: RunLog, last: int) -> Verdict | None:
         "routing",
         "routing mismatch: on this mixture-of-experts model the trainer's routers choose other experts than the "
         "sampler's" + ("" if disagree is not None else " (the usual cause of a high log-prob gap on MoE models)"),
-        "set router_replay_mode='R3' and start the server with --enable-return-routed-experts"
+        "set router_replay=True and start the server with --enable-return-routed-experts"
         + ("" if disagree is not None else " (vllm_return_routed_experts=True measures the mismatch first)"),
         False,
         figs,

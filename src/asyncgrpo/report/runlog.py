@@ -27,7 +27,7 @@ class RunSettings:
     max_staleness: int = 4
     num_generations: int = 8
     reward_range: tuple[float, float] | None = None  # None: [min(0, lowest seen), max(1, highest seen)]
-    router_replay_mode: str = "disabled"
+    router_replay: bool = False
     mixture_of_experts: bool = False  # run_config.json's "mixture_of_experts" (the doctor also reads moe/* metrics)
 
 
@@ -104,8 +104,7 @@ def load_run(run_dir: str | Path, **overrides: Any) -> RunLog:
         for name in ("max_concurrent_rollouts", "max_staleness", "num_generations"):
             if isinstance(args.get(name), int):
                 values[name] = args[name]
-        if isinstance(args.get("router_replay_mode"), str):
-            values["router_replay_mode"] = args["router_replay_mode"]
+        values["router_replay"] = bool(args.get("router_replay", False))
         values["mixture_of_experts"] = bool(cfg.get("mixture_of_experts", False))
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "reward_range" in values:

@@ -51,7 +51,7 @@ class RouterReplay:
         if not self.routers:
             raise ValueError(
                 f"router replay needs a mixture-of-experts model with top-k routers (layers.<i>.mlp.gate); "
-                f"{type(model).__name__} has none: set router_replay_mode='disabled'"
+                f"{type(model).__name__} has none: set router_replay=False"
             )
         self.top_k = int(self.routers[0][1].top_k)
         self._routing: torch.Tensor | None = None  # [N, layers, top_k] int64 for the current forward
@@ -161,16 +161,16 @@ def _weighting_rule(module: nn.Module, probs: torch.Tensor, own: torch.Tensor, w
             return normalise
     raise ValueError(
         f"router replay: {type(module).__name__} (layer {layer}) weighs its experts neither by softmax probability "
-        "nor by renormalised softmax probability; this router is not supported: set router_replay_mode='disabled'"
+        "nor by renormalised softmax probability; this router is not supported: set router_replay=False"
     )
 
 
-def build_router_replay(model: nn.Module, mode: str, wants_routing: bool) -> RouterReplay | None:
-    """The run's :class:`RouterReplay`: replaying under ``mode='R3'``, counting only when routing is fetched for the
-    diagnosis, None when the samples carry no routing."""
+def build_router_replay(model: nn.Module, replay: bool, wants_routing: bool) -> RouterReplay | None:
+    """The run's :class:`RouterReplay`: replaying under ``router_replay``, counting only when routing is fetched for
+    the diagnosis, None when the samples carry no routing."""
     if not wants_routing:
         return None
-    return RouterReplay(model, replay=mode == "R3")
+    return RouterReplay(model, replay=replay)
 
 
 def check_server_routing(wanted: bool, server_returns: bool, base_urls: list[str]) -> None:
@@ -181,7 +181,7 @@ def check_server_routing(wanted: bool, server_returns: bool, base_urls: list[str
     """
     if wanted and not server_returns:
         raise RuntimeError(
-            f"router_replay_mode / vllm_return_routed_experts need each token's routed experts, but the generation "
+            f"router_replay / vllm_return_routed_experts need each token's routed experts, but the generation "
             f"server at {', '.join(base_urls)} does not return them: start it with --enable-return-routed-experts "
-            "(vLLM >= 0.32 and the embedded server), or set router_replay_mode='disabled'"
+            "(vLLM >= 0.32 and the embedded server), or set router_replay=False"
         )

@@ -139,7 +139,7 @@ class AsyncGRPOTrainer(Trainer):
         text_config = getattr(model.config, "text_config", None) or model.config  # a VLM's MoE lives in its text model
         self.router_aux_coef = resolve_router_aux_coef(text_config, args.router_aux_loss_coef)  # L6; 0 = off
         self.router_top_k = experts_per_token(text_config)
-        self.router_replay = build_router_replay(model, args.router_replay_mode, args.wants_routed_experts)  # R3
+        self.router_replay = build_router_replay(model, args.router_replay, args.wants_routed_experts)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if peft_config is not None:

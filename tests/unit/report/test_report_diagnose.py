@@ -293,18 +293,18 @@ def test_no_verdict_contradicts_another_and_every_action_names_a_setting():
         ({"aux_loss": 1.0, "sampling__sampling_logp_difference__mean": 0.003}, None, "log-probs agree", True),
         ({"aux_loss": 1.0, "sampling__sampling_logp_difference__mean": 0.08}, None, "routing mismatch", False),
         ({"sampling__sampling_logp_difference__mean": 0.08, "moe__router_disagreement__mean": 0.15,
-          "moe__router_disagreement__max": 0.3}, {"router_replay_mode": "disabled"}, "routing mismatch", False),
+          "moe__router_disagreement__max": 0.3}, {"router_replay": False}, "routing mismatch", False),
         ({"sampling__sampling_logp_difference__mean": 0.08, "moe__router_disagreement__mean": 0.004,
           "moe__router_disagreement__max": 0.01}, None, "routers mostly agree", False),
         ({"sampling__sampling_logp_difference__mean": 0.08, "moe__router_disagreement__mean": 0.15},
-         {"router_replay_mode": "R3"}, "although routing is replayed", False),
+         {"router_replay": True}, "although routing is replayed", False),
     ],
 )  # fmt: skip
 def test_routing_rows(tmp_path, series, config, diagnosis, healthy):
     v = verdict(write_run(tmp_path, config=config, **series), "routing")
     assert diagnosis in v.diagnosis and v.healthy is healthy
     if not healthy and "mismatch" in diagnosis:
-        assert "router_replay_mode='R3'" in v.action and "--enable-return-routed-experts" in v.action
+        assert "router_replay=True" in v.action and "--enable-return-routed-experts" in v.action
 
 
 def test_no_routing_verdict_for_a_dense_model(tmp_path):

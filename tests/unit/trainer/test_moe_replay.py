@@ -1,4 +1,4 @@
-"""Routing replay (R3) on one MoE block: a small perturbation of the input flips the top-k of some tokens (the
+"""MoE routing replay on one MoE block: a small perturbation of the input flips the top-k of some tokens (the
 "sampler's" routing); with replay the block's output and gradients equal a forward forced to those experts, written
 out here expert by expert from the block's parameters, and the router still gets a gradient."""
 
@@ -134,7 +134,7 @@ def test_replay_refuses_routing_of_another_model():
     dense = AutoModelForCausalLM.from_config(
         Qwen3MoeConfig(head_dim=8, **{**COMMON, "num_experts": 0}), dtype=torch.float32
     )
-    with pytest.raises(ValueError, match="router_replay_mode='disabled'"):
+    with pytest.raises(ValueError, match="router_replay=False"):
         RouterReplay(dense, replay=True)
 
 
