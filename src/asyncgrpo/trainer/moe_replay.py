@@ -119,15 +119,16 @@ class RouterReplay:
                     f"layer {layer}'s router saw {own.shape[0]} tokens but the row's routing has {ids.shape[0]}"
                 )
             has = ids[:, 0] >= 0
-            probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
-            if layer not in self._normalise:
-                self._normalise[layer] = _weighting_rule(module, probs, own, weights, layer)
             chosen = torch.where(has[:, None], ids, own) if self.replay else own
             if self._counting:
                 self._count(layer, has, ids, own, chosen)
             if not self.replay:
                 return None
-            w = probs.gather(1, chosen)
+            if layer not in self._normalise:  # no graph: a checkpointed recompute must save what the forward saved
+                with torch.no_grad():
+                    probs = torch.softmax(logits.detach().float(), dim=-1)
+                    self._normalise[layer] = _weighting_rule(module, probs, own, weights, layer)
+            w = torch.softmax(logits.float(), dim=-1).gather(1, chosen)  # [N, k]
             if self._normalise[layer]:
                 w = w / w.sum(dim=-1, keepdim=True)
             return (*output[:-2], w.to(weights.dtype), chosen)

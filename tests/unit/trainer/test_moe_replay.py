@@ -155,3 +155,30 @@ def test_replay_finds_the_routers_of_a_lora_model_and_replays_them():
     replay.end()
     ref = _forced(block, x, sampler, normalise=False)
     assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_checkpointed_layers_recompute_with_the_same_routing():
+    """Activation checkpointing re-runs each decoder layer inside backward: gradients under replay equal those of
+    the same forward without checkpointing."""
+    model = _model("qwen3_moe")
+    ids = torch.randint(0, COMMON["vocab_size"], (1, N), generator=torch.Generator().manual_seed(2))
+    routing = torch.full((N, 2, 2), -1, dtype=torch.int16)
+    routing[:, :, 0] = torch.arange(N)[:, None] % 6  # forced pairs (e, e+1): far from the router's own choice
+    routing[:, :, 1] = (torch.arange(N)[:, None] + 1) % 6
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        model.zero_grad()
+        replay = RouterReplay(model, replay=True)
+        replay.begin(routing)
+        out = model(input_ids=ids).logits
+        replay.end_forward()
+        out.float().pow(2).mean().backward()
+        replay.end()
+        replay.close()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, atol=1e-6), name
