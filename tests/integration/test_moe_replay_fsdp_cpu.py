@@ -36,6 +36,9 @@ def _config(out, **overrides) -> dict:
         report_to=[], save_strategy="no", learning_rate=1e-3, optim="adamw_torch", max_grad_norm=0.0,
         gradient_checkpointing=True, vllm_server_timeout=120, rollout_worker_timeout=60, seed=0, use_cpu=True,
         logging_steps=1, gradient_accumulation_steps=2, router_replay=True,
+        # the load-balancing term is averaged over processes by design (trainer/moe.py), which this one-process
+        # reference (both processes' rows summed) does not reproduce; replay is what is compared here
+        router_aux_loss_coef=0.0,
     )  # fmt: skip
     base.update(overrides)
     return base
