@@ -49,7 +49,7 @@ def one_run(mode: str, model_dir: Path, steps: int, work: Path) -> dict:
     try:
         args = AsyncGRPOConfig(
             output_dir=str(out), max_steps=steps, num_generations=8, max_completion_length=16, token_budget=1024,
-            vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=2e-3,
+            vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=5e-3,
             gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=120, seed=0,
             logging_steps=1, max_staleness=0, router_replay=mode == "replay", vllm_return_routed_experts=True,
         )  # fmt: skip
