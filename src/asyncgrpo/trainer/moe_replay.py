@@ -50,8 +50,9 @@ class RouterReplay:
         self.routers = router_modules(model)
         if not self.routers:
             raise ValueError(
-                f"router replay needs a mixture-of-experts model with top-k routers (layers.<i>.mlp.gate); "
-                f"{type(model).__name__} has none: set router_replay=False"
+                f"router_replay / vllm_return_routed_experts need a mixture-of-experts model with top-k routers "
+                f"(layers.<i>.mlp.gate); {type(model).__name__} has none: set router_replay=False and leave "
+                "vllm_return_routed_experts unset"
             )
         self.top_k = int(self.routers[0][1].top_k)
         self._routing: torch.Tensor | None = None  # [N, layers, top_k] int64 for the current forward
