@@ -2,7 +2,9 @@
 
 vLLM 0.33 facts checked here (read from the ``vllm==0.33.0`` wheel):
 - the flag is ``--enable-return-routed-experts`` (``vllm/engine/arg_utils.py: EngineArgs.add_cli_args``); it lands
-  in ``vllm_config.aux_output_config.enable_return_routed_experts`` (``vllm/config/aux_output.py``);
+  in ``vllm_config.aux_output_config.enable_return_routed_experts`` (``vllm/config/aux_output.py``: ``AuxOutputConfig``
+  with ``max_bytes``), which ``/server_info?config_format=json`` dumps whole
+  (``vllm/entrypoints/serve/dev/server_info/api_router.py: show_server_info``);
 - each choice of ``/v1/completions`` and ``/inference/v1/generate`` has ``routed_experts``: ``numpy2base64`` of the
   array (``vllm/utils/serial_utils.py``; called in ``vllm/entrypoints/openai/completion/serving.py:
   OpenAIServingCompletion.request_output_to_completion_response`` and ``.../scale_out/token_in_token_out/
@@ -75,7 +77,7 @@ def test_generate_skips_the_prompt_start_and_refuses_a_start_past_the_prompt(moe
             "prompt": PROMPT, "max_tokens": 2, "routed_experts_prompt_start": start})  # fmt: skip
         assert status == 400 and "routed_experts_prompt_start" in body["error"]["message"]
     _, info = raw(url, "GET", "/server_info")
-    assert info["vllm_config"]["aux_output_config"] == {"enable_return_routed_experts": True}
+    assert info["vllm_config"]["aux_output_config"] == {"enable_return_routed_experts": True, "max_bytes": None}
 
 
 def test_a_dense_model_refuses_the_flag():
