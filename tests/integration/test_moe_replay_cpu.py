@@ -22,6 +22,7 @@ from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from asyncgrpo.trainer.moe_replay import RouterReplay
@@ -135,3 +136,43 @@ def test_a_training_run_replays_the_server_routing(serve, tmp_path):
     assert all(r["sampling/sampling_logp_difference/mean"] < 0.01 for r in trained)  # on-policy, bf16 vs fp32
     config = json.loads((tmp_path / "out" / "run_config.json").read_text())
     assert config["mixture_of_experts"] is True and config["args"]["router_replay"] is True
+
+
+class TwoTurnLoop(AsyncRolloutLoop):
+    """Each rollout: a first turn, a fixed 'tool result', a second turn on the whole conversation."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        first = await self.generate_one_turn(self.render_prompt(prompt))
+        second = await self.generate_one_turn(first.prompt_ids + first.output_ids + TOOL)
+        ids = first.output_ids + second.output_ids
+        return Rollout([{"role": "assistant", "content": ""}], ids, [first, second])
+
+
+def test_two_turn_rollouts_of_the_worker_carry_every_row(serve, tmp_path):
+    """The real worker's turns (one task per rollout, ``routed_experts_prompt_start`` on the second): every
+    token of each trained sample has the sampler's routing but the last sampled one, tool tokens included."""
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
+    from tests.helpers.rewards import even_token_reward
+
+    class Trainer(AsyncGRPOTrainer):
+        loop_cls = TwoTurnLoop
+
+    model_dir = sharp_moe_dir("olmoe", tmp_path / "model")
+    server = serve(model_dir, "--max-model-len", "256", "--kv-cache-tokens", "8192", "--enable-return-routed-experts")
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), max_steps=1, num_generations=4, max_completion_length=6, token_budget=512,
+        vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", learning_rate=1e-3, seed=0,
+        gradient_checkpointing=False, vllm_server_timeout=120, rollout_worker_timeout=60, router_replay=True,
+    )  # fmt: skip
+    dataset = reasoning_gym_dataset("chain_sum", size=8, seed=0, system_prompt=None)
+    trainer = Trainer(str(model_dir), reward_funcs=[even_token_reward], args=args, train_dataset=dataset)
+    assert trainer.train().global_step == 1
+    samples = [s for mb in trainer.step_stats.micro_batches for row in mb.pack() for s in row.samples]
+    assert samples
+    for s in samples:
+        routed, ids = s.routed_experts, list(s.token_ids)
+        assert routed is not None and (routed[:-1] >= 0).all() and (routed[-1] == -1).all()
+        # the tool result follows the first turn's last sampled token; the second turn's prefill routed it
+        at = next(i for i in range(1, len(ids)) if ids[i : i + len(TOOL)] == TOOL and s.loss_mask[i - 1])
+        assert (routed[at - 1 : at + len(TOOL)] >= 0).all()
