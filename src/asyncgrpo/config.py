@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 from asyncgrpo.config_checks import config_problems, parse_json_dict
 from asyncgrpo.config_data import DATA_FIELDS, DataFields
 from asyncgrpo.config_loss import LossFields, resolve_loss_fields
+from asyncgrpo.config_moe import MoeReplayFields
 from asyncgrpo.config_trl import TRLFields
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
         "eval_strategy", "eval_steps", "report_to", "push_to_hub", "hub_model_id",
     ),
     "model": ("model_init_kwargs", "dtype", "trust_remote_code", "router_aux_loss_coef"),
+    "mixture-of-experts routing replay": ("router_replay", "vllm_return_routed_experts"),
     "generation": (
         "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
         "chat_template_kwargs", "max_tool_calling_iterations",
@@ -92,7 +94,7 @@ def _bf16_device_available() -> bool:
 
 @dataclass
 class AsyncGRPOConfig(
-    TRLFields, LossFields, DataFields, TrainingArguments
+    TRLFields, LossFields, DataFields, MoeReplayFields, TrainingArguments
 ):  # mixins first: output_dir stays the first field
     """Configuration of `AsyncGRPOTrainer`.
 

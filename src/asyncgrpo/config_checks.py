@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncgrpo.config_data import data_problems
 from asyncgrpo.config_loss import loss_field_problems
+from asyncgrpo.config_moe import moe_replay_problems
 from asyncgrpo.config_trl import resolve_trl_aliases
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -56,6 +57,7 @@ def config_problems(cfg: Any) -> list[str]:
     p += loss_field_problems(cfg)
     p += _pipeline_problems(cfg)
     p += _unsupported_problems(cfg)
+    p += moe_replay_problems(cfg)
     return p
 
 

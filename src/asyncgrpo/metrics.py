@@ -76,6 +76,12 @@ METRICS: dict[str, str] = {
     "sampling/sampler_mass": "mean sampler probability mass covered by its num_sampler_logprobs top tokens",
     "entropy": "mean entropy of the token predictions on trained tokens",
     "aux_loss": "MoE load-balancing auxiliary loss, before scaling by router_aux_loss_coef",
+    "moe/routing_mismatch/mean": "MoE, samples with routing: per layer the share of sampler-routed tokens whose "
+    "experts in the trainer's forward differ from the sampler's top-k set, mean over layers (0 with router_replay)",
+    "moe/routing_mismatch/max": "the same share in the worst layer",
+    "moe/router_disagreement/mean": "per layer the share of those tokens whose trainer router's own top-k set "
+    "differs from the sampler's (what router_replay overrides), mean over layers",
+    "moe/router_disagreement/max": "the same share in the worst layer",
     "clip_ratio/region_mean": "fraction of trained tokens whose ratio is clipped by the trust region",
     "clip_ratio/low_mean": "fraction clipped at the lower bound (ratio < 1 - epsilon_low)",
     "clip_ratio/low_min": "per-completion minimum of the lower-bound clip fraction",

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Rollout", "RolloutGroup", "TrainingSequence", "TurnRecord"]
+__all__ = ["Rollout", "RolloutGroup", "RoutedTurn", "TrainingSequence", "TurnRecord"]
 
 # Sampler log-probs are log-probabilities, so <= 0; allow float noise from the server's fp16/bf16 math.
 _LOGPROB_SLACK = 1e-3
@@ -87,7 +87,42 @@ class TurnRecord:
                 if cand and tok not in cand:
                     problems.append(f"output_sampling_mask[{i}] does not contain the sampled token {tok}")
                     break
+        problems += self._extra_problems()
         _raise("TurnRecord", problems)
+
+    def _extra_problems(self) -> list[str]:
+        return []
+
+
+@dataclass
+class RoutedTurn(TurnRecord):
+    """A `TurnRecord` with the sampler's MoE routing (routing replay, `router_replay`).
+
+    Invariants (checked by `validate`, beside the turn's own): `routed_experts_start` lies in
+    [0, len(prompt_ids)]; `routed_experts`, when given, has one row per token from `routed_experts_start` to the
+    last output token, excluded.
+
+    Args:
+        routed_experts: The expert ids the sampler's routers chose, `[n, layers, top_k]` for tokens
+            `routed_experts_start ... routed_experts_start + n - 1` of `prompt_ids + output_ids` (the server's
+            `routed_experts`; the last output token was never forwarded and has no row). `None`: no routing.
+        routed_experts_start: The request's `routed_experts_prompt_start`: prompt tokens before it have no row here
+            (an earlier turn of the conversation holds theirs).
+    """
+
+    routed_experts: np.ndarray | None = None
+    routed_experts_start: int = 0
+
+    def _extra_problems(self) -> list[str]:
+        problems = []
+        if not 0 <= self.routed_experts_start <= len(self.prompt_ids):
+            problems.append(f"routed_experts_start={self.routed_experts_start} is outside [0, len(prompt_ids)]")
+        if self.routed_experts is not None:
+            rows = len(self.prompt_ids) + len(self.output_ids) - 1 - self.routed_experts_start
+            if self.routed_experts.ndim != 3 or len(self.routed_experts) != rows:
+                problems.append(f"routed_experts {self.routed_experts.shape} must be [{rows}, layers, top_k]: one row "
+                                "per token from routed_experts_start to the last output token, excluded")  # fmt: skip
+        return problems
 
 
 def _new_rollout_id() -> str:
@@ -156,7 +191,9 @@ class TrainingSequence:
           `[len(input_ids), K]` numpy arrays padded with id -1 / log-prob -inf (what reconciliation builds from
           the client's array-backed answers: no per-token Python objects);
         - a non-empty `candidate_sets[i]` (top-k/top-p set the token was drawn from) contains `input_ids[i]`; an
-          empty one means the full vocabulary.
+          empty one means the full vocabulary;
+        - `routed_experts`, when given, is an int16 `[len(input_ids), layers, top_k]` array, -1 where the sampler
+          gave no routing (every id of such a row is -1).
 
     Args:
         input_ids: Prompt, completion and tool tokens of the sample.
@@ -170,6 +207,8 @@ class TrainingSequence:
         sampler_top_logprobs: Per position, their sampler log-probs.
         candidate_sets: Per position, the candidate set of the sampled token under top-k/top-p (G9).
         rollout_id: The rollout this sample came from (debugging; several samples share it after a fork).
+        routed_experts: Per position, the experts the sampler's MoE routers chose for the token (routing replay:
+            `router_replay`); rows of -1 are routed by the trainer's own routers.
     """
 
     input_ids: list[int]
@@ -183,6 +222,7 @@ class TrainingSequence:
     sampler_top_logprobs: list[list[float]] | np.ndarray | None = None
     candidate_sets: list[list[int]] | None = None
     rollout_id: str = ""
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -208,6 +248,9 @@ class TrainingSequence:
             problems.append("loss_mask[0] must be 0: the first token has no position predicting it")
         if not math.isfinite(self.advantage):
             problems.append(f"advantage must be finite, got {self.advantage}")
+        r = self.routed_experts
+        if r is not None and not (isinstance(r, np.ndarray) and r.dtype == np.int16 and r.ndim == 3 and len(r) == n):
+            problems.append(f"routed_experts must be an int16 [len(input_ids)={n}, layers, top_k] array")
         if problems:  # the per-position checks below assume aligned lengths
             _raise("TrainingSequence", problems)
         if self._positions_look_valid():

@@ -102,6 +102,7 @@ def test_the_graph_holds_the_imports_the_rules_allow():
 NO_INHERITANCE_UNDER = "asyncgrpo.rollout"
 DATA_RECORDS = {
     "asyncgrpo.types.TurnRecord": "SampledTurn adds the server's finish reason to the reference's turn record",
+    "asyncgrpo.types.RoutedTurn": "SampledTurn adds the server's finish reason to the turn record with MoE routing",
     "asyncgrpo.types.Rollout": "ToolLoopRollout adds the tool loop's stats to the reference's rollout record",
 }
 
@@ -227,5 +228,5 @@ def test_no_class_in_rollout_inherits_implementation():
     # not vacuous: rollout/ has classes, and its Protocols and records are seen as such
     classes = _classes(sources)
     assert "asyncgrpo.rollout.loop.AsyncRolloutLoop" in classes
-    assert classes["asyncgrpo.rollout.records.SampledTurn"] == ["asyncgrpo.types.TurnRecord"]
+    assert classes["asyncgrpo.rollout.records.SampledTurn"] == ["asyncgrpo.types.RoutedTurn"]
     assert classes["asyncgrpo.rollout.prompt_order.PromptSource"] == ["typing.Protocol"]

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
+from asyncgrpo.types import Rollout, RolloutGroup, RoutedTurn, TrainingSequence, TurnRecord
 
 
 def _sequence(**overrides) -> TrainingSequence:
@@ -141,3 +141,19 @@ def test_records_pickle_round_trip():
     assert back.completions_sequences[1][0] == seq and np.array_equal(back.rewards, group.rewards)
     with pytest.raises(ValueError, match=r"reward_kwargs\['solution'\] has 1 entries"):
         dataclasses.replace(group, reward_kwargs={"solution": ["1"]}).validate()
+
+
+def test_routed_turn_checks_its_rows():
+    routed = np.zeros((5, 2, 2), dtype=np.uint8)  # prompt 3 + output 3 - 1 - start 0
+    ok = RoutedTurn(prompt_ids=[1, 2, 3], output_ids=[4, 5, 6], output_log_probs=[-0.1] * 3, routed_experts=routed)
+    ok.validate()
+    assert isinstance(ok, TurnRecord)  # every hook still sees a TurnRecord
+    RoutedTurn([1, 2, 3], [4, 5, 6], [-0.1] * 3, routed_experts=routed[2:], routed_experts_start=2).validate()
+    with pytest.raises(ValueError, match=r"must be \[5, layers, top_k\]"):
+        RoutedTurn([1, 2, 3], [4, 5, 6], [-0.1] * 3, routed_experts=routed[1:]).validate()
+    with pytest.raises(ValueError, match="routed_experts_start=4 is outside"):
+        RoutedTurn([1, 2, 3], [4], [-0.1], routed_experts_start=4).validate()
+    bad = _sequence(routed_experts=np.zeros((4, 2, 2), dtype=np.uint8))
+    with pytest.raises(ValueError, match="int16"):
+        bad.validate()
+    _sequence(routed_experts=np.full((4, 2, 2), -1, dtype=np.int16)).validate()

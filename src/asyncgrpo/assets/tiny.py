@@ -19,7 +19,7 @@ from filelock import FileLock
 
 from asyncgrpo.assets.demo_model import cache_dir, smollm2_tokenizer_dir
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "qwen3_vl", "qwen3_5_vlm")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "olmoe", "qwen3_vl", "qwen3_5_vlm")
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
@@ -50,7 +50,7 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     elif arch == "qwen3":
         cls = Qwen3Config
         base["head_dim"] = 16
-    elif arch in ("qwen3_5", "qwen3_moe", "qwen3_vl", "qwen3_5_vlm"):
+    elif arch in ("qwen3_5", "qwen3_moe", "olmoe", "qwen3_vl", "qwen3_5_vlm"):
         return _family_config(arch, base, overrides)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {TINY_ARCHS}")
@@ -72,10 +72,10 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any):
 
 def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]):
     """Tiny configs of the general-path families: ``qwen3_5`` (three Gated DeltaNet layers, one attention layer),
-    ``qwen3_moe`` (4 experts, top-2), ``qwen3_vl`` (a 1-block vision tower in front of a tiny Qwen3 text model)
+    ``qwen3_moe`` (4 experts, top-2), ``olmoe`` (8 experts, top-2, un-normalised top-k weights), ``qwen3_vl`` (a 1-block vision tower in front of a tiny Qwen3 text model)
     and ``qwen3_5_vlm`` (the same in front of the ``qwen3_5`` hybrid: the family of the reference's quick start,
     Qwen/Qwen3.5-2B; docs/spec.md). For the two vision-language ones ``overrides`` go to the text config."""
-    from transformers import Qwen3_5Config, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3VLConfig
+    from transformers import OlmoeConfig, Qwen3_5Config, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3VLConfig
 
     if arch == "qwen3_5_vlm":
         text = _family_config("qwen3_5", base, {"head_dim": 32}).to_dict()
@@ -105,6 +105,11 @@ def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]):
         base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
         base.update(overrides)
         return Qwen3MoeConfig(**base)
+    if arch == "olmoe":
+        base.update(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False)
+        base.pop("head_dim")
+        base.update(overrides)
+        return OlmoeConfig(**base)
     text = dict(base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     text.update(overrides)
     vision = dict(  # noqa: C408 - keyword arguments of the vision config

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+import numpy as np
+
+from asyncgrpo import routed_experts
 from asyncgrpo.client.top_logprobs import (  # noqa: F401 - TopLogprobs re-exported
     NEG_INF_WIRE,
     TOKEN_KEY,
@@ -46,6 +49,9 @@ class GenerationResult:
     ``sampling_mask[i]`` lists the token ids that survived top-k/top-p/min-p
     (only ``/inference/v1/generate`` with ``--return-sampling-mask``).
     ``-inf`` log-probs (sent as -9999.0) are returned as ``-inf``.
+    ``routed_experts`` (servers started with ``--enable-return-routed-experts``): ``[n, layers, top_k]``
+    expert ids of prompt + output tokens from the request's ``routed_experts_prompt_start`` on, the last
+    output token excluded (``asyncgrpo.routed_experts``); None when the server does not return them.
     """
 
     token_ids: list[int]
@@ -58,6 +64,7 @@ class GenerationResult:
     prompt_token_ids: list[int] | None = None
     text: str | None = None
     request_id: str | None = None
+    routed_experts: np.ndarray | None = None
 
 
 def _lp(value: float | None) -> float:
@@ -122,6 +129,7 @@ def parse_generate_choice(choice: Mapping[str, Any], request_id: str | None = No
         sampling_mask=mask,
         weight_versions=spans,
         request_id=request_id,
+        routed_experts=_routed(choice, "POST /inference/v1/generate"),
     )
 
 
@@ -182,4 +190,16 @@ def parse_completion_choice(choice: Mapping[str, Any], request_id: str | None = 
         text=choice.get("text"),
         request_id=request_id,
         weight_versions=_spans(choice),
+        routed_experts=_routed(choice, "POST /v1/completions"),
     )
+
+
+def _routed(choice: Mapping[str, Any], endpoint: str) -> np.ndarray | None:
+    """The choice's ``routed_experts`` array (None when absent or null: the server does not capture routing)."""
+    text = choice.get(routed_experts.FIELD)
+    if text is None:
+        return None
+    try:
+        return routed_experts.decode(text)
+    except ValueError as exc:
+        raise ServerError(endpoint, 200, str(exc)) from exc

@@ -42,6 +42,8 @@ class PackedRow:
         num_trained_positions: distinct row positions holding a trained token (``batch/masked_token_frac``).
         path_count: [T] how many samples' paths hold each row token: the weight an unpacked batch of the same
             samples gives it (the MoE router loss counts tokens this way).
+        routed_experts: [T, layers, top_k] int16 sampler expert ids per row token (-1: none), or None when no
+            sample carries routing; a token shared by several samples takes the first sample's routing.
     """
 
     input_ids: torch.Tensor
@@ -65,6 +67,7 @@ class PackedRow:
     attention_cost: int
     num_trained_positions: int
     path_count: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -167,7 +170,24 @@ def pack_trie(trie: PrefixTrie) -> PackedRow:
         path_count=torch.from_numpy(np.bincount(np.concatenate(lay.sample_index), minlength=total).astype(np.int64))
         if lay.sample_index
         else torch.zeros(total, dtype=torch.long),
+        routed_experts=_row_routing(trie.samples, lay.sample_index, total),
     )
+
+
+def _row_routing(samples: list[PackSample], sample_index: list[np.ndarray], total: int) -> torch.Tensor | None:
+    """[T, layers, top_k] routing of the row's tokens: each sample's rows written last-to-first, so a shared
+    prefix keeps the first sample's (one routing per forwarded token); -1 where no sample routed the token."""
+    given = [(s.routed_experts, rows) for s, rows in zip(samples, sample_index) if s.routed_experts is not None]
+    if not given:
+        return None
+    shape = given[0][0].shape[1:]
+    out = np.full((total, *shape), -1, dtype=np.int16)
+    for routed, rows in reversed(given):
+        if routed.shape[1:] != shape:
+            raise ValueError(f"samples of one row carry routing of different shapes: {routed.shape[1:]} vs {shape}")
+        has = routed[:, 0, 0] >= 0
+        out[rows[has]] = routed[has]
+    return torch.from_numpy(out)
 
 
 def pack_samples(samples: list[PackSample], share_prefixes: bool = True) -> PackedRow:

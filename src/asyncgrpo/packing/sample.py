@@ -36,6 +36,8 @@ class PackSample:
         candidate_ids: optional [L] candidate sets (top-k/top-p sampling masks); an entry may
             be None or empty for untrained tokens.
         meta: anything the caller wants back with the packed row (not read by the packer).
+        routed_experts: optional [L, layers, top_k] int16 expert ids the sampler's MoE routers chose per token
+            (-1 rows: none); the packed row carries them for routing replay.
     """
 
     token_ids: Sequence[int] | np.ndarray
@@ -47,6 +49,7 @@ class PackSample:
     sampler_topn_logprobs: Sequence[Sequence[float]] | np.ndarray | None = None
     candidate_ids: Sequence[Sequence[int] | None] | None = None
     meta: Any = field(default=None, repr=False)
+    routed_experts: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int64).reshape(-1)
@@ -72,6 +75,10 @@ class PackSample:
             )
         if self.candidate_ids is not None and len(self.candidate_ids) != n:
             raise ValueError(f"candidate_ids has {len(self.candidate_ids)} entries for {n} tokens")
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.int16)
+            if self.routed_experts.ndim != 3 or len(self.routed_experts) != n:
+                raise ValueError(f"routed_experts {self.routed_experts.shape} must be [{n}, layers, top_k]")
 
     @classmethod
     def from_sequence(cls, seq: Any, meta: Any = None) -> PackSample:
@@ -86,6 +93,7 @@ class PackSample:
             sampler_topn_logprobs=getattr(seq, "sampler_top_logprobs", None),
             candidate_ids=getattr(seq, "candidate_sets", None),
             meta=seq if meta is None else meta,
+            routed_experts=getattr(seq, "routed_experts", None),
         )
 
     def __len__(self) -> int:

@@ -1,8 +1,9 @@
 """The diagnosis tables of docs/metrics.md ("The run doctor"), applied to the last steps of a run (X2).
 
 Five tables: the rollout queue (which side is the bottleneck), concurrency (which limit holds generation
-back), saturation (``frac_reward_zero_std`` / ``reward_dropped`` / ``reward`` read together), duplicates and
-the sampler mismatch (how much the sampler correction masks or truncates).
+back), saturation (``frac_reward_zero_std`` / ``reward_dropped`` / ``reward`` read together), duplicates,
+the sampler mismatch (how much the sampler correction masks or truncates) and MoE routing (is a
+sampler/trainer log-prob gap the routers' doing).
 The tables state the rows in words ("high", "nearly empty", "climbing"); the constants below turn each
 word into a figure, and every verdict carries the figures it rests on so a reader can disagree with them.
 """
@@ -36,6 +37,11 @@ DUP_CLIMB = 0.05
 CLIPPED_HIGH = 0.2
 MASKED_HIGH = 0.1  # the sampler correction removes more than a tenth of the trained tokens (window mean)
 TRUNCATED_HIGH = 0.2  # ... or clamps the weight of more than a fifth
+# MoE routing: a mean |sampler - trainer log-prob| above 0.02 nats is well past bf16 rounding on a dense model
+# (~1e-3); a router whose top-k set differs from the sampler's for more than 2 % of tokens in a layer is enough
+# for that gap (each flip changes a token's hidden state in every later layer).
+LOGP_GAP_HIGH = 0.02
+ROUTING_HIGH = 0.02
 
 
 @dataclass(frozen=True)
@@ -362,7 +368,59 @@ def sampler_verdict(run: RunLog, last: int) -> Verdict | None:
                    "nothing to do", True, figs)  # fmt: skip
 
 
+# ---- MoE routing -----------------------------------------------------------------------------------------------------
+def routing_verdict(run: RunLog, last: int) -> Verdict | None:
+    """On an MoE model: is the sampler/trainer log-prob gap the routers' doing (routing replay fixes that)?"""
+    moe = run.settings.mixture_of_experts or any(run.has(n) for n in ("aux_loss", "moe/router_disagreement/mean"))
+    gap = _mean(run.series("sampling/sampling_logp_difference/mean", last)[1][-3:])
+    if not moe or gap is None:
+        return None
+    disagree = _mean(run.series("moe/router_disagreement/mean", last)[1][-3:])
+    worst = _mean(run.series("moe/router_disagreement/max", last)[1][-3:])
+    replay = run.settings.router_replay
+    figs = {
+        "sampling/sampling_logp_difference/mean": _g(gap),
+        "moe/router_disagreement/mean": "n/a" if disagree is None else _pct(disagree),
+        "moe/router_disagreement/max": "n/a" if worst is None else _pct(worst),
+        "router_replay": str(replay),
+    }
+    if gap <= LOGP_GAP_HIGH:
+        return Verdict("routing", "sampler and trainer log-probs agree", "nothing to do", True, figs)
+    if replay:
+        return Verdict(
+            "routing",
+            "the log-prob gap is high although routing is replayed: the routers are not its cause",
+            "compare the server's and the trainer's dtype (a bf16 server for an fp32 trainer) and sample/staleness_mean",
+            False,
+            figs,
+        )
+    if disagree is not None and (worst or disagree) <= ROUTING_HIGH:
+        return Verdict(
+            "routing",
+            "the log-prob gap is high but the routers mostly agree with the sampler's: routing is not its cause",
+            "compare the server's and the trainer's dtype and sample/staleness_mean",
+            False,
+            figs,
+        )
+    return Verdict(
+        "routing",
+        "routing mismatch: on this mixture-of-experts model the trainer's routers choose other experts than the "
+        "sampler's" + ("" if disagree is not None else " (the usual cause of a high log-prob gap on MoE models)"),
+        "set router_replay=True and start the server with --enable-return-routed-experts"
+        + ("" if disagree is not None else " (vllm_return_routed_experts=True measures the mismatch first)"),
+        False,
+        figs,
+    )
+
+
 def diagnose(run: RunLog, last: int = 50) -> list[Verdict]:
     """Every table that the run's metrics allow, over the windows of the last ``last`` steps."""
-    checks = (queue_verdict, concurrency_verdict, saturation_verdict, duplicate_verdict, sampler_verdict)
+    checks = (
+        queue_verdict,
+        concurrency_verdict,
+        saturation_verdict,
+        duplicate_verdict,
+        sampler_verdict,
+        routing_verdict,
+    )
     return [v for v in (check(run, last) for check in checks) if v is not None]

@@ -102,7 +102,8 @@ def install_compact_progress(trainer: Any, progress: ProgressCallback) -> None:
 
 def settings_of(args: Any) -> RunSettings:
     """The settings the doctor's verdicts compare against, from an ``AsyncGRPOConfig``."""
-    return RunSettings(args.max_concurrent_rollouts, args.max_staleness, args.num_generations)
+    return RunSettings(args.max_concurrent_rollouts, args.max_staleness, args.num_generations,
+                       router_replay=bool(getattr(args, "router_replay", False)))  # fmt: skip
 
 
 def summary(windows: list[dict[str, float]], steps: int, wall_s: float, model_dir: str | None) -> str:

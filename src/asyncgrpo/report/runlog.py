@@ -27,6 +27,8 @@ class RunSettings:
     max_staleness: int = 4
     num_generations: int = 8
     reward_range: tuple[float, float] | None = None  # None: [min(0, lowest seen), max(1, highest seen)]
+    router_replay: bool = False
+    mixture_of_experts: bool = False  # run_config.json's "mixture_of_experts" (the doctor also reads moe/* metrics)
 
 
 @dataclass
@@ -106,6 +108,8 @@ def load_run(run_dir: str | Path, **overrides: Any) -> RunLog:
         for name in ("max_concurrent_rollouts", "max_staleness", "num_generations"):
             if isinstance(args.get(name), int):
                 values[name] = args[name]
+        values["router_replay"] = bool(args.get("router_replay", False))
+        values["mixture_of_experts"] = bool(cfg.get("mixture_of_experts", False))
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "reward_range" in values:
         values["reward_range"] = tuple(float(x) for x in values["reward_range"])

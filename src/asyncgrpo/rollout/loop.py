@@ -33,6 +33,7 @@ from asyncgrpo.client.answer_parse import AnswerParsers
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.models.vlm import check_no_images
+from asyncgrpo.rollout import routing
 from asyncgrpo.rollout.admission import ConcurrencyCap, RolloutSlots, StalenessAdmission
 from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.rollout.agents.episode import AgentRuntime
@@ -195,6 +196,8 @@ class AsyncRolloutLoop:
         """One sampling request with the run's sampling settings. The turn carries the server's ``finish_reason``;
         a rollout's last one decides whether it counts as clipped (``completions/*`` metrics)."""
         params = self.settings.sampling.request_params(len(prompt_ids), seed=self.requester.next_seed())
+        if self.settings.sampling.routed_experts:  # only the rows this rollout does not hold yet (rollout/routing.py)
+            params["routed_experts_prompt_start"] = routing.prompt_start(prompt_ids)
         (res,) = await self._sample(prompt_ids, params)
         return self.requester.turn(prompt_ids, res)
 

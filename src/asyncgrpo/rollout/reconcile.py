@@ -41,6 +41,7 @@ class _Held:
     masks: list[tuple[int, Any]] = field(default_factory=list)  # (positions, their candidate sets or None)
     trained: bool = False  # any output token trained (context tokens never are)
     answer_start: int | None = None  # where the last added answer begins (a realign may only cut inside it)
+    routed: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (first position, [n, layers, top_k] ids)
 
     def add_context(self, ids: list[int]) -> None:
         n = len(ids)
@@ -61,6 +62,29 @@ class _Held:
         self.logprobs += list(turn.output_log_probs) if turn.output_log_probs else [0.0] * n
         self.tops.append((n, turn.output_sampler_logprobs))
         self.masks.append((n, turn.output_sampling_mask))
+        routed = getattr(turn, "routed_experts", None)  # a RoutedTurn's (types.py); plain turns carry none
+        if routed is not None:  # the turn's prompt starts with the held tokens: same positions
+            self.routed.append((getattr(turn, "routed_experts_start", 0), routed))
+
+    def routing(self) -> np.ndarray | None:
+        """Per position the sampler's expert ids, int16 ``[L, layers, top_k]``, -1 where no turn routed the token.
+
+        A token routed by two turns (a prompt re-sent without ``routed_experts_prompt_start``) keeps the first
+        turn's routing: the tokens sampled right after it were drawn with that one.
+        """
+        if not self.routed:
+            return None
+        shape = self.routed[0][1].shape[1:]
+        out = np.full((len(self.ids), *shape), -1, dtype=np.int16)
+        filled = np.zeros(len(self.ids), dtype=bool)
+        for start, rows in self.routed:
+            if rows.shape[1:] != shape:
+                raise ValueError(f"routed_experts of one rollout differ in shape: {rows.shape[1:]} vs {shape}")
+            end = min(start + len(rows), len(self.ids))
+            take = ~filled[start:end]
+            out[start:end][take] = rows[: end - start][take]
+            filled[start:end] = True
+        return out
 
     def cut_answer(self, keep: int) -> None:
         """Keep the first ``keep`` tokens, cutting only inside the last answer (a realign drops its drifted tail)."""
@@ -200,6 +224,7 @@ def rollout_to_sequences(
                     sampler_top_logprobs=top_logprobs,
                     candidate_sets=held.candidates(),
                     rollout_id=rollout.rollout_id,
+                    routed_experts=held.routing(),
                 )
             )
 

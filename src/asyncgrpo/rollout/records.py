@@ -13,15 +13,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from asyncgrpo.rollout.agents.stats import ToolLoopStats
-from asyncgrpo.types import Rollout, TurnRecord
+from asyncgrpo.types import Rollout, RoutedTurn
 
 __all__ = ["SampledTurn", "ToolLoopRollout", "finish_reason", "tool_loop_stats"]
 
 
 @dataclass
-class SampledTurn(TurnRecord):
+class SampledTurn(RoutedTurn):
     """A turn the loop sampled, with the server's ``finish_reason`` (``"stop"``: EOS or a stop string,
-    ``"length"``: the token limit)."""
+    ``"length"``: the token limit) and, under MoE routing replay, the server's routing (``RoutedTurn``)."""
 
     finish_reason: str = "stop"
 

@@ -20,6 +20,7 @@ from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.client.server_rules import is_length_error
 from asyncgrpo.errors import ServerError
+from asyncgrpo.rollout import routing
 from asyncgrpo.rollout.records import SampledTurn
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.types import Rollout, TurnRecord
@@ -109,6 +110,7 @@ class Requester:
             output_sampling_mask=res.sampling_mask if sampling.wants_masks else None,
             output_sampler_logprobs=res.top_logprobs if sampling.num_sampler_logprobs is not None else None,
             finish_reason=res.finish_reason,
+            **(routing.turn_routing(prompt_ids, res) if sampling.routed_experts else {}),
         )
 
     def request_model(self, route: GroupRoute | None) -> str:

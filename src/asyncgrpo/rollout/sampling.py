@@ -35,6 +35,7 @@ class SamplingSettings:
     masks_supported: bool = False  # the server returns sampling masks (checked at start)
     initial_tokens_per_step: int = 1  # token_budget × rows per step (G3's first-step assumption)
     base_urls: tuple[str, ...] = ()  # every server of the run, when there are several (X5)
+    routed_experts: bool = False  # MoE routing replay: each turn carries the server's routed_experts
 
     @property
     def urls(self) -> tuple[str, ...]:

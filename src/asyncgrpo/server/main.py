@@ -113,6 +113,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="accepted for vLLM compatibility: /inference/v1/generate is always on here")  # fmt: skip
     a("--return-sampling-mask", action="store_true",
       help="return each token's candidate set (requests with temperature > 0 and top_k > 0)")  # fmt: skip
+    a("--enable-return-routed-experts", action="store_true",
+      help="answer each choice with routed_experts: the experts every MoE router chose per token (vLLM 0.33)")  # fmt: skip
     a("--kv-cache-tokens", type=int, default=None, help="KV-cache capacity in tokens (default: from memory)")
     a("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory this server may use")
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -183,6 +185,7 @@ def _serve_config(args: argparse.Namespace, device_type: str, max_num_seqs: int)
         served_model_name=args.served_model_name or str(args.model),
         max_logprobs=args.max_logprobs,
         return_sampling_mask=args.return_sampling_mask,
+        enable_return_routed_experts=args.enable_return_routed_experts,
         enable_scale_out=True,
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
@@ -263,6 +266,7 @@ def run_serve(args: argparse.Namespace) -> int:
         seed=args.seed, kv_cache_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras, enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )  # fmt: skip
     try:
         device_type = _device_type(args)

@@ -18,6 +18,7 @@ import torch
 from asyncgrpo.client.http_client import AsyncServerClient
 from asyncgrpo.client.server_rules import DEV_MODE_HINT, NOT_CONFIGURED_HINT, kv_capacity
 from asyncgrpo.errors import ServerError
+from asyncgrpo.routed_experts import CONFIG_KEY
 from asyncgrpo.vllm_traits import config_section
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class ServerFacts:
     max_loras: int | None = None  # --max-loras (with --enable-lora)
     lora_adapters: tuple[str, ...] = ()  # adapters already registered (their /v1/models cards have a parent)
     weight_transfer: bool = True  # started with --weight-transfer-config (merged sync needs it; adapter sync does not)
+    routed_experts: bool = False  # --enable-return-routed-experts (vllm_config.aux_output_config): MoE routing replay
 
     @property
     def lora_enabled(self) -> bool:
@@ -99,6 +101,7 @@ async def _probe(base_url: str, timeout: float, want_masks: bool, connect_timeou
             max_loras=int(lora.get("max_loras") or 1) if lora else None,
             lora_adapters=tuple(m["id"] for m in models if m.get("parent") not in (None, "")),
             weight_transfer=bool(transfer) or "vllm_config" not in info,
+            routed_experts=bool(config_section(info, "vllm_config", "aux_output_config").get(CONFIG_KEY, False)),
         )
 
 
@@ -209,6 +212,7 @@ def probe_servers(
         max_loras=min(f.max_loras or 0 for f in each) if lora else None,
         lora_adapters=tuple(sorted({a for f in each for a in f.lora_adapters})),
         weight_transfer=all(f.weight_transfer for f in each),
+        routed_experts=all(f.routed_experts for f in each),
     )
 
 

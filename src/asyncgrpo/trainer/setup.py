@@ -29,6 +29,7 @@ from asyncgrpo.rollout.settings import RolloutSettings, lora_adapter_name
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.checkpoint import ResumePoint
 from asyncgrpo.trainer.data_accounting import DataAccounting
+from asyncgrpo.trainer.moe_replay import check_server_routing
 from asyncgrpo.trainer.packed_forward import causal_lm_of
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.served_weights import warn_on_foreign_weights
@@ -120,6 +121,7 @@ def read_servers(trainer: SetupSeam) -> ServerFacts | None:
         warn_on_foreign_weights(args.server_urls, trainer.model_id)  # on_train_begin pushes this run's weights
         n_logprobs = args.num_sampler_logprobs if args.score_centering else 0
         check_sampling_limits(facts, temperature=args.temperature, top_k=args.top_k, num_sampler_logprobs=n_logprobs)
+        check_server_routing(args.wants_routed_experts, facts.routed_experts, args.server_urls)
     facts = trainer.share_from_rank_zero(facts)
     check_weight_transfer(facts, args.server_urls, adapter_sync_chosen(facts, trainer.model))
     return facts

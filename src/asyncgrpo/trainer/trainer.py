@@ -52,7 +52,8 @@ from asyncgrpo.trainer.compile import compile_decoder_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
-from asyncgrpo.trainer.moe import experts_per_token, resolve_router_aux_coef, router_aux_loss
+from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
+from asyncgrpo.trainer.moe_replay import build_router_replay
 from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
 from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
@@ -144,6 +145,7 @@ class AsyncGRPOTrainer(Trainer):
         text_config = getattr(model.config, "text_config", None) or model.config  # a VLM's MoE lives in its text model
         self.router_aux_coef = resolve_router_aux_coef(text_config, args.router_aux_loss_coef)  # L6; 0 = off
         self.router_top_k = experts_per_token(text_config)
+        self.router_replay = build_router_replay(model, args.router_replay, args.wants_routed_experts)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if peft_config is not None:
@@ -198,6 +200,7 @@ class AsyncGRPOTrainer(Trainer):
         self.run_info: dict[str, Any] = {
             "model": model_id,
             "reward_funcs": [reward_function_name(f) for f in reward_funcs],
+            "mixture_of_experts": is_moe(text_config),  # the run doctor's routing table
         }
         self.worker: RolloutWorker | Any = None  # rank 0, during train() (a TRLWorkerHost around rollout_worker)
         self.source: RolloutSource | None = None  # rank 0, during train()
@@ -388,9 +391,14 @@ class AsyncGRPOTrainer(Trainer):
         if row is None or row.num_tokens == 0:  # every process must forward (FSDP collectives): a 1-token row
             row = pack_samples([PackSample([0, 0], [0, 0], [0.0, 0.0], 0.0, -1)])
         row = row.to(self.args.device)
+        replay = self.router_replay  # the sampler's routing stays set through backward (checkpointed layers re-run)
+        if replay is not None:
+            replay.begin(row.routed_experts)
         with self.compute_loss_context_manager():
             router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
             fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
+            if replay is not None:
+                replay.end_forward()
             result = self._policy_loss(fwd, row, inputs["normalizer"]) if row.num_trained else None
             # A row without trained tokens still joins every parameter to the graph (FSDP reduces them all).
             loss = (result.loss if result is not None else 0.0) + fwd.anchor
@@ -401,6 +409,8 @@ class AsyncGRPOTrainer(Trainer):
             torch.cuda.synchronize()  # CPU-GPU sync points: only for honest perf/fwd_s and perf/fwd_bwd_s
         forward_s = time.perf_counter() - t0
         self.accelerator.backward(loss)
+        if replay is not None:
+            replay.end()
         if self._device_is_cuda():
             torch.cuda.synchronize()
         self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens, forward_s)
@@ -433,5 +443,7 @@ class AsyncGRPOTrainer(Trainer):
                 self.window.extend(self.worker.drain_metrics())
             if self.source is not None:
                 self.window.extend(self.source.take_metrics())
+            for name, value in (self.router_replay.take_metrics() if self.router_replay else {}).items():
+                self.window.add(name, value)  # moe/*: this process's rows
             logs = {**logs, **self.window.flush(), "num_tokens": self.step_stats.num_tokens_total}
         super().log(logs, start_time)

@@ -48,6 +48,7 @@ def build_rollout_settings(
         kv_cache_tokens=facts.kv_cache_tokens,
         has_metrics=facts.has_metrics,
         masks_supported=facts.masks_supported,
+        routed_experts=args.wants_routed_experts,  # MoE routing replay or its diagnosis
     )
     return RolloutSettings(
         model_name=facts.model_name,

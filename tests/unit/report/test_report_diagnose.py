@@ -305,3 +305,29 @@ def test_sampler_mismatch_truncating_too_much(tmp_path):
 def test_sampler_mismatch_healthy(tmp_path):
     v = verdict(write_run(tmp_path, sampling__masked_mean=0.02), "sampler mismatch")
     assert v.healthy and v.figures["sampling/masked_mean"] == "2 %"
+
+
+# ---- MoE routing table -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("series", "config", "diagnosis", "healthy"),
+    [
+        ({"aux_loss": 1.0, "sampling__sampling_logp_difference__mean": 0.003}, None, "log-probs agree", True),
+        ({"aux_loss": 1.0, "sampling__sampling_logp_difference__mean": 0.08}, None, "routing mismatch", False),
+        ({"sampling__sampling_logp_difference__mean": 0.08, "moe__router_disagreement__mean": 0.15,
+          "moe__router_disagreement__max": 0.3}, {"router_replay": False}, "routing mismatch", False),
+        ({"sampling__sampling_logp_difference__mean": 0.08, "moe__router_disagreement__mean": 0.004,
+          "moe__router_disagreement__max": 0.01}, None, "routers mostly agree", False),
+        ({"sampling__sampling_logp_difference__mean": 0.08, "moe__router_disagreement__mean": 0.15},
+         {"router_replay": True}, "although routing is replayed", False),
+    ],
+)  # fmt: skip
+def test_routing_rows(tmp_path, series, config, diagnosis, healthy):
+    v = verdict(write_run(tmp_path, config=config, **series), "routing")
+    assert diagnosis in v.diagnosis and v.healthy is healthy
+    if not healthy and "mismatch" in diagnosis:
+        assert "router_replay=True" in v.action and "--enable-return-routed-experts" in v.action
+
+
+def test_no_routing_verdict_for_a_dense_model(tmp_path):
+    run = write_run(tmp_path, sampling__sampling_logp_difference__mean=0.08)
+    assert not [v for v in diagnose(load_run(run)) if v.table == "routing"]

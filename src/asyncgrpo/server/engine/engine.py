@@ -36,6 +36,7 @@ from asyncgrpo.server.engine.kv_cache import (
 from asyncgrpo.server.engine.loop import EngineLoop
 from asyncgrpo.server.engine.lora import LoRAManager
 from asyncgrpo.server.engine.request import EngineStats, PauseMode, Request, RequestOutput, validate_request
+from asyncgrpo.server.engine.routing_capture import RoutingCapture
 from asyncgrpo.server.engine.row_prefill import ROW_BUCKETS
 from asyncgrpo.server.engine.runner import ModelRunner
 from asyncgrpo.server.engine.sampler import Sampler
@@ -79,6 +80,7 @@ class Engine:
     dtype: torch.dtype
     gpu_uuid: str | None
     pid: int
+    routing: RoutingCapture | None = None  # --enable-return-routed-experts
 
     def __init__(self, model: str | os.PathLike | Any, settings: EngineSettings | None = None, **options: Any) -> None:
         if settings is not None and options:
@@ -110,6 +112,10 @@ class Engine:
         self.max_model_len = int(max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN))
         if self.max_model_len > limit:
             logger.warning("max_model_len %d exceeds max_position_embeddings %d", self.max_model_len, limit)
+        if s.enable_return_routed_experts:  # a dense model (every native one is dense) is refused, as vLLM does
+            self.routing = RoutingCapture(hf, cfg)
+            if not self.general_path:
+                raise ValueError(f"--enable-return-routed-experts: {type(hf).__name__} has no MoE router to capture")
         self._model = GeneralLM(hf) if self.general_path else DecoderLM(hf, self.max_model_len)
         self.dtype = self._model.dtype
         self.device = self._model.device
@@ -162,7 +168,7 @@ class Engine:
         )  # fmt: skip
         self._scheduler = Scheduler(self._kv, max_num_seqs, budget)
         if self.general_path:  # KVCache above holds no tensors (m.layers is empty): block accounting only
-            self._runner = GeneralRunner(m, self._kv)
+            self._runner = GeneralRunner(m, self._kv, self.routing)
         else:
             self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager,
                                        max_prefill_rows=prefill_rows)  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from asyncgrpo.server.engine.kv_cache import KVCache
+from asyncgrpo.server.engine.routing_capture import RoutingCapture
 from asyncgrpo.server.engine.scheduler import Sequence
 from asyncgrpo.server.models.hf import GeneralLM
 
@@ -46,9 +47,10 @@ class GeneralRunner:
 
     backend = "hf-general"
 
-    def __init__(self, model: GeneralLM, kv: KVCache) -> None:
+    def __init__(self, model: GeneralLM, kv: KVCache, routing: RoutingCapture | None = None) -> None:
         self.model = model
         self.kv = kv
+        self.routing = routing  # --enable-return-routed-experts: each sequence keeps its routers' expert ids
         self.device = model.device
         self._where: dict[Sequence, tuple[_Cohort, int]] = {}
         params = inspect.signature(model.hf_model.forward).parameters
@@ -87,11 +89,14 @@ class GeneralRunner:
         for idx in by_len.values():
             group = [seqs[i] for i in idx]
             logits, cache = self._forward([s.token_ids for s in group], None)
+            routed = self.routing.take(len(group), len(group[0].token_ids)) if self.routing else None
             cohort = _Cohort(cache, list(group))
             for r, (i, s) in enumerate(zip(idx, group)):
                 self._where[s] = (cohort, r)
                 s.num_cached = len(s.token_ids)
                 rows[i] = logits[r]
+                if routed is not None:  # the whole sequence was forwarded: its rows start again
+                    s.routed_rows = [routed[r]]
         return torch.stack(rows)  # type: ignore[arg-type]
 
     @torch.no_grad()
@@ -119,10 +124,13 @@ class GeneralRunner:
             filler = next(feed[m] for m in cohort.members if m is not None)
             ids = [[feed[m] if m is not None else filler] for m in cohort.members]
             logits, cohort.cache = self._forward(ids, cohort.cache)
+            routed = self.routing.take(len(ids), 1) if self.routing else None
             for r, m in enumerate(cohort.members):
                 if m is not None:
                     m.num_cached = len(m.token_ids) + ahead
                     out[m] = logits[r]
+                    if routed is not None and m.routed_rows is not None:
+                        m.routed_rows.append(routed[r])  # the fed token's routing, in position order
         return torch.stack([out[s] for s in seqs])
 
     def _forward(self, token_ids: list[list[int]], cache: Any) -> tuple[torch.Tensor, Any]:

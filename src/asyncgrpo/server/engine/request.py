@@ -9,7 +9,7 @@ imports torch, so the HTTP layer stays light.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -37,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     return_sampling_mask: bool = False
+    routed_experts_prompt_start: int = 0  # first prompt token whose routing is returned (vLLM 0.33)
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +72,9 @@ class RequestOutput:
     ``params.logprobs`` most likely tokens of that same distribution, best first
     (None when not requested). ``sampling_mask[i]`` is the sorted list of token ids
     that survived top-k/top-p/min-p at step i (None unless requested).
-    EOS/stop tokens are included in ``token_ids``.
+    EOS/stop tokens are included in ``token_ids``. ``routed_experts`` (a numpy array, engines started with
+    ``enable_return_routed_experts``): ``[prompt + output - 1 - start, layers, top_k]`` expert ids of the
+    forwarded tokens from ``params.routed_experts_prompt_start`` on (``asyncgrpo.routed_experts``).
     """
 
     request_id: str
@@ -84,6 +87,7 @@ class RequestOutput:
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     error: str | None = None
+    routed_experts: Any = None
 
 
 @dataclass
@@ -122,6 +126,10 @@ def validate_request(request: Request, max_model_len: int, vocab_size: int, lora
         (p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
         (0 <= p.min_tokens <= p.max_tokens, f"min_tokens ({p.min_tokens}) must be in [0, max_tokens]"),
         (p.logprobs is None or 0 <= p.logprobs <= vocab_size, f"logprobs must be >= 0, got {p.logprobs}"),
+        (
+            0 <= p.routed_experts_prompt_start <= len(ids),
+            f"routed_experts_prompt_start must be in [0, {len(ids)}] (the prompt), got {p.routed_experts_prompt_start}",
+        ),
     ]
     for ok, msg in checks:
         if not ok:

@@ -28,6 +28,9 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from asyncgrpo.server.engine.kv_cache import KVCache
 from asyncgrpo.server.engine.packed_top import engine_top
@@ -65,6 +68,9 @@ class Sequence:
     sampler_row: object | None = None  # the engine loop's cached SamplerRow
     min_tokens_ban: list[int] = field(default_factory=list)
     finished: bool = False
+    # [n, layers, top_k] blocks of expert ids of the tokens forwarded so far, in position order (engines that
+    # capture routing: engine/routing_capture.py); a prefill from position 0 replaces them
+    routed_rows: list[Any] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.request.prompt_token_ids)
@@ -114,7 +120,16 @@ class Sequence:
             sampling_mask=self.sampling_mask,
             weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in self.spans],
             error=error,
+            routed_experts=self._routed_experts(),
         )
+
+    def _routed_experts(self) -> Any:
+        """vLLM's rows: tokens ``[start, len(token_ids) - 1)`` (the last sampled token was never forwarded; a
+        decode ahead may have forwarded it, and its row is dropped)."""
+        if not self.routed_rows:
+            return None
+        rows = np.concatenate(self.routed_rows)[: len(self.token_ids) - 1]
+        return rows[self.request.params.routed_experts_prompt_start :]
 
 
 def _adapter_key(seq: Sequence) -> int | None:

@@ -31,6 +31,8 @@ class EngineSettings:
         max_num_batched_tokens: prefill token budget per step (extension); None: max(16384, max_model_len).
         enable_prefix_caching: reuse the KV blocks of equal prompt prefixes (vLLM's default: on); every
             weight load, LoRA load/unload and prefix-cache reset empties the cache.
+        enable_return_routed_experts: answer each request with the expert ids every MoE router chose for its
+            tokens (vLLM 0.33's flag; mixture-of-experts models, which run the general path).
     """
 
     dtype: str = "auto"
@@ -47,6 +49,7 @@ class EngineSettings:
     enforce_eager: bool = False
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    enable_return_routed_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class ServerConfig:
     served_model_name: str
     max_logprobs: int = 20
     return_sampling_mask: bool = False
+    enable_return_routed_experts: bool = False
     enable_scale_out: bool = True
     enable_lora: bool = False
     max_lora_rank: int = 16
@@ -279,6 +280,7 @@ async def server_info(request: web.Request) -> web.Response:
         "device_config": {"device": str(e.device)},
         "lora_config": {"max_lora_rank": cfg.max_lora_rank, "max_loras": cfg.max_loras} if cfg.enable_lora else None,
         "weight_transfer_config": wt,
+        "aux_output_config": {"enable_return_routed_experts": cfg.enable_return_routed_experts, "max_bytes": None},
     }  # fmt: skip
     ours = {"kv_cache_tokens": e.kv_cache_tokens, "weight_transfer_backend": cfg.weight_transfer_backend,
             "return_sampling_mask": cfg.return_sampling_mask, "enable_scale_out": cfg.enable_scale_out,

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asyncgrpo.routed_experts import FIELD, PROMPT_START
+from asyncgrpo.routed_experts import encode as encode_routed
 from asyncgrpo.server.engine.request import Request, RequestOutput, SamplingParams
 from asyncgrpo.server.errors import ApiError
 from asyncgrpo.server.http.wire_json import RawJSON, completion_logprobs_json, encode_with_raw, generate_content_json
@@ -185,6 +187,8 @@ def _sampling(
          f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"),
         (logprobs is None or 0 <= logprobs <= max_logprobs, "logprobs",
          f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {max_logprobs} (--max-logprobs)"),
+        (0 <= (start := _get(src, PROMPT_START, int, 0, optional=True) or 0) <= prompt_len, PROMPT_START,
+         f"{PROMPT_START} must be between 0 and the prompt length ({prompt_len}), inclusive, got {start}"),
     ]  # fmt: skip
     for ok, param, message in checks:
         if not ok:
@@ -206,6 +210,7 @@ def _sampling(
         ignore_eos=bool(_get(src, "ignore_eos", bool, False, optional=True)),
         min_tokens=min(min_tokens or 0, max_tokens),
         logprobs=logprobs,
+        routed_experts_prompt_start=start,
     )
     if limits.return_sampling_mask:
         # vLLM 0.33 (v1/engine/input_processor.py): with --return-sampling-mask every request on every endpoint
@@ -298,6 +303,7 @@ def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> di
             "token_ids": list(out.token_ids),
             "logprobs": logprobs,
             "sampling_mask": out.sampling_mask,
+            FIELD: _routed(out),
             "weight_versions": _spans(out),
         })  # fmt: skip
     completion = sum(len(o.token_ids) for o in outputs)
@@ -310,6 +316,11 @@ def generate_response(parsed: ParsedRequest, outputs: list[RequestOutput]) -> di
         "prompt_token_ids": parsed.prompt_token_ids,
         "choices": choices,
     }
+
+
+def _routed(out: RequestOutput) -> str | None:
+    """``routed_experts``: base64 ``.npy`` of the engine's array; null from an engine that does not capture."""
+    return None if out.routed_experts is None else encode_routed(out.routed_experts)
 
 
 def _spans(out: RequestOutput) -> list[dict[str, Any]]:
@@ -394,6 +405,7 @@ def completion_response(
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
             "prompt_logprobs": None,
+            FIELD: _routed(out),
             "weight_versions": _spans(out) if parsed.return_weight_versions else None,
         }
         if parsed.return_token_ids:
