@@ -342,6 +342,11 @@ class Engine:
         """Tokens generated from now on are labelled with ``version``."""
         self._core.weight_version = str(version)
 
+    def preempt_for_new_weights(self) -> None:
+        """On the engine thread (inside :meth:`run_between_steps`): a ``keep`` pause's effect on the running requests
+        without the pause, for a job that loads new weights between two steps (``round_step.py``)."""
+        self._core.preempt_for_new_weights()
+
     def reset_prefix_cache(self, timeout: float | None = 60.0) -> bool:
         """Forget every cached prefix block (on the engine thread, between steps). Always succeeds: blocks
         still used by running requests only lose their key."""

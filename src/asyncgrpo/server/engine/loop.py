@@ -186,15 +186,18 @@ class EngineLoop:
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort", error=error)
 
+    def preempt_for_new_weights(self) -> None:
+        """What a ``keep`` pause with cleared caches does (vLLM 0.33, ``v1/engine/core.py``): the frozen requests are
+        preempted, so their KV is recomputed with whatever weights are loaded by the next step. Engine thread only."""
+        self.scheduler.preempt_all()
+        self.scheduler.kv.reset_prefix_cache()
+
     def _pause(self, mode: PauseMode, clear_cache: bool, fut: Future) -> None:
         self.pause_mode = mode
         if mode == "abort":
             self._abort_all()
         if mode == "keep" and clear_cache:
-            # vLLM 0.33 (v1/engine/core.py): clearing the caches preempts the frozen requests, so their KV is
-            # recomputed on resume, with whatever weights are loaded by then.
-            self.scheduler.preempt_all()
-            self.scheduler.kv.reset_prefix_cache()
+            self.preempt_for_new_weights()
         if mode == "wait" and self.scheduler.running:
             self._drain_waiters.append(fut)  # answered once the running sequences are done
         else:

@@ -14,12 +14,14 @@ vLLM gets the five requests.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from asyncgrpo.server.engine.request import PauseMode
 from asyncgrpo.server.errors import ApiError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PAUSE_TIMEOUT_S = 60.0  # a keep pause waits for the running step to end, never for requests to finish
 
@@ -29,6 +31,8 @@ class PausableEngine(Protocol):
     def weight_version(self) -> str: ...
     def pause(self, mode: PauseMode, timeout: float | None = None, *, clear_cache: bool = True) -> None: ...
     def resume(self) -> None: ...
+    def preempt_for_new_weights(self) -> None: ...
+    def run_between_steps(self, fn: Callable[[], T], timeout: float | None = None) -> T: ...
 
 
 class RoundSteps(Protocol):
@@ -52,6 +56,8 @@ def round_step(receiver: RoundSteps, engine: PausableEngine, info: Any, *, begin
     then the update when ``info`` is given; ``end``: finish (labelling the weights ``version``) and resume.
     Returns the engine's weight version after the step."""
     check_flags(begin, end)
+    if begin and end:
+        return engine.run_between_steps(lambda: _whole_round(receiver, engine, info, version))
     try:
         if begin:
             engine.pause("keep", PAUSE_TIMEOUT_S, clear_cache=True)
@@ -65,6 +71,23 @@ def round_step(receiver: RoundSteps, engine: PausableEngine, info: Any, *, begin
         return str(engine.weight_version)
     except BaseException:
         _close_and_resume(receiver, engine)
+        raise
+
+
+def _whole_round(receiver: RoundSteps, engine: PausableEngine, info: Any, version: Any) -> str:
+    """A round of one call as one job on the engine thread, between two steps: no step runs while it does, so
+    the pause and the resume are implied, and the frozen requests are preempted as a ``keep`` pause with cleared
+    caches does. Each thread hand-off of the separate steps costs up to a GIL switch interval on a busy host; here
+    there are none (the receiver's own between-steps calls run inline on this thread)."""
+    engine.preempt_for_new_weights()
+    receiver.start()
+    try:
+        if info is not None:
+            receiver.update(info)
+        return receiver.finish(version)
+    except BaseException:
+        if receiver.active:
+            receiver.finish(None)
         raise
 
 
