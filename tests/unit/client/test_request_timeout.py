@@ -70,6 +70,9 @@ def test_without_a_timeout_name_a_timeout_is_retried_as_before(silent_server):
         finally:
             await client.close()
 
+    start = time.monotonic()
     with pytest.raises(ServerTimeoutError, match="no answer within"):
         asyncio.run(call())
-    assert client.retry_count == 1 and len(conns) == 2
+    # two attempts, each waited out its 0.3 s (whether aiohttp opens a second connection for the retry is its own
+    # business: 3.9 may not have accepted it yet when the second attempt times out)
+    assert client.retry_count == 1 and len(conns) >= 1 and time.monotonic() - start >= 0.6
