@@ -16,6 +16,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from asyncgrpo.server.launcher import free_port
@@ -28,18 +29,23 @@ MAX_LORAS = 4  # max_staleness + 2 for the lane's runs (max_staleness <= 2)
 MAX_MODEL_LEN = 512
 
 
-def vllm_command(python: str, model_dir: Path, port: int, *, weight_transfer: bool = True) -> list[str]:
-    """The lane's launch line (``weight_transfer=False`` drops ``--weight-transfer-config``)."""
+def vllm_command(
+    python: str, model_dir: Path, port: int, *, weight_transfer: bool = True, lora: bool = True,
+    extra_args: Sequence[str] = (),
+) -> list[str]:  # fmt: skip
+    """The lane's launch line (``weight_transfer=False`` drops ``--weight-transfer-config``, ``lora=False`` the
+    LoRA flags; ``extra_args`` are appended, e.g. ``--enable-return-routed-experts``)."""
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
         "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill", "--no-async-scheduling",
-        "--enforce-eager", "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS),
-        "--api-server-count", "1", "--enable-scale-out",
+        "--enforce-eager", "--api-server-count", "1", "--enable-scale-out",
     ]  # fmt: skip
+    if lora:
+        cmd += ["--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS)]
     if weight_transfer:
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    return cmd
+    return cmd + list(extra_args)
 
 
 def vllm_env() -> dict[str, str]:
@@ -66,11 +72,16 @@ def _health(base_url: str) -> bool:
 class RealVllm:
     """One vLLM server process; :meth:`restart` stops it and starts the same command on the same port."""
 
-    def __init__(self, python: str, model_dir: Path, log_dir: Path, *, weight_transfer: bool = True) -> None:
+    def __init__(
+        self, python: str, model_dir: Path, log_dir: Path, *, weight_transfer: bool = True, lora: bool = True,
+        extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.python, self.model_dir, self.log_dir = python, Path(model_dir), Path(log_dir)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = vllm_command(python, self.model_dir, self.port, weight_transfer=weight_transfer)
+        self.lora, self.extra_args, self.extra_env = lora, tuple(extra_args), dict(extra_env or {})
+        self.command = vllm_command(python, self.model_dir, self.port, weight_transfer=weight_transfer, lora=lora,
+                                    extra_args=self.extra_args)  # fmt: skip
         self.proc: subprocess.Popen | None = None
         self.starts: list[float] = []  # seconds each start took
         self._log_index = 0
@@ -84,8 +95,9 @@ class RealVllm:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_index += 1
         t0 = time.monotonic()
+        env = {**vllm_env(), **self.extra_env}
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # fmt: skip
         next_log = t0 + WAIT_LOG_INTERVAL_S
         while not _health(self.base_url):
@@ -125,7 +137,8 @@ class RealVllm:
         """Stop, then start again on the same port (``weight_transfer`` changes the flag; None keeps it)."""
         self.stop()
         if weight_transfer is not None:
-            self.command = vllm_command(self.python, self.model_dir, self.port, weight_transfer=weight_transfer)
+            self.command = vllm_command(self.python, self.model_dir, self.port, weight_transfer=weight_transfer,
+                                        lora=self.lora, extra_args=self.extra_args)  # fmt: skip
         self.start()
 
     @property
