@@ -11,6 +11,7 @@ import copy
 import datetime
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,7 +103,17 @@ def _fsdp_main(rank: int, port: int, path: str) -> None:
             else:
                 join_policy_gathers(model)
     finally:
-        dist.destroy_process_group()
+        # Rank 0 hosts the rendezvous store: it leaves last, or rank 1's teardown may still poll the store after
+        # it closed and abort ("terminate called without an active exception", seen once on a loaded machine).
+        done = Path(path + ".rank1-left")
+        if rank == 1:
+            dist.destroy_process_group()
+            done.touch()
+        else:
+            deadline = time.monotonic() + 90
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            dist.destroy_process_group()
     if rank == 0:
         torch.save(out, path)
 
