@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -106,7 +107,7 @@ def ipc_round(
         raise
     step("start")
     calls, posting = 0, 0.0  # the time in update calls (the server's side), the rest of "updates" is this side's
-    try:
+    with _updates_of_round(sender, client, bodies, export):
         body = first if barrier is None else next(bodies, None)
         while body is not None:
             t = time.perf_counter()
@@ -118,12 +119,6 @@ def ipc_round(
         steps["update_calls_ms"] = posting * 1e3
         assert sender._loop is not None
         RoundControl(client, sender._loop.run, sender.timeout_s).finish(version)
-    except (ServerError, WeightTransferError) as exc:
-        _end_failed_round(sender, client)
-        raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc
-    finally:
-        bodies.close()
-        export.end_round()
     sender.pushed[client.base_url] = str(version)
     step("finish_and_reset")
     sender._http(client.resume(timeout=sender.timeout_s), "POST /resume")
@@ -155,6 +150,22 @@ def _server_kind(sender: WeightSender, client: ServerControl) -> tuple[bool, boo
     return True, ours.get("weight_round_step") is True
 
 
+@contextmanager
+def _updates_of_round(
+    sender: WeightSender, client: ServerControl, bodies: Generator[Any, None, None], export: IpcExport
+) -> Iterator[None]:
+    """Around a round's update calls: a failed call ends the round on the server (``_end_failed_round``) and is
+    raised as the sender's error; the bodies and the round's exports are released either way."""
+    try:
+        yield
+    except (ServerError, WeightTransferError) as exc:
+        _end_failed_round(sender, client)
+        raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc
+    finally:
+        bodies.close()
+        export.end_round()
+
+
 def _end_failed_round(sender: WeightSender, client: ServerControl) -> None:
     """Close the server's half-done round and resume it, by the same rule as every backend (``RoundControl``:
     vLLM clears its round on a failed update and leaves the weights on the meta device until a finish)."""
@@ -176,7 +187,7 @@ def one_request_per_call(
     t_pre = time.perf_counter()
     bodies = export.bodies(tensors, metas, packed=sender.packed)
     steps: dict[str, Any] = {}
-    try:
+    with _updates_of_round(sender, client, bodies, export):
         body = next(bodies, None)
         t0 = time.perf_counter()
         steps["prepared_before_pause_ms"] = (t0 - t_pre) * 1e3
@@ -188,12 +199,6 @@ def one_request_per_call(
             if call == 1:
                 steps["pause"] = steps["start"] = (time.perf_counter() - t0) * 1e3
             body = None if last else next(bodies, None)
-    except (ServerError, WeightTransferError) as exc:
-        _end_failed_round(sender, client)
-        raise WeightTransferError(f"the ipc weight update of {client.base_url} failed: {exc}") from exc
-    finally:
-        bodies.close()
-        export.end_round()
     t3 = time.perf_counter()
     sender.pushed[client.base_url] = str(version)
     steps["updates"] = steps["finish_and_reset"] = steps["resume"] = (t3 - t0) * 1e3
