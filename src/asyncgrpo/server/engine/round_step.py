@@ -86,18 +86,22 @@ def _whole_round(receiver: RoundSteps, engine: PausableEngine, info: Any, versio
             receiver.update(info)
         return receiver.finish(version)
     except BaseException:
-        if receiver.active:
-            receiver.finish(None)
+        _close(receiver)
         raise
 
 
-def _close_and_resume(receiver: RoundSteps, engine: PausableEngine) -> None:
-    """After a failed step: close a round still open (vLLM mode already closed it) and resume the engine."""
+def _close(receiver: RoundSteps) -> None:
+    """After a failed step: close a round still open (vLLM mode already closed it)."""
     if receiver.active:
         try:
             receiver.finish(None)
         except ApiError as exc:  # pragma: no cover - finish of an active round only fails if unconfigured
             logger.warning("could not close the failed weight round: %s", exc.message)
+
+
+def _close_and_resume(receiver: RoundSteps, engine: PausableEngine) -> None:
+    """After a failed step of a round of several calls: close it and resume the engine paused by its first call."""
+    _close(receiver)
     try:
         engine.resume()
     except Exception:  # the step's own error is the one to report

@@ -16,7 +16,6 @@ from aiohttp import web
 
 from asyncgrpo.server.engine.api import EngineAPI, ReceiverAPI
 from asyncgrpo.server.engine.awaiting import awaited
-from asyncgrpo.server.engine.round_step import check_flags
 from asyncgrpo.server.errors import ApiError
 
 
@@ -81,8 +80,7 @@ def add_weight_routes(app: web.Application, receiver: ReceiverAPI, engine: Engin
 
     async def round_step(request: web.Request) -> web.Response:
         body = await _body(request)
-        begin, end = body.get("begin", False), body.get("end", False)
-        check_flags(begin, end)
+        begin, end = body.get("begin", False), body.get("end", False)  # checked beside the weights (round_step.py)
         version = await receiver.round_step_async(body.get("update_info"), begin, end, body.get("weight_version"))
         return web.json_response({"message": "Weight round step done", "weight_version": version})
 
