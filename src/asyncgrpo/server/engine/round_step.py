@@ -39,6 +39,7 @@ class RoundSteps(Protocol):
     """The receiver's protocol steps (``weight_receiver.WeightReceiver``; named here, it imports this module)."""
 
     active: bool
+    timeout_s: float  # the bound on one round's transfer (--weight-transfer-timeout)
 
     def start(self) -> None: ...
     def update(self, info: Any) -> None: ...
@@ -57,7 +58,9 @@ def round_step(receiver: RoundSteps, engine: PausableEngine, info: Any, *, begin
     Returns the engine's weight version after the step."""
     check_flags(begin, end)
     if begin and end:
-        return engine.run_between_steps(lambda: _whole_round(receiver, engine, info, version))
+        # bounded as the receiver bounds one update (WeightReceiver.update), plus the wait for the running step
+        job = lambda: _whole_round(receiver, engine, info, version)
+        return engine.run_between_steps(job, timeout=receiver.timeout_s + 30 + PAUSE_TIMEOUT_S)
     try:
         if begin:
             engine.pause("keep", PAUSE_TIMEOUT_S, clear_cache=True)
