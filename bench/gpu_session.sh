@@ -75,6 +75,29 @@ for stage in "$@"; do
       timeout 590 python3 bench/learning.py --train-seconds 150 --eval-every 30 --token-budget 16384 \
         --learning-rate 1e-5 --gradient-checkpointing --out "$OUT/learning_b6_h200x2.json" 2>&1 | tee "$OUT/learning_b6.log" \
         | grep -vE "it/s\]|s/it\]" | tail -40 ;;
+    share-probe)  # issue 38 B6-1GPU: a training step beside a decoding process, time-sliced vs MPS (one H200, ~3 min)
+      timeout 260 python3 bench/probes/gpu_share_probe.py --seconds 10 --setup-s 20 --out "$OUT/gpu_share_probe_h200.json" \
+        2>&1 | tee "$OUT/gpu_share_probe.log" | tail -12 ;;
+    ipc-mps)  # the ipc weight-sync GPU tests with server and trainer as clients of one private MPS daemon
+      mkdir -p /tmp/mps/pipe /tmp/mps/log
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+      if ! nvidia-cuda-mps-control -d; then echo "no MPS here"; continue; fi
+      timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_ipc_sync_gpu.py 2>&1 \
+        | tee "$OUT/ipc_mps_tests.log" | grep -E "passed|failed|Error|error" | tail -10
+      echo get_server_list | nvidia-cuda-mps-control; echo quit | nvidia-cuda-mps-control
+      tail -5 /tmp/mps/log/control.log 2>/dev/null
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    b6-mps)  # issue 38 B6-1GPU: random-init 360M shape, sync vs async, time-sliced and under the run's MPS daemon
+      timeout 560 python3 bench/learning.py --random-init smollm2-360m --tokenizer .assets/SmolLM2-135M-Instruct-tokenizer \
+        --task chain_sum --server-gpu 0 --trainer-gpu 0 --server-args='--gpu-memory-utilization 0.3' \
+        --modes sync,async,async_mps,sync_mps --train-seconds 55 --eval-every 1000 --token-budget 10240 \
+        --learning-rate 1e-5 --out "$OUT/learning_b6_h200.json" 2>&1 | tee "$OUT/learning_b6.log" \
+        | grep -vE "it/s\]|s/it\]" | tail -30 ;;
+    learning-1gpu)  # issue 38 stage 4: B8 on one H200 (server and trainer share it, ipc), 2 seeds x async/sync
+      timeout 590 python3 bench/learning.py --task chain_sum --server-gpu 0 --trainer-gpu 0 \
+        --server-args='--gpu-memory-utilization 0.3' --modes async,sync --seeds ${SEEDS:-0,1} --train-seconds 60 \
+        --eval-every 30 --token-budget 8192 --learning-rate 1e-5 --heldout-limit 100 \
+        --out "$OUT/learning_1gpu_h200.json" 2>&1 | tee "$OUT/learning_1gpu.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
     multiserver)
       timeout 400 python3 bench/multi_server_sync.py --out "$OUT/multi_server_sync_h200x2.json" 2>&1 \
         | tee "$OUT/multi_server_sync.log" | tail -30 ;;

@@ -24,6 +24,7 @@ training time over the time async needed to reach sync's final accuracy).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -171,7 +172,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
     t_start = time.time()
     with launch_server(
         model, extra_args=["--device", a.device, "--dtype", "bfloat16" if a.device == "cuda" else "float32",
-                           "--max-model-len", "1024", *a.server_args.split()],
+                           "--max-model-len", "1024", "--seed", str(a.seed), *a.server_args.split()],
         env={"CUDA_VISIBLE_DEVICES": a.server_gpu, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # ipc on one GPU
         log_path=str(server_log), timeout=600,
     ) as server:  # fmt: skip
@@ -190,9 +191,9 @@ def run_mode(mode: str, a: argparse.Namespace) -> dict:
             bf16=a.device == "cuda",
             use_cpu=a.device == "cpu",
             logging_steps=1,
-            seed=0,
+            seed=a.seed,
             disable_tqdm=True,
-            **MODES[mode],
+            **MODES[mode.removesuffix("_mps")],
         )
         clock = Clock(server.base_url)
         trainer = AsyncGRPOTrainer(
@@ -342,6 +343,44 @@ def compare(runs: dict[str, dict]) -> dict:
     }  # fmt: skip
 
 
+def compare_mps(runs: dict[str, dict]) -> dict:
+    """B6 with MPS: async under MPS against the faster synchronous run (time-sliced, or under MPS when it ran)."""
+    syncs = [runs[m] for m in ("sync", "sync_mps") if m in runs]
+    best = max(syncs, key=lambda r: r.get("steady_steps_per_min") or 0.0)
+    a = runs["async_mps"]
+    out = {
+        "sync_baseline": best["mode"],
+        "b6_mps_steady_steps_per_min_ratio": (a.get("steady_steps_per_min") or 0.0)
+        / (best.get("steady_steps_per_min") or 1e-9),
+        "b6_mps_steps_per_min_ratio": a["steps_per_min"] / best["steps_per_min"],
+        "step_s_median_sync_over_async_mps": (best["step_s_median"] or 0.0) / max(a["step_s_median"] or 0.0, 1e-9),
+        "fwd_bwd_s_sync_vs_async_mps": [best.get("fwd_bwd_s_median"), a.get("fwd_bwd_s_median")],
+        "decode_ms_per_step_sync_vs_async_mps": [best.get("server_engine", {}).get("decode", {}).get("ms_per_step"),
+                                                 a.get("server_engine", {}).get("decode", {}).get("ms_per_step")],
+    }  # fmt: skip
+    if "async" in runs:
+        t = runs["async"]
+        out["async_mps_over_async_steady"] = (a.get("steady_steps_per_min") or 0.0) / (
+            t.get("steady_steps_per_min") or 1e-9
+        )
+    return out
+
+
+def _write_summary(out: str, summary: dict, by_seed: dict[int, dict]) -> None:
+    """One seed: ``runs`` and ``compare`` at the top (as before); several: per seed, plus the gains side by side."""
+    doc = dict(summary)
+    if len(by_seed) == 1:
+        doc.update(next(iter(by_seed.values())))
+    else:
+        doc["seeds"] = {str(s): v for s, v in by_seed.items()}
+        doc["gain_points"] = {
+            f"{mode}_s{s}": None if r.get("accuracy_after") is None else 100 * (r["accuracy_after"] - r["accuracy_before"])
+            for s, v in by_seed.items() for mode, r in v["runs"].items()
+        }  # fmt: skip
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_result(out, doc)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/learning_h200x2.json")
@@ -350,6 +389,8 @@ def main() -> int:
     p.add_argument("--data", default=str(DATA_DIR))
     p.add_argument("--work-dir", default=None, help="run folders (default: beside --out)")
     p.add_argument("--modes", default="async,sync")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds: every mode runs once per seed")
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # internal: this child's seed
     p.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     p.add_argument("--train-seconds", type=float, default=180.0)
     p.add_argument("--sync-train-seconds", type=float, default=None, help="the sync run's budget (default: the same)")
@@ -384,39 +425,51 @@ def main() -> int:
         result = run_mode(a.mode, a)
         Path(a.work_dir, f"{a.mode}.json").write_text(json.dumps(result, indent=2))
         return 0
-    runs: dict[str, dict] = {}
     extra: list[str] = []
     if a.random_init:
         if not a.tokenizer:
             raise SystemExit("--random-init needs --tokenizer (a folder with SmolLM2's tokenizer files)")
         folder = make_random_model(Path(a.work_dir) / f"random-{a.random_init}", a.random_init, Path(a.tokenizer))
         extra = ["--random-model", str(folder)]
-    for mode in a.modes.split(","):
-        cmd = [sys.executable, __file__, "--mode", mode, *sys.argv[1:], *extra]
-        print(f"=== {mode}: {' '.join(cmd[2:])}", flush=True)
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            print(f"the {mode} run failed (exit {rc}); see {a.work_dir}/{mode}/", file=sys.stderr)
-            return rc
-        runs[mode] = json.loads(Path(a.work_dir, f"{mode}.json").read_text())
     model_what = (
         f"random-init {a.random_init} (fixed-length completions, hashed reward)"
         if a.random_init
         else ("SmolLM2-135M-Instruct")
     )
-    summary = {
+    summary: dict = {
         "what": f"B6/B8: {model_what}, reasoning-gym {a.task} ({TASKS[a.task]}) prompts, server bf16 on GPU "
         f"{a.server_gpu}, trainer on GPU {a.trainer_gpu} (weight sync: see runs.*.weight_sync_backend); held-out "
         "greedy accuracy against the training clock",
         "note": "the training clock excludes evaluations; during one, the async worker may keep generating up to "
         "its staleness window, the sync worker does not",
-        "runs": runs,
+        "command": "python bench/learning.py " + " ".join(sys.argv[1:]),
     }
-    if {"async", "sync"} <= runs.keys():
-        summary["compare"] = compare(runs)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    write_result(a.out, summary)
-    print(json.dumps(summary.get("compare", {}), indent=2))
+    seeds = [int(x) for x in a.seeds.split(",")]
+    by_seed: dict[int, dict] = {}
+    for seed in seeds:
+        runs: dict[str, dict] = {}
+        for mode in a.modes.split(","):
+            tag = f"{mode}" if len(seeds) == 1 else f"{mode}_s{seed}"
+            cmd = [sys.executable, __file__, "--mode", mode, "--seed", str(seed), *sys.argv[1:], *extra]
+            print(f"=== {tag}: {' '.join(cmd[2:])}", flush=True)
+            with contextlib.ExitStack() as stack:
+                if mode.endswith("_mps"):  # server and trainer as clients of one private MPS daemon
+                    from asyncgrpo.server.mps import mps_daemon
+
+                    stack.enter_context(mps_daemon())
+                rc = subprocess.call(cmd)
+            if rc != 0:
+                print(f"the {tag} run failed (exit {rc}); see {a.work_dir}/{mode}/", file=sys.stderr)
+                return rc
+            runs[mode] = json.loads(Path(a.work_dir, f"{mode}.json").read_text())
+            runs[mode]["seed"] = seed
+            by_seed[seed] = {"runs": runs}
+            if {"async", "sync"} <= runs.keys():
+                by_seed[seed]["compare"] = compare(runs)
+            if "async_mps" in runs and "sync" in runs:
+                by_seed[seed]["compare_mps"] = compare_mps(runs)
+            _write_summary(a.out, summary, by_seed)  # after every run: a call cut short keeps what finished
+    print(json.dumps({s: v.get("compare", {}) for s, v in by_seed.items()}, indent=2))
     return 0
 
 

@@ -340,7 +340,31 @@ def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None, pro
     return train_from_spec(_config_from_dict(cfg), resume, progress)[0]
 
 
+def wants_mps(argv: list[str]) -> bool:
+    """The YAML of ``--config`` asks for MPS (``server: {embedded: true, mps: true}``); read before anything
+    initializes CUDA (building the config may), since a process joins MPS only at its first CUDA call."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config is None or {"-h", "--help"} & set(argv):
+        return False
+    server = load_yaml(known.config).get("server") or {}
+    return isinstance(server, dict) and server.get("mps") is True and server.get("embedded") is True
+
+
 def run_train(argv: list[str]) -> int:
+    with contextlib.ExitStack() as stack:
+        if wants_mps(argv):
+            from asyncgrpo.server.mps import MpsUnavailable, mps_daemon
+
+            try:
+                stack.enter_context(mps_daemon())
+            except MpsUnavailable as e:
+                raise UserError(str(e)) from e
+        return _run_train(argv)
+
+
+def _run_train(argv: list[str]) -> int:
     spec, ns = parse_train(argv)
 
     from asyncgrpo.report.live import CompactProgress, settings_of

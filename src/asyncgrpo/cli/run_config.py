@@ -25,7 +25,7 @@ from asyncgrpo.errors import UserError
 
 TOP_KEYS = ("model", "dataset", "eval_dataset", "eval_datasets", "reward_funcs", "server", "args")
 EVAL_SET_KEYS = ("num_samples", "temperature", "reward_funcs")  # beside a dataset's keys, in each eval_datasets set
-SERVER_KEYS = ("embedded", "device", "dtype", "args", "timeout", "wait_s")
+SERVER_KEYS = ("embedded", "device", "dtype", "args", "timeout", "wait_s", "mps")
 RECIPE_KEYS = ("recipe", "task", "size", "seed", "system_prompt")
 LOAD_KEYS = ("path", "name", "split", "data_files", "data_dir", "revision", "prompt_column")
 
@@ -244,6 +244,13 @@ def check_server(spec: Any) -> dict[str, Any]:
         )
     if "embedded" in spec and not isinstance(spec["embedded"], bool):
         raise UserError(f"server.embedded must be true or false, got {spec['embedded']!r}")
+    if "mps" in spec and not isinstance(spec["mps"], bool):
+        raise UserError(f"server.mps must be true or false, got {spec['mps']!r}")
+    if spec.get("mps") and not spec.get("embedded"):
+        raise UserError(
+            "server.mps: true needs server.embedded: true (the run starts the MPS daemon before its server); for a "
+            "server you start yourself, run `nvidia-cuda-mps-control -d` before starting it and the trainer"
+        )
     return spec
 
 
