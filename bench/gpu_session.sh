@@ -90,8 +90,8 @@ for stage in "$@"; do
     b6-mps)  # issue 38 B6-1GPU: random-init 360M shape, sync vs async, time-sliced and under the run's MPS daemon
       timeout 560 python3 bench/learning.py --random-init smollm2-360m --tokenizer .assets/SmolLM2-135M-Instruct-tokenizer \
         --task chain_sum --server-gpu 0 --trainer-gpu 0 --server-args='--gpu-memory-utilization 0.3' \
-        --modes sync,async,async_mps,sync_mps --train-seconds 55 --eval-every 1000 --token-budget 10240 \
-        --learning-rate 1e-5 --out "$OUT/learning_b6_h200.json" 2>&1 | tee "$OUT/learning_b6.log" \
+        --modes ${B6_MODES:-sync,async,async_mps,sync_mps} --train-seconds 55 --eval-every 1000 --token-budget 10240 \
+        --learning-rate 1e-5 --out "$OUT/${B6_OUT:-learning_b6_h200}.json" 2>&1 | tee "$OUT/learning_b6.log" \
         | grep -vE "it/s\]|s/it\]" | tail -30 ;;
     learning-1gpu)  # issue 38 stage 4: B8 on one H200 (server and trainer share it, ipc), 2 seeds x async/sync
       timeout 590 python3 bench/learning.py --task chain_sum --server-gpu 0 --trainer-gpu 0 \

@@ -94,8 +94,8 @@ def make_random_model(out: Path, shape: str, tokenizer_dir: Path) -> Path:
     cfg = LlamaConfig(**RANDOM_SHAPES[shape], vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
                       eos_token_id=2, pad_token_id=2, max_position_embeddings=8192, rope_theta=100000.0)  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # on the CPU: this (parent) process must not initialize CUDA, or it could not start an MPS daemon for *_mps modes
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out)
     del model
     for f in tokenizer_dir.iterdir():
