@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from asyncgrpo.packing import TokenBudgetBatcher
+from asyncgrpo.packing import PackSample, TokenBudgetBatcher
+from asyncgrpo.packing.trie import PrefixTrie
 from asyncgrpo.rollout.dynamic_sampling import OverSamplingCount, row_tokens
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.trainer.data_accounting import DataAccounting
 from asyncgrpo.trainer.rollout_source import RolloutSource
+from asyncgrpo.trainer.step_fill import is_share, tied_shares
 from asyncgrpo.types import TrainingSequence
 
 GROUP_TOKENS = 10 + 2 * 15 + 1  # forwarded tokens of one group in a row (module docstring)
@@ -138,3 +140,16 @@ def test_with_none_kept_the_cap_waits_for_a_kept_group():
     steps = _steps("TTTTTKKKK", dynamic=True, steps=2, max_factor=2.0)
     assert [t for t, _ in steps] == [[5], [6, 7]]
     assert (steps[0][1]["generated_groups"], steps[0][1]["cap_hit"]) == (6.0, 1.0)
+
+
+def test_a_tied_group_larger_than_a_row_takes_rows_as_its_samples_would():
+    # 250 tokens in rows of 100: three pieces of 84, 83, 83, which share nothing with each other or a kept group.
+    shares = tied_shares(7, 8, 250, token_budget=100, queued_at=0.0)
+    assert [len(s) for s in shares] == [84, 83, 83] and all(is_share(s) for s in shares)
+    assert tied_shares(7, 8, 0, token_budget=100, queued_at=0.0) == []
+    trie = PrefixTrie()
+    for s in shares[:2]:
+        trie.insert(s)
+    trie.insert(PackSample.from_sequence(_samples(1)[0], meta=None))
+    assert trie.num_tokens == 84 + 83 + 25
+    assert all(s.meta.num_tokens == 0 and s.num_trained == 0 for s in shares)  # nothing queued (G3), nothing trained
