@@ -23,7 +23,7 @@ class DataFields:
     dynamic_sampling: bool = field(
         default=True,
         metadata={
-            "help": "Groups whose rewards all tie are dropped from the loss either way (R5). On (DAPO's dynamic "
+            "help": "Groups whose rewards all tie are dropped from the loss either way. On (DAPO's dynamic "
             "sampling, the reference's default), a step keeps filling its token budget with groups that have a "
             "signal, until it has pulled more than dynamic_sampling_max_factor groups per kept one (then it trains "
             "a smaller step and says so). Off (TRL without DAPO), a tied group keeps its room in the step and is not "
