@@ -1,19 +1,21 @@
-"""Dynamic sampling against the default on the demo: held-out gain per generated sample, one seed each.
+"""Dynamic sampling on against off on the demo: held-out gain per generated sample, one seed each.
 
     python bench/dynamic_sampling.py --seed 0 --out bench/results/dynamic_sampling_cpu.json [--jobs 2]
 
 Each variant is one ``asyncgrpo train --config examples/demo.yaml`` (the demo's run) in its own process, with
-``--dynamic_sampling true`` or not, timed from the command's start to its exit. Generated samples are the groups
+``--dynamic_sampling true`` (the default: tied groups take no room, steps fill with groups that have a signal,
+up to ``dynamic_sampling_max_factor`` groups per kept one) or ``false`` (a tied group keeps its room in its step:
+no over-sampling, smaller steps), timed from the command's start to its exit. Generated samples are the groups
 the trainer's steps pulled (``dynamic_sampling/generated_groups``, logged in every run) times ``num_generations``:
-kept and dropped ones, not the few the worker had in flight when the run ended. The held-out gain is the last
-``eval/reward`` minus the first (100 held-out problems, greedy, before the first step and after the last).
-``--jobs N`` runs N variants at once (a many-core host); on a shared 2-core machine keep 1 (the default): the runs
-then take ~4 min each and are started under ``nice``.
+kept and dropped ones, not the few the worker had in flight when the run ended. Trained samples are the
+``batch/samples_per_step`` summed. The held-out gain is the last ``eval/reward`` minus the first (100 held-out
+problems, greedy, before the first step and after the last). ``--jobs N`` runs N variants at once (a many-core
+host); on a shared 2-core machine keep 1 (the default): the runs then take ~4 min each and are started under
+``nice``.
 
-The committed result (commit 946d042) measured ``dynamic_sampling`` when it also made the staleness admission count
-in-flight groups at their expected kept share: it dropped 70 samples as stale for no held-out gain, and that part
-was removed. Since then the two variants run the same algorithm (the switch adds the cap line), so a rerun measures
-how far two runs of one seed differ on this machine (async timing), which is what any later variant must beat.
+An earlier result (commit 946d042) measured an admission that counted in-flight groups at their expected kept
+share: it dropped 70 samples as stale for no held-out gain, and was removed. Until issue 36's fix the switch only
+added a line, so both variants ran the same algorithm.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: b
 from bench.result_file import current_commit, write_result
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {"default": [], "dynamic_sampling": ["--dynamic_sampling", "true"]}
+VARIANTS = {"on": ["--dynamic_sampling", "true"], "off": ["--dynamic_sampling", "false"]}
 
 
 def one_run(name: str, seed: int, work: Path, max_steps: int | None) -> dict[str, float | str]:
@@ -53,10 +55,14 @@ def one_run(name: str, seed: int, work: Path, max_steps: int | None) -> dict[str
     G = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())["args"]["num_generations"]
     groups = sum(r.get("dynamic_sampling/generated_groups", 0.0) for r in rows)
     kept = sum(r.get("dynamic_sampling/kept_groups", 0.0) for r in rows)
+    trained = sum(r.get("batch/samples_per_step", 0.0) for r in rows)
+    steps = sum("dynamic_sampling/generated_groups" in r for r in rows)
+    cap_hits = sum(r.get("dynamic_sampling/cap_hit", 0.0) for r in rows)
     gain = evals[-1] - evals[0]
     return {
         "variant": name, "seed": seed, "before": evals[0], "after": evals[-1], "gain": gain,
-        "generated_samples": groups * G, "kept_groups": kept, "generated_per_kept": groups / kept if kept else None,
+        "steps": steps, "generated_samples": groups * G, "trained_samples": trained, "kept_groups": kept,
+        "cap_hits": cap_hits, "generated_per_kept": groups / kept if kept else None,
         "gain_per_1k_generated_samples": 1000 * gain / (groups * G) if groups else None, "wall_s": wall,
     }  # fmt: skip
 
@@ -83,7 +89,8 @@ def main() -> None:
     for r in runs:
         per_k = r["gain_per_1k_generated_samples"]
         print(f"{r['variant']:>16}: {r['before']:.2f} -> {r['after']:.2f} ({r['gain']:+.2f}) from "
-              f"{r['generated_samples']:.0f} generated samples ({r['generated_per_kept']:.2f} groups per kept one); "
+              f"{r['generated_samples']:.0f} generated samples ({r['generated_per_kept']:.2f} groups per kept one), "
+              f"{r['trained_samples']:.0f} trained; "
               f"gain per 1k generated samples {per_k:+.3f}; {r['wall_s']:.0f} s")  # fmt: skip
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     note = (

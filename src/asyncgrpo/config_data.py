@@ -21,15 +21,21 @@ class DataFields:
     """Which prompts are generated and how samples are kept and scored (see docs/usage.md)."""
 
     dynamic_sampling: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "Steps always fill with groups that have a signal (tied groups are dropped); on, a step "
-            "that generates more than dynamic_sampling_max_factor groups per kept one prints a line saying so."
+            "help": "Groups whose rewards all tie are dropped from the loss either way. On (DAPO's dynamic "
+            "sampling, the reference's default), a step keeps filling its token budget with groups that have a "
+            "signal, until it has pulled more than dynamic_sampling_max_factor groups per kept one (then it trains "
+            "a smaller step and says so). Off (TRL without DAPO), a tied group keeps its room in the step and is not "
+            "replaced: no over-sampling, smaller steps."
         },
     )
     dynamic_sampling_max_factor: float = field(
         default=8.0,
-        metadata={"help": "Groups generated per kept group past which a step says so (dynamic_sampling/cap_hit)."},
+        metadata={
+            "help": "With dynamic_sampling on, a step that has pulled more than this many groups per kept group "
+            "stops filling and trains what it holds (dynamic_sampling/cap_hit); 1: no over-sampling past a tie."
+        },
     )
     prompt_pools: bool = field(
         default=False,

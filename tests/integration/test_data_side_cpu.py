@@ -1,8 +1,10 @@
 """Dynamic sampling and prompt pools end to end on CPU: real server, worker and trainer on the tiny model (issue 36).
 
 A scripted reward makes every even dataset row a tied group (all 1.0: dropped, no signal) and scores odd rows by
-their tokens, so about one generated group in two is kept; the test checks what the per-step metrics say against
-the groups the reward function itself recorded.
+their tokens, so about one generated group in two is kept; the tests check what the per-step metrics say against
+the groups the reward function itself recorded, and which prompts each step trained (``RolloutSource.step_done``
+is watched, not replaced). Dynamic sampling on (the default) fills steps with kept groups; off, a tied group keeps
+its room in its step, so steps train about half as many samples and pull only the groups their budget holds.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.tasks.eval_sets import EvalSet
 from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
+from asyncgrpo.trainer.rollout_source import RolloutSource
 from tests.helpers.rewards import even_token_reward, half_constant_reward
 
 pytestmark = pytest.mark.slow
@@ -45,9 +48,23 @@ def _rows(tmp_path: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "train_runtime" not in r]
 
 
+def _watch_trained(monkeypatch) -> list[set[int]]:
+    """The prompts (flat indices; one epoch, so the dataset's ``idx``) each step trains, as the trainer reports them."""
+    steps: list[set[int]] = []
+    original = RolloutSource.step_done
+
+    def step_done(self, micro_batches):
+        steps.append({s.meta.row_index for mb in micro_batches for row in mb.rows for s in row.samples})
+        return original(self, micro_batches)
+
+    monkeypatch.setattr(RolloutSource, "step_done", step_done)
+    return steps
+
+
 def test_dynamic_sampling_fills_steps_and_counts_generated_per_kept(tmp_path, server, tiny_llama_dir, monkeypatch):
     record = tmp_path / "groups.jsonl"
     monkeypatch.setenv("ASYNCGRPO_TEST_RECORD", str(record))
+    trained_rows = _watch_trained(monkeypatch)
     args = _config(tmp_path, server, dynamic_sampling=True, dynamic_sampling_max_factor=8.0, eval_strategy="steps",
                    eval_steps=3)  # fmt: skip
     held_out = {
@@ -86,6 +103,45 @@ def test_dynamic_sampling_fills_steps_and_counts_generated_per_kept(tmp_path, se
     assert 0 <= kept - trained <= 8, (kept, trained)
     # Groups are pulled in the order the worker finishes them, close to the dataset's: about half tie.
     assert 1.5 <= generated / kept <= 2.8, (generated, kept, tied, len(groups))
+    # Every trained group had a signal (its recorded rewards differ), and every step is full: the group that did
+    # not fit opened the next step, so a step holds more than the budget less one group.
+    tied_rows = {g["row"] for g in groups if len(set(g["rewards"])) == 1}
+    assert len(trained_rows) == 3 and all(trained_rows) and not set().union(*trained_rows) & tied_rows
+    for r in rows:
+        assert r["batch/forwarded_tokens_per_step"] > 384 - _largest_group(r), r
+
+
+def _largest_group(r: dict) -> float:
+    """A bound on one group's forwarded tokens in the step: its mean group (4 samples share a prompt) plus 4 full
+    completions (12 tokens each) past the step's mean sample length."""
+    return r["batch/forwarded_tokens_per_step"] / r["batch/groups_per_step"] + 4 * 12
+
+
+def test_without_dynamic_sampling_tied_groups_keep_their_room(tmp_path, server, tiny_llama_dir, monkeypatch):
+    record = tmp_path / "groups.jsonl"
+    monkeypatch.setenv("ASYNCGRPO_TEST_RECORD", str(record))
+    trained_rows = _watch_trained(monkeypatch)
+    args = _config(tmp_path, server, dynamic_sampling=False, max_steps=4)
+    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[half_constant_reward], args=args,
+                               train_dataset=_dataset(48))  # fmt: skip
+    assert trainer.train().global_step == 4
+    rows = [r for r in _rows(tmp_path) if "dynamic_sampling/generated_groups" in r]
+    groups = [json.loads(line) for line in record.read_text().splitlines()]
+    tied_rows = {g["row"] for g in groups if len(set(g["rewards"])) == 1}
+    assert not set().union(*trained_rows) & tied_rows  # tied groups never train
+    assert all(trained_rows) and [r["step"] for r in rows] == [1, 2, 3, 4]  # no step is empty
+    generated = sum(r["dynamic_sampling/generated_groups"] for r in rows)
+    kept = sum(r["dynamic_sampling/kept_groups"] for r in rows)
+    assert 1.5 <= generated / kept <= 2.8, (generated, kept)  # the natural tie rate: about one group in two ties
+    assert all(r["dynamic_sampling/cap_hit"] == 0.0 for r in rows)
+    # A tied group keeps its room: steps train about half a budget (dynamic sampling fills each past 384 less one
+    # group, over 254 tokens), and pull only the groups a budget holds, tied or not. With groups of the trained
+    # groups' mean size, a step holds 384 / size groups, less the room lost when the next does not fit (< one group);
+    # the last step's count also holds the group that closed it and at most one more pulled behind it.
+    forwarded = [r["batch/forwarded_tokens_per_step"] for r in rows]
+    assert sum(forwarded) / len(rows) < 0.7 * 384, forwarded
+    size = sum(forwarded) / sum(r["batch/groups_per_step"] for r in rows)
+    assert len(rows) * (384 / size - 1) <= generated <= len(rows) * 384 / size + 2, (generated, size)
 
 
 def test_prompt_pools_retire_solved_rows_and_checkpoint_their_state(tmp_path, server, tiny_llama_dir, monkeypatch):

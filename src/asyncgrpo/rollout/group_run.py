@@ -20,6 +20,7 @@ from asyncgrpo.client.pool import ServerPool
 from asyncgrpo.models.vlm import check_no_images
 from asyncgrpo.rollout.admission import RolloutSlots
 from asyncgrpo.rollout.agents.episode import AgentRuntime, Episode
+from asyncgrpo.rollout.dynamic_sampling import row_tokens
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.production import GroupOutcome
 from asyncgrpo.rollout.prompt_order import PromptItem
@@ -245,6 +246,7 @@ class GroupRunner:
                 rewards=[float(x) for x in scored.group.rewards],
                 tool_calls=sum(r.tool_call_count for r in rollouts) if self.agents.has_tools else None,
                 dataset_row=origin.row_index,
+                row_tokens=row_tokens([s for seqs in scored.sequences for s in seqs]) if scored.dropped else 0,
             )
         )
         return GroupOutcome(tokens, kept_tokens, tuple(float(x) for x in scored.group.rewards))

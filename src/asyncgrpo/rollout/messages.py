@@ -35,6 +35,9 @@ class GroupResult:
     completion_texts: list[str] | None = None
     tool_calls: int | None = None  # tool calls over the group's rollouts; None when the run has no tools
     dataset_row: int | None = None  # the dataset row generated (prompt pools draw rows in no fixed order)
+    # A dropped (tied) group's samples as a row would forward them (shared prefixes once); its samples are not
+    # sent, and with dynamic_sampling off this is its share of its step's token budget (rollout/dynamic_sampling.py).
+    row_tokens: int = 0
 
     @classmethod
     def rejected(cls, row_index: int, epoch: int) -> GroupResult:

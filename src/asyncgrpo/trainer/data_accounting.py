@@ -3,8 +3,8 @@
 ``RolloutSource`` tells it of every group it pulls and of every prompt it settles:
 
 * dynamic sampling: each pulled group counts as generated, and as kept when it has a signal (not dropped for tied
-  rewards); per step that gives ``dynamic_sampling/*`` (logged in every run: what a kept group costs is worth
-  knowing with the switch off too) and, with ``dynamic_sampling`` on and past the cap, one line in the log;
+  rewards); per step that gives ``dynamic_sampling/*`` (logged in every run: with the switch off they give the
+  natural tie rate) and, with ``dynamic_sampling`` on, tells the step when the cap stops it filling (one line);
 * prompt pools: the trainer keeps its own ``PromptPools`` and records a group's pass fraction only once its prompt
   is *settled* (trained, or dropped for tied rewards), in settlement order. A checkpoint saves that copy, so it
   holds exactly what the checkpoint's weights settled: groups pulled but not yet trained, or dropped as stale, are
@@ -33,7 +33,7 @@ class DataAccounting:
         oversampling: the per-step count (None: not counted).
         pools: the trainer's copy of the pools, or None when prompt pools are off.
         pass_threshold: a sample passes when its total reward is at least this.
-        cap_line: print the line when a step passes the cap (``dynamic_sampling`` on).
+        dynamic: ``dynamic_sampling``: tied groups take no room in a step (off: their share, ``step_fill.py``).
     """
 
     def __init__(
@@ -41,10 +41,10 @@ class DataAccounting:
         oversampling: OverSamplingCount | None,
         pools: PromptPools | None,
         pass_threshold: float,
-        cap_line: bool = True,
+        dynamic: bool = True,
     ) -> None:
         self.oversampling = oversampling
-        self.cap_line = cap_line
+        self.dynamic = dynamic
         self.pools = pools
         self.pass_threshold = pass_threshold
         self._unsettled: dict[int, tuple[int, float | None]] = {}  # flat index -> (dataset row, pass fraction)
@@ -54,7 +54,7 @@ class DataAccounting:
         """From the config and the resume point (its ``pools`` state)."""
         from asyncgrpo.config_data import pool_settings
 
-        count = OverSamplingCount(args.dynamic_sampling_max_factor)
+        count = OverSamplingCount(args.dynamic_sampling_max_factor, enforce_cap=args.dynamic_sampling)
         pools = None
         if args.prompt_pools:
             if not dataset_len:
@@ -62,18 +62,25 @@ class DataAccounting:
             pools = PromptPools(dataset_len, pool_settings(args))
             if resume.pools is not None:
                 pools.load_state_dict(resume.pools)
-        return cls(count, pools, args.pass_threshold, cap_line=args.dynamic_sampling)
+        return cls(count, pools, args.pass_threshold, dynamic=args.dynamic_sampling)
 
     def on_pulled(self, res: GroupResult, step: int) -> None:
         """A scored group reached the trainer (not a duplicate of a settled prompt)."""
         if res.skipped:
             return
         if self.oversampling is not None:
-            line = self.oversampling.on_group(kept=not res.dropped and bool(res.sequences))
-            if line and self.cap_line:
-                logger.warning("step %d: %s", step, line)
+            self.oversampling.on_group(kept=not res.dropped and bool(res.sequences))
         if self.pools is not None and res.dataset_row is not None:
             self._unsettled[res.row_index] = (res.dataset_row, pass_fraction(res.rewards or [], self.pass_threshold))
+
+    def cap_stops(self, step: int, held_samples: int) -> bool:
+        """Whether step ``step``, holding ``held_samples`` samples to train, stops filling at the over-sampling cap
+        (``dynamic_sampling`` on); says so in one line when it does."""
+        count = self.oversampling
+        if count is None or not held_samples or not count.over_cap:
+            return False
+        logger.warning("%s", count.stop(step, held_samples))
+        return True
 
     def on_settled(self, flat_index: int, outcome: str) -> None:
         """A prompt settled: its group now counts in the pools (or, stale, is forgotten: it is generated again)."""

@@ -17,7 +17,10 @@ Every prompt taken ends *settled* with an outcome (``trained``, ``zero_std``,
 first unsettled prompt, so a resume skips exactly what was settled (X3). A prompt
 with some samples trained counts as trained. While a step waits for samples, a
 line every 30 s says what is known (X4); groups that all tie stop the run after
-``ZERO_STD_PATIENCE_GROUPS`` in a row, with that diagnosis.
+``ZERO_STD_PATIENCE_GROUPS`` in a row, with that diagnosis. What a tied group leaves in
+its step follows ``dynamic_sampling`` (``rollout/dynamic_sampling.py``): on, kept groups
+fill the step, up to the over-sampling cap; off, the group's share of the budget stays
+empty (``step_fill.py``).
 
 Samples pulled but not trained by the step (held by the planner, which keeps a
 group in one row, or still buffered) are accounted for exactly like samples still
@@ -44,6 +47,7 @@ from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.data_accounting import DataAccounting
 from asyncgrpo.trainer.loss_families import family_normalizer
 from asyncgrpo.trainer.no_signal import StepGroups, likely_cause, unanswering
+from asyncgrpo.trainer.step_fill import is_share, strip_shares, tied_shares
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +202,7 @@ class RolloutSource:
         self._notice(timeout)  # groups that keep arriving, all dropped, must not silence the line
         if res.end:
             self._ended = True
-            if not self._trained_any and self._step_zero_std and not self._buffer:
+            if not self._trained_any and self._step_zero_std and all(map(is_share, self._buffer)):
                 raise NoTrainableSamplesError(self._zero_std_diagnosis("the data ended"))
             return
         # Pulled = no longer queued: the worker's token allowance (G3) frees now, not after the step, or a
@@ -220,6 +224,9 @@ class RolloutSource:
                 self._dropped_reward_sum += sum(res.rewards)
                 self._dropped_reward_n += len(res.rewards)
             self._mark_consumed(res.row_index, "zero_std")
+            if self.data is not None and not self.data.dynamic:  # off: the group keeps its room in the step
+                self._buffer.extend(tied_shares(res.row_index, res.group_id, res.row_tokens,
+                                                self.batcher.token_budget, res.queued_at))  # fmt: skip
             if not self._trained_any and self.total_prompts is not None and self.prompts_consumed >= self.total_prompts:
                 raise NoTrainableSamplesError(self._zero_std_diagnosis("the epochs ended without a trainable group"))
             if self._zero_std_streak >= self.zero_std_patience:
@@ -302,6 +309,8 @@ class RolloutSource:
             while not self._buffer:
                 if self._ended or (self.total_prompts is not None and self._requested_enough()):
                     return None
+                if self.data is not None and self.data.cap_stops(self.policy_version + 1, self.batcher.pending_samples):
+                    return None  # over the over-sampling cap: the step trains what it holds
                 self._receive(self.sample_timeout)
             sample = self._buffer.popleft()
             # Samples wait in the buffer across steps (a group larger than what a step still takes): check here.
@@ -334,7 +343,14 @@ class RolloutSource:
         self.metrics.append(("rollout/queue_size", float(self.worker.queue_size()), 1.0))
         self.worker.set_trainer_waiting(True)  # a sync_rollouts worker generates only while this is open
         try:
-            return plan_step(self.batcher, self._pull, self.ga)
+            while True:
+                micro = plan_step(self.batcher, self._pull, self.ga)
+                if self.data is None or self.data.dynamic:
+                    return micro
+                # Off: tied groups' shares filled part of the budget; a step of nothing but shares keeps pulling.
+                kept = strip_shares(micro, self.batcher.share_prefixes)
+                if kept or len(micro) < self.ga:
+                    return kept
         finally:
             self.worker.set_trainer_waiting(False)
             # Pulled but left for a later step: queued again as far as the worker's allowance (G3) goes.

@@ -36,15 +36,18 @@ def test_pools_learn_a_group_only_when_its_prompt_settles():
     assert (m["pools/new/size"], m["pools/easy/size"], m["pools/retired"]) == (1.0, 1.0, 1.0)
 
 
-def test_dynamic_sampling_counts_each_step_and_logs_the_cap_once(caplog):
+def test_dynamic_sampling_counts_each_step_and_stops_a_step_over_the_cap(caplog):
     data = DataAccounting(OverSamplingCount(max_factor=2.0), None, pass_threshold=1.0)
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.data_accounting"):
-        for dropped in (True, True, True):  # 3 generated, none kept: 3 > 2 * max(0, 1)
+        for dropped in (True, True, True):  # 3 generated, none kept: the step keeps pulling
             data.on_pulled(group(0, 0, [0.0, 0.0], dropped=dropped), step=5)
-    assert [r.getMessage()[:60] for r in caplog.records] == [
-        "step 5: dynamic sampling: 3 groups generated for 0 kept, ove"
+        assert not data.cap_stops(5, held_samples=4)
+        data.on_pulled(GroupResult(row_index=9, epoch=0, sequences=[object()], rewards=[1.0, 0.0]), step=5)  # kept
+        assert not data.cap_stops(5, held_samples=0)  # over the cap (4 > 2 × 1), but nothing to train yet
+        assert data.cap_stops(5, held_samples=2)
+    assert [r.getMessage()[:80] for r in caplog.records] == [
+        "step 5: dynamic sampling stopped filling the step: 4 groups generated for 1 kept"
     ]
-    data.on_pulled(GroupResult(row_index=9, epoch=0, sequences=[object()], rewards=[1.0, 0.0]), step=5)  # kept
     m = {name: value for name, value, _ in data.step_metrics()}
     assert m == {
         "dynamic_sampling/generated_groups": 4.0,
@@ -63,10 +66,14 @@ def test_rejected_prompts_are_not_generated_groups():
         OverSamplingCount(max_factor=0.0)
 
 
-def test_without_dynamic_sampling_the_counts_are_kept_but_no_line(caplog):
-    data = DataAccounting(OverSamplingCount(max_factor=1.0), None, pass_threshold=1.0, cap_line=False)
+def test_without_dynamic_sampling_the_counts_are_kept_but_no_step_stops(caplog):
+    data = DataAccounting(OverSamplingCount(max_factor=1.0, enforce_cap=False), None, pass_threshold=1.0,
+                          dynamic=False)  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.data_accounting"):
+        data.on_pulled(GroupResult(row_index=9, epoch=0, sequences=[object()], rewards=[1.0, 0.0]), step=1)
         for _ in range(3):
             data.on_pulled(group(0, 0, [0.0, 0.0], dropped=True), step=1)
+        assert not data.cap_stops(1, held_samples=2)
     assert not caplog.records
-    assert {n: v for n, v, _ in data.step_metrics()}["dynamic_sampling/cap_hit"] == 1.0
+    m = {n: v for n, v, _ in data.step_metrics()}
+    assert (m["dynamic_sampling/generated_per_kept"], m["dynamic_sampling/cap_hit"]) == (4.0, 0.0)
