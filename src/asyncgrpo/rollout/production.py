@@ -133,6 +133,7 @@ class GroupProducer:
 
     async def _wait_for_a_group(self) -> None:
         """Until a group finishes (or the run stops or fails); each group ends within its requests' timeouts."""
+        t0 = time.perf_counter()
         self.group_finished.clear()  # no await since the source said no: a group finishing now still wakes us
         while not self.group_finished.is_set() and not self.channels.stop.is_set():
             await self._raise_failed()
@@ -142,6 +143,7 @@ class GroupProducer:
                 await asyncio.wait_for(self.group_finished.wait(), END_POLL_S)
             except TimeoutError:
                 pass
+        self.channels.put_metric("pools/draw_wait_s", time.perf_counter() - t0)
 
     def _trainer_wants_samples(self) -> bool:
         """Always, unless ``sync_rollouts``: then only while the trainer waits for a step's samples."""

@@ -42,6 +42,8 @@ POOL_METRICS: dict[str, str] = {
     "pools/{pool}/pass_rate": "mean running pass rate of the pool's prompts (NaN while none has returned)",
     "pools/retired": "prompts retired as solved so far",
     "pools/parked": "unsolved prompts waiting out prompt_pool_requeue_delay",
+    "pools/draw_wait_s": "per wait, seconds a draw waited for a result it must learn first (often: raise "
+    "prompt_pool_lag)",
 }
 
 
