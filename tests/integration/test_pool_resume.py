@@ -5,7 +5,8 @@ Both runs are real trainers in their own processes (``fault_scripts/run_trainer.
 one real ``asyncgrpo serve`` (one after the other: a server takes one trainer's weights). The regime where equality
 holds (``docs/usage.md``, prompt pools): a reward that depends on the prompt alone, so a prompt's results repeat,
 and ``prompt_pool_lag=0``, one group in flight, so the trainer pulls groups in draw order and each step settles
-the same draws in both runs. Every step checkpoints; the killed attempt dies once checkpoint-2 is complete and the
+the same draws in both runs (given samples of the same lengths: the random-init model's completions almost always
+run to ``max_completion_length``; an early end-of-text in one run could move a group to another step). Every step checkpoints; the killed attempt dies once checkpoint-2 is complete and the
 second attempt resumes (``resume: auto``) and runs to ``max_steps``.
 """
 

@@ -123,7 +123,8 @@ def _fraction(row: int) -> float:
 
 
 def _worker_run(pools: PromptPools, draws: range, order_seed: int, skip: dict[int, int] | None = None) -> list:
-    """A worker: up to lag + 1 groups in flight, returned in a shuffled order; draws wait until ``ready``."""
+    """A worker: up to lag + 1 groups in flight, returned in a shuffled order; draws wait until ``ready``.
+    Returns the (draw, row) pairs it drew; ``skip``: draws settled before a resume (not drawn again)."""
     skip = skip or {}
     order, in_flight, drawn = random.Random(order_seed), [], []
     d = draws.start
@@ -209,3 +210,14 @@ def test_pass_fraction():
     assert pass_fraction([1.0, 0.0, 1.0, 0.5], 1.0) == 0.5
     assert pass_fraction([1.0, float("nan")], 1.0) == 1.0
     assert pass_fraction([float("nan")], 1.0) is None
+
+
+def test_a_checkpoint_without_pools_state_starts_fresh_pools_at_its_first_unsettled_draw():
+    # A run resumed with pools on from a checkpoint of a run without them: draws 0-4 and 6 were settled, rows unknown.
+    pools = resumed_pools(4, PoolSettings(lag=0, min_groups=1), None, start_index=5, skip=[6, 2])
+    assert pools.applied == 5 and pools.results == {6: (-1, None)}  # draw 2 is below the start: already passed
+    row = pools.draw(5)
+    pools.learn(5, row, 0.5)
+    assert pools.ready(7)  # draw 6 counts as returned: it taught nothing
+    pools.draw(7)
+    assert pools.applied == 7 and pools.groups == {row: 1}
