@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-l
 STEPS = 6
 CONFIG = {"max_steps": STEPS, "save_strategy": "steps", "save_steps": 1, "max_staleness": 16, "prompt_pools": True,
           "pass_threshold": 0.5, "prompt_pool_min_groups": 1, "prompt_pool_requeue_delay": 3,
-          "prompt_pool_lag": 0}  # fmt: skip
+          "prompt_pool_lag": 0, "prompt_pool_weights": [3.0, 1.0, 1.0, 1.0]}  # fmt: skip  (new prompts first)
 
 
 @pytest.fixture(scope="module")
