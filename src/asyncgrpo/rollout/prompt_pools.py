@@ -14,7 +14,7 @@ the rollout worker's prompt order and learn from every returned group:
 
 Determinism. Draws are numbered (the flat index the trainer settles, ``pool_source.py``), and draw ``f`` is a pure
 function of the seed, ``f`` and the results of draws ``0 .. f - lag - 1`` *learnt in draw order*: the pools learn
-a group's result only ``lag`` draws after it was drawn, whatever order the groups came back in, and draw ``f``
+a group's result only after ``lag`` more draws, whatever order the groups came back in, and draw ``f``
 waits (``ready``) until every result it must learn is back. Its randomness is ``Random(f"{seed}/{f}")``, so there
 is no generator state to carry. Hence timing (which group returns first, how far the worker runs ahead) never
 changes which prompts are drawn; what can change them is the results themselves: a reward that depends on the
@@ -139,7 +139,8 @@ class PromptPools:
 
     @property
     def clock(self) -> int:
-        """The draw index the learnt state stands at: draw ``f`` sees draws before ``f - lag`` (parking counts it)."""
+        """The draw the learnt state is current for (draw ``f`` learns draws before ``f - lag``); parked prompts
+        are counted against it in ``metrics``."""
         return self.applied + self.s.lag
 
     def ready(self, draw: int) -> bool:
