@@ -25,9 +25,10 @@ from tests.helpers.pool_states import check_pools_state
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long lane: `make test-long`
 
 STEPS = 6
+# New prompts weighted first, so the six steps spread over the rows: some retire, some park, the rest are rated.
 CONFIG = {"max_steps": STEPS, "save_strategy": "steps", "save_steps": 1, "max_staleness": 16, "prompt_pools": True,
           "pass_threshold": 0.5, "prompt_pool_min_groups": 1, "prompt_pool_requeue_delay": 3,
-          "prompt_pool_lag": 0, "prompt_pool_weights": [3.0, 1.0, 1.0, 1.0]}  # fmt: skip  (new prompts first)
+          "prompt_pool_lag": 0, "prompt_pool_weights": [3.0, 1.0, 1.0, 1.0]}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
