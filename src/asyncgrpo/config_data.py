@@ -12,7 +12,7 @@ from typing import Any
 DATA_FIELDS = (
     "dynamic_sampling", "dynamic_sampling_max_factor", "prompt_pools", "prompt_pool_thresholds",
     "prompt_pool_weights", "prompt_pool_retire_at", "prompt_pool_min_groups", "prompt_pool_requeue_delay",
-    "prompt_pool_ema", "pass_threshold",
+    "prompt_pool_ema", "prompt_pool_lag", "pass_threshold",
 )  # fmt: skip
 
 
@@ -62,6 +62,14 @@ class DataFields:
     prompt_pool_ema: float = field(
         default=0.5, metadata={"help": "Weight of a prompt's newest group in its running pass rate (1: last only)."}
     )
+    prompt_pool_lag: int = field(
+        default=32,
+        metadata={
+            "help": "Draws between a prompt's draw and the first draw that sees its result; results are learnt in "
+            "draw order, so which prompts are drawn never depends on when groups return. At most lag + 1 groups "
+            "are in flight."
+        },
+    )
     pass_threshold: float = field(
         default=1.0,
         metadata={"help": "A sample passes when its total reward is at least this (prompt pools, eval pass@k/maj@k)."},
@@ -90,4 +98,5 @@ def pool_settings(cfg: Any) -> Any:
         requeue_delay=int(cfg.prompt_pool_requeue_delay),
         ema=float(cfg.prompt_pool_ema),
         seed=int(cfg.seed),
+        lag=int(cfg.prompt_pool_lag),
     )

@@ -40,9 +40,9 @@ class GroupResult:
     row_tokens: int = 0
 
     @classmethod
-    def rejected(cls, row_index: int, epoch: int) -> GroupResult:
+    def rejected(cls, row_index: int, epoch: int, dataset_row: int | None = None) -> GroupResult:
         """A prompt ``filter_prompt`` turned down (consumed for the epoch, nothing to train)."""
-        return cls(row_index=row_index, epoch=epoch, skipped=True)
+        return cls(row_index=row_index, epoch=epoch, skipped=True, dataset_row=dataset_row)
 
     @classmethod
     def end_of_data(cls) -> GroupResult:

@@ -2,9 +2,11 @@
 
 Each prompt drawn gets the next flat index (from the checkpoint's first unsettled one, settled ones skipped), so
 the trainer settles and checkpoints draws exactly as it does epoch order's prompts; the epoch of a draw is its flat
-index over the dataset's length, and ``num_epochs`` bounds the draws to ``num_epochs × len(dataset)``. The group
-producer iterates synchronously and cannot wait inside the iterator, so a draw with nothing eligible takes a prompt
-in flight again (``PromptPools.next_prompt(force=True)``); the iteration ends when every prompt is retired.
+index over the dataset's length, and ``num_epochs`` bounds the draws to ``num_epochs × len(dataset)``. The flat
+index is also the draw's number, which fixes its randomness and the results it sees (``prompt_pools.py``): a draw
+whose results are not all back yields ``None``, and the group producer, which iterates synchronously, waits for a
+group to finish and asks again. Settled draws past a resume point are not drawn again (their rows are in the
+state). The iteration ends when every prompt is retired.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from asyncgrpo.rollout.prompt_order import PromptItem
-from asyncgrpo.rollout.prompt_pools import PoolSettings, pass_fraction, worker_pools
+from asyncgrpo.rollout.prompt_pools import PoolSettings, pass_fraction, resumed_pools
 
 
 class PoolPromptSource:
@@ -36,14 +38,14 @@ class PoolPromptSource:
                              "cannot be drawn from by row: set prompt_pools=False or materialise the dataset")  # fmt: skip
         self.dataset = dataset
         self.epoch_len: int | None = len(dataset)
-        self.pools = worker_pools(len(dataset), settings, state)
+        self.pools = resumed_pools(len(dataset), settings, state, start_index, skip)
         self.next_flat = start_index
         self.limit = num_epochs * len(dataset) if num_epochs is not None else None
         self.skip = skip
         self.pass_threshold = pass_threshold
-        self.rows: dict[int, int] = {}  # flat index -> dataset row, for draws whose group has not come back
 
-    def __iter__(self) -> Iterator[PromptItem]:
+    def __iter__(self) -> Iterator[PromptItem | None]:
+        """The drawn prompts; ``None`` when the next draw must first learn a group still in flight."""
         n = len(self.dataset)
         while True:
             flat = self.next_flat
@@ -51,16 +53,18 @@ class PoolPromptSource:
                 flat += 1
             if self.limit is not None and flat >= self.limit:
                 return
-            row = self.pools.next_prompt(force=True)
+            if not self.pools.ready(flat):
+                yield None
+                continue
+            row = self.pools.draw(flat)
             if row is None:  # every prompt retired: no more data
                 return
             self.next_flat = flat + 1
-            self.rows[flat] = row
             yield PromptItem(flat // n, row, flat, self.dataset[row])
 
     def on_group(self, flat_index: int, rewards: list[float] | None) -> None:
         """A drawn prompt's group finished with these total rewards (None: rejected or not scored)."""
-        row = self.rows.pop(flat_index, None)
+        row = self.pools.rows.get(flat_index)
         if row is not None:
             fraction = pass_fraction(rewards, self.pass_threshold) if rewards else None
-            self.pools.on_group(row, fraction)
+            self.pools.learn(flat_index, row, fraction)

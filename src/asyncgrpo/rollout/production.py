@@ -74,11 +74,14 @@ class GroupProducer:
         for item in self.source:
             if stop.is_set():
                 break
+            if item is None:  # the source's next prompt depends on a group still in flight
+                await self._wait_for_a_group()
+                continue
             if item.epoch != epoch:
                 self._check_epoch(epoch, accepted, rejected)
                 epoch, accepted, rejected = item.epoch, 0, 0
             if not self.accept(item):
-                self.channels.samples.put(GroupResult.rejected(item.flat_index, item.epoch))
+                self.channels.samples.put(GroupResult.rejected(item.flat_index, item.epoch, item.row_index))
                 rejected += 1
                 continue
             accepted += 1
@@ -127,6 +130,20 @@ class GroupProducer:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             return
         self.channels.samples.put(GroupResult.end_of_data())
+
+    async def _wait_for_a_group(self) -> None:
+        """Until a group finishes (or the run stops or fails); each group ends within its requests' timeouts."""
+        t0 = time.perf_counter()
+        self.group_finished.clear()  # no await since the source said no: a group finishing now still wakes us
+        while not self.group_finished.is_set() and not self.channels.stop.is_set():
+            await self._raise_failed()
+            if not self.tasks:
+                raise RuntimeError("the prompt source waits for a group but none is in flight (a source bug)")
+            try:
+                await asyncio.wait_for(self.group_finished.wait(), END_POLL_S)
+            except TimeoutError:
+                pass
+        self.channels.put_metric("pools/draw_wait_s", time.perf_counter() - t0)
 
     def _trainer_wants_samples(self) -> bool:
         """Always, unless ``sync_rollouts``: then only while the trainer waits for a step's samples."""

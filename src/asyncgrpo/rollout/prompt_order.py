@@ -34,8 +34,9 @@ class PromptSource(Protocol):
 
     epoch_len: int | None  # prompts in one epoch once known; the producer fails an epoch whose every prompt it rejected
 
-    def __iter__(self) -> Iterator[PromptItem]:
-        """The prompts in training order; ends when the data runs out."""
+    def __iter__(self) -> Iterator[PromptItem | None]:
+        """The prompts in training order; ends when the data runs out. ``None``: the next prompt depends on a group
+        in flight (prompt pools); the producer waits for a group to finish, then asks again."""
         ...
 
 

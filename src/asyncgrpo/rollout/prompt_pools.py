@@ -9,29 +9,41 @@ the rollout worker's prompt order and learn from every returned group:
   first), and each draw picks a pool by its weight among the non-empty ones, then a prompt in it at random;
 * a prompt whose rate reaches ``retire_at`` (after ``min_groups`` groups) is *retired*: solved, never drawn again;
 * a prompt whose rate is 0 (nothing solved) is *parked* for ``requeue_delay`` draws, then eligible again;
-* a prompt is not drawn while its group is in flight (unless the caller cannot wait: ``next_prompt(force=True)``);
+* a prompt drawn in the last ``lag`` draws is not drawn again while another can be (its group may be in flight);
 * a pool of weight 0 is drawn only when no weighted pool has an eligible prompt (so the run never stalls on it).
 
-Everything a draw depends on (the rates, the parked prompts, the draw count, the random generator) is in
-``state_dict``, which is plain JSON, so a loaded state draws exactly what the saved one would have. In a run the
-checkpoint saves the trainer's copy, which learns only from settled groups (``trainer/data_accounting.py``), and the
-resumed worker starts from it (``worker_pools``). When nothing is eligible but prompts are parked and none is in
-flight, the earliest parked one is released at once: a draw never waits for results that cannot come.
+Determinism. Draws are numbered (the flat index the trainer settles, ``pool_source.py``), and draw ``f`` is a pure
+function of the seed, ``f`` and the results of draws ``0 .. f - lag - 1`` *learnt in draw order*: the pools learn
+a group's result only after ``lag`` more draws, whatever order the groups came back in, and draw ``f``
+waits (``ready``) until every result it must learn is back. Its randomness is ``Random(f"{seed}/{f}")``, so there
+is no generator state to carry. Hence timing (which group returns first, how far the worker runs ahead) never
+changes which prompts are drawn; what can change them is the results themselves: a reward that depends on the
+sampled completions varies with the weights that generated them, which in an asynchronous run depend on timing.
+With results that repeat (a seeded run whose groups score the same), the draws repeat exactly, and a killed and
+resumed run draws what the uninterrupted one drew. The cost: at most ``lag + 1`` groups are in flight.
+
+The trainer keeps a copy (``trainer/data_accounting.py``) that learns each settled group's result under its draw
+index and applies them in the same order (``settle``); a checkpoint saves it (``state_dict``: plain JSON), and the
+resumed worker starts from it: the applied prefix, plus the results (and rows) of the draws past it that were
+settled, which the resumed worker does not generate again.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 NEW_POOL = "new"
+UNKNOWN_ROW = -1  # a settled draw's row when the checkpoint has no pools state (taught nothing)
 POOL_METRICS: dict[str, str] = {
     "pools/{pool}/size": "prompts in the pool (new, hard, medium, easy with the default cuts) at the step's end",
     "pools/{pool}/pass_rate": "mean running pass rate of the pool's prompts (NaN while none has returned)",
     "pools/retired": "prompts retired as solved so far",
     "pools/parked": "unsolved prompts waiting out prompt_pool_requeue_delay",
+    "pools/draw_wait_s": "per wait, seconds a draw waited for a result it must learn first (often: raise "
+    "prompt_pool_lag)",
 }
 
 
@@ -44,9 +56,11 @@ class PoolSettings:
         weights: one sampling weight per pool of ``names`` (``new`` first), >= 0.
         retire_at: a prompt whose running pass rate reaches this is retired (> 1: never).
         min_groups: groups a prompt needs before it can be retired.
-        requeue_delay: draws an unsolved prompt (rate 0) waits before it can be drawn again.
+        requeue_delay: draws an unsolved prompt (rate 0) waits, once learnt, before it can be drawn again.
         ema: weight of the newest group in the running pass rate (1.0: the last group alone).
         seed: the draws' random seed.
+        lag: draws between a draw and the one that first sees its result; at most ``lag + 1`` groups are in
+            flight (the price of draws that do not depend on timing).
     """
 
     thresholds: tuple[float, ...] = (0.2, 0.8)
@@ -56,6 +70,7 @@ class PoolSettings:
     requeue_delay: int = 64
     ema: float = 0.5
     seed: int = 0
+    lag: int = 32
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -81,6 +96,8 @@ class PoolSettings:
             out.append(f"prompt_pool_weights={list(self.weights)}: weights must be >= 0 and one of them > 0")
         if not 0 < self.ema <= 1:
             out.append(f"prompt_pool_ema={self.ema}: the newest group's weight must be in (0, 1]")
+        if self.lag < 0:
+            out.append(f"prompt_pool_lag={self.lag}: give the draws a result waits (>= 0)")
         if self.min_groups < 1 or self.requeue_delay < 0:
             out.append(
                 f"prompt_pool_min_groups={self.min_groups}, prompt_pool_requeue_delay={self.requeue_delay}: "
@@ -90,7 +107,12 @@ class PoolSettings:
 
 
 class PromptPools:
-    """Draws prompt indices of a dataset of ``num_prompts`` rows by difficulty (see the module docstring)."""
+    """Draws prompt indices of a dataset of ``num_prompts`` rows by difficulty (see the module docstring).
+
+    ``draw(f)`` picks draw ``f``'s row; ``learn(f, row, fraction)`` stores draw ``f``'s result, applied in draw
+    order once draw ``f + lag + 1`` is made (the worker) or once every draw up to ``f + lag`` has a result (the
+    trainer's copy, ``settle``).
+    """
 
     def __init__(self, num_prompts: int, settings: PoolSettings) -> None:
         problems = settings.problems()
@@ -100,13 +122,13 @@ class PromptPools:
             raise ValueError("prompt pools need a dataset with at least one prompt (and a length)")
         self.n = num_prompts
         self.s = settings
-        self.rng = random.Random(settings.seed)
         self.rate: dict[int, float] = {}  # prompt -> running pass rate (returned prompts only)
-        self.groups: dict[int, int] = {}  # prompt -> groups returned
-        self.parked: dict[int, int] = {}  # prompt -> draw count at which it is eligible again
+        self.groups: dict[int, int] = {}  # prompt -> groups learnt
+        self.parked: dict[int, int] = {}  # prompt -> draw index from which it is eligible again
         self.retired: set[int] = set()
-        self.in_flight: dict[int, int] = {}  # prompt -> its groups in flight (more than 1 only if forced)
-        self.draws = 0
+        self.applied = 0  # draws 0 .. applied-1 are learnt, in draw order
+        self.results: dict[int, tuple[int, float | None]] = {}  # draw >= applied -> (row, pass fraction) known
+        self.rows: dict[int, int] = {}  # draw >= applied -> its row
 
     # ---- drawing -------------------------------------------------------------------------------------------------
     def pool_of(self, prompt: int) -> str:
@@ -115,45 +137,48 @@ class PromptPools:
         i = sum(self.rate[prompt] >= t for t in self.s.thresholds)
         return self.s.names[1 + i]
 
-    def _eligible(self) -> dict[str, list[int]]:
-        pools: dict[str, list[int]] = {name: [] for name in self.s.names}
-        for p in range(self.n):
-            if p in self.retired or p in self.in_flight:
-                continue
-            if p in self.parked and self.parked[p] > self.draws:
-                continue
-            pools[self.pool_of(p)].append(p)
-        return pools
+    @property
+    def clock(self) -> int:
+        """The draw the learnt state is current for (draw ``f`` learns draws before ``f - lag``); parked prompts
+        are counted against it in ``metrics``."""
+        return self.applied + self.s.lag
 
-    def next_prompt(self, force: bool = False) -> int | None:
-        """The next prompt to generate, or None: every prompt is in flight, retired or parked behind one in flight.
+    def ready(self, draw: int) -> bool:
+        """Whether draw ``draw`` can be made: every result it must learn first (draws before ``draw - lag``) is in."""
+        return all(g in self.results for g in range(self.applied, draw - self.s.lag))
 
-        ``exhausted`` tells the two cases of None apart: all retired (no more data), or wait for a group. With
-        ``force`` (a caller that cannot wait, such as the worker's synchronous prompt iterator) a prompt in flight
-        or parked is drawn again instead of None, evenly among those not retired.
-        """
-        pools = self._eligible()
-        if not any(pools.values()) and self.parked and not self.in_flight:
-            first = min(self.parked, key=lambda p: (self.parked[p], p))  # nothing can return: release one now
-            self.parked[first] = self.draws
-            pools = self._eligible()
-        names = [name for name in self.s.names if pools[name]]
-        if not names and force and not self.exhausted:
-            prompt = self.rng.choice([p for p in range(self.n) if p not in self.retired])
-            return self._take(prompt)
-        if not names:
-            return None
-        weights = [self.s.weights[self.s.names.index(name)] for name in names]
-        if not any(w > 0 for w in weights):  # only weight-0 pools hold eligible prompts: they are drawn evenly
-            weights = [1.0] * len(names)
-        pool = self.rng.choices(names, weights=weights)[0]
-        return self._take(pools[pool][self.rng.randrange(len(pools[pool]))])
+    def draw(self, draw: int) -> int | None:
+        """Draw number ``draw``'s row (None once every prompt is retired). A draw whose row is known (settled before
+        a resume) gives that row again. Call only when ``ready(draw)``, with draws in increasing order."""
+        if not self.ready(draw):
+            raise RuntimeError(f"draw {draw} made before the results of draws {self.applied}..{draw - self.s.lag - 1}")
+        self._apply_until(draw - self.s.lag)
+        if draw in self.rows:
+            return self.rows[draw]
+        recent = {self.rows[g] for g in range(max(draw - self.s.lag, 0), draw) if g in self.rows}
+        rng = random.Random(f"{self.s.seed}/{draw}")  # keyed by the draw: nothing to carry across a resume
+        row = self._choose(rng, draw, recent)
+        if row is not None:
+            self.rows[draw] = row
+        return row
 
-    def _take(self, prompt: int) -> int:
-        self.parked.pop(prompt, None)
-        self.in_flight[prompt] = self.in_flight.get(prompt, 0) + 1
-        self.draws += 1
-        return prompt
+    def _choose(self, rng: random.Random, now: int, recent: set[int]) -> int | None:
+        """A pool by weight, then a prompt in it; relaxed step by step when nothing is eligible: prompts drawn
+        recently may be drawn again, then parked ones (a draw never waits for a delay to run out)."""
+        live = [p for p in range(self.n) if p not in self.retired]
+        for rule in (lambda p: p not in recent and self.parked.get(p, 0) <= now,
+                     lambda p: self.parked.get(p, 0) <= now, lambda p: True):  # fmt: skip
+            pools: dict[str, list[int]] = {name: [] for name in self.s.names}
+            for p in filter(rule, live):
+                pools[self.pool_of(p)].append(p)
+            names = [name for name in self.s.names if pools[name]]
+            if names:
+                weights = [self.s.weights[self.s.names.index(name)] for name in names]
+                if not any(w > 0 for w in weights):  # only weight-0 pools hold eligible prompts: drawn evenly
+                    weights = [1.0] * len(names)
+                pool = pools[rng.choices(names, weights=weights)[0]]
+                return pool[rng.randrange(len(pool))]
+        return None  # every prompt retired
 
     @property
     def exhausted(self) -> bool:
@@ -161,45 +186,57 @@ class PromptPools:
         return len(self.retired) == self.n
 
     # ---- learning from returned groups ---------------------------------------------------------------------------
-    def on_group(self, prompt: int, pass_fraction: float | None) -> str:
-        """A drawn prompt's group returned with this fraction of passing samples (None: not scored, e.g. skipped).
+    def learn(self, draw: int, row: int, pass_fraction: float | None) -> None:
+        """Draw ``draw`` (of dataset row ``row``) returned with this fraction of passing samples (None: not scored,
+        e.g. rejected). Kept until its turn in draw order; a second result for the same draw (a group generated
+        again after a resume) is ignored."""
+        if not 0 <= row < self.n:
+            raise ValueError(f"prompt {row} is not a row of the dataset's {self.n} prompts")
+        if pass_fraction is not None and not 0.0 <= pass_fraction <= 1.0:
+            raise ValueError(f"pass_fraction must be in [0, 1], got {pass_fraction}")
+        if draw < self.applied:
+            return
+        if self.rows.setdefault(draw, row) != row:
+            raise ValueError(f"draw {draw} was of row {self.rows[draw]}, not {row}")
+        self.results.setdefault(draw, (row, pass_fraction))
 
-        Returns what became of the prompt: ``retired``, ``parked`` or its pool's name.
-        """
-        if prompt not in self.in_flight:
-            raise ValueError(f"prompt {prompt} returned but was not drawn (or returned twice)")
-        self.in_flight[prompt] -= 1
-        if not self.in_flight[prompt]:
-            del self.in_flight[prompt]
-        return self.record(prompt, pass_fraction)
+    def settle(self) -> None:
+        """The trainer's copy: apply what a worker about to make the first draw without a result has applied."""
+        first_unknown = self.applied
+        while first_unknown in self.results:
+            first_unknown += 1
+        self._apply_until(first_unknown - self.s.lag)
 
-    def record(self, prompt: int, pass_fraction: float | None, count_draw: bool = False) -> str:
-        """Learn from a group of ``prompt`` (``on_group`` without the in-flight check). The trainer's copy of the
-        pools (``trainer/data_accounting.py``) records each group its steps settled with ``count_draw``: one draw
-        each, so its delays run in settled groups; its state is what a checkpoint saves."""
-        if not 0 <= prompt < self.n:
-            raise ValueError(f"prompt {prompt} is not a row of the dataset's {self.n} prompts")
-        if count_draw:
-            self.draws += 1
+    def _apply_until(self, end: int) -> None:
+        while self.applied < end:
+            row, fraction = self.results.pop(self.applied)
+            self.rows.pop(self.applied, None)
+            if row != UNKNOWN_ROW:
+                self.record(row, fraction, self.applied)
+            self.applied += 1
+
+    def record(self, prompt: int, pass_fraction: float | None, draw: int) -> str:
+        """Apply one group of ``prompt`` drawn as number ``draw``; returns what became of the prompt: ``retired``,
+        ``parked`` (until draw ``draw + lag + 1 + requeue_delay``: the delay runs from when it is learnt) or its
+        pool's name."""
         if pass_fraction is None:
             return self.pool_of(prompt)
-        if not 0.0 <= pass_fraction <= 1.0:
-            raise ValueError(f"pass_fraction must be in [0, 1], got {pass_fraction}")
         old = self.rate.get(prompt)
         self.rate[prompt] = pass_fraction if old is None else (1 - self.s.ema) * old + self.s.ema * pass_fraction
         self.groups[prompt] = self.groups.get(prompt, 0) + 1
+        self.parked.pop(prompt, None)
         if self.rate[prompt] >= self.s.retire_at and self.groups[prompt] >= self.s.min_groups:
             self.retired.add(prompt)
             return "retired"
         if self.rate[prompt] == 0.0 and self.s.requeue_delay > 0:
-            self.parked[prompt] = self.draws + self.s.requeue_delay
+            self.parked[prompt] = draw + self.s.lag + 1 + self.s.requeue_delay
             return "parked"
         return self.pool_of(prompt)
 
     # ---- metrics and checkpoints ---------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """``pools/<pool>/size`` and ``pools/<pool>/pass_rate`` (mean running rate; NaN when empty), retired and
-        parked counts, in the order of ``names``."""
+        parked counts, in the order of ``names``, as learnt so far."""
         out: dict[str, float] = {}
         for name in self.s.names:
             members = [p for p in range(self.n) if p not in self.retired and self.pool_of(p) == name]
@@ -207,21 +244,22 @@ class PromptPools:
             out[f"pools/{name}/size"] = float(len(members))
             out[f"pools/{name}/pass_rate"] = sum(rates) / len(rates) if rates else float("nan")
         out["pools/retired"] = float(len(self.retired))
-        out["pools/parked"] = float(sum(1 for p, at in self.parked.items() if at > self.draws))
+        out["pools/parked"] = float(sum(1 for at in self.parked.values() if at > self.clock))
         return out
 
     def state_dict(self) -> dict:
-        """Plain JSON: everything the next draws depend on (in-flight prompts are not state: their groups
-        are generated again after a resume, so they are eligible)."""
-        version, internal, gauss = self.rng.getstate()
+        """Plain JSON: everything later draws depend on. Draws past ``applied`` without a result (in flight) are
+        not state: they are drawn again after a resume, the same way."""
         return {
             "num_prompts": self.n,
-            "draws": self.draws,
+            "lag": self.s.lag,
+            "seed": self.s.seed,
+            "applied": self.applied,
             "rate": {str(p): r for p, r in sorted(self.rate.items())},
             "groups": {str(p): g for p, g in sorted(self.groups.items())},
             "parked": {str(p): at for p, at in sorted(self.parked.items())},
             "retired": sorted(self.retired),
-            "rng": [version, list(internal), gauss],
+            "results": {str(d): [row, f] for d, (row, f) in sorted(self.results.items())},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -230,14 +268,17 @@ class PromptPools:
                 f"the pools' state was saved for {state['num_prompts']} prompts but the dataset has {self.n}: "
                 "resume with the same dataset"
             )
-        self.draws = int(state["draws"])
+        if "lag" not in state:
+            raise ValueError("the pools' state was saved by an older asyncgrpo (no draw order): start a new run")
+        if int(state["lag"]) != self.s.lag:
+            raise ValueError(f"the pools' state was saved with prompt_pool_lag={state['lag']}: resume with it")
+        self.applied = int(state["applied"])
         self.rate = {int(p): float(r) for p, r in state["rate"].items()}
         self.groups = {int(p): int(g) for p, g in state["groups"].items()}
         self.parked = {int(p): int(at) for p, at in state["parked"].items()}
         self.retired = {int(p) for p in state["retired"]}
-        self.in_flight = {}
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        self.results = {int(d): (int(row), None if f is None else float(f)) for d, (row, f) in state["results"].items()}
+        self.rows = {d: row for d, (row, _) in self.results.items() if row != UNKNOWN_ROW}
 
 
 def pass_fraction(rewards: Sequence[float], threshold: float) -> float | None:
@@ -246,11 +287,18 @@ def pass_fraction(rewards: Sequence[float], threshold: float) -> float | None:
     return sum(r >= threshold for r in scored) / len(scored) if scored else None
 
 
-def worker_pools(num_prompts: int, settings: PoolSettings, state: dict | None) -> PromptPools:
-    """The rollout worker's pools: fresh, or the checkpoint's settled state with a generator seeded by it (the
-    trainer's copy never draws, so its generator says nothing of the draws to come)."""
+def resumed_pools(
+    num_prompts: int, settings: PoolSettings, state: dict | None, start_index: int = 0, skip: Iterable[int] = ()
+) -> PromptPools:
+    """The pools of a run starting at draw ``start_index`` with the draws ``skip`` settled past it: the checkpoint's
+    state (the trainer's copy), or fresh pools when it has none (a checkpoint of a run without pools: the draws
+    it settled, whose rows are unknown, count as draws that taught nothing). Both processes build theirs here."""
     pools = PromptPools(num_prompts, settings)
     if state is not None:
         pools.load_state_dict(state)
-        pools.rng = random.Random(f"{settings.seed}/{pools.draws}")
+    else:
+        pools.applied = start_index
+    for draw in skip:
+        if draw >= pools.applied and draw not in pools.results:
+            pools.results[draw] = (UNKNOWN_ROW, None)
     return pools

@@ -5,25 +5,25 @@
 * dynamic sampling: each pulled group counts as generated, and as kept when it has a signal (not dropped for tied
   rewards); per step that gives ``dynamic_sampling/*`` (logged in every run: with the switch off they give the
   natural tie rate) and, with ``dynamic_sampling`` on, tells the step when the cap stops it filling (one line);
-* prompt pools: the trainer keeps its own ``PromptPools`` and records a group's pass fraction only once its prompt
-  is *settled* (trained, or dropped for tied rewards), in settlement order. A checkpoint saves that copy, so it
-  holds exactly what the checkpoint's weights settled: groups pulled but not yet trained, or dropped as stale, are
-  generated again after a resume and counted then, never twice. The worker's own pools (which learn as soon as a
-  group is scored, ahead of the trainer) start from this state when a run resumes.
+* prompt pools: the trainer keeps its own ``PromptPools`` and learns a group's pass fraction, under its draw
+  number (the flat index), only once its prompt is *settled* (trained, dropped for tied rewards or as stale,
+  rejected); the copy applies results in draw order, as the worker's pools do (``PromptPools.settle``). A
+  checkpoint saves that copy plus the results of partly trained prompts (settled for the resume too), so it holds
+  exactly what a worker resumed at the checkpoint's first unsettled prompt needs to draw what the uninterrupted
+  worker drew: groups pulled but not trained are generated again after a resume and learnt then, never twice.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from asyncgrpo.rollout.dynamic_sampling import OverSamplingCount
 from asyncgrpo.rollout.messages import GroupResult
-from asyncgrpo.rollout.prompt_pools import PromptPools, pass_fraction
+from asyncgrpo.rollout.prompt_pools import PromptPools, pass_fraction, resumed_pools
 
 logger = logging.getLogger(__name__)
-
-RECORDED_OUTCOMES = ("trained", "zero_std", "invalid")  # a group was scored; stale and rejected teach nothing
 
 
 class DataAccounting:
@@ -47,7 +47,7 @@ class DataAccounting:
         self.dynamic = dynamic
         self.pools = pools
         self.pass_threshold = pass_threshold
-        self._unsettled: dict[int, tuple[int, float | None]] = {}  # flat index -> (dataset row, pass fraction)
+        self._pulled: dict[int, tuple[int, float | None]] = {}  # unsettled flat index -> (dataset row, pass fraction)
 
     @classmethod
     def build(cls, args: Any, dataset_len: int | None, resume: Any) -> DataAccounting:
@@ -59,19 +59,18 @@ class DataAccounting:
         if args.prompt_pools:
             if not dataset_len:
                 raise ValueError("prompt_pools needs a training dataset with a length (a map-style dataset)")
-            pools = PromptPools(dataset_len, pool_settings(args))
-            if resume.pools is not None:
-                pools.load_state_dict(resume.pools)
+            pools = resumed_pools(dataset_len, pool_settings(args), resume.pools, resume.start_index, resume.skip)
         return cls(count, pools, args.pass_threshold, dynamic=args.dynamic_sampling)
 
     def on_pulled(self, res: GroupResult, step: int) -> None:
-        """A scored group reached the trainer (not a duplicate of a settled prompt)."""
+        """A group (scored, or rejected by ``filter_prompt``) reached the trainer, not a duplicate of a settled one."""
+        if self.pools is not None and res.dataset_row is not None:
+            fraction = None if res.skipped else pass_fraction(res.rewards or [], self.pass_threshold)
+            self._pulled[res.row_index] = (res.dataset_row, fraction)
         if res.skipped:
             return
         if self.oversampling is not None:
             self.oversampling.on_group(kept=not res.dropped and bool(res.sequences))
-        if self.pools is not None and res.dataset_row is not None:
-            self._unsettled[res.row_index] = (res.dataset_row, pass_fraction(res.rewards or [], self.pass_threshold))
 
     def cap_stops(self, step: int, held_samples: int) -> bool:
         """Whether step ``step``, holding ``held_samples`` samples to train, stops filling at the over-sampling cap
@@ -83,10 +82,11 @@ class DataAccounting:
         return True
 
     def on_settled(self, flat_index: int, outcome: str) -> None:
-        """A prompt settled: its group now counts in the pools (or, stale, is forgotten: it is generated again)."""
-        entry = self._unsettled.pop(flat_index, None)
-        if entry is not None and self.pools is not None and outcome in RECORDED_OUTCOMES:
-            self.pools.record(entry[0], entry[1], count_draw=True)
+        """A prompt settled (any outcome: the worker's pools learnt its group whatever the trainer did with it)."""
+        entry = self._pulled.pop(flat_index, None)
+        if entry is not None and self.pools is not None:
+            self.pools.learn(flat_index, *entry)
+            self.pools.settle()
 
     def step_metrics(self) -> list[tuple[str, float, float]]:
         """The step's ``dynamic_sampling/*`` and ``pools/*`` figures (then the counts start again)."""
@@ -97,5 +97,15 @@ class DataAccounting:
             out += [(name, value, 1.0) for name, value in self.pools.metrics().items()]
         return out
 
-    def pools_state(self) -> dict | None:
-        return self.pools.state_dict() if self.pools is not None else None
+    def pools_state(self, partial: Iterable[int] = ()) -> dict | None:
+        """The settled pools for a checkpoint, plus the results of ``partial``: prompts with some samples trained,
+        which the checkpoint counts as settled (a resume does not generate them again)."""
+        if self.pools is None:
+            return None
+        copy = PromptPools(self.pools.n, self.pools.s)
+        copy.load_state_dict(self.pools.state_dict())
+        for flat in partial:
+            if flat in self._pulled:
+                copy.learn(flat, *self._pulled[flat])
+        copy.settle()
+        return copy.state_dict()

@@ -180,7 +180,7 @@ class RolloutSource:
 
     def pools_state(self) -> dict | None:
         """The settled prompt pools' state for a checkpoint (None when pools are off); read right after a step."""
-        return self.data.pools_state() if self.data is not None else None
+        return self.data.pools_state(self._partial) if self.data is not None else None
 
     def _receive(self, timeout: float) -> None:
         """Pull one group result from the worker into the buffer (G4 stale drop happens here)."""

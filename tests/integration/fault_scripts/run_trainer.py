@@ -10,7 +10,8 @@ worker imports the reward functions from ``run_trainer`` by name). It writes, ne
 * ``worker.pid``: the rollout worker's pid once step 1 ended;
 * ``steps.jsonl``: ``{"begin": step}`` when a run starts (the step it resumed at), then one line per optimizer
   step with the samples it trained per flat prompt index (the independent record the random-kill test checks
-  the lineage against).
+  the lineage against) and, with prompt pools, the draws it settled as ``[flat index, dataset row, pass
+  fraction]`` in the order the trainer's pools learnt them.
 
 ``resume``: true, false, or ``"auto"`` (the library's: resume from the newest complete checkpoint, if any).
 """
@@ -40,6 +41,13 @@ def tied_reward(completion_ids, **kwargs):
     return [1.0 for _ in completion_ids]  # a saturated reward: every group ties
 
 
+def row_reward(completion_ids, answer, **kwargs):
+    """Depends on the prompt alone: the first k = (its answer's character codes summed) mod 5 samples pass, so a
+    row's pass fraction (k / 4 with 4 generations) repeats in every run, whatever was generated."""
+    k = sum(map(ord, answer[0])) % 5
+    return [1.0 if i < k else 0.0 for i in range(len(completion_ids))]
+
+
 class Record(TrainerCallback):
     def __init__(self, trainer: AsyncGRPOTrainer, where: Path) -> None:
         self.trainer, self.where = trainer, where
@@ -52,6 +60,16 @@ class Record(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._write({"begin": state.global_step})
+        self.settled: list[list] = []
+        data = getattr(self.trainer.source, "data", None)
+        if data is not None and data.pools is not None:  # prompt pools: record each settled draw the copy learns
+            learn = data.pools.learn
+
+            def recording(draw: int, row: int, fraction: float | None) -> None:
+                self.settled.append([draw, row, fraction])
+                learn(draw, row, fraction)
+
+            data.pools.learn = recording
 
     def on_step_end(self, args, state, control, **kwargs):
         counts: dict[int, int] = {}
@@ -59,7 +77,9 @@ class Record(TrainerCallback):
             for trie in mb.rows:
                 for sample in trie.samples:
                     counts[sample.meta.row_index] = counts.get(sample.meta.row_index, 0) + 1
-        self._write({"step": state.global_step, "samples": {str(k): v for k, v in sorted(counts.items())}})
+        self._write({"step": state.global_step, "samples": {str(k): v for k, v in sorted(counts.items())},
+                     "settled": self.settled})  # fmt: skip
+        self.settled = []
         if state.global_step >= 1 and self.trainer.worker is not None and self.trainer.worker.process is not None:
             (self.where / "worker.pid").write_text(str(self.trainer.worker.process.pid))
 
@@ -84,7 +104,8 @@ def build(s: dict, where: Path) -> AsyncGRPOTrainer:
     cfg.update(s.get("config", {}))
     if s.get("iterable"):
         dataset = dataset.to_iterable_dataset()
-    reward = {"tied": tied_reward, "exploding": exploding_reward}.get(s.get("reward", ""), parity_reward)
+    rewards = {"tied": tied_reward, "exploding": exploding_reward, "row": row_reward}
+    reward = rewards.get(s.get("reward", ""), parity_reward)
     trainer = AsyncGRPOTrainer(
         s["model_dir"], reward_funcs=[reward], args=AsyncGRPOConfig(**cfg), train_dataset=dataset
     )

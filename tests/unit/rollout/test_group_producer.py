@@ -110,3 +110,36 @@ def test_a_failing_group_stops_the_run_with_its_error():
     with pytest.raises(RuntimeError, match="group 0 failed"):
         asyncio.run(asyncio.wait_for(producer.run(), timeout=20))
     assert not any(it.end for it in channels.samples.items)
+
+
+def test_prompt_pools_draw_the_same_rows_whatever_order_groups_finish_in():
+    """A pools source yields None while its next draw needs a group in flight; the producer waits for one. Two runs
+    whose groups finish in opposite orders draw the same rows, with never more than lag + 1 groups in flight."""
+    from asyncgrpo.rollout.pool_source import PoolPromptSource
+    from asyncgrpo.rollout.prompt_pools import PoolSettings
+
+    settings = PoolSettings(thresholds=(0.5,), weights=(1.0, 2.0, 1.0), min_groups=1, requeue_delay=2, lag=2)
+    dataset = [{"prompt": i} for i in range(6)]
+
+    def run(delay) -> tuple[list[tuple[int, int]], int]:
+        source = PoolPromptSource(dataset, settings, num_epochs=4)
+        channels, drawn, live, peak = _channels(), [], set(), [0]
+
+        async def run_group(item: PromptItem, group_id: int) -> GroupOutcome:
+            drawn.append((item.flat_index, item.row_index))
+            live.add(item.flat_index)
+            peak[0] = max(peak[0], len(live))
+            await asyncio.sleep(delay(item.flat_index))
+            live.discard(item.flat_index)
+            source.on_group(item.flat_index, [1.0, 0.0] if item.row_index % 2 else [0.0, 0.0])
+            return GroupOutcome(tokens=1, kept_tokens=1)
+
+        producer = GroupProducer(source, channels, StalenessAdmission(1000, 10**9), accept=lambda item: True,
+                                 run_group=run_group)  # fmt: skip
+        asyncio.run(asyncio.wait_for(producer.run(), timeout=20))
+        return drawn, peak[0]
+
+    early_first, peak_a = run(lambda flat: 0.001 * (1 + flat % 3))
+    late_first, peak_b = run(lambda flat: 0.001 * (3 - flat % 3))
+    assert early_first == late_first and [f for f, _ in early_first] == list(range(24))
+    assert max(peak_a, peak_b) <= settings.lag + 1
