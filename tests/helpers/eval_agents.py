@@ -79,6 +79,6 @@ class ScriptedCallLoop(AsyncRolloutLoop):
             return turn
         TURNS.append(len(prompt_ids))
         first = turn.output_ids[0] if turn.output_ids else 0
-        text = '<tool_call>\n{"name": "echo", "arguments": {"token": %d}}\n</tool_call>' % first
+        text = '<tool_call>\n{"name": "echo", "arguments": {"token": ' + str(first) + "}}\n</tool_call>"
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         return dataclasses.replace(turn, output_ids=ids, output_log_probs=[0.0] * len(ids), finish_reason="stop")

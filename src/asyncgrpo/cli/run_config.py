@@ -25,7 +25,14 @@ from asyncgrpo.errors import UserError
 
 TOP_KEYS = ("model", "dataset", "eval_dataset", "eval_datasets", "reward_funcs", "server", "args")
 # Beside a dataset's keys, in each eval_datasets set; the last three make it an agent set (tasks/agent_eval.py).
-EVAL_SET_KEYS = ("num_samples", "temperature", "reward_funcs", "environment_factory", "tools", "max_tool_calling_iterations")
+EVAL_SET_KEYS = (
+    "num_samples",
+    "temperature",
+    "reward_funcs",
+    "environment_factory",
+    "tools",
+    "max_tool_calling_iterations",
+)
 SERVER_KEYS = ("embedded", "device", "dtype", "args", "timeout", "wait_s")
 RECIPE_KEYS = ("recipe", "task", "size", "seed", "system_prompt")
 LOAD_KEYS = ("path", "name", "split", "data_files", "data_dir", "revision", "prompt_column")
@@ -314,7 +321,11 @@ def _agent_parts(where: str, own: dict[str, Any]) -> dict[str, Any]:
         raise UserError(f"{where}.max_tool_calling_iterations must be an integer >= 1, got {turns!r}")
     if turns is not None and factory is None and not tools:
         raise UserError(f"{where}.max_tool_calling_iterations needs an environment_factory or tools in the set")
-    return {"environment_factory": factory, "tools": tuple(tools) if tools else None, "max_tool_calling_iterations": turns}
+    return {
+        "environment_factory": factory,
+        "tools": tuple(tools) if tools else None,
+        "max_tool_calling_iterations": turns,
+    }
 
 
 def check_run(cfg: dict[str, Any], args: Any = None) -> RunSpec:

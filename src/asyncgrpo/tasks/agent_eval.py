@@ -159,6 +159,7 @@ async def evaluate_agent_set(
                     environment_factory=dict(environment_factory) if environment_factory else None)  # fmt: skip
     channels = EvalChannels()
     async with loop.components(channels) as runner:
+        check_buildable(loop.agents.pool, prefix)
 
         async def one(i: int) -> None:
             await runner.run(PromptItem(epoch=0, row_index=i, flat_index=i, row=dataset[i]), i)
@@ -167,6 +168,25 @@ async def evaluate_agent_set(
 
         await asyncio.gather(*(one(i) for i in range(len(dataset))))
     return agent_set_metrics(channels, reward_funcs, prefix, s.pass_threshold, len(dataset))
+
+
+def check_buildable(pool: Any, prefix: str) -> None:
+    """One environment of each factory built before any request, and left in the pool for the first episode: a
+    factory that cannot build fails here, naming its set, instead of inside the first group's task."""
+    where = f"eval set {prefix.rsplit('/', 1)[-1]}"
+    for name, factory in (pool.factories if pool is not None else {}).items():
+        what = f"environment_factory[{name!r}]" if name else "environment_factory"
+        try:
+            env = factory()
+        except Exception as e:
+            raise ValueError(
+                f"{where}: {what} could not build an environment ({type(e).__name__}: {e}); fix the "
+                "factory (it is called with no arguments) or give the set another one"
+            ) from e
+        if not callable(getattr(env, "reset", None)):
+            raise TypeError(f"{where}: {what} returned {type(env).__name__}, which has no reset() method; "
+                            "environments need reset(self, **kwargs) -> str | None")  # fmt: skip
+        pool.release(name, env)
 
 
 def agent_set_metrics(
