@@ -114,3 +114,15 @@ def test_an_agent_set_from_the_yaml():
 def test_a_bad_agent_set_in_the_yaml_is_named_with_its_fix(extra, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         check_eval_sets({"sums": {**SUMS, **extra}})
+
+
+def test_the_agent_example_file_checks():
+    from examples.agent_calculator import AnswerCalculatorEnv
+
+    sets = check_eval_sets(load_yaml(ROOT / "examples" / "eval_agent.yaml")["eval_datasets"])
+    assert sets["sums"]["environment_factory"] is None
+    assert sets["sums_calc"]["environment_factory"] is AnswerCalculatorEnv
+    assert sets["sums_calc"]["max_tool_calling_iterations"] == 2
+    env = AnswerCalculatorEnv()
+    env.reset(answer="57", task="chain_sum")  # a reasoning-gym row's columns
+    assert (env.calculate("50 + 7"), env.get_reward()) == ("57", 0.5)
