@@ -166,7 +166,14 @@ async def evaluate_agent_set(
             if progress is not None:
                 progress()
 
-        await asyncio.gather(*(one(i) for i in range(len(dataset))))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(dataset))]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # the first failure ends the set: its other groups stop before the pools close
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     return agent_set_metrics(channels, reward_funcs, prefix, s.pass_threshold, len(dataset))
 
 
