@@ -56,7 +56,7 @@ def _fmt(x: float) -> str:
 EVAL_HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "what is scored": (
         "eval_temperature", "eval_num_generations", "max_completion_length", "top_k", "chat_template_kwargs", "seed",
-        "pass_threshold",
+        "pass_threshold", "max_tool_calling_iterations",
     ),
     "generation server": ("vllm_server_base_url", "vllm_server_timeout", "max_concurrent_rollouts"),
     "model": ("trust_remote_code",),
