@@ -65,6 +65,15 @@ class CalculatorEnv:
         return str(value)
 
 
+class AnswerCalculatorEnv(CalculatorEnv):
+    """The calculator for rows that carry only an ``answer`` column (a reasoning-gym set, e.g. in a YAML's
+    ``eval_datasets``: ``examples/eval_agent.yaml``); a call whose value is the answer earns the 0.5."""
+
+    def reset(self, answer: str, **kwargs: Any) -> None:  # type: ignore[override]
+        self.expected = int(answer)
+        self.correct_calls = 0
+
+
 def final_number(completion: list[dict[str, Any]]) -> int | None:
     """The last integer of the last assistant message (the model's answer), or None."""
     last = next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")

@@ -3,7 +3,8 @@
     asyncgrpo eval --model outputs/demo --config examples/eval_sets.yaml [--eval_temperature 0.7] [--eval_num_generations 4]
 
 The sets are the YAML's ``eval_datasets`` (named, each with its own ``num_samples``, ``temperature`` and
-``reward_funcs``) or its one ``eval_dataset``. Each prints a progress bar while it runs and then one table:
+``reward_funcs``; an agent set also its ``environment_factory``, ``tools`` and ``max_tool_calling_iterations``,
+whose episodes run through the default ``AsyncRolloutLoop``'s tool loop) or its one ``eval_dataset``. Each prints a progress bar while it runs and then one table:
 mean@k, pass@k (the unbiased estimator) and maj@k for k = 1, 2, 4, ... up to its samples. The YAML's ``server``
 section decides where generation runs (``embedded: true`` starts a server on DIR), and ``AsyncGRPOConfig`` flags
 override the file as with ``asyncgrpo train``.
@@ -32,6 +33,12 @@ def format_table(name: str, scores: dict[str, float], s: EvalSettings, seconds: 
         f"clipped {mine['completions/clipped_ratio']:.2f}"
     )
     lines = [head]
+    if "tools/call_frequency" in mine:  # an agent set: its episodes went through the tool loop
+        lines.append(
+            f"  per episode: {_fmt(mine['tools/call_frequency'])} tool calls, {_fmt(mine['rollout/turns_mean'])} "
+            f"turns; failed calls {_fmt(mine['tools/failure_frequency'])}, stopped at the turn limit "
+            f"{_fmt(mine['tools/loop_exhausted_frac'])}"
+        )
     cols = [c for c in ("mean", "pass", "maj") if f"{c}@1" in mine]
     lines.append("  " + f"{'k':>4}" + "".join(f"{c + '@k':>10}" for c in cols))
     for k in ks:
@@ -49,7 +56,7 @@ def _fmt(x: float) -> str:
 EVAL_HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "what is scored": (
         "eval_temperature", "eval_num_generations", "max_completion_length", "top_k", "chat_template_kwargs", "seed",
-        "pass_threshold",
+        "pass_threshold", "max_tool_calling_iterations",
     ),
     "generation server": ("vllm_server_base_url", "vllm_server_timeout", "max_concurrent_rollouts"),
     "model": ("trust_remote_code",),

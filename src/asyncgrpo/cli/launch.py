@@ -74,7 +74,8 @@ def build_eval(spec: RunSpec) -> Any:
     if spec.eval_sets:
         from asyncgrpo.tasks.eval_sets import EvalSet
 
-        return {name: EvalSet(build_dataset(e["dataset"]), e["reward_funcs"], e["num_samples"], e["temperature"])
+        return {name: EvalSet(build_dataset(e["dataset"]), e["reward_funcs"], e["num_samples"], e["temperature"],
+                              e.get("environment_factory"), e.get("tools"), e.get("max_tool_calling_iterations"))
                 for name, e in spec.eval_sets.items()}  # fmt: skip
     return build_dataset(spec.eval_dataset) if spec.eval_dataset is not None else None
 

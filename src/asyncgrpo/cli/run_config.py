@@ -24,7 +24,15 @@ import yaml
 from asyncgrpo.errors import UserError
 
 TOP_KEYS = ("model", "dataset", "eval_dataset", "eval_datasets", "reward_funcs", "server", "args")
-EVAL_SET_KEYS = ("num_samples", "temperature", "reward_funcs")  # beside a dataset's keys, in each eval_datasets set
+# Beside a dataset's keys, in each eval_datasets set; the last three make it an agent set (tasks/agent_eval.py).
+EVAL_SET_KEYS = (
+    "num_samples",
+    "temperature",
+    "reward_funcs",
+    "environment_factory",
+    "tools",
+    "max_tool_calling_iterations",
+)
 SERVER_KEYS = ("embedded", "device", "dtype", "args", "timeout", "wait_s", "mps")
 RECIPE_KEYS = ("recipe", "task", "size", "seed", "system_prompt")
 LOAD_KEYS = ("path", "name", "split", "data_files", "data_dir", "revision", "prompt_column")
@@ -275,12 +283,56 @@ def check_eval_sets(raw: Any) -> dict[str, dict[str, Any]]:
             raise UserError(f"{where}.num_samples must be an integer >= 1, got {n!r}")
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
             raise UserError(f"{where}.temperature must be a number >= 0 (0 is greedy), got {t!r}")
-        rewards = _reward_list(f"{where}.reward_funcs", own["reward_funcs"]) if "reward_funcs" in own else None
+        agent = _agent_parts(where, own)
+        if own.get("reward_funcs") == [] and agent["environment_factory"] is not None:
+            rewards: tuple[Any, ...] | None = ()  # scored by the environment's get_reward alone
+        else:
+            rewards = _reward_list(f"{where}.reward_funcs", own["reward_funcs"]) if "reward_funcs" in own else None
         out[str(name)] = {"dataset": check_dataset(where, spec), "num_samples": n,
-                          "temperature": None if t is None else float(t), "reward_funcs": rewards}  # fmt: skip
+                          "temperature": None if t is None else float(t), "reward_funcs": rewards, **agent}  # fmt: skip
     if not out:
         raise UserError("eval_datasets is empty: name at least one set, e.g. sums: {recipe: reasoning_gym, ...}")
     return out
+
+
+def _agent_parts(where: str, own: dict[str, Any]) -> dict[str, Any]:
+    """An eval set's ``environment_factory`` ('pkg.mod:Class', or a mapping name -> path routed by the rows'
+    ``environment`` column), ``tools`` (a list of paths) and ``max_tool_calling_iterations``, imported and checked."""
+    from asyncgrpo.rollout.agents import check_environment_factory, check_tool, tool_names
+
+    env, tools, turns = own.get("environment_factory"), own.get("tools"), own.get("max_tool_calling_iterations")
+    factory = None
+    if env is not None:
+        if isinstance(env, str):
+            factory = import_object(env, f"{where}.environment_factory")
+        elif isinstance(env, dict) and env and all(isinstance(v, str) for v in env.values()):
+            factory = {str(k): import_object(v, f"{where}.environment_factory.{k}") for k, v in env.items()}
+        else:
+            raise UserError(f"{where}.environment_factory must be 'package.module:Class' or a mapping name -> "
+                            f"'package.module:Class'; got {env!r}")  # fmt: skip
+        try:
+            check_environment_factory(factory, must_pickle=False, what_name=f"{where}.environment_factory")
+        except (TypeError, ValueError) as e:
+            raise UserError(str(e)) from e
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(x, str) for x in tools):
+            raise UserError(f"{where}.tools must be a list of 'package.module:function' strings; got {tools!r}")
+        tools = [import_object(x, f"{where}.tools") for x in tools]
+        try:
+            for tool in tools:
+                check_tool(tool)
+            tool_names(tools)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{where}.tools: {e}") from e
+    if turns is not None and (isinstance(turns, bool) or not isinstance(turns, int) or turns < 1):
+        raise UserError(f"{where}.max_tool_calling_iterations must be an integer >= 1, got {turns!r}")
+    if turns is not None and factory is None and not tools:
+        raise UserError(f"{where}.max_tool_calling_iterations needs an environment_factory or tools in the set")
+    return {
+        "environment_factory": factory,
+        "tools": tuple(tools) if tools else None,
+        "max_tool_calling_iterations": turns,
+    }
 
 
 def check_run(cfg: dict[str, Any], args: Any = None) -> RunSpec:

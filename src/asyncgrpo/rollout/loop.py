@@ -23,7 +23,9 @@ adds are copied into ``settings.extra`` and read as ``self.config.<field>``; any
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import warnings
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -100,7 +102,43 @@ class AsyncRolloutLoop:
     async def run(self, channels: Any) -> None:
         """Entry point called by the worker process; returns when ``channels.stop`` is set or data runs out.
 
-        Builds the components the loop holds, from the inside out, runs the producer, and closes them again."""
+        Builds the components the loop holds (``components``), runs the producer under the staleness admission,
+        and closes them again."""
+        st = self.settings
+        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
+        async with self.components(channels) as runner:
+            poller = asyncio.create_task(poll_server_metrics(st.sampling.has_metrics, self.pool, self.slots.cap,
+                                                             channels, lambda: self.requester.generated_tokens))  # fmt: skip
+            try:
+                source = self.prompt_source()
+                feedback = getattr(source, "on_group", None)  # a source that learns from results (prompt pools)
+
+                async def run_group(item: PromptItem, group_id: int) -> GroupOutcome:
+                    outcome = await runner.run(item, group_id)
+                    if feedback is not None:
+                        feedback(item.flat_index, outcome.rewards)
+                    return outcome
+
+                def accept(item: PromptItem) -> bool:
+                    taken = self.filter_prompt(item.row_index, item.row, item.epoch)
+                    if not taken and feedback is not None:
+                        feedback(item.flat_index, None)  # nothing generated: the prompt is no longer in flight
+                    return taken
+
+                producer = GroupProducer(source, channels, self.admission, run_group=run_group, accept=accept,
+                                         sync_rollouts=st.sync_rollouts)  # fmt: skip
+                await producer.run()
+            finally:
+                poller.cancel()
+
+    @contextlib.asynccontextmanager
+    async def components(self, channels: Any) -> AsyncIterator[GroupRunner]:
+        """The loop's components, from the inside out, and the group runner over them; ``setup`` runs after they
+        are built and ``close`` before they are closed.
+
+        ``run`` (training) drives the runner with the group producer and its staleness admission; a held-out
+        evaluation of an agent set (``tasks/agent_eval.py``) drives it over the set's rows with channels of its own,
+        so both run each episode through the same runner, tool loop and environments."""
         self.channels = channels
         st = self.settings
         # Sync tools, reset/get_reward and sync reward functions share this pool: one thread per concurrent
@@ -115,43 +153,21 @@ class AsyncRolloutLoop:
         cap = ConcurrencyCap(st.max_concurrent_rollouts, st.sampling.kv_cache_tokens, st.sampling.max_model_len,
                              has_metrics=st.sampling.has_metrics)  # fmt: skip
         self.slots = RolloutSlots(cap, channels.put_metric)
-        self.admission = StalenessAdmission(st.max_staleness, st.initial_tokens_per_step)
         parsers.start()  # in the background: answers are parsed inline until a helper is up
-        await self.setup()
-        poller = asyncio.create_task(poll_server_metrics(st.sampling.has_metrics, self.pool, cap, channels,
-                                                         lambda: self.requester.generated_tokens))  # fmt: skip
         try:
-            # After setup: it may change what the runner's choices and the prompt source read (the dataset).
-            runner = GroupRunner(self, st, self.requester, self.slots, self.agents, self.pool, channels,
-                                 reward_funcs=self.reward_funcs, executor=self._executor, tokenizer=self.tokenizer,
-                                 has_environments=self.environment_factory is not None,
-                                 one_request=self._group_as_one_request())  # fmt: skip
-            source = self.prompt_source()
-            feedback = getattr(source, "on_group", None)  # a source that learns from results (prompt pools)
-
-            async def run_group(item: PromptItem, group_id: int) -> GroupOutcome:
-                outcome = await runner.run(item, group_id)
-                if feedback is not None:
-                    feedback(item.flat_index, outcome.rewards)
-                return outcome
-
-            def accept(item: PromptItem) -> bool:
-                taken = self.filter_prompt(item.row_index, item.row, item.epoch)
-                if not taken and feedback is not None:
-                    feedback(item.flat_index, None)  # nothing generated: the prompt is no longer in flight
-                return taken
-
-            producer = GroupProducer(source, channels, self.admission, run_group=run_group, accept=accept,
-                                     sync_rollouts=st.sync_rollouts)  # fmt: skip
-            await producer.run()
-        finally:
-            poller.cancel()
+            await self.setup()
             try:
-                await self.close()
+                # After setup: it may change what the runner's choices and the prompt source read (the dataset).
+                yield GroupRunner(self, st, self.requester, self.slots, self.agents, self.pool, channels,
+                                  reward_funcs=self.reward_funcs, executor=self._executor, tokenizer=self.tokenizer,
+                                  has_environments=self.environment_factory is not None,
+                                  one_request=self._group_as_one_request())  # fmt: skip
             finally:
-                await self.pool.close()
-                await parsers.close()
-                self._executor.shutdown(wait=False, cancel_futures=True)
+                await self.close()
+        finally:
+            await self.pool.close()
+            await parsers.close()
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def prompt_source(self) -> PromptSource:
         """Where the prompts come from (default: epochs over ``dataset``, resumed at the checkpoint's first unsettled

@@ -57,6 +57,8 @@ class RolloutSettings:
         prompt_pools: the difficulty pools' settings when ``prompt_pools`` is on (``rollout/prompt_pools.py``).
         pool_state: the pools' state a checkpoint recorded (resume), or None.
         pass_threshold: a sample passes (the pools' pass rates) when its total reward is at least this.
+        evaluation: the settings of a held-out evaluation (``tasks/agent_eval.py``): its groups are scored, never
+            trained, so a group may hold a single rollout; the staleness fields are unused (no admission).
     """
 
     model_name: str
@@ -86,11 +88,13 @@ class RolloutSettings:
     prompt_pools: PoolSettings | None = None
     pool_state: dict[str, Any] | None = None
     pass_threshold: float = 1.0
+    evaluation: bool = False
 
     def __post_init__(self) -> None:
         problems = []
-        if self.num_generations < 2:
-            problems.append(f"num_generations={self.num_generations}: GRPO needs >= 2 rollouts per prompt")
+        if self.num_generations < (1 if self.evaluation else 2):
+            need = ">= 1 sample per prompt" if self.evaluation else "GRPO needs >= 2 rollouts per prompt"
+            problems.append(f"num_generations={self.num_generations}: {need}")
         if self.max_concurrent_rollouts < 1:
             problems.append(f"max_concurrent_rollouts={self.max_concurrent_rollouts}: must be >= 1")
         if self.initial_tokens_per_step < 1:

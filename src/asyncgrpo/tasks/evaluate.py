@@ -39,6 +39,11 @@ EVAL_METRICS: dict[str, str] = {
     "eval/pass@{k}": "unbiased pass@k, 1 - C(n-c, k)/C(n, k) over n samples with c at or above pass_threshold",
     "eval/maj@{k}": "fraction of prompts whose most frequent answer among k samples passes (answer rewards only)",
     "eval/{set}/...": "the same figures for each named set of eval_datasets (eval/{set}/pass@{k}, ...)",
+    "eval/{set}/rewards/{EnvClass}/mean": "agent sets: the environment's get_reward() mean over the set's episodes",
+    "eval/{set}/tools/call_frequency": "agent sets: tool calls per episode",
+    "eval/{set}/tools/failure_frequency": "agent sets: fraction of tool calls that failed (raised, unknown name, bad JSON)",
+    "eval/{set}/tools/loop_exhausted_frac": "agent sets: fraction of episodes stopped at max_tool_calling_iterations",
+    "eval/{set}/rollout/turns_mean": "agent sets: generation turns per episode",
 }
 
 
@@ -57,6 +62,7 @@ class EvalSettings:
     top_k: int = 0  # sampled evaluation keeps the training top_k (a --return-sampling-mask server requires one)
     model: str | None = None  # the request's ``model``: None = the served model; adapter sync: the newest adapter
     pass_threshold: float = 1.0  # a sample passes (pass@k, maj@k) when its total reward is at least this
+    max_tool_calling_iterations: int | None = None  # agent sets: executed tool-calling turns per episode (None: any)
 
 
 def render(tokenizer: Any, prompt: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None) -> list[int]:
@@ -175,4 +181,5 @@ def settings_from_config(args: Any, base_url: str | None = None) -> EvalSettings
         chat_template_kwargs=args.chat_template_kwargs,
         top_k=args.top_k,
         pass_threshold=args.pass_threshold,
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
     )

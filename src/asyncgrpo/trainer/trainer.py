@@ -45,7 +45,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, dataset_columns, reward_function_name
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
-from asyncgrpo.tasks.eval_sets import as_eval_sets
+from asyncgrpo.tasks.eval_sets import EvalSet, as_eval_sets
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers
@@ -61,7 +61,7 @@ from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers
 from asyncgrpo.trainer.step_stats import StepStats
-from asyncgrpo.trainer.worker_settings import build_rollout_settings
+from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,8 @@ class AsyncGRPOTrainer(Trainer):
             ``train_dataset`` the environment's ``reset()`` returns each prompt and ``max_steps`` sets the length.
         eval_dataset: held-out conversational prompts (reward columns as in ``train_dataset``), generated on the
             server in one turn and scored by the reward functions at ``eval_steps`` (``eval/*``, ``asyncgrpo.tasks.evaluate``);
-            or a dict of named sets (``{name: EvalSet(...)}``, ``tasks/eval_sets.py``), logged as ``eval/<name>/*``.
+            or a dict of named sets (``{name: EvalSet(...)}``, ``tasks/eval_sets.py``), logged as ``eval/<name>/*``;
+            a set with an ``environment_factory`` or ``tools`` runs its episodes through ``loop_cls``'s tool loop.
         rollout_worker, weight_transfer: TRL 1.16's ``RolloutWorkerProtocol`` / ``WeightTransferProtocol`` objects,
             used instead of ours (``trainer/trl_worker.py``, ``trainer/trl_weights.py``; docs/usage.md).
     """
@@ -169,10 +170,10 @@ class AsyncGRPOTrainer(Trainer):
         if tools or factories:  # A3: a template that shows the tools and re-renders turns as extensions
             prepare_tool_template(processing_class, args.chat_template_kwargs)
         self.tools, self.environment_factory = tools, factories
-        if eval_dataset is not None:  # evaluation is single-turn: every set needs the conversational 'prompt' column
+        if eval_dataset is not None:  # a row needs a conversational 'prompt' unless an eval set's environment makes it
             sets = as_eval_sets(eval_dataset)
-            for ds in [s.dataset for s in sets.values()] if sets else [eval_dataset]:
-                check_dataset(ds)
+            for s in sets.values() if sets else [EvalSet(eval_dataset)]:
+                check_dataset(s.dataset, s.factories())
         check_plugins(rollout_worker, weight_transfer)  # a missing method is named here, not at train()
         self.rollout_worker, self.weight_transfer = rollout_worker, weight_transfer
         self.model_id = model_id
@@ -327,9 +328,10 @@ class AsyncGRPOTrainer(Trainer):
             make_readable(output_dir or self.args.output_dir)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"):
-        """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``."""
-        from asyncgrpo.tasks.eval_sets import evaluate_sets
-        from asyncgrpo.tasks.evaluate import evaluate_sync, settings_from_config
+        """Score the held-out prompts on the server (its weights are the last sync's); logs ``eval/*``. Agent sets
+        run through ``loop_cls`` here, beside the worker's admission (``tasks/agent_eval.py``)."""
+        from asyncgrpo.tasks.eval_sets import evaluate_held_out
+        from asyncgrpo.tasks.evaluate import settings_from_config
 
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -340,11 +342,8 @@ class AsyncGRPOTrainer(Trainer):
             settings = settings_from_config(self.args)
             if self.served_adapter is not None:  # adapter sync: the newest adapter holds the trained policy
                 settings = dataclasses.replace(settings, model=self.served_adapter)
-            sets = as_eval_sets(dataset)
-            if sets is not None:
-                metrics = evaluate_sets(self.processing_class, sets, self.reward_funcs, settings, metric_key_prefix)
-            else:
-                metrics = evaluate_sync(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix)
+            metrics = evaluate_held_out(self.processing_class, dataset, self.reward_funcs, settings, metric_key_prefix,
+                                        loop_cls=self.loop_cls, extra=config_extra_fields(self.args))  # fmt: skip
             Trainer.log(self, metrics)  # not self.log: that would flush the training window into this line
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics

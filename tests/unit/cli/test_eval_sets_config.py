@@ -74,3 +74,55 @@ def test_the_table_of_a_set():
     ]
     scores["eval/sums/mean@2"] = math.nan
     assert format_table("sums", scores, s, 1.0).splitlines()[-1] == "     2       nan    0.7500"
+
+
+def test_an_agent_set_from_the_yaml():
+    from tests.helpers.eval_agents import EchoEnv
+    from tests.unit.agent_tools_mod import multiply
+
+    sets = check_eval_sets({"calc": {**SUMS, "environment_factory": "tests.helpers.eval_agents:EchoEnv",
+                                     "tools": ["tests.unit.agent_tools_mod:multiply"], "reward_funcs": [],
+                                     "max_tool_calling_iterations": 2},
+                            "routed": {**SUMS, "environment_factory": {"echo": "tests.helpers.eval_agents:EchoEnv"}},
+                            "sums": SUMS})  # fmt: skip
+    calc = sets["calc"]
+    assert (calc["environment_factory"], calc["tools"]) == (EchoEnv, (multiply,))
+    assert calc["max_tool_calling_iterations"] == 2
+    assert calc["reward_funcs"] == ()  # the environment's get_reward alone
+    assert "environment_factory" not in calc["dataset"] and "tools" not in calc["dataset"]
+    assert sets["routed"]["environment_factory"] == {"echo": EchoEnv}
+    assert (sets["sums"]["environment_factory"], sets["sums"]["tools"]) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"environment_factory": "tests.helpers.eval_agents:EchoEnvv"},
+         ("eval_datasets.sums.environment_factory: cannot import 'tests.helpers.eval_agents:EchoEnvv': module "
+          "tests.helpers.eval_agents has no 'EchoEnvv' (did you mean 'tests.helpers.eval_agents:EchoEnv'?)")),
+        ({"environment_factory": "tests.helpers.eval_agents:NoReset"},
+         "eval_datasets.sums.environment_factory NoReset has no reset() method"),
+        ({"environment_factory": 3}, "eval_datasets.sums.environment_factory must be 'package.module:Class' or"),
+        ({"tools": "tests.unit.agent_tools_mod:multiply"}, "eval_datasets.sums.tools must be a list of"),
+        ({"tools": ["tests.unit.agent_tools_mod:no_docstring"]}, "eval_datasets.sums.tools: "),
+        ({"tools": ["tests.unit.agent_tools_mod:multiply"], "max_tool_calling_iterations": 0},
+         "eval_datasets.sums.max_tool_calling_iterations must be an integer >= 1, got 0"),
+        ({"max_tool_calling_iterations": 2}, "eval_datasets.sums.max_tool_calling_iterations needs an environment"),
+        ({"reward_funcs": []}, "eval_datasets.sums.reward_funcs is empty"),  # no environment to score it
+    ],
+)  # fmt: skip
+def test_a_bad_agent_set_in_the_yaml_is_named_with_its_fix(extra, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        check_eval_sets({"sums": {**SUMS, **extra}})
+
+
+def test_the_agent_example_file_checks():
+    from examples.agent_calculator import AnswerCalculatorEnv
+
+    sets = check_eval_sets(load_yaml(ROOT / "examples" / "eval_agent.yaml")["eval_datasets"])
+    assert sets["sums"]["environment_factory"] is None
+    assert sets["sums_calc"]["environment_factory"] is AnswerCalculatorEnv
+    assert sets["sums_calc"]["max_tool_calling_iterations"] == 2
+    env = AnswerCalculatorEnv()
+    env.reset(answer="57", task="chain_sum")  # a reasoning-gym row's columns
+    assert (env.calculate("50 + 7"), env.get_reward()) == ("57", 0.5)

@@ -28,25 +28,33 @@ ENVIRONMENT_COLUMN = "environment"  # routes a row to one factory of a dict; con
 SELF_SAMPLED_ROWS = 1_000_000  # rows of the placeholder dataset when the environment owns the data
 
 
-def check_environment_factory(factory: Any) -> dict[str, Callable[[], Any]]:
+def check_environment_factory(
+    factory: Any, must_pickle: bool = True, what_name: str = "environment_factory"
+) -> dict[str, Callable[[], Any]]:
     """Validate ``environment_factory`` (a callable or a dict name -> callable) and return it as a dict.
 
     A single callable is stored under the name ``""``. Factories that are classes are checked
     further here: ``reset`` must exist and every public method must be a valid tool (hints and docstring).
+
+    Args:
+        must_pickle: the factories cross into the spawned rollout worker (training); an evaluation builds its
+            environments in its own process and passes False.
+        what_name: how errors name the argument (an eval set's ``environment_factory`` names its set).
 
     Raises:
         TypeError: a factory is not callable, does not pickle, or a class lacks ``reset`` / has a bad tool.
     """
     factories = dict(factory) if isinstance(factory, Mapping) else {"": factory}
     if not factories:
-        raise ValueError("environment_factory is an empty dict; map at least one environment name to a factory")
+        raise ValueError(f"{what_name} is an empty dict; map at least one environment name to a factory")
     for name, f in factories.items():
-        what = f"environment_factory[{name!r}]" if name else "environment_factory"
+        what = f"{what_name}[{name!r}]" if name else what_name
         if not isinstance(name, str):
-            raise TypeError(f"environment_factory keys must be strings (the `environment` column values), got {name!r}")
+            raise TypeError(f"{what_name} keys must be strings (the `environment` column values), got {name!r}")
         if not callable(f):
             raise TypeError(f"{what} must be a class or a function returning an environment, got {f!r}")
-        check_picklable(f, what)
+        if must_pickle:
+            check_picklable(f, what)
         if inspect.isclass(f):
             if not callable(getattr(f, "reset", None)):
                 raise TypeError(
