@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from asyncgrpo.server.mps import MpsUnavailable, mps_daemon
 
 SHAPE = {"hidden": 960, "inter": 2560, "layers": 32, "heads": 15, "kv_heads": 5, "head_dim": 64, "vocab": 49152}
 
@@ -134,26 +135,6 @@ def run_phase(roles: list[str], a: argparse.Namespace, env: dict[str, str], work
     return result
 
 
-def mps_env(work: Path) -> tuple[dict[str, str] | None, str]:
-    """Start a private MPS control daemon; returns its client environment (None and why when it cannot start)."""
-    exe = shutil.which("nvidia-cuda-mps-control")
-    if exe is None:
-        return None, "nvidia-cuda-mps-control is not on PATH"
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(work / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(work / "mps-log")}
-    for v in env.values():
-        Path(v).mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([exe, "-d"], check=False, env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        return None, f"mps control daemon failed: {r.stdout} {r.stderr}"
-    return env, "started"
-
-
-def stop_mps(env: dict[str, str]) -> None:
-    subprocess.run(
-        ["nvidia-cuda-mps-control"], check=False, input="quit\n", env={**os.environ, **env}, text=True, timeout=30
-    )
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu_share_probe.json")
@@ -180,16 +161,15 @@ def main() -> int:
         "decode_alone": run_phase(["decode"], a, {}, work, "ts_decode")["decode"],
         "together": run_phase(["train", "decode"], a, {}, work, "ts_both"),
     }
-    env, why = mps_env(work)
-    res["mps_start"] = why
-    if env is not None:
-        try:
+    try:  # the library's daemon (server/mps.py): this process never initializes CUDA, its children are the clients
+        with mps_daemon(check=False) as env:
+            res["mps_start"] = "started"
             res["mps"] = {
                 "train_alone": run_phase(["train"], a, env, work, "mps_train")["train"],
                 "together": run_phase(["train", "decode"], a, env, work, "mps_both"),
             }
-        finally:
-            stop_mps(env)
+    except MpsUnavailable as e:
+        res["mps_start"] = str(e)
     for mode in ("time_sliced", "mps"):
         m = res.get(mode)
         if not m or "error" in m["together"].get("train", {}) or "error" in m["together"].get("decode", {}):
