@@ -134,6 +134,16 @@ def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     return parser, own
 
 
+def config_yaml(argv: list[str]) -> dict[str, Any] | None:
+    """The YAML named by ``--config`` (top-level keys checked), or None when there is none or help is asked for."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config is None or {"-h", "--help"} & set(argv):
+        return None
+    return load_yaml(known.config)
+
+
 def parse_train(
     argv: list[str],
     prog: str = "asyncgrpo train",
@@ -147,12 +157,9 @@ def parse_train(
     are reported at once. ``add_flags(parser)`` adds a command's own flags (``asyncgrpo eval --model``);
     ``help_sections`` (sections, note on the rest): the fields its ``--help`` lists (``help_format.organize_help``).
     """
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
     sections = None
-    if known.config is not None and not {"-h", "--help"} & set(argv):
-        cfg = load_yaml(known.config)
+    cfg = config_yaml(argv)
+    if cfg is not None:
         args_raw = cfg["args"] or {}
         if not isinstance(args_raw, dict):
             raise UserError(f"args must be a mapping of AsyncGRPOConfig fields, got {args_raw!r}")
@@ -344,12 +351,8 @@ def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None, pro
 def wants_mps(argv: list[str]) -> bool:
     """The YAML of ``--config`` asks for MPS (``server: {embedded: true, mps: true}``); read before anything
     initializes CUDA (building the config may), since a process joins MPS only at its first CUDA call."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    if known.config is None or {"-h", "--help"} & set(argv):
-        return False
-    server = load_yaml(known.config).get("server") or {}
+    cfg = config_yaml(argv)
+    server = (cfg or {}).get("server") or {}
     return isinstance(server, dict) and server.get("mps") is True and server.get("embedded") is True
 
 
