@@ -60,6 +60,12 @@ def _check_single(sampling_params: Mapping[str, Any], method: str) -> None:
         raise ValueError(f"{method}() returns one sequence but n={sampling_params['n']}; use {method}_n()")
 
 
+def base_model_card(models: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The base model's card among ``GET /v1/models``' cards: the one without a ``parent`` (LoRA adapters name
+    theirs), else the first; None when there is no card."""
+    return next((m for m in models if m.get("parent") in (None, "")), models[0] if models else None)
+
+
 class AsyncServerClient(HttpTransport):
     """Client of one generation server (vLLM or embedded), bound to the event loop it is first used in.
 

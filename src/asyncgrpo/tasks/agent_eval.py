@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.http_client import AsyncServerClient, base_model_card
 from asyncgrpo.rollout.agents.templates import prepare_tool_template
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.prompt_order import PromptItem
@@ -112,7 +112,7 @@ async def served_model(base_url: str, timeout: float) -> tuple[str, int]:
     async with AsyncServerClient(base_url) as client:
         await client.wait_until_ready(timeout)
         models = await client.models()
-    base = next((m for m in models if m.get("parent") in (None, "")), models[0] if models else None)
+    base = base_model_card(models)
     if base is None or not base.get("max_model_len"):
         raise RuntimeError(f"/v1/models of {base_url} names no model with a max_model_len; is it a vLLM server?")
     return str(base["id"]), int(base["max_model_len"])

@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.http_client import AsyncServerClient, base_model_card
 from asyncgrpo.errors import ServerError
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def describe_served_weights(base_url: str, models: list[dict[str, Any]], info: d
                             model_id: str) -> list[str]:  # fmt: skip
     """The warnings for one server: its model name differs from ``model_id``, or it reports a weight version
     other than a fresh server's. ``info`` is its ``/weight_info`` answer (None: the server has none)."""
-    base = next((m for m in models if m.get("parent") in (None, "")), models[0] if models else {})
+    base = base_model_card(models) or {}
     names = (base.get("id"), base.get("root"))
     lines = []
     if base and not _same_model(names, model_id):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.client.http_client import AsyncServerClient
+from asyncgrpo.client.http_client import AsyncServerClient, base_model_card
 from asyncgrpo.client.server_rules import DEV_MODE_HINT, NOT_CONFIGURED_HINT, kv_capacity
 from asyncgrpo.errors import ServerError
 from asyncgrpo.routed_experts import CONFIG_KEY
@@ -69,7 +69,7 @@ async def _probe(base_url: str, timeout: float, want_masks: bool, connect_timeou
         models = await client.models()
         if not models:
             raise RuntimeError(f"the generation server at {base_url} serves no model (/v1/models is empty)")
-        base = next((m for m in models if m.get("parent") in (None, "")), models[0])
+        base = base_model_card(models)
         max_len = base.get("max_model_len")
         if not max_len:
             raise RuntimeError(f"/v1/models of {base_url} reports no max_model_len; is it a vLLM-compatible server?")
