@@ -16,6 +16,7 @@ from asyncgrpo.rollout.prompt_order import PromptOrder
 from asyncgrpo.trainer.checkpoint import prepare_resume, write_rollout_state
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.types import TrainingSequence
+from tests.helpers.scripted_workers import QuietWorker
 
 G = 4  # samples per prompt
 
@@ -41,7 +42,7 @@ class _Channels:
         self.queued += n
 
 
-class ScriptedWorker:
+class ScriptedWorker(QuietWorker):
     """What the trainer sees of a rollout worker: groups in ``PromptOrder``, stamped with ``version``, then the end.
 
     ``consumed`` is the G3 counter the trainer reports into (``report_consumed``), as the real worker's shared value.
@@ -70,14 +71,8 @@ class ScriptedWorker:
     def report_consumed(self, tokens: int) -> None:
         self.consumed += tokens
 
-    def report_step(self, tokens: int) -> None:
-        pass
-
     def queue_size(self) -> int:
         return len(self.prompts) * G
-
-    def set_trainer_waiting(self, waiting: bool) -> None:
-        pass
 
 
 def _source(worker: ScriptedWorker, n: int, budget: int = 80, max_staleness: int = 100, **resume) -> RolloutSource:

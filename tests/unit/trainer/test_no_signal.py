@@ -18,21 +18,17 @@ from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.trainer import rollout_source
 from asyncgrpo.trainer.no_signal import StepGroups, likely_cause
 from asyncgrpo.trainer.rollout_source import NoTrainableSamplesError, RolloutSource
+from tests.helpers.scripted_workers import QuietWorker
 
 NOTICE_S = 0.3  # the first notice, scaled down from FIRST_NOTICE_S (20 s) to keep the test short
 
 
-class _Channels:
-    def count_queued(self, n: int) -> None:
-        pass
-
-
-class TiedWorker:
+class TiedWorker(QuietWorker):
     """Dropped groups (equal rewards ``rewards(i)``, ``tool_calls`` calls each) every ``every_s`` seconds."""
 
     def __init__(self, rewards, tool_calls: int | None, every_s: float = 0.01) -> None:
+        super().__init__()
         self.rewards, self.tool_calls, self.every_s = rewards, tool_calls, every_s
-        self.channels = _Channels()
         self.sent = 0
 
     def get_sample(self, timeout: float) -> GroupResult:
@@ -40,18 +36,6 @@ class TiedWorker:
         self.sent += 1
         return GroupResult(self.sent - 1, 0, self.sent, 0, [], dropped=True, rewards=self.rewards(self.sent),
                            tool_calls=self.tool_calls)  # fmt: skip
-
-    def report_consumed(self, tokens: int) -> None:
-        pass
-
-    def report_step(self, tokens: int) -> None:
-        pass
-
-    def queue_size(self) -> int:
-        return 0
-
-    def set_trainer_waiting(self, waiting: bool) -> None:
-        pass
 
 
 def _dead_url() -> str:

@@ -21,6 +21,7 @@ from asyncgrpo.trainer.data_accounting import DataAccounting
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.step_fill import is_share, tied_shares
 from asyncgrpo.types import TrainingSequence
+from tests.helpers.scripted_workers import QuietWorker
 
 GROUP_TOKENS = 10 + 2 * 15 + 1  # forwarded tokens of one group in a row (module docstring)
 
@@ -36,17 +37,12 @@ def _samples(row: int) -> list[TrainingSequence]:
     return out
 
 
-class _Channels:
-    def count_queued(self, n: int) -> None:
-        pass
-
-
-class ScriptedGroups:
+class ScriptedGroups(QuietWorker):
     """The groups of ``script`` in order ("K": kept, "T": tied), one per prompt, then the end marker."""
 
     def __init__(self, script: str) -> None:
+        super().__init__()
         self.script = deque(enumerate(script))
-        self.channels = _Channels()
 
     def get_sample(self, timeout: float) -> GroupResult:
         if not self.script:
@@ -56,18 +52,6 @@ class ScriptedGroups:
             return GroupResult(row, 0, row + 1, 0, [], dropped=True, rewards=[1.0, 1.0], row_tokens=GROUP_TOKENS)
         seqs = _samples(row)
         return GroupResult(row, 0, row + 1, 0, seqs, rewards=[1.0, 0.0], tokens=sum(len(s.input_ids) for s in seqs))
-
-    def report_consumed(self, tokens: int) -> None:
-        pass
-
-    def report_step(self, tokens: int) -> None:
-        pass
-
-    def queue_size(self) -> int:
-        return 0
-
-    def set_trainer_waiting(self, waiting: bool) -> None:
-        pass
 
 
 def _steps(script: str, dynamic: bool, steps: int, max_factor: float = 8.0) -> list[tuple[list[int], dict]]:
