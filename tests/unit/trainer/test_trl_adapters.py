@@ -7,7 +7,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -22,18 +21,7 @@ from asyncgrpo.trainer.trl_weights import (
 )
 from asyncgrpo.trainer.trl_worker import TRLWorkerHost, check_rollout_worker_protocol
 from asyncgrpo.weights.base import WeightSync
-
-
-@dataclass
-class Sample:  # the fields of TRL 1.16's RolloutSample that the trainer reads
-    input_ids: np.ndarray
-    completion_mask: np.ndarray
-    old_log_probs: np.ndarray
-    advantage: float
-    model_version: int
-    group_id: int
-    metrics: dict = field(default_factory=dict)
-    enqueued_at: float | None = None
+from tests.helpers.trl_plugins import Sample
 
 
 class Worker:
@@ -58,8 +46,8 @@ class Worker:
 
 
 def _sample(group: int, n: int, version: int = 0) -> Sample:
-    return Sample(np.arange(n), np.r_[np.zeros(2), np.ones(n - 2)], np.r_[np.zeros(2), -np.ones(n - 2)], 0.5 - group,
-                  version, group)  # fmt: skip
+    return Sample([], [], np.arange(n), np.r_[np.zeros(2), np.ones(n - 2)], np.r_[np.zeros(2), -np.ones(n - 2)],
+                  0.5 - group, version, group)  # fmt: skip
 
 
 def test_missing_members_are_named():
