@@ -194,7 +194,7 @@ def _compile_times() -> str:
         from torch._dynamo.utils import compile_times
 
         return str(compile_times(repr="str"))[:4000]
-    except Exception as exc:  # a private API: its absence must not lose the run's figures
+    except (ImportError, TypeError, AttributeError) as exc:  # a private API: its absence must not lose the figures
         return f"unavailable: {exc}"
 
 
@@ -264,7 +264,9 @@ def run_gpu_variant(a: argparse.Namespace, tag: str, src: str, work: Path, model
         print(f"=== {tag} {name}", flush=True)
         (work / tag).mkdir(parents=True, exist_ok=True)
         with open(work / tag / f"{name}.log", "w") as log:  # the child's output (recompile reasons included)
-            done = subprocess.run(cmd, env=env, timeout=a.run_timeout, check=False, stdout=log, stderr=subprocess.STDOUT)
+            done = subprocess.run(
+                cmd, env=env, timeout=a.run_timeout, check=False, stdout=log, stderr=subprocess.STDOUT
+            )
         runs[name] = json.loads(res.read_text()) if res.is_file() else {"error": f"exit {done.returncode}"}
         r = runs[name]
         print(f"    ready {r.get('server_ready_s', 0):.1f}s  first step after ready {r.get('first_step_after_ready_s', 0):.1f}s"
