@@ -128,6 +128,7 @@ def gpu_child(a: argparse.Namespace) -> dict:
     stamps: list[float] = []
     graphs: list[int] = []
     prof_box: dict = {}
+    cpu: list[float] = []
 
     def unique_graphs() -> int:
         from torch._dynamo.utils import counters
@@ -137,6 +138,7 @@ def gpu_child(a: argparse.Namespace) -> dict:
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             stamps.append(time.time())
+            cpu.append(time.thread_time())
 
         def on_step_begin(self, args, state, control, **kw):
             if a.profile_steps and a.child == "async_warm" and state.global_step + 1 == a.profile_steps[0]:
@@ -148,10 +150,12 @@ def gpu_child(a: argparse.Namespace) -> dict:
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.time())
             graphs.append(unique_graphs())
+            cpu.append(time.thread_time())  # this (main) thread's CPU seconds: a step that waits shows less
             if "p" in prof_box and state.global_step == a.profile_steps[1]:
                 if cuda:
                     torch.cuda.synchronize()
-                prof_box.pop("p").__exit__(None, None, None)
+                prof_box["done"] = prof_box.pop("p")
+                prof_box["done"].__exit__(None, None, None)
 
     trainer = AsyncGRPOTrainer(model, reward_funcs=[reward], args=args, train_dataset=rows,
                                callbacks=[Clock()])  # fmt: skip
@@ -162,9 +166,11 @@ def gpu_child(a: argparse.Namespace) -> dict:
     ready_at = t_ready
     with server:
         trainer.train()
-        prof = prof_box.get("p")
-        if prof is not None:  # the run ended before the last profiled step
-            prof.__exit__(None, None, None)
+        if "p" in prof_box:  # the run ended before the last profiled step
+            prof_box["done"] = prof_box.pop("p")
+            prof_box["done"].__exit__(None, None, None)
+        threads = _thread_cpu()
+    prof = prof_box.get("done")
     metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     per_step = [m for m in metrics if "perf/step_s" in m]
     out = {
@@ -177,6 +183,8 @@ def gpu_child(a: argparse.Namespace) -> dict:
         "recompiles_after_step1": graphs[-1] - graphs[0] if graphs else None,
         "unique_graphs": graphs[:3] + graphs[-1:],
         "compile_times": _compile_times(),
+        "main_thread_cpu_share_after_2": _cpu_share(stamps, cpu),
+        "thread_cpu_s": threads,
         "server_start_log": server_log_times(log, t_launch),
     }
     if a.profile_dir and a.child == "async_warm" and prof is not None:
@@ -185,6 +193,28 @@ def gpu_child(a: argparse.Namespace) -> dict:
         for key in ("self_cuda_time_total", "self_cpu_time_total", "cpu_time_total"):
             (Path(a.profile_dir) / f"{a.tag}_{key}.txt").write_text(avg.table(sort_by=key, row_limit=45))
         out["profile"] = _profile_totals(prof)
+    return out
+
+
+def _cpu_share(stamps: list[float], cpu: list[float]) -> float | None:
+    """Main-thread CPU seconds over wall seconds of the steps after step 2 (below 1: it waited for something)."""
+    if len(stamps) < 5 or len(cpu) != len(stamps):
+        return None
+    return (cpu[-1] - cpu[3]) / max(stamps[-1] - stamps[3], 1e-9)
+
+
+def _thread_cpu() -> dict:
+    """CPU seconds of each thread of this process (who else competed for the GIL during the run)."""
+    import threading
+
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for t in psutil.Process().threads():
+        busy = t.user_time + t.system_time
+        if busy > 0.5:
+            out[f"{names.get(t.id, 'native')}:{t.id}"] = round(busy, 2)
     return out
 
 

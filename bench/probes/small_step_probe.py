@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", default="flex:eager,flex:compiled,varlen:eager,varlen:compiled,sdpa:eager")
+    ap.add_argument("--variants", default="flex:eager,flex:compiled,flex:graphs,varlen:compiled")
     ap.add_argument("--profile-dir", default=None, help="a torch-profiler table of one step per variant")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
@@ -62,7 +62,7 @@ def main() -> int:
 
     from asyncgrpo import AsyncGRPOConfig
     from asyncgrpo.packing.attention import build_plan, use_tree_attention
-    from asyncgrpo.trainer.compile import compile_decoder_layers, uncompile_decoder_layers
+    from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers, uncompile_decoder_layers
     from asyncgrpo.trainer.packed_forward import packed_forward
     from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 
@@ -112,13 +112,20 @@ def main() -> int:
         uncompile_decoder_layers(model)
         if mode == "compiled":
             compile_decoder_layers(model)
+        elif mode == "graphs":  # CUDA graphs per layer (cudagraph trees): one recording per row length
+            compile_decoder_layers(model, CompileSettings(mode="reduce-overhead"))
         first = []
-        for i in range(2):  # first calls: compile, then the dynamic-shape recompile
-            sync()
-            t = time.perf_counter()
-            step(rows[i], backend, None)
-            sync()
-            first.append(time.perf_counter() - t)
+        try:
+            for i in range(len(rows) if mode == "graphs" else 2):  # compile (and record each length's graphs)
+                sync()
+                t = time.perf_counter()
+                step(rows[i], backend, None)
+                sync()
+                first.append(time.perf_counter() - t)
+        except Exception as exc:  # noqa: BLE001 - a probe: record why a variant cannot run and go on
+            results["variants"][variant] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            print(variant, "failed:", results["variants"][variant]["error"], flush=True)
+            continue
         times: dict = {}
         for i in range(a.iters):
             step(rows[i % len(rows)], backend, times)

@@ -195,7 +195,9 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Tre
     if torch.compiler.is_compiling():  # inside a compiled decoder layer (trainer/compile.py): part of its graph
         return flex_attention(query, key, value, block_mask=plan.block_mask, scale=scale, enable_gqa=gqa)
     if _compiled_flex is None:  # compiled once per process; FlexAttention is only fast compiled
-        _compiled_flex = torch.compile(flex_attention)
+        # dynamic from the first call: a static graph for the first row length was recompiled for the second
+        # (dynamic) and once more for a third on an H200, each 5-7 s inside a training step
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex(query, key, value, block_mask=plan.block_mask, scale=scale, enable_gqa=gqa)
 
 

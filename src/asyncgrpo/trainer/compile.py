@@ -25,7 +25,18 @@ from asyncgrpo.triton_support import have_triton, warn_missing
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileSettings", "compile_decoder_layers", "decoder_layers", "uncompile_decoder_layers"]
+__all__ = [
+    "CompileSettings", "compile_decoder_layers", "decoder_layers", "uncompile_decoder_layers", "wants_compiled_layers"
+]  # fmt: skip
+
+
+def wants_compiled_layers(args: Any, peft: bool, router_replay: Any) -> bool:
+    """``compile_decoder_layers`` as set, or when None: one CUDA process with Triton, no adapter, no routing
+    replay (the cases the H200 measurements cover; elsewhere eager stays the safe choice)."""
+    if args.compile_decoder_layers is not None:
+        return bool(args.compile_decoder_layers)
+    on_cuda = torch.device(args.device).type == "cuda"
+    return on_cuda and have_triton() and args.world_size == 1 and not peft and router_replay is None
 
 
 @dataclass(frozen=True)

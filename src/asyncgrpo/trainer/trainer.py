@@ -48,7 +48,7 @@ from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.tasks.eval_sets import EvalSet, as_eval_sets
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
-from asyncgrpo.trainer.compile import compile_decoder_layers
+from asyncgrpo.trainer.compile import compile_decoder_layers, wants_compiled_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
@@ -60,33 +60,16 @@ from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers
+from asyncgrpo.trainer.step_loader import StepLoader
 from asyncgrpo.trainer.step_stats import StepStats
+from asyncgrpo.trainer.warmup import should_warm_up, warm_up
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
+from asyncgrpo.weights.policy import is_peft_model
 
 logger = logging.getLogger(__name__)
 
 COMPACT_DOCTOR_EVERY = 10  # compact_log: the run doctor's verdicts every this many windows (as asyncgrpo train)
-
-
-class _StepSource:
-    """Stands in for the train DataLoader: Trainer only needs its length and ``.dataset``.
-
-    Batches come from ``get_batch_samples``, which ignores this iterator.
-    """
-
-    def __init__(self, dataset: Any, num_batches: int | None) -> None:
-        self.dataset = dataset
-        self._len = num_batches
-
-    def __len__(self) -> int:
-        if self._len is None:
-            raise TypeError("length unknown: max_steps governs the run")
-        return self._len
-
-    def __iter__(self):
-        while True:
-            yield None
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -188,7 +171,7 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
-        if args.compile_decoder_layers:
+        if wants_compiled_layers(args, peft_config is not None or is_peft_model(model), self.router_replay):
             compile_decoder_layers(self._causal_lm())
         self.window = MetricsWindow()
         self.step_stats = StepStats()
@@ -246,6 +229,8 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None and self.worker.process is None:
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
+        if should_warm_up(self):  # compile the step while the worker starts and generates the first groups
+            warm_up(self)
 
     def _stop_rollout(self) -> None:
         if self.worker is not None:
@@ -348,15 +333,15 @@ class AsyncGRPOTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
 
-    def get_train_dataloader(self) -> _StepSource:
+    def get_train_dataloader(self) -> StepLoader:
         if self.args.max_steps > 0:
-            return _StepSource(self.train_dataset, None)
+            return StepLoader(self.train_dataset, None)
         n = len(self.train_dataset)
         # Each step trains at least one whole prompt group except when a group spills over a step, so
         # 2 × prompts + a margin bounds the steps; the run stops earlier once the prompts are consumed.
         bound = 2 * math.ceil(self.args.num_train_epochs * n) + 8
         per_epoch = math.ceil(bound / max(math.ceil(self.args.num_train_epochs), 1))
-        return _StepSource(self.train_dataset, per_epoch * self.args.gradient_accumulation_steps)
+        return StepLoader(self.train_dataset, per_epoch * self.args.gradient_accumulation_steps)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
         """One step's micro-batches for this process: ``{"row": PackedRow, "normalizer": float}`` each.
@@ -384,9 +369,12 @@ class AsyncGRPOTrainer(Trainer):
         return batches, None
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
+        return self.step_forward_backward(model, inputs["row"], inputs["normalizer"])
+
+    def step_forward_backward(self, model: torch.nn.Module, row: Any, normalizer: float, keep_metrics: bool = True):
+        """One row's forward and backward (``keep_metrics=False``: the compile warm-up, ``trainer/warmup.py``)."""
         model.train()
         t0 = time.perf_counter()
-        row = inputs["row"]
         if row is None or row.num_tokens == 0:  # every process must forward (FSDP collectives): a 1-token row
             row = pack_samples([PackSample([0, 0], [0, 0], [0.0, 0.0], 0.0, -1)])
         row = row.to(self.args.device)
@@ -398,7 +386,7 @@ class AsyncGRPOTrainer(Trainer):
             fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
             if replay is not None:
                 replay.end_forward()
-            result = self._policy_loss(fwd, row, inputs["normalizer"]) if row.num_trained else None
+            result = self._policy_loss(fwd, row, normalizer) if row.num_trained else None
             # A row without trained tokens still joins every parameter to the graph (FSDP reduces them all).
             loss = (result.loss if result is not None else 0.0) + fwd.anchor
             aux = router_aux_loss(router, row.path_count, self.router_top_k) if router and row.num_trained else None
@@ -412,6 +400,8 @@ class AsyncGRPOTrainer(Trainer):
             replay.end()
         if self._device_is_cuda():
             torch.cuda.synchronize()
+        if not keep_metrics:
+            return loss.detach()
         self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens, forward_s)
         if aux is not None:
             self.window.add("aux_loss", float(aux.detach()))

@@ -1,0 +1,92 @@
+"""Compile the training step's kernels while the first groups are generated, not inside step 1.
+
+On CUDA the packed step runs compiled code: FlexAttention's kernels, the fused LM-head loss kernels and, with
+``compile_decoder_layers``, the decoder layers. Each compiles (or loads from the compile cache) at its first
+call, and again when a size it specialised on changes. In a run that cost arrived inside steps 1 and 2
+(7-12 s on an H200 at a 135 M model), while the trainer had nothing else to do but wait for the worker's
+first groups. So the trainer runs the step's forward and backward on two dummy rows of the run's shapes right
+after it starts the rollout worker: two lengths, so a size that turns dynamic on its second value does so
+here. The gradients are dropped; the optimizer, the scheduler and the weights are not touched.
+
+Only where it pays and is safe: a CUDA device, one process (every rank of a sharded run would have to warm up
+in lock step), no MoE routing replay (its rows carry the sampler's routing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncgrpo.packing import PackSample, pack_samples
+from asyncgrpo.packing.row import PackedRow
+
+logger = logging.getLogger(__name__)
+
+PROMPT_TOKENS = 64  # a typical chat prompt; the row's length is what matters, not the split
+
+
+def warmup_rows(token_budget: int, num_generations: int, max_completion_length: int, vocab_size: int,
+                top_n: int) -> list[PackedRow]:  # fmt: skip
+    """Two rows shaped like the run's (one prompt shared by a group, trained completions, sampler top-N when
+    score centering asks for it), of about half and all of ``token_budget`` tokens."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for share in (0.5, 0.95):
+        target = max(int(token_budget * share), PROMPT_TOKENS + 2 * num_generations)
+        per = max(2, min(max_completion_length, (target - PROMPT_TOKENS) // max(num_generations, 1)))
+        prompt = rng.integers(0, vocab_size, PROMPT_TOKENS).tolist()
+        samples = []
+        for _ in range(max(num_generations, 1)):
+            completion = rng.integers(0, vocab_size, per).tolist()
+            mask = [0] * PROMPT_TOKENS + [1] * per
+            top = None
+            if top_n:
+                top = [rng.integers(0, vocab_size, top_n).tolist() if m else [] for m in mask]
+            lps = (
+                [sorted((-rng.random(top_n) * 4 - 0.1).tolist(), reverse=True) if m else [] for m in mask]
+                if top_n
+                else None
+            )
+            samples.append(PackSample(prompt + completion, mask, [-1.0 * m for m in mask], float(rng.normal()), 0,
+                                      sampler_topn_ids=top, sampler_topn_logprobs=lps))  # fmt: skip
+        rows.append(pack_samples(samples))
+    return rows
+
+
+def should_warm_up(trainer: Any) -> bool:
+    """CUDA, one process, no routing replay, and ``warm_up_compile`` on."""
+    args = trainer.args
+    return (
+        getattr(args, "warm_up_compile", True)
+        and torch.device(args.device).type == "cuda"
+        and args.world_size == 1
+        and trainer.router_replay is None
+    )
+
+
+def warm_up(trainer: Any) -> float:
+    """Run forward+backward of the warm-up rows through ``trainer.step_forward_backward``; returns seconds.
+
+    A failure is logged and ignored: the real step then compiles (or fails) as it would have without warm-up.
+    """
+    args = trainer.args
+    lm = trainer._causal_lm()
+    t0 = time.perf_counter()
+    top_n = args.num_sampler_logprobs if args.score_centering else 0
+    rows = warmup_rows(trainer.token_budget, args.num_generations, args.max_completion_length,
+                       lm.get_output_embeddings().weight.shape[0], top_n)  # fmt: skip
+    try:
+        for row in rows:
+            trainer.step_forward_backward(trainer.model_wrapped, row, float(row.num_trained), keep_metrics=False)
+    except (RuntimeError, ValueError, TypeError) as exc:  # never lose the run to its warm-up
+        logger.warning("the compile warm-up failed (%s: %s); the first steps compile instead", type(exc).__name__, exc)
+    finally:
+        trainer.model_wrapped.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t0
+    logger.info("compiled the training step on two dummy rows (%s tokens) in %.1f s, while the first groups were "
+                "generated", "/".join(str(r.num_tokens) for r in rows), seconds)  # fmt: skip
+    return seconds

@@ -1,0 +1,73 @@
+"""The compile warm-up: rows of the run's shapes, a real forward+backward that leaves the run untouched."""
+
+import torch
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.assets import smollm2_tokenizer, tiny_model
+from asyncgrpo.trainer.compile import wants_compiled_layers
+from asyncgrpo.trainer.warmup import PROMPT_TOKENS, should_warm_up, warm_up, warmup_rows
+
+ROWS = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
+
+
+def reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _trainer(tmp_path, **kw):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+    return AsyncGRPOTrainer(tiny_model("llama"), reward_funcs=[reward], args=args, train_dataset=ROWS,
+                            processing_class=smollm2_tokenizer())  # fmt: skip
+
+
+def test_rows_have_the_runs_shape():
+    small, large = warmup_rows(token_budget=1024, num_generations=8, max_completion_length=256, vocab_size=500,
+                               top_n=8)  # fmt: skip
+    # G samples of prompt + (target - prompt) // G completion tokens; the prompt is forwarded once (shared)
+    per_small, per_large = (512 - PROMPT_TOKENS) // 8, (int(1024 * 0.95) - PROMPT_TOKENS) // 8
+    assert small.num_flat_tokens == 8 * (PROMPT_TOKENS + per_small)
+    assert PROMPT_TOKENS + 8 * per_small <= small.num_tokens < PROMPT_TOKENS + 8 * (per_small + 1)
+    assert PROMPT_TOKENS + 8 * per_large <= large.num_tokens <= 1024  # within the budget
+    assert small.num_tokens != large.num_tokens  # two lengths: sizes that turn dynamic do so in the warm-up
+    assert small.num_trained == 8 * ((512 - PROMPT_TOKENS) // 8)
+    assert small.sampler_topn_ids is not None and small.sampler_topn_ids.shape[1] == 8
+    # completions capped by max_completion_length; no top-N without score centering
+    capped = warmup_rows(4096, 4, 16, 500, top_n=0)[1]
+    assert capped.num_flat_tokens == 4 * (PROMPT_TOKENS + 16) and capped.sampler_topn_ids is None
+
+
+def test_warm_up_leaves_weights_grads_and_metrics_alone(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert not should_warm_up(trainer)  # CPU: nothing compiles there, the warm-up is skipped
+    trainer.token_budget = 256
+    trainer.model_wrapped = trainer.model
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    calls = []
+    real = trainer.step_forward_backward
+
+    def spy(model, row, normalizer, keep_metrics=True):
+        calls.append((row.num_tokens, keep_metrics))
+        loss = real(model, row, normalizer, keep_metrics=keep_metrics)
+        assert any(p.grad is not None for p in model.parameters())  # a real backward ran
+        return loss
+
+    trainer.step_forward_backward = spy
+    assert warm_up(trainer) > 0
+    assert [k for _, k in calls] == [False, False] and calls[0][0] < calls[1][0]
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert trainer.window.flush() == {} and trainer.step_stats.forwarded_tokens == 0
+
+
+def test_compiled_layers_by_default_only_where_measured(tmp_path):
+    class Args:
+        compile_decoder_layers = None
+        device = "cpu"
+        world_size = 1
+
+    assert not wants_compiled_layers(Args, peft=False, router_replay=None)  # CPU: eager
+    Args.compile_decoder_layers = True
+    assert wants_compiled_layers(Args, peft=True, router_replay=None)  # an explicit choice wins
+    Args.compile_decoder_layers, Args.device = None, "cuda"
+    assert not wants_compiled_layers(Args, peft=True, router_replay=None)
+    assert not wants_compiled_layers(Args, peft=False, router_replay=object())
