@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", default="flex:eager,flex:compiled,flex:graphs,varlen:compiled")
+    ap.add_argument("--variants", default="flex:eager,flex:compiled,flex:decoder,flex:graphs")
     ap.add_argument("--profile-dir", default=None, help="a torch-profiler table of one step per variant")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
@@ -110,10 +110,13 @@ def main() -> int:
         if dev == "cpu" and backend != "sdpa":
             continue
         uncompile_decoder_layers(model)
+        model.get_decoder()._compiled_call_impl = None
         if mode == "compiled":
             compile_decoder_layers(model)
         elif mode == "graphs":  # CUDA graphs per layer (cudagraph trees): one recording per row length
             compile_decoder_layers(model, CompileSettings(mode="reduce-overhead"))
+        elif mode == "decoder":  # the whole decoder stack as one compiled region (one guard check, one wrapper)
+            model.get_decoder().compile(dynamic=True)
         first = []
         try:
             for i in range(len(rows) if mode == "graphs" else 2):  # compile (and record each length's graphs)
