@@ -13,6 +13,8 @@
 #   bash bench/gpu_session.sh rollout-long         # the same x4 (streaming through the worker, as in training; one H200)
 #   bash bench/gpu_session.sh learning             # issue 10 B6/B8: async vs sync, held-out accuracy (two H200, ~8 min)
 #   bash bench/gpu_session.sh learning-b6          # issue 10 B6 with heavier training steps (checkpointing on; two H200)
+#   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh ttl   # issue 41: time to learning, main then this checkout
+#   bash bench/gpu_session.sh ssp                  # issue 41: the small packed step alone, per variant
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -98,6 +100,17 @@ for stage in "$@"; do
         --server-args='--gpu-memory-utilization 0.3' --modes async,sync --seeds ${SEEDS:-0,1} --train-seconds 60 \
         --eval-every 30 --token-budget 8192 --learning-rate 1e-5 --heldout-limit 100 \
         --out "$OUT/learning_1gpu_h200.json" 2>&1 | tee "$OUT/learning_1gpu.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
+    ttl)  # issue 41: time to learning, today's main (BASELINE_SRC) then this checkout, random-init SmolLM2-135M shape
+      timeout 560 python3 bench/time_to_learning.py --random-init --max-completion-length 40 --steps ${TTL_STEPS:-30} \
+        ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} --profile-steps 20-22 --run-timeout 110 \
+        --out "$OUT/time_to_learning_h200.json" 2>&1 | tee "$OUT/ttl.log" | grep -vE "^\{'|it/s\]" | tail -20
+      rm -rf "$OUT"/time_to_learning_h200_runs/random-135m
+      tar -czf "$OUT/ttl_runs.tgz" -C "$OUT" time_to_learning_h200_runs time_to_learning_h200_profile 2>/dev/null
+      rm -rf "$OUT"/time_to_learning_h200_runs "$OUT"/time_to_learning_h200_profile ;;
+    ssp)  # issue 41: the packed step alone at the 135M shape, per backend/compile variant, with profiler tables
+      timeout 240 python3 bench/probes/small_step_probe.py --out "$OUT/small_step_probe_h200.json" --profile-dir "$OUT/ssp" \
+        2>&1 | grep -vi warn | tail -8
+      tar -czf "$OUT/ssp.tgz" -C "$OUT" ssp && rm -rf "$OUT/ssp" ;;
     multiserver)
       timeout 400 python3 bench/multi_server_sync.py --out "$OUT/multi_server_sync_h200x2.json" 2>&1 \
         | tee "$OUT/multi_server_sync.log" | tail -30 ;;
