@@ -52,9 +52,10 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", default="flex:eager,flex:compiled,flex:decoder,flex:graphs")
+    ap.add_argument("--variants", default="flex:eager,flex:compiled,flex:decoder,flex:graphs,flex:dgraphs")
     ap.add_argument("--profile-dir", default=None, help="a torch-profiler table of one step per variant")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--pure-bf16", action="store_true", help="bf16 weights without autocast (dtype='bfloat16')")
     a = ap.parse_args()
 
     import torch
@@ -67,7 +68,9 @@ def main() -> int:
     from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 
     dev = "cpu" if a.tiny else "cuda"
-    dtype = torch.float32 if a.tiny else torch.bfloat16
+    # as the trainer runs by default: fp32 weights (AsyncGRPOConfig.dtype) under bf16 autocast (bf16=True)
+    dtype = torch.bfloat16 if (a.pure_bf16 and not a.tiny) else torch.float32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=not a.tiny and not a.pure_bf16)
     cfg = LlamaConfig(**(TINY if a.tiny else SHAPE), vocab_size=49152, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(dev).train()
@@ -89,10 +92,11 @@ def main() -> int:
 
         plan = build_plan(row, backend=backend, device=dev)
         mark()
-        fwd = packed_forward(model, row, plan)
-        mark()
-        res = packed_policy_loss(fwd.hidden[row.pred_index], fwd.head_weight, row, float(row.num_trained), settings)
-        loss = res.loss + fwd.anchor
+        with autocast:
+            fwd = packed_forward(model, row, plan)
+            mark()
+            res = packed_policy_loss(fwd.hidden[row.pred_index], fwd.head_weight, row, float(row.num_trained), settings)
+            loss = res.loss + fwd.anchor
         mark()
         loss.backward()
         mark()
@@ -117,9 +121,11 @@ def main() -> int:
             compile_decoder_layers(model, CompileSettings(mode="reduce-overhead"))
         elif mode == "decoder":  # the whole decoder stack as one compiled region (one guard check, one wrapper)
             model.get_decoder().compile(dynamic=True)
+        elif mode == "dgraphs":  # the whole decoder as one region with CUDA graphs
+            model.get_decoder().compile(dynamic=True, mode="reduce-overhead")
         first = []
         try:
-            for i in range(len(rows) if mode == "graphs" else 2):  # compile (and record each length's graphs)
+            for i in range(len(rows) if "graphs" in mode else 2):  # compile (and record each length's graphs)
                 sync()
                 t = time.perf_counter()
                 step(rows[i], backend, None)
