@@ -179,11 +179,13 @@ def _template(name: str) -> re.Pattern[str]:
 
 
 def _data_metrics() -> dict[str, str]:
-    """Dynamic sampling's and the prompt pools' names (issue 36), documented beside their code."""
+    """Dynamic sampling's and the prompt pools' names (issue 36) and the start-up ones (issue 41), documented beside
+    their code."""
     from asyncgrpo.rollout.dynamic_sampling import DYNAMIC_SAMPLING_METRICS
     from asyncgrpo.rollout.prompt_pools import POOL_METRICS
+    from asyncgrpo.trainer.warmup_stats import STARTUP_METRICS
 
-    return {**DYNAMIC_SAMPLING_METRICS, **POOL_METRICS}
+    return {**DYNAMIC_SAMPLING_METRICS, **POOL_METRICS, **STARTUP_METRICS}
 
 
 _TEMPLATES = [_template(n) for n in (*METRICS, *SERVER_METRICS, *_data_metrics()) if "{" in n]

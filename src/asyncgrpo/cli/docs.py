@@ -64,11 +64,13 @@ def metrics_glossary() -> str:
     from asyncgrpo.rollout.dynamic_sampling import DYNAMIC_SAMPLING_METRICS
     from asyncgrpo.rollout.prompt_pools import POOL_METRICS
     from asyncgrpo.tasks.evaluate import EVAL_METRICS
+    from asyncgrpo.trainer.warmup_stats import STARTUP_METRICS
 
     rule_text = {"sum": "sum", "max": "max", "min": "min", "mean": "mean"}
     lines = ["| metric | meaning | window | unit |", "|---|---|---|---|"]
     for name, meaning in {
         **METRICS,
+        **STARTUP_METRICS,
         **SERVER_METRICS,
         **EVAL_METRICS,
         **DYNAMIC_SAMPLING_METRICS,
