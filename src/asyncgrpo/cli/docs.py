@@ -60,11 +60,10 @@ def config_reference() -> str:
 
 def metrics_glossary() -> str:
     """A table of every metric name with its meaning and its window rule (M2)."""
-    from asyncgrpo.metrics import METRICS, SERVER_METRICS, aggregation_rule, unit_of
+    from asyncgrpo.metrics import METRICS, SERVER_METRICS, STARTUP_METRICS, aggregation_rule, unit_of
     from asyncgrpo.rollout.dynamic_sampling import DYNAMIC_SAMPLING_METRICS
     from asyncgrpo.rollout.prompt_pools import POOL_METRICS
     from asyncgrpo.tasks.evaluate import EVAL_METRICS
-    from asyncgrpo.trainer.warmup_stats import STARTUP_METRICS
 
     rule_text = {"sum": "sum", "max": "max", "min": "min", "mean": "mean"}
     lines = ["| metric | meaning | window | unit |", "|---|---|---|---|"]

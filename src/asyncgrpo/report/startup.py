@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import statistics
 
+from asyncgrpo.metrics import SLOW_STEP_FACTOR, slow_steps, warmup_share
 from asyncgrpo.report.runlog import RunLog
 from asyncgrpo.report.verdict import Verdict, g3, pct
-from asyncgrpo.trainer.warmup_stats import SLOW_STEP_FACTOR, slow_steps, warmup_share
 
 WARMUP_HIGH = 0.2  # warm-up (steps slower than twice the median) takes more than a fifth of the training time
 # Fixed cost: forward+backward reaches less than 2 % of the GPU's peak FLOP/s, i.e. it takes more than 50 times what
@@ -20,10 +20,9 @@ FIXED_COST_MFU = 0.02
 FIXED_COST_FWD_BWD_S = 1.0
 
 WARMUP_ACTION = (
-    "a warm compile cache: set TORCHINDUCTOR_CACHE_DIR to a folder kept across runs, so the next run's first step "
-    "loads compiled kernels instead of building them (compile_decoder_layers); fewer recompiles: perf/recompiles "
-    "counts them after step 1 and the trainer's warning names each one's cause; a longer run (max_steps) amortises "
-    "the rest"
+    "warm the compile cache: set TORCHINDUCTOR_CACHE_DIR to a folder kept across runs, so the next run's first step "
+    "loads compiled kernels instead of building them (compile_decoder_layers); cut recompiles: perf/recompiles counts "
+    "them after step 1 and the trainer's warning names each one's cause; run longer (max_steps) to amortise the rest"
 )
 FIXED_COST_ACTION = (
     "give each step more tokens so the fixed cost is shared: raise token_budget (more groups packed per row and "

@@ -1,7 +1,8 @@
 """The run's start-up and warm-up figures: how long until training ran, and how much of it warm-up cost.
 
 A short run on a small model can spend most of its time before and around its first steps (server start, model
-load, compiles, first kernels), which per-step means hide. Four metrics say so (docs/metrics.md):
+load, compiles, first kernels), which per-step means hide. Four metrics say so (``STARTUP_METRICS`` in
+``asyncgrpo.metrics``; docs/metrics.md, "Start-up and warm-up"):
 
 - ``perf/time_to_first_step_s``: this trainer process's start (the OS's record of it, so imports and model loading
   count) to the end of its first optimizer step; logged once, in the window of that step;
@@ -18,33 +19,14 @@ load, compiles, first kernels), which per-step means hide. Four metrics say so (
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from asyncgrpo.metrics import MetricsWindow, warmup_share
 from asyncgrpo.trainer.recompiles import RecompileCounter
 
 logger = logging.getLogger(__name__)
-
-SLOW_STEP_FACTOR = 2.0  # a step slower than twice the median step is warm-up (a compile, first kernels, a cold cache)
-
-STARTUP_METRICS: dict[str, str] = {
-    "perf/time_to_first_step_s": "seconds from the trainer process's start to the end of its first optimizer step "
-    "(logged once)",
-    "perf/server_ready_s": "the generation server's seconds from its process start to serving, from its /server_info "
-    "(logged once; absent for servers that do not report it)",
-    "perf/warmup_share": "share of the training time so far spent in steps slower than twice the median step "
-    "(perf/step_s of every step so far)",
-    "perf/recompiles": "torch.compile graphs built after the first step, a running total (logged when torch.compile "
-    "is used)",
-}
-
-
-class MetricsWindow(Protocol):
-    """``asyncgrpo.metrics.MetricsWindow`` as used here (that module lists ``STARTUP_METRICS``: no import back)."""
-
-    def add(self, name: str, value: float, weight: float = 1.0) -> None: ...
 
 
 def process_start_time() -> float:
@@ -56,20 +38,6 @@ def process_start_time() -> float:
     except Exception as exc:  # noqa: BLE001 - a sandbox without /proc: the figure then starts late, nothing fails
         logger.info("no process start time (%s): perf/time_to_first_step_s counts from the trainer's set-up", exc)
         return time.time()
-
-
-def slow_steps(durations: Sequence[float]) -> list[float]:
-    """The durations above ``SLOW_STEP_FACTOR`` × their median."""
-    if not durations:
-        return []
-    limit = SLOW_STEP_FACTOR * statistics.median(durations)
-    return [d for d in durations if d > limit]
-
-
-def warmup_share(durations: Sequence[float]) -> float:
-    """Share of the summed ``durations`` spent in slow steps (0 without time)."""
-    total = sum(durations)
-    return sum(slow_steps(durations)) / total if total > 0 else 0.0
 
 
 class StartupMetrics:

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from asyncgrpo.metrics import MetricsWindow, is_documented_metric
+from asyncgrpo.metrics import MetricsWindow, is_documented_metric, warmup_share
 from asyncgrpo.trainer import recompiles
 from asyncgrpo.trainer.server_setup import ready_seconds
-from asyncgrpo.trainer.warmup_stats import StartupMetrics, process_start_time, warmup_share
+from asyncgrpo.trainer.warmup_stats import StartupMetrics, process_start_time
 
 IMPORTED_AT = time.time()
 
