@@ -24,50 +24,62 @@ WARMUP_ACTION = (
     "loads compiled kernels instead of building them (compile_decoder_layers); cut recompiles: perf/recompiles counts "
     "them after step 1 and the trainer's warning names each one's cause; run longer (max_steps) to amortise the rest"
 )
+WAIT_WARMUP_ACTION = (
+    "the slow steps waited for generation's first rollouts, which no compile cache shortens (the queue table says "
+    "whether generation keeps up afterwards); a longer run (max_steps) amortises the start"
+)
 FIXED_COST_ACTION = (
     "give each step more tokens so the fixed cost is shared: raise token_budget (more groups packed per row and "
     "step) or num_generations; set compile_decoder_layers=True (fused kernels, fewer launches)"
 )
 
 
-def step_durations(run: RunLog) -> list[float]:
-    """Each step's duration as the windows give it: a window of n steps stands for n steps of its mean
-    ``perf/step_s`` (exact with ``logging_steps=1``)."""
-    out: list[float] = []
+def _step_windows(run: RunLog) -> list[tuple[int, dict[str, float]]]:
+    """(steps it covers, window) for each window with a ``perf/step_s`` (eval-only windows have none)."""
+    out = []
     previous = 0.0
     for window in run.windows:
-        value = window.get("perf/step_s")
-        if value is not None and window["step"] > previous:
-            out += [float(value)] * int(window["step"] - previous)
+        if window.get("perf/step_s") is not None and window["step"] > previous:
+            out.append((int(window["step"] - previous), window))
         previous = max(previous, window["step"])
     return out
 
 
+def step_durations(run: RunLog) -> list[float]:
+    """Each step's duration as the windows give it: a window of n steps stands for n steps of its mean
+    ``perf/step_s`` (exact with ``logging_steps=1``)."""
+    return [float(w["perf/step_s"]) for n, w in _step_windows(run) for _ in range(n)]
+
+
 def warmup_verdict(run: RunLog, last: int) -> Verdict | None:
-    """Over the whole run (warm-up sits at its start): the share of the training time in slow steps."""
+    """Over the whole run (warm-up sits at its start): the share of the training time in slow steps, and how much
+    of those steps was waiting for samples (a generation-side warm-up, which no compile cache shortens)."""
     durations = step_durations(run)
     if len(durations) < 3:  # no median to be slower than
         return None
     _, logged = run.series("perf/warmup_share")
     share = logged[-1] if logged else warmup_share(durations)  # the trainer's figure uses every step's own time
     slow = slow_steps(durations)
-    total = sum(durations)
+    limit = SLOW_STEP_FACTOR * statistics.median(durations)
+    waited = sum(n * w.get("perf/rollout_wait_s", 0.0) for n, w in _step_windows(run) if w["perf/step_s"] > limit)
     figs = {
         "perf/warmup_share": pct(share) + ("" if logged else " (from the windows' perf/step_s)"),
         "slow steps": f"{len(slow)} of {len(durations)} above {SLOW_STEP_FACTOR:g}x the median step "
-        f"{g3(statistics.median(durations))} s, {g3(sum(slow))} s of {g3(total)} s",
+        f"{g3(statistics.median(durations))} s, {g3(sum(slow))} s of {g3(sum(durations))} s",
+        "perf/rollout_wait_s in slow steps": f"{g3(waited)} s",
     }
     for name in ("perf/time_to_first_step_s", "perf/server_ready_s", "perf/recompiles"):
         _, values = run.series(name)
         if values:
             figs[name] = g3(values[-1]) + (" s" if name.endswith("_s") else "")
-    if share > WARMUP_HIGH:
-        what = (
-            f"warm-up took {pct(share)} of the training time: steps slower than {SLOW_STEP_FACTOR:g}x the median "
-            "(compiles, first kernels, a cold cache) dominate a run this short"
-        )
-        return Verdict("warm-up", what, WARMUP_ACTION, False, figs)
-    return Verdict("warm-up", "warm-up is a small share of the training time", "nothing to do", True, figs)
+    if share <= WARMUP_HIGH:
+        return Verdict("warm-up", "warm-up is a small share of the training time", "nothing to do", True, figs)
+    head = f"warm-up took {pct(share)} of the training time: steps slower than {SLOW_STEP_FACTOR:g}x the median"
+    if slow and waited > sum(slow) / 2:
+        what = f"{head} dominate a run this short, mostly waiting for samples while generation started"
+        return Verdict("warm-up", what, WAIT_WARMUP_ACTION, False, figs)
+    what = f"{head} (compiles, first kernels, a cold cache) dominate a run this short"
+    return Verdict("warm-up", what, WARMUP_ACTION, False, figs)
 
 
 def _median(run: RunLog, name: str, last: int) -> float | None:

@@ -101,3 +101,14 @@ def test_summary_shows_the_startup_figures():
     assert startup == ("start-up: first step 61.0 s after launch, server ready in 38.2 s; warm-up 87 % of training "
                        "time (steps slower than 2x the median); 2 recompiles after step 1")  # fmt: skip
     assert summary(_windows([1.0], reward=0.5), 1, 5.0, None).count("\n") == 0  # nothing logged: one line
+
+
+def test_warmup_spent_waiting_for_samples_is_named_so():
+    # steps 1 and 3 took 3 s, 2.5 of them waiting for rollouts; the rest 0.5 s: generation's start, not compiles
+    windows = _windows([3.0, 0.5, 3.0, 0.5, 0.5, 0.5], perf__rollout_wait_s=0.0)
+    for w in (windows[0], windows[2]):
+        w["perf/rollout_wait_s"] = 2.5
+    v = _verdict(windows, "warm-up")
+    assert not v.healthy and "mostly waiting for samples" in v.diagnosis
+    assert "TORCHINDUCTOR_CACHE_DIR" not in v.action and "max_steps" in v.action
+    assert v.figures["perf/rollout_wait_s in slow steps"] == "5 s"
