@@ -19,12 +19,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
     "METRICS",
     "SERVER_METRICS",
+    "STARTUP_METRICS",
     "MetricEvent",
     "MetricsWindow",
     "aggregation_rule",
@@ -32,7 +34,9 @@ __all__ = [
     "is_documented_metric",
     "mfu",
     "peak_flops",
+    "slow_steps",
     "unit_of",
+    "warmup_share",
 ]
 
 MetricEvent = tuple[str, float, float]  # (name, value, weight)
@@ -168,6 +172,20 @@ SERVER_METRICS: dict[str, str] = {
     "dropped (its work moved to the others)",
 }
 
+# Ours (issue 41): where a run's first minutes go. Filled by trainer/warmup_stats.py; docs/metrics.md, "Start-up and
+# warm-up", says when each is logged and how it is computed.
+STARTUP_METRICS: dict[str, str] = {
+    "perf/time_to_first_step_s": "seconds from the trainer process's start to the end of its first optimizer step "
+    "(logged once)",
+    "perf/server_ready_s": "the generation server's seconds from its process start to serving, from its /server_info "
+    "(logged once; absent for servers that do not report it)",
+    "perf/warmup_share": "share of the training time so far spent in steps slower than twice the median step "
+    "(perf/step_s of every step so far)",
+    "perf/recompiles": "torch.compile graphs built after the first step, a running total (logged when torch.compile "
+    "is used)",
+}
+SLOW_STEP_FACTOR = 2.0  # a step slower than twice the median step is warm-up (a compile, first kernels, a cold cache)
+
 _PLACEHOLDERS = {r"\{reward_func_name\}": "[^/]+", r"\{tool_name\}": "[^/]+", r"\{server_index\}": "[0-9]+"}
 
 
@@ -191,11 +209,26 @@ _TEMPLATES = [_template(n) for n in (*METRICS, *SERVER_METRICS, *_data_metrics()
 
 def is_documented_metric(name: str) -> bool:
     """Whether `name` is in the glossary: the reference's names (M1) or ours (templates filled with one path part)."""
-    return name in METRICS or name in _data_metrics() or any(t.match(name) for t in _TEMPLATES)
+    known = name in METRICS or name in STARTUP_METRICS or name in _data_metrics()
+    return known or any(t.match(name) for t in _TEMPLATES)
 
 
 def _last_words(name: str) -> list[str]:
     return name.rsplit("/", 1)[-1].split("_")
+
+
+def slow_steps(durations: Sequence[float]) -> list[float]:
+    """The step durations above ``SLOW_STEP_FACTOR`` x their median: the run's warm-up (``perf/warmup_share``)."""
+    if not durations:
+        return []
+    limit = SLOW_STEP_FACTOR * statistics.median(durations)
+    return [d for d in durations if d > limit]
+
+
+def warmup_share(durations: Sequence[float]) -> float:
+    """Share of the summed step ``durations`` spent in slow steps (0 without time)."""
+    total = sum(durations)
+    return sum(slow_steps(durations)) / total if total > 0 else 0.0
 
 
 def aggregation_rule(name: str) -> str:

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_llama_dir):
-    """(the YAML, output_dir, the train process) of one 3-step run."""
+    """(the YAML, output_dir, the train process, (launch time, exit time)) of one 3-step run."""
     tmp = tmp_path_factory.mktemp("cli_train")
     cfg = {
         "model": str(tiny_llama_dir),
@@ -54,15 +55,16 @@ def run(tmp_path_factory, tiny_llama_dir):
     }
     path = tmp / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    launched = time.time()
     proc = asyncgrpo("train", "--config", str(path), "--max_steps", "3", "--doctor-every", "2", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return path, tmp / "out", proc
+    return path, tmp / "out", proc, (launched, time.time())
 
 
 def test_train_saves_the_model_and_prints_a_summary(run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, out, proc = run
+    _, out, proc, launch = run
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "llama"
     AutoTokenizer.from_pretrained(out)
@@ -71,10 +73,18 @@ def test_train_saves_the_model_and_prints_a_summary(run):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in rows if "reward" in r and "train_runtime" not in r]  # windows, not the summary
     assert f"reward {rewards[0]:.3g} -> {rewards[-1]:.3g}" in summary[0]
+    # The start-up figures (issue 41): the first step ended within the process's life, as this test saw it
+    windows = [r for r in rows if "train_runtime" not in r]
+    first = windows[0]["perf/time_to_first_step_s"]
+    assert 0 < first <= launch[1] - launch[0]
+    startup = proc.stdout.splitlines()[proc.stdout.splitlines().index(summary[0]) + 1]
+    share = [r["perf/warmup_share"] for r in windows if "perf/warmup_share" in r][-1]
+    assert startup.startswith(f"start-up: first step {first:.1f} s after launch")
+    assert f"warm-up {100 * share:.0f} % of training time" in startup
 
 
 def test_train_prints_compact_lines_and_verdicts(run):
-    _, _, proc = run
+    _, _, proc, _ = run
     lines = proc.stdout.splitlines()
     assert any(re.match(r"step +3/3 +reward [0-9.e-]+ ", line) for line in lines), proc.stdout[-2000:]
     assert "'batch/packing_ratio'" not in proc.stdout  # transformers' raw dict is off by default
@@ -82,7 +92,7 @@ def test_train_prints_compact_lines_and_verdicts(run):
 
 
 def test_eval_dataset_is_scored_during_training(run):
-    _, out, _ = run
+    _, out, _, _ = run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/reward" in r]
     assert evals and evals[0]["step"] == 2 and evals[0]["eval/num_prompts"] == 4
@@ -97,7 +107,7 @@ def test_eval_command_matches_greedy_completions(run, serve):
     from asyncgrpo.client.http_client import AsyncServerClient
     from asyncgrpo.tasks.reasoning import reasoning_gym_dataset
 
-    path, out, _ = run
+    path, out, _, _ = run
     with ThreadPoolExecutor(1) as pool:  # the reference server starts while the command runs
         starting = pool.submit(serve, out, "--max-model-len", "256")
         proc = asyncgrpo("eval", "--model", str(out), "--config", str(path), timeout=600)
@@ -125,7 +135,7 @@ def test_eval_command_matches_greedy_completions(run, serve):
 
 
 def test_report_on_the_run(run):
-    _, out, _ = run
+    _, out, _, _ = run
     proc = asyncgrpo("report", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[ok]" in proc.stdout or "[!!]" in proc.stdout
@@ -155,7 +165,7 @@ def test_report_renders_in_a_browser(run, tmp_path):
     import numpy as np
     from PIL import Image
 
-    _, out, _ = run
+    _, out, _, _ = run
     if not (out / "report" / "report.html").is_file():
         assert asyncgrpo("report", str(out), timeout=300).returncode == 0
     page = out / "report" / "report.html"

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from asyncgrpo.client.http_client import AsyncServerClient
@@ -44,6 +48,18 @@ class RecordingLoop(AsyncRolloutLoop):
         with open(os.environ["ASYNCGRPO_TEST_PROMPT_LOG"], "a") as fh:
             fh.write(f"{epoch * len(self.dataset) + row_index}\n")
         return True
+
+
+class RecompileAtStepTwo(TrainerCallback):
+    """A real torch.compile in the trainer's process: compiled during step 1 (warm-up), recompiled at step 2 (another
+    input size); user callbacks run before the trainer's own, so each call lands in that step's window."""
+
+    def __init__(self) -> None:
+        self.fn = torch.compile(lambda x: torch.cos(x) + 1.0, backend="eager")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in (1, 2):
+            self.fn(torch.ones(3 if state.global_step == 1 else 6))
 
 
 class RecordingTrainer(AsyncGRPOTrainer):
@@ -98,10 +114,13 @@ def _metrics(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, dataset):
+def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, dataset, caplog):
     args = _config(tmp_path, server)
-    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset)
-    out = trainer.train()
+    built_at = time.time()
+    trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset,
+                               callbacks=[RecompileAtStepTwo()])  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.recompiles"):
+        out = trainer.train()
     assert out.global_step == 3
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows[:3]] == [1, 2, 3]
@@ -130,15 +149,28 @@ def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, datas
     # packed log-probs must reproduce the sampler's (an end-to-end check of packing, temperature and the loss).
     assert rows[0]["sample/staleness_max"] == 0
     assert rows[0]["sampling/sampling_logp_difference/max"] < 1e-3
+    # Start-up figures (issue 41). Step 1 ended after the trainer was built and before its window was written; the
+    # clock starts at this (pytest) process's start.
+    started = psutil.Process().create_time()
+    assert built_at - started <= rows[0]["perf/time_to_first_step_s"] <= rows[0]["time"] - started
+    assert all("perf/time_to_first_step_s" not in r for r in rows[1:])
+    for k in (1, 2, 3):  # each window: the share of slow steps over steps 1..k, from the logged step times
+        times = [r["perf/step_s"] for r in rows[:k]]
+        slow = [t for t in times if t > 2 * statistics.median(times)]
+        assert rows[k - 1]["perf/warmup_share"] == pytest.approx(sum(slow) / sum(times), abs=1e-12)
+    assert [r["perf/recompiles"] for r in rows[:3]] == [0, 1, 1]  # RecompileAtStepTwo's one recompile
+    assert "size mismatch at index 0. expected 3, actual 6" in caplog.text and "by step 2" in caplog.text
 
     # The server now serves the trained weights: its log-probs of its own samples equal the trainer's.
     async def sample():
         async with AsyncServerClient(server.base_url) as client:
             info = await client.weight_info()
             res = await client.generate([1, 2, 3, 4, 5], {"max_tokens": 8, "temperature": 1.0, "seed": 3})
-            return info, res
+            return info, res, await client.server_info()
 
-    info, res = asyncio.run(sample())
+    info, res, server_info = asyncio.run(sample())
+    ready = server_info.get("asyncgrpo", {}).get("ready_s")  # the server's own start-up time, where it reports one
+    assert rows[0].get("perf/server_ready_s") == ready and all("perf/server_ready_s" not in r for r in rows[1:])
     assert info["weight_version"] == "step-3"
     model = trainer.model.float().eval()
     ids = torch.tensor([[1, 2, 3, 4, 5, *res.token_ids]])

@@ -60,7 +60,7 @@ def config_reference() -> str:
 
 def metrics_glossary() -> str:
     """A table of every metric name with its meaning and its window rule (M2)."""
-    from asyncgrpo.metrics import METRICS, SERVER_METRICS, aggregation_rule, unit_of
+    from asyncgrpo.metrics import METRICS, SERVER_METRICS, STARTUP_METRICS, aggregation_rule, unit_of
     from asyncgrpo.rollout.dynamic_sampling import DYNAMIC_SAMPLING_METRICS
     from asyncgrpo.rollout.prompt_pools import POOL_METRICS
     from asyncgrpo.tasks.evaluate import EVAL_METRICS
@@ -69,6 +69,7 @@ def metrics_glossary() -> str:
     lines = ["| metric | meaning | window | unit |", "|---|---|---|---|"]
     for name, meaning in {
         **METRICS,
+        **STARTUP_METRICS,
         **SERVER_METRICS,
         **EVAL_METRICS,
         **DYNAMIC_SAMPLING_METRICS,

@@ -1,18 +1,22 @@
 """The diagnosis tables of docs/metrics.md ("The run doctor"), applied to the last steps of a run (X2).
 
-Five tables: the rollout queue (which side is the bottleneck), concurrency (which limit holds generation
+The tables: the rollout queue (which side is the bottleneck), concurrency (which limit holds generation
 back), saturation (``frac_reward_zero_std`` / ``reward_dropped`` / ``reward`` read together), duplicates,
-the sampler mismatch (how much the sampler correction masks or truncates) and MoE routing (is a
-sampler/trainer log-prob gap the routers' doing).
+the sampler mismatch (how much the sampler correction masks or truncates), MoE routing (is a
+sampler/trainer log-prob gap the routers' doing), and in ``report/startup.py`` warm-up and fixed cost (where
+a short run's time goes).
 The tables state the rows in words ("high", "nearly empty", "climbing"); the constants below turn each
 word into a figure, and every verdict carries the figures it rests on so a reader can disagree with them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from asyncgrpo.report.runlog import RunLog
+from asyncgrpo.report.startup import fixed_cost_verdict, warmup_verdict
+from asyncgrpo.report.verdict import Verdict
+from asyncgrpo.report.verdict import g3 as _g
+from asyncgrpo.report.verdict import mean as _mean
+from asyncgrpo.report.verdict import pct as _pct
 
 # ---- what the table words mean here ----------------------------------------------------------------------------------
 WAIT_HIGH = 0.2  # the trainer idles on an empty queue for more than a fifth of a step (median window)
@@ -44,26 +48,6 @@ LOGP_GAP_HIGH = 0.02
 ROUTING_HIGH = 0.02
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """One matched table row: ``table`` it comes from, the row's diagnosis, what to do, and its figures."""
-
-    table: str
-    diagnosis: str
-    action: str
-    healthy: bool
-    figures: dict[str, str] = field(default_factory=dict)
-
-    def text(self) -> str:
-        figs = ", ".join(f"{k} = {v}" for k, v in self.figures.items())
-        mark = "ok" if self.healthy else "!!"
-        return f"[{mark}] {self.table}: {self.diagnosis}. {self.action} ({figs})"
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def _change(steps: list[float], values: list[float]) -> float:
     """Least-squares change of ``values`` from the first to the last step (0 with fewer than 3 points)."""
     if len(values) < 3 or steps[-1] == steps[0]:
@@ -72,14 +56,6 @@ def _change(steps: list[float], values: list[float]) -> float:
     var = sum((s - ms) ** 2 for s in steps)
     slope = sum((s - ms) * (v - mv) for s, v in zip(steps, values)) / var
     return slope * (steps[-1] - steps[0])
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f} %"
-
-
-def _g(x: float) -> str:
-    return f"{x:.3g}"
 
 
 # ---- rollout queue ---------------------------------------------------------------------------------------------------
@@ -422,5 +398,7 @@ def diagnose(run: RunLog, last: int = 50) -> list[Verdict]:
         duplicate_verdict,
         sampler_verdict,
         routing_verdict,
+        warmup_verdict,
+        fixed_cost_verdict,
     )
     return [v for v in (check(run, last) for check in checks) if v is not None]

@@ -107,7 +107,8 @@ def settings_of(args: Any) -> RunSettings:
 
 
 def summary(windows: list[dict[str, float]], steps: int, wall_s: float, model_dir: str | None) -> str:
-    """``reward 0.12 -> 0.55 over 20 steps in 312 s; model saved to out/``: the trend in one line."""
+    """``reward 0.12 -> 0.55 over 20 steps in 312 s; model saved to out/``: the trend in one line, then the
+    start-up figures (``startup_line``) when the run logged them."""
     rewards = [w["reward"] for w in windows if isinstance(w.get("reward"), float | int) and w["reward"] == w["reward"]]
     trend = (
         f"reward {rewards[0]:.3g} -> {rewards[-1]:.3g} (first -> last logging window)"
@@ -118,4 +119,28 @@ def summary(windows: list[dict[str, float]], steps: int, wall_s: float, model_di
     if evals:
         trend += f", eval/reward {evals[0]:.3g} -> {evals[-1]:.3g}"
     where = f"; model and tokenizer saved to {model_dir}" if model_dir else ""
-    return f"done: {trend}, {steps} steps in {wall_s:.0f} s{where}"
+    startup = startup_line(windows)
+    return f"done: {trend}, {steps} steps in {wall_s:.0f} s{where}" + (f"\n{startup}" if startup else "")
+
+
+def startup_line(windows: list[dict[str, float]]) -> str | None:
+    """``start-up: first step 41 s after launch, server ready in 38 s; warm-up 64 % of training time; 2 recompiles
+    after step 1``: the figures this run logged (perf/time_to_first_step_s ...), None without any."""
+
+    def last(name: str) -> float | None:
+        values = [w[name] for w in windows if isinstance(w.get(name), float | int) and w[name] == w[name]]
+        return values[-1] if values else None
+
+    first, ready, share, recompiles = (last(f"perf/{n}") for n in
+                                       ("time_to_first_step_s", "server_ready_s", "warmup_share", "recompiles"))  # fmt: skip
+    parts = []
+    if first is not None:
+        parts.append(f"first step {first:.1f} s after launch")
+    if ready is not None:
+        parts.append(f"server ready in {ready:.1f} s")
+    figures = [", ".join(parts)] if parts else []
+    if share is not None:
+        figures.append(f"warm-up {100 * share:.0f} % of training time (steps slower than 2x the median)")
+    if recompiles is not None:
+        figures.append(f"{recompiles:.0f} recompile{'' if recompiles == 1 else 's'} after step 1")
+    return "start-up: " + "; ".join(figures) if figures else None

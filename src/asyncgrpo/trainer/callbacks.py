@@ -27,6 +27,7 @@ from asyncgrpo.report.runlog import RUN_CONFIG_FILE
 from asyncgrpo.trainer.checkpoint import write_rollout_state
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.step_stats import StepStats
+from asyncgrpo.trainer.warmup_stats import StartupMetrics, server_ready_of
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class TrainerSeam(Protocol):
     window: MetricsWindow
     step_stats: StepStats
     source: RolloutSource | None  # rank 0 only
+    facts: Any  # ServerFacts once train() probed the server (its ready_s: perf/server_ready_s)
 
     def is_world_process_zero(self) -> bool: ...
 
@@ -53,6 +55,7 @@ class TrainerSeam(Protocol):
 class AsyncGRPOCallback(TrainerCallback):
     def __init__(self, trainer: TrainerSeam) -> None:
         self.trainer = trainer
+        self.startup = StartupMetrics()  # perf/time_to_first_step_s, server_ready_s, warmup_share, recompiles
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Always push first: the server may hold any weights (a previous run's, another checkpoint, its own start
@@ -80,6 +83,9 @@ class AsyncGRPOCallback(TrainerCallback):
                 )
             trained_tokens = tr.source.step_done(tr.step_stats.micro_batches)
             tr.step_stats.record(tr.window, trained_tokens, args.world_size)
+            # transformers' DefaultFlowCallback, always the first callback, has set should_log for this step
+            self.startup.step_done(tr.window, state.global_step, tr.step_stats.step_durations, control.should_log,
+                                   server_ready_of(getattr(tr, "facts", None)))  # fmt: skip
             n = tr.source.dataset_len
             if n:
                 state.epoch = tr.source.prompts_consumed / n

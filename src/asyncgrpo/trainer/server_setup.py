@@ -44,6 +44,7 @@ class ServerFacts:
     lora_adapters: tuple[str, ...] = ()  # adapters already registered (their /v1/models cards have a parent)
     weight_transfer: bool = True  # started with --weight-transfer-config (merged sync needs it; adapter sync does not)
     routed_experts: bool = False  # --enable-return-routed-experts (vllm_config.aux_output_config): MoE routing replay
+    ready_s: float | None = None  # the server's seconds from its process start to serving (ours only; vLLM: None)
 
     @property
     def lora_enabled(self) -> bool:
@@ -61,6 +62,12 @@ async def _server_info(client: AsyncServerClient) -> dict:
                                f"{DEV_MODE_HINT}") from exc  # fmt: skip
         raise
     return info if isinstance(info, dict) else {}
+
+
+def ready_seconds(info: dict) -> float | None:
+    """``/server_info``'s ``asyncgrpo.ready_s`` (the embedded server's start-up time), None when absent."""
+    value = config_section(info, "asyncgrpo").get("ready_s")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 async def _probe(base_url: str, timeout: float, want_masks: bool, connect_timeout: float | None) -> ServerFacts:
@@ -102,6 +109,7 @@ async def _probe(base_url: str, timeout: float, want_masks: bool, connect_timeou
             lora_adapters=tuple(m["id"] for m in models if m.get("parent") not in (None, "")),
             weight_transfer=bool(transfer) or "vllm_config" not in info,
             routed_experts=bool(config_section(info, "vllm_config", "aux_output_config").get(CONFIG_KEY, False)),
+            ready_s=ready_seconds(info),
         )
 
 
@@ -213,6 +221,7 @@ def probe_servers(
         lora_adapters=tuple(sorted({a for f in each for a in f.lora_adapters})),
         weight_transfer=all(f.weight_transfer for f in each),
         routed_experts=all(f.routed_experts for f in each),
+        ready_s=max((f.ready_s for f in each if f.ready_s is not None), default=None),  # the slowest start
     )
 
 

@@ -32,6 +32,7 @@ class StepStats:
     num_tokens_total: float = 0.0  # num_tokens: forwarded tokens since the run began (a running total)
     forwarded_tokens: int = 0  # this process's forwarded tokens (shared prefixes once)
     micro_batches: list[Any] = field(default_factory=list)  # rank 0: the step's micro-batches, for step_done
+    step_durations: list[float] = field(default_factory=list)  # perf/step_s of every step recorded (warm-up share)
 
     def begin(self) -> None:
         """A new step starts (before its samples are awaited: ``perf/step_s`` includes the wait)."""
@@ -57,6 +58,7 @@ class StepStats:
         stands for the step's forwarded tokens.
         """
         step_s = self.elapsed_s()
+        self.step_durations.append(step_s)
         forwarded = self.forwarded_tokens * world_size
         window.add("perf/step_s", step_s)
         window.add("perf/fwd_bwd_s", self.fwd_bwd_s)

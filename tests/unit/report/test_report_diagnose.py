@@ -239,7 +239,8 @@ def test_real_two_gpu_run(tmp_path):
     verdicts = write_report(run, tmp_path)
     queue = next(v for v in verdicts if v.table == "queue")
     assert queue.figures["perf/rollout_wait_s"].startswith(f"{100 * median:.0f} % of a step")
-    assert {v.table for v in verdicts} == {"queue", "concurrency", "saturation", "duplicates", "sampler mismatch"}
+    assert {v.table for v in verdicts} == {"queue", "concurrency", "saturation", "duplicates", "sampler mismatch",
+                                           "warm-up", "fixed cost"}  # fmt: skip
     assert next(v for v in verdicts if v.table == "sampler mismatch").healthy  # masked_mean is 0 there
     assert (tmp_path / "report.html").is_file() and len(list(tmp_path.glob("*.png"))) >= 10
 
