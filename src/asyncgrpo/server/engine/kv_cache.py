@@ -71,14 +71,17 @@ def plan_num_blocks(
                 f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB); raise gpu_memory_utilization, "
                 f"lower max_model_len ({max_model_len}) or pass kv_cache_tokens"
             )
-        fraction = f"gpu_memory_utilization {gpu_memory_utilization}"
-        if need <= tokens // block_size:  # never more than can be in flight: the rest of the fraction stays free
-            return need, f"{in_flight} (the {fraction} would allow {tokens // block_size * block_size})"
-        return tokens // block_size, f"{fraction} ({in_flight} would need {need * block_size})"
-    cap = CPU_KV_CACHE_BYTES // bytes_per_token
-    if need * block_size <= cap:
-        return need, in_flight
-    return math.ceil(max(cap, max_model_len) / block_size), f"the CPU cache's {CPU_KV_CACHE_BYTES >> 20} MiB"
+        return size_to_need(need, tokens // block_size, block_size, in_flight,
+                            f"gpu_memory_utilization {gpu_memory_utilization}")  # fmt: skip
+    cap = math.ceil(max(CPU_KV_CACHE_BYTES // bytes_per_token, max_model_len) / block_size)
+    return size_to_need(need, cap, block_size, in_flight, f"CPU cache's {CPU_KV_CACHE_BYTES >> 20} MiB")
+
+
+def size_to_need(need_blocks: int, limit_blocks: int, block_size: int, in_flight: str, limit: str) -> tuple[int, str]:
+    """The smaller of what can be in flight and what the memory limit allows, and the reason in words."""
+    if need_blocks <= limit_blocks:
+        return need_blocks, f"{in_flight} (the {limit} would allow {limit_blocks * block_size})"
+    return limit_blocks, f"the {limit} ({in_flight} would need {need_blocks * block_size})"
 
 
 class KVCache:
