@@ -204,6 +204,7 @@ class RowPrefill:
         self.enabled, self.lazy = True, lazy
         logger.info("captured prefill CUDA graphs for %s token rows%s", buckets, " (the others at first use)" * lazy)
 
+    @torch.no_grad()
     def _capture_one(self, rows: int) -> None:
         """Capture bucket ``rows`` (thread-local capture mode: see ``ModelRunner._capture_decode``)."""
         assert self.logits_out is not None
@@ -227,4 +228,5 @@ class RowPrefill:
     def drop_graphs(self) -> None:
         """Row-wise prefill off, its graphs released (a capture failed)."""
         self._graphs.clear()
+        self.logits_out = self._pool = None
         self.enabled = self.lazy = False

@@ -282,6 +282,7 @@ class ModelRunner:
                     " (the others at first use)" if self.lazy_graphs else "")  # fmt: skip
         self.row_prefill.capture(self._logits, self._pool, lazy=self.lazy_graphs)
 
+    @torch.no_grad()  # also when a caller decodes with autograd on (tests): nothing may be saved for a backward
     def _capture_decode(self, b: int) -> None:
         """Capture bucket ``b`` into the shared pool. Thread-local capture mode: once serving, other threads of
         the engine process (weight transfer, pipe) may use CUDA meanwhile, which a global capture would refuse."""
@@ -309,7 +310,7 @@ class ModelRunner:
     def _drop_graphs(self) -> None:
         self._graphs.clear()
         self._graph_logits.clear()
-        self._planned = []
+        self._planned, self._logits, self._pool = [], None, None
         self.use_graphs = False
         self.row_prefill.drop_graphs()
 
