@@ -239,6 +239,10 @@ def launch_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[st
 
     timeout = float(server_cfg.get("timeout", 600))
     flags = server_flags(server_cfg)
+    if flags.count("--device") == 1 and _flag_value(flags, "--device", "") == "auto":
+        import torch  # loaded here already; told the device, the server starts its engine before it imports torch
+
+        flags[flags.index("--device") + 1] = "cuda" if torch.cuda.is_available() else "cpu"
     with _embedded_errors():
         env = {**embedded_env(flags), **split_cpu_threads(flags)}
         return stack.enter_context(launch_server(model, extra_args=flags, timeout=timeout, env=env, wait=False))
