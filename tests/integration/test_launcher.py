@@ -6,12 +6,14 @@ second test process's server could be after ``free_port`` handed both launchers 
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
 import urllib.request
 
 import pytest
+import torch
 
 from asyncgrpo.server import launcher
 
@@ -92,4 +94,18 @@ def test_a_taken_port_fails_a_launch_without_waiting_at_wait_ready(squatter, tin
     assert server.base_url.endswith(f":{squatter}")
     with pytest.raises(launcher.PortTaken, match=r"not an asyncgrpo server.*give it a free --port"):
         server.wait_ready()
+    assert not server.alive()
+
+
+def test_asyncgrpo_train_tells_an_embedded_server_on_device_auto_its_device(tiny_llama_dir, monkeypatch):
+    """``server.device`` auto (the YAML's default) reaches the server as the device the trainer sees, so the server
+    need not import torch to decide before it spawns its engine; the start is waited for after the trainer's."""
+    from asyncgrpo.cli.launch import await_embedded, launch_embedded
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # leaves this test process's torch threads alone (split_cpu_threads)
+    with contextlib.ExitStack() as stack:
+        server = launch_embedded(stack, str(tiny_llama_dir), {"embedded": True, "args": ["--max-model-len", "64"]})
+        argv = list(server.proc.args)
+        assert argv[argv.index("--device") + 1] == ("cuda" if torch.cuda.is_available() else "cpu")
+        assert await_embedded(server) is server
     assert not server.alive()
