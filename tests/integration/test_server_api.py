@@ -236,6 +236,11 @@ def test_basic_endpoints(server):
     assert cfg["weight_transfer_config"]["backend"] == "gloo"
     assert cfg["model_config"]["return_sampling_mask"] is False
     assert masks is False  # started without --return-sampling-mask
+    ours = info["asyncgrpo"]  # the start (engine in this process: no engine-process phase); sums tile the times
+    engine, http = ours["start_s"]["engine"], ours["start_s"]["http"]
+    assert list(engine) == ["load", "kv", "sampler", "kernels", "graphs", "total"]
+    assert list(http) == ["tokenizer", "imports", "engine", "app", "bind"]
+    assert sum(http.values()) == pytest.approx(ours["ready_s"], abs=0.01) and ours["ready_s"] > engine["total"] > 0
 
 
 def test_weight_transfer_endpoints_validate_before_any_collective(server):

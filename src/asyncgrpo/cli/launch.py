@@ -30,12 +30,16 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.cli.run_config import RunSpec, check_args, check_run, did_you_mean, load_yaml
 from asyncgrpo.errors import UserError
 from asyncgrpo.trainer.gpu_share import EMBEDDED_GPU_SHARE, SHARE_FLAG
+
+if TYPE_CHECKING:
+    from asyncgrpo.server.launcher import ServerProcess
 
 __all__ = ["build_dataset", "parse_train", "run_train", "train_from_config"]
 
@@ -224,19 +228,42 @@ def wait_for_server(base_url: str, wait_s: float) -> None:
 
 
 def start_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[str, Any]) -> str:
-    """Start ``asyncgrpo serve`` for the run (stopped with ``stack``); returns its base URL.
+    """Start ``asyncgrpo serve`` for the run (stopped with ``stack``) and wait for it; returns its base URL."""
+    return await_embedded(launch_embedded(stack, model, server_cfg)).base_url
 
-    A server that exits during start-up (a bad flag in ``server.args``, a model it cannot load) or never answers
-    is reported with its log tail as a user error, not as a launcher traceback.
-    """
+
+def launch_embedded(stack: contextlib.ExitStack, model: str, server_cfg: dict[str, Any]) -> ServerProcess:
+    """Start ``asyncgrpo serve`` for the run (stopped with ``stack``) without waiting for it: the caller builds the
+    trainer meanwhile, then :func:`await_embedded` waits (both take tens of seconds on a GPU)."""
     from asyncgrpo.server.launcher import launch_server
 
     timeout = float(server_cfg.get("timeout", 600))
     flags = server_flags(server_cfg)
-    try:
+    if flags.count("--device") == 1 and _flag_value(flags, "--device", "") == "auto":
+        import torch  # loaded here already; told the device, the server starts its engine before it imports torch
+
+        flags[flags.index("--device") + 1] = "cuda" if torch.cuda.is_available() else "cpu"
+    with _embedded_errors():
         env = {**embedded_env(flags), **split_cpu_threads(flags)}
-        server = launch_server(model, extra_args=flags, timeout=timeout, env=env)
-        return stack.enter_context(server).base_url
+        return stack.enter_context(launch_server(model, extra_args=flags, timeout=timeout, env=env, wait=False))
+
+
+def await_embedded(server: ServerProcess) -> ServerProcess:
+    """Wait for a server of :func:`launch_embedded`. One that exits during start-up (a bad flag in ``server.args``,
+    a model it cannot load) or never answers is reported with its log tail as a user error, not as a traceback."""
+    with _embedded_errors():
+        return server.wait_ready()
+
+
+@contextlib.contextmanager
+def _embedded_errors() -> Iterator[None]:
+    from asyncgrpo.server.launcher import PortTaken
+
+    try:
+        yield
+    except PortTaken as e:  # its URL is already in the trainer's config: no moving to another port
+        raise UserError(f"the embedded generation server did not start: {e}\n(another process took the free port "
+                        "chosen for it a moment earlier; run again)") from e  # fmt: skip
     except RuntimeError as e:
         hint = ""
         if "out of memory" in str(e).lower() or "KV-cache tokens fit" in str(e):
@@ -322,8 +349,10 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
     dataset = build_dataset(spec.dataset)
     eval_dataset = build_eval(spec)
     with contextlib.ExitStack() as stack:
-        if server_cfg.get("embedded"):
-            args.vllm_server_base_url = start_embedded(stack, model, server_cfg)
+        server = None
+        if server_cfg.get("embedded"):  # it starts while the trainer loads its model; train() is its first client
+            server = launch_embedded(stack, model, server_cfg)
+            args.vllm_server_base_url = server.base_url
         kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
         try:
             trainer = AsyncGRPOTrainer(
@@ -331,6 +360,8 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
             )
         except ServerError as e:
             raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
+        if server is not None:
+            await_embedded(server)
         # run_config.json (written by the trainer at train() start) records the YAML's sections too
         trainer.run_info.update(model=spec.model, dataset=spec.dataset, reward_funcs=list(spec.reward_specs))
         if progress is not None:

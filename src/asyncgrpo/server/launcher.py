@@ -1,4 +1,4 @@
-"""Start an embedded server as a child process and wait until it answers.
+"""Start an embedded server as a child process and wait until it answers (now, or later: ``wait=False``).
 
 Used by the demo, the trainer ("start the server for me") and the tests, so the
 server always runs in its own process exactly as a user would start it.
@@ -32,12 +32,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A running ``asyncgrpo serve`` child; use as a context manager to stop it on exit."""
+    """A running ``asyncgrpo serve`` child; use as a context manager to stop it on exit.
 
-    def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path) -> None:
+    From ``launch_server(..., wait=False)`` it may still be starting: :meth:`wait_ready` waits for it.
+    """
+
+    def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path, timeout: float = 300.0) -> None:
         self.proc = proc
         self.base_url = base_url
         self.log_path = log_path
+        self.timeout = timeout  # the start's bound, counted from the launch
+        self._launched = time.monotonic()
+        self._ready = False
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -47,6 +53,24 @@ class ServerProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_ready(self, timeout: float | None = None) -> Self:
+        """Wait until the server answers ``/health`` with 200 as itself; returns it. Idempotent.
+
+        ``timeout``: seconds from now; None: what is left of the launch's ``timeout``. Raises as
+        :func:`launch_server` does (``TimeoutError``, ``RuntimeError``, ``PortTaken``), and stops the process first.
+        """
+        if self._ready:
+            return self
+        bound = self.timeout if timeout is None else timeout
+        deadline = self._launched + self.timeout if timeout is None else time.monotonic() + timeout
+        try:
+            _await_ready(self, deadline, bound)
+        except PortTaken:
+            self.stop()
+            raise
+        self._ready = True
+        return self
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc.poll() is None:
@@ -81,12 +105,17 @@ def launch_server(
     env: dict[str, str] | None = None,
     log_path: str | os.PathLike | None = None,
     timeout: float = 300.0,
+    wait: bool = True,
 ) -> ServerProcess:
     """Start ``python -m asyncgrpo serve MODEL`` and wait until it answers ``/health`` with 200 as itself.
 
     A free port is only free until someone binds it: when another process answers on the port (``/health`` names
-    another pid in its ``X-Asyncgrpo-Server-Pid`` header, or none), the start fails at once instead of handing back that other server. With
-    ``port=None`` another free port is tried, up to ``START_ATTEMPTS`` in all.
+    another pid in its ``X-Asyncgrpo-Server-Pid`` header, or none), the start fails at once instead of handing back
+    that other server. With ``port=None`` another free port is tried, up to ``START_ATTEMPTS`` in all.
+
+    ``wait=False`` returns the process at once, so the caller builds its own side (a trainer loads its model) while
+    the server starts; :meth:`ServerProcess.wait_ready` then waits (within ``timeout`` of the launch). Its
+    ``base_url`` is final: a taken port raises ``PortTaken`` from ``wait_ready``, never moves to another one.
 
     Raises:
         TimeoutError: the server did not become healthy within ``timeout`` seconds (the message
@@ -94,8 +123,8 @@ def launch_server(
         RuntimeError: the server process exited during start-up (with its log tail).
         PortTaken: another process answers on ``port`` (a ``RuntimeError``; the message names the fix).
     """
-    deadline = time.monotonic() + timeout
-    attempts = START_ATTEMPTS if port is None else 1
+    attempts = START_ATTEMPTS if port is None and wait else 1
+    t0 = time.monotonic()
     for attempt in range(1, attempts + 1):
         chosen = port or free_port()
         log = Path(log_path) if log_path else _log_file(chosen)
@@ -104,11 +133,13 @@ def launch_server(
         logger.info("starting the generation server: %s (log: %s)", " ".join(cmd), log)
         with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        server = ServerProcess(proc, f"http://{host}:{chosen}", log)
+        server = ServerProcess(proc, f"http://{host}:{chosen}", log, timeout)
+        server._launched = t0  # a retry on another port shares the first launch's bound
+        if not wait:
+            return server
         try:
-            return _await_ready(server, deadline, timeout)
+            return server.wait_ready()
         except PortTaken as exc:
-            server.stop()
             if attempt == attempts:
                 raise
             logger.warning("%s; trying another port", exc)
@@ -123,6 +154,7 @@ def _log_file(port: int) -> Path:
 
 
 def _await_ready(server: ServerProcess, deadline: float, timeout: float) -> ServerProcess:
+    """Poll ``/health`` until the server answers as itself (see :meth:`ServerProcess.wait_ready`)."""
     proc = server.proc
     t0 = last_line = time.monotonic()
     while time.monotonic() < deadline:
@@ -130,23 +162,24 @@ def _await_ready(server: ServerProcess, deadline: float, timeout: float) -> Serv
             last_line = time.monotonic()
             logger.info("waiting for the generation server at %s to answer /health (%.0f s so far; log: %s)",
                         server.base_url, last_line - t0, server.log_path)  # fmt: skip
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"the generation server exited with code {proc.returncode} during start-up:\n{server.log_tail()}"
-            )
-        try:
+        exited = proc.poll() is not None
+        try:  # probed after an exit too: one that exited because another process holds its port is PortTaken
             with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
                 healthy, answering = r.status == 200, r.headers.get(SERVER_PID_HEADER)
-            if healthy:
-                if answering == str(proc.pid):
-                    return server
+            if healthy and answering != str(proc.pid):
                 who = f"pid {answering}" if answering else "a process that is not an asyncgrpo server"
                 raise PortTaken(
                     f"{server.base_url} is answered by {who}, not by the server just started (pid {proc.pid}); "
                     "give it a free --port"
                 )
+            if healthy and not exited:
+                return server
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
             pass
+        if exited:
+            raise RuntimeError(
+                f"the generation server exited with code {proc.returncode} during start-up:\n{server.log_tail()}"
+            )
         time.sleep(0.25)
     server.stop()
     raise TimeoutError(

@@ -119,6 +119,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     a("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory this server may use")
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")
     a("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    a("--cuda-graph-capture", default="lazy", choices=["lazy", "eager"],
+      help="lazy: capture the largest decode and prefill CUDA graphs at start and every other size when a step "
+           "first needs it (a shorter start); eager: every size before serving")  # fmt: skip
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
       help="reuse the KV cache of equal prompt prefixes (on by default, like vLLM)")  # fmt: skip
     a("--answer-workers", type=int, default=-1,
@@ -143,10 +146,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _device_type(args: argparse.Namespace) -> str:
-    """'cuda' or 'cpu' for ``--device``, without creating a CUDA context in this (API) process."""
-    import torch
-
+    """'cuda' or 'cpu' for ``--device``, without creating a CUDA context in this (API) process (nor importing torch
+    unless ``auto``: an engine process starts before this one imports it)."""
     if args.device == "auto":
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return args.device.split(":")[0]
 
@@ -215,7 +219,7 @@ def default_answer_workers(device_type: str) -> int:
     return max(1, min(8, cpus // 2))
 
 
-async def _serve(app: Any, host: str, port: int) -> None:
+async def _serve(app: Any, host: str, port: int, clock: Any = None) -> None:
     from aiohttp import web
 
     try:
@@ -227,7 +231,13 @@ async def _serve(app: Any, host: str, port: int) -> None:
     await site.start()
     gc.collect()
     gc.freeze()  # the tokenizer, app and imports leave the collector's scans (see Engine.start)
-    logger.info("serving the vLLM 0.33 protocol on http://%s:%d", host, port)
+    if clock is not None:
+        clock.mark("bind")
+        set_start_info(app, clock.since_start(), clock.phases)
+        logger.info("serving the vLLM 0.33 protocol on http://%s:%d, %.1f s after launch (%s)", host, port,
+                    clock.since_start(), clock.text())  # fmt: skip
+    else:
+        logger.info("serving the vLLM 0.33 protocol on http://%s:%d", host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -242,13 +252,16 @@ async def _serve(app: Any, host: str, port: int) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve until SIGINT/SIGTERM; the process then exits with 0.
 
+    With an engine process, it is started first, before this process imports torch or loads the tokenizer: the two
+    processes start side by side, and this one waits for the engine only once its own part is done.
+
     Returns the exit code of a failed start (2).
     """
-    from asyncgrpo.server.engine.engine import Engine
     from asyncgrpo.server.engine.settings import EngineSettings
-    from asyncgrpo.server.http.app import create_app
+    from asyncgrpo.server.start_clock import StartClock
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
+    clock = StartClock()  # from this process's start: /server_info's ready_s counts from the launch
     if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
         from asyncgrpo.assets import demo_model_dir
 
@@ -261,46 +274,75 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     if args.api_server_count != 1:
         logger.warning("--api-server-count %d ignored: the embedded server runs one API process", args.api_server_count)
-    settings = EngineSettings(
-        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        seed=args.seed, kv_cache_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
-        max_loras=args.max_loras, enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-        enable_return_routed_experts=args.enable_return_routed_experts,
-    )  # fmt: skip
+    engine: Any = None
     try:
+        settings = EngineSettings(
+            dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            seed=args.seed, kv_cache_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+            block_size=args.block_size, enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+            max_loras=args.max_loras, enforce_eager=args.enforce_eager, cuda_graph_capture=args.cuda_graph_capture,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_return_routed_experts=args.enable_return_routed_experts,
+        )  # fmt: skip
         device_type = _device_type(args)
         _weight_backend(args, device_type)  # before loading: a backend the device cannot run fails fast
         if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
             from asyncgrpo.server.engine.process import RemoteEngine
 
             # the receiver beside the weights gets the settings the HTTP layer will ask it for (_serve_config)
-            engine = RemoteEngine(str(model_dir), settings, _receiver_settings(args, device_type))
-            logger.info("the engine runs in its own process (pid %d)", engine.pid)
-        else:
+            engine = RemoteEngine(str(model_dir), settings, _receiver_settings(args, device_type), wait=False)
+            clock.mark("spawn_engine")
+        tokenizer = _load_tokenizer(model_dir, args.model, clock)
+        from asyncgrpo.server.http.app import create_app
+
+        clock.mark("imports")
+        if engine is None:
+            from asyncgrpo.server.engine.engine import Engine
+
             engine = Engine(str(model_dir), settings)
+        else:
+            engine.wait_ready()
+            logger.info("the engine runs in its own process (pid %d)", engine.pid)
+        clock.mark("engine")
         config = _serve_config(args, engine.device.type, engine.max_num_seqs)
     except (OSError, ValueError, RuntimeError) as exc:
         logger.error("cannot start the server for %s: %s", args.model, exc)
-        if "engine" in locals():
+        if engine is not None:
             engine.shutdown()
         return 2
+    from asyncgrpo.server.engine.process import GIL_SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    engine.start()
+    try:
+        app = create_app(engine, tokenizer, config)
+        clock.mark("app")
+        asyncio.run(_serve(app, args.host, args.port, clock))
+    finally:
+        engine.shutdown()
+    exit_without_teardown(0)  # skips seconds of interpreter teardown that whoever stopped the server waits for
+
+
+def _load_tokenizer(model_dir: str, model: str, clock: Any) -> Any:
+    """The model's tokenizer, or None (prompts must then be token ids)."""
     tokenizer = None
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
-        logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", args.model, exc)
-    from asyncgrpo.server.engine.process import GIL_SWITCH_INTERVAL_S
+        logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", model, exc)
+    clock.mark("tokenizer")
+    return tokenizer
 
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    engine.start()
-    try:
-        asyncio.run(_serve(create_app(engine, tokenizer, config), args.host, args.port))
-    finally:
-        engine.shutdown()
-    exit_without_teardown(0)  # skips seconds of interpreter teardown that whoever stopped the server waits for
+
+def set_start_info(app: Any, ready_s: float, phases: dict[str, float]) -> None:
+    """What /server_info reports of this start (``asyncgrpo.ready_s``, ``asyncgrpo.start_s``)."""
+    from asyncgrpo.server.http.app import state_of
+
+    state = state_of(app)
+    state.ready_s = ready_s
+    state.start_s = {"engine": dict(getattr(state.engine, "start_s", {}) or {}), "http": dict(phases)}
 
 
 def main(argv: list[str] | None = None) -> int:

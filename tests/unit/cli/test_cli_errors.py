@@ -171,7 +171,8 @@ def test_hub_model_not_cached_offline(tmp_path, capsys, monkeypatch):
 
 
 def test_embedded_server_that_cannot_start(tmp_path, capsys):
-    """A typo in server.args: the server process exits at once; its own message reaches the user, exit 2."""
+    """A typo in server.args: the server process exits at once; its own message reaches the user, exit 2 (once the
+    trainer is built: the two start side by side, so the trainer's loading lines may come first)."""
     from asyncgrpo.assets import tiny_model_dir
 
     def edit(c):
@@ -180,7 +181,10 @@ def test_embedded_server_that_cannot_start(tmp_path, capsys):
 
     assert main(["train", "--config", str(write(tmp_path, edit))]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.startswith("asyncgrpo train: error: the embedded generation server did not")
+    assert "Traceback" not in err and "asyncgrpo train: error:" in err
+    assert err[err.index("asyncgrpo train: error:") :].startswith(
+        "asyncgrpo train: error: the embedded generation server did not"
+    )
     assert "unrecognized arguments: --no-such-flag" in err  # the server's own message, from its log
 
 

@@ -45,6 +45,7 @@ from asyncgrpo.server.engine.settings import EngineSettings, ReceiverSettings
 from asyncgrpo.server.engine.weight_receiver import WeightReceiver
 from asyncgrpo.server.models.decoder import DecoderLM
 from asyncgrpo.server.models.hf import GeneralLM, is_native, load_any_model, text_model_aliases
+from asyncgrpo.server.start_clock import StartClock
 from asyncgrpo.weights.ipc import device_uuid
 
 logger = logging.getLogger(__name__)
@@ -81,20 +82,25 @@ class Engine:
     gpu_uuid: str | None
     pid: int
     routing: RoutingCapture | None = None  # --enable-return-routed-experts
+    start_s: dict[str, float]  # seconds per start phase (start_clock.py), "total" included
 
-    def __init__(self, model: str | os.PathLike | Any, settings: EngineSettings | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike | Any,
+        settings: EngineSettings | None = None,
+        *,
+        clock: StartClock | None = None,
+        **options: Any,
+    ) -> None:
         if settings is not None and options:
             raise TypeError(f"pass EngineSettings or its fields as keywords, not both (got {sorted(options)})")
         s = self.settings = settings if settings is not None else EngineSettings(**options)
+        clock = clock or StartClock(from_process=False)  # the engine process's own clock counts its imports too
         dtype, device, max_model_len, max_num_seqs = s.dtype, s.device, s.max_model_len, s.max_num_seqs
         seed, kv_cache_tokens, gpu_memory_utilization, block_size = (
             s.seed, s.kv_cache_tokens, s.gpu_memory_utilization, s.block_size)  # fmt: skip
         enable_lora, max_lora_rank, max_loras, enforce_eager = (
-            s.enable_lora,
-            s.max_lora_rank,
-            s.max_loras,
-            s.enforce_eager,
-        )
+            s.enable_lora, s.max_lora_rank, s.max_loras, s.enforce_eager)  # fmt: skip
         max_num_batched_tokens, enable_prefix_caching = s.max_num_batched_tokens, s.enable_prefix_caching
         if (max_num_seqs is not None and max_num_seqs < 1) or block_size < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
@@ -127,6 +133,7 @@ class Engine:
         self.vocab_size = self._model.vocab_size
         self.eos_token_ids = _eos_ids(hf)
         self.block_size = block_size
+        clock.mark("load")
 
         budget = max_num_batched_tokens or max(DEFAULT_PREFILL_TOKENS, self.max_model_len)
         if budget < self.max_model_len:
@@ -134,7 +141,7 @@ class Engine:
         m = self._model
         elem = torch.empty((), dtype=self.dtype).element_size()
         prefill_rows = min(ROW_BUCKETS[-1], budget)  # the largest row-wise prefill graph (row_prefill.py)
-        self.num_blocks = plan_num_blocks(
+        self.num_blocks, kv_why = plan_num_blocks(
             block_size=block_size,
             bytes_per_token=kv_bytes_per_token(
                 m.num_kv_layers if self.general_path else len(m.layers), m.num_kv_heads, m.head_dim, self.dtype
@@ -166,16 +173,21 @@ class Engine:
             len(m.layers), self.num_blocks, block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device,
             enable_prefix_caching=self.enable_prefix_caching,
         )  # fmt: skip
+        clock.mark("kv")
         self._scheduler = Scheduler(self._kv, max_num_seqs, budget)
         if self.general_path:  # KVCache above holds no tensors (m.layers is empty): block accounting only
             self._runner = GeneralRunner(m, self._kv, self.routing)
         else:
             self._runner = ModelRunner(m, self._kv, max_num_seqs, self.max_model_len, use_graphs=not enforce_eager,
-                                       max_prefill_rows=prefill_rows)  # fmt: skip
+                                       max_prefill_rows=prefill_rows, lazy_graphs=s.cuda_graph_capture == "lazy")  # fmt: skip
         sampler = Sampler(self.device, seed)
         sampler.prepare(self.vocab_size, self.dtype)  # compiles the sampling kernels now, not in the first step
+        clock.mark("sampler")
         self._lora = LoRAManager(enabled=enable_lora, max_rank=max_lora_rank, max_loras=max_loras, model=m)
+        self._runner.check_kernels()
+        clock.mark("kernels")
         self._runner.capture_graphs()
+        clock.mark("graphs")
         self._params = dict(hf.named_parameters(remove_duplicate=False))  # tied lm_head.weight listed too
         self._params.update(text_model_aliases(self._params))  # a VLM's text weights under causal-LM names too
 
@@ -183,15 +195,10 @@ class Engine:
         self._core.on_release = self._release_id
         self._live_ids: set[str] = set()  # submit-side view of requests in flight, for duplicate ids
         self._ids_lock = threading.Lock()
-        logger.info(
-            "engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens in %d blocks",
-            m.arch,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            self.kv_cache_tokens,
-            self.num_blocks,
-        )
+        self.start_s = {**clock.phases, "total": clock.since_start()}  # /server_info: asyncgrpo.start_s
+        logger.info("engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens = %s in %d blocks; started in "
+                    "%.1f s (%s)", m.arch, self.device, self.dtype, self.max_model_len, self.kv_cache_tokens, kv_why,
+                    self.num_blocks, self.start_s["total"], clock.text())  # fmt: skip
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:

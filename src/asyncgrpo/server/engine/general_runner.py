@@ -58,6 +58,9 @@ class GeneralRunner:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = "logits_to_keep" if "logits_to_keep" in params else None
 
+    def check_kernels(self) -> None:
+        """No Triton kernels of ours on the general path."""
+
     def capture_graphs(self) -> None:
         """No CUDA graphs on the general path."""
 

@@ -2,11 +2,14 @@
 
 Capacity (``num_blocks * block_size`` tokens):
 - ``kv_cache_tokens`` given: that many tokens, rounded up to whole blocks.
-- CUDA: ``gpu_memory_utilization * total`` minus what is already in use on the
-  device (weights, other processes) minus headroom for activations, logits,
-  the sampler and CUDA graphs (:func:`activation_headroom_bytes`).
-- CPU: ``max_num_seqs * max_model_len`` tokens, capped at :data:`CPU_KV_CACHE_BYTES`
-  (the cache is zero-filled host memory), and never below ``max_model_len``.
+- Otherwise never more than can be in flight: ``max_num_seqs`` sequences of
+  ``max_model_len`` tokens, each in whole blocks. A cache beyond that is never
+  used, and on a GPU shared with a trainer it is memory the trainer lacks.
+- CUDA: at most ``gpu_memory_utilization * total`` minus what is already in use
+  on the device (weights, other processes) minus headroom for activations,
+  logits, the sampler and CUDA graphs (:func:`activation_headroom_bytes`).
+- CPU: at most :data:`CPU_KV_CACHE_BYTES` (the cache is zero-filled host
+  memory), and never below ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -47,12 +50,15 @@ def plan_num_blocks(
     max_num_seqs: int,
     max_model_len: int,
     headroom_bytes: int,
-) -> int:
-    """Number of KV blocks per the module docstring's rule."""
+) -> tuple[int, str]:
+    """Number of KV blocks per the module docstring's rule, and why that many (for the engine's ready line)."""
     if kv_cache_tokens is not None:
         if kv_cache_tokens <= 0:
             raise ValueError(f"kv_cache_tokens must be positive, got {kv_cache_tokens}")
-        return math.ceil(kv_cache_tokens / block_size)
+        return math.ceil(kv_cache_tokens / block_size), f"kv_cache_tokens {kv_cache_tokens}"
+    # what can be in flight: every sequence at full length, each in whole blocks
+    need = max_num_seqs * math.ceil(max_model_len / block_size)
+    in_flight = f"max_num_seqs {max_num_seqs} x max_model_len {max_model_len}"
     if device.type == "cuda":
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -65,11 +71,17 @@ def plan_num_blocks(
                 f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB); raise gpu_memory_utilization, "
                 f"lower max_model_len ({max_model_len}) or pass kv_cache_tokens"
             )
-        # never more than every sequence at full length could use
-        tokens = min(tokens, max_num_seqs * max_model_len)
-        return tokens // block_size
-    tokens = min(max_num_seqs * max_model_len, CPU_KV_CACHE_BYTES // bytes_per_token)
-    return math.ceil(max(tokens, max_model_len) / block_size)
+        return size_to_need(need, tokens // block_size, block_size, in_flight,
+                            f"gpu_memory_utilization {gpu_memory_utilization}")  # fmt: skip
+    cap = math.ceil(max(CPU_KV_CACHE_BYTES // bytes_per_token, max_model_len) / block_size)
+    return size_to_need(need, cap, block_size, in_flight, f"CPU cache's {CPU_KV_CACHE_BYTES >> 20} MiB")
+
+
+def size_to_need(need_blocks: int, limit_blocks: int, block_size: int, in_flight: str, limit: str) -> tuple[int, str]:
+    """The smaller of what can be in flight and what the memory limit allows, and the reason in words."""
+    if need_blocks <= limit_blocks:
+        return need_blocks, f"{in_flight} (the {limit} would allow {limit_blocks * block_size})"
+    return limit_blocks, f"the {limit} ({in_flight} would need {need_blocks * block_size})"
 
 
 class KVCache:

@@ -32,9 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.server.engine.commands import (
     Abort,
@@ -53,6 +51,10 @@ from asyncgrpo.server.engine.remote_receiver import RemoteReceiver
 from asyncgrpo.server.engine.request import EngineStats, PauseMode, Request, RequestOutput, validate_request
 from asyncgrpo.server.engine.settings import EngineSettings, ReceiverSettings
 from asyncgrpo.server.errors import ApiError
+from asyncgrpo.server.start_clock import StartClock
+
+if TYPE_CHECKING:  # torch loads in the engine process and at wait_ready: the API process starts this one first
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +89,14 @@ def _error_output(request: Request, message: str) -> RequestOutput:
 # ---------------------------------------------------------------------- the engine process
 def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: ReceiverSettings, log_level: int) -> None:
     """Entry point of the engine process: build the engine, then serve the pipe until told to stop."""
+    clock = StartClock()  # from this process's start: its interpreter and imports are part of the server's start
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from asyncgrpo.server.engine.engine import Engine
 
+    clock.mark("process")
     try:
-        engine = Engine(model, settings)
+        engine = Engine(model, settings, clock=clock)
     except BaseException as exc:  # noqa: BLE001 - the API process reports it (with its type) and exits
         conn.send(Failed(_portable(exc)))
         return
@@ -154,7 +158,7 @@ def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: Rece
 def _static_info(engine: Any) -> dict[str, Any]:
     """What :class:`RemoteEngine` answers without asking (its sizes, device and dtype as text: they pickle)."""
     names = ("max_model_len", "vocab_size", "block_size", "num_blocks", "kv_cache_tokens", "max_num_seqs",
-             "eos_token_ids", "general_path", "decode_backend", "gpu_uuid")  # fmt: skip
+             "eos_token_ids", "general_path", "decode_backend", "gpu_uuid", "start_s")  # fmt: skip
     info = {n: getattr(engine, n) for n in names}
     info["device"], info["dtype"] = str(engine.device), str(engine.dtype).removeprefix("torch.")
     return info
@@ -169,6 +173,8 @@ class RemoteEngine:
         settings: the engine's :class:`~asyncgrpo.server.engine.settings.EngineSettings`.
         receiver: the settings of the weight receiver built beside the engine (:meth:`weight_receiver`).
         start_timeout_s: bound on loading the model and capturing the graphs.
+        wait: wait for the engine here; False: return once its process is started (the caller does its own start
+            meanwhile) and call :meth:`wait_ready` before anything else.
     """
 
     # what the engine was built with, as its Ready message reports it (EngineAPI)
@@ -185,9 +191,16 @@ class RemoteEngine:
     dtype: torch.dtype
     gpu_uuid: str | None
     pid: int
+    start_s: dict[str, float]  # the engine process's start phases (start_clock.py)
 
     def __init__(
-        self, model: str, settings: EngineSettings, receiver: ReceiverSettings, start_timeout_s: float = 1800.0
+        self,
+        model: str,
+        settings: EngineSettings,
+        receiver: ReceiverSettings,
+        start_timeout_s: float = 1800.0,
+        *,
+        wait: bool = True,
     ) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child = ctx.Pipe(duplex=True)
@@ -204,19 +217,32 @@ class RemoteEngine:
         self._dead: str | None = None
         self._stopping = False
         self._lora_names: list[str] = []
-        info = self._wait_ready(start_timeout_s, str(model))
+        self._model, self._start_timeout_s, self._t0 = str(model), start_timeout_s, time.monotonic()
+        self._ready = False
+        self.pid = self._proc.pid
+        self._receiver_settings = receiver
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the engine process has built its engine (within ``start_timeout_s`` of its start); raises its
+        error (ValueError, RuntimeError, ...) if it failed. Idempotent."""
+        if self._ready:
+            return
+        import torch
+
+        info = self._wait_ready(self._start_timeout_s, self._model)
         for name, value in info.items():
             setattr(self, name, value)
         self.device = torch.device(info["device"])
         self.dtype = getattr(torch, info["dtype"])
-        self.pid = self._proc.pid
-        self._receiver_settings = receiver
         self.receiver = RemoteReceiver(self)
         self._reader = threading.Thread(target=self._read, name="engine-pipe-read", daemon=True)
         self._reader.start()
+        self._ready = True
 
     def _wait_ready(self, timeout_s: float, model: str) -> dict[str, Any]:
-        t0 = time.monotonic()
+        t0 = self._t0
         while True:
             waited = time.monotonic() - t0
             if self._conn.poll(min(LOG_EVERY_S, max(timeout_s - waited, 0.0))):
@@ -317,6 +343,10 @@ class RemoteEngine:
 
     def shutdown(self) -> None:
         self._stopping = True
+        if not self._ready:  # still loading (the API side failed first): it reads no pipe before it is ready
+            self._proc.kill()
+            self._proc.join(timeout=LOG_EVERY_S)
+            return
         try:
             self._send(Stop())
         except (RuntimeError, OSError):

@@ -21,6 +21,7 @@ FlashAttention path.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,10 +68,12 @@ class RowPrefill:
         self._staging_done = torch.cuda.Event() if self.device.type == "cuda" else None
         # query tiles of the tiled prefill kernel: at most rows / BLOCK_M + one partial tile per sequence
         self.tile_rows = tile_rows(model.num_heads // model.num_kv_heads)
-        self.tiled = False  # set at capture once the kernel passed its check
+        self.tiled = False  # set by check_kernel once the kernel passed its check
         self._tile_count = {b: b // self.tile_rows + min(b, max_num_seqs) for b in self.buckets}
         self._tiles, self._tiles_staging, self._tiles_np = staged_int64((self._tile_count[rows], 2), self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool: object = None  # the decode graphs' memory pool, shared
+        self.lazy = False  # buckets without a graph are captured after their first (eager) step
         self.logits_out: torch.Tensor | None = None
         self.enabled = False  # set once the graphs are captured (tests switch it on for the eager CPU path)
         self.steps = 0  # prefills run row-wise (diagnostics)
@@ -100,8 +103,10 @@ class RowPrefill:
             graph.replay()
             assert self.logits_out is not None
             logits = self.logits_out[: len(seqs)]
-        else:  # eager (CPU tests, or a bucket whose capture failed)
+        else:  # eager (CPU tests, or a bucket not captured yet: this step is its warm-up)
             logits = self._forward(rows, min(rows, self.max_num_seqs), max_ctx)[: len(seqs)]
+            if self.lazy:
+                self._capture_lazily(rows)
         for s in seqs:
             if s.copy_src is not None:  # referenced only by this step's copy, which is queued on the stream
                 self.kv.free([s.copy_src])
@@ -167,13 +172,17 @@ class RowPrefill:
         return self.model.logits(hidden.index_select(0, self._meta[:num_logits]))
 
     # --------------------------------------------------------------- capture
-    def capture(self, logits_out: torch.Tensor, pool: object) -> None:
-        """One graph per row bucket (largest first) in the decode graphs' pool, writing into their logits buffer.
-        A failure leaves row-wise prefill off: prefills run eagerly, as before."""
-        self.logits_out = logits_out
+    def check_kernel(self) -> None:
+        """Compile the tiled prefill kernel and check it (before serving); without it rows read per row."""
         m = self.model
         self.tiled = check_prefill_kernel(self.device, m.dtype, m.num_kv_heads, m.num_heads // m.num_kv_heads,
                                           m.head_dim)  # fmt: skip
+
+    def capture(self, logits_out: torch.Tensor, pool: object, lazy: bool = False) -> None:
+        """One graph per row bucket (largest first) in the decode graphs' pool, writing into their logits buffer;
+        ``lazy``: the largest only, the others after their first step (``runner.py``). A failure leaves row-wise
+        prefill off: prefills run eagerly, as before."""
+        self.logits_out, self._pool = logits_out, pool
         st, meta = self._static, self._meta
         bs, pad = self.kv.block_size, self.kv.pad_block
         st[:, _META:] = pad
@@ -181,19 +190,43 @@ class RowPrefill:
         meta[: self.max_num_seqs] = 0
         meta[self.max_num_seqs :] = pad
         self._tiles.zero_()
+        buckets = self.buckets[-1:] if lazy else self.buckets
         try:
             self._forward(self.buckets[-1], min(self.buckets[-1], self.max_num_seqs), bs)  # warm-up (cuBLAS shapes)
             torch.cuda.synchronize(self.device)
-            for rows in reversed(self.buckets):
-                n = min(rows, self.max_num_seqs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits_out[:n].copy_(self._forward(rows, n, bs))
-                self._graphs[rows] = graph
+            for rows in reversed(buckets):
+                self._capture_one(rows)
             torch.cuda.synchronize(self.device)
         except Exception:  # keep serving with eager prefills
             logger.exception("prefill CUDA graph capture failed; prefilling eagerly")
             self._graphs.clear()
             return
-        self.enabled = True
-        logger.info("captured prefill CUDA graphs for %s token rows", self.buckets)
+        self.enabled, self.lazy = True, lazy
+        logger.info("captured prefill CUDA graphs for %s token rows%s", buckets, " (the others at first use)" * lazy)
+
+    @torch.no_grad()
+    def _capture_one(self, rows: int) -> None:
+        """Capture bucket ``rows`` (thread-local capture mode: see ``ModelRunner._capture_decode``)."""
+        assert self.logits_out is not None
+        n = min(rows, self.max_num_seqs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self.logits_out[:n].copy_(self._forward(rows, n, self.kv.block_size))
+        self._graphs[rows] = graph
+
+    def _capture_lazily(self, rows: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._capture_one(rows)
+        except Exception:
+            logger.exception("capturing the prefill CUDA graph for %d token rows failed; prefilling eagerly", rows)
+            self.drop_graphs()
+            return
+        logger.info("captured the prefill CUDA graph for %d token rows at first use (%.0f ms)", rows,
+                    1000 * (time.perf_counter() - t0))  # fmt: skip
+
+    def drop_graphs(self) -> None:
+        """Row-wise prefill off, its graphs released (a capture failed)."""
+        self._graphs.clear()
+        self.logits_out = self._pool = None
+        self.enabled = self.lazy = False

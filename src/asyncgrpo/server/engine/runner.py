@@ -7,11 +7,19 @@ filled with one host->device copy per step; rows past the real batch point at
 the KV sink block. Small prefills replay graphs of the same forward with one row
 per new token (``row_prefill.py``). LoRA batches and ``enforce_eager`` run the
 same forward eagerly. The sampler always runs outside the graph.
+
+When graphs are captured (``lazy_graphs``): capturing every bucket before serving took seconds of a server's
+start, and a GRPO run uses a handful of them. So at start only the largest decode bucket and the largest
+prefill row count are captured (they size the one memory pool all graphs share, as when every graph is
+captured largest first); any other bucket runs eagerly the first time a step needs it (that step is its
+warm-up) and is captured right after, so the next step of its size replays. ``lazy_graphs=False`` captures
+every bucket at start (``--cuda-graph-capture eager``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -43,6 +51,7 @@ class ModelRunner:
         max_model_len: int,
         use_graphs: bool,
         max_prefill_rows: int = ROW_BUCKETS[-1],
+        lazy_graphs: bool = True,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -52,6 +61,11 @@ class ModelRunner:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_logits: dict[int, torch.Tensor] = {}
+        self.lazy_graphs = lazy_graphs
+        self._planned: list[int] = []  # lazy: every bucket (captured or not) while capture on first use is on
+        self._pool: object = None  # the memory pool all graphs share (the first captured graph's)
+        self._logits: torch.Tensor | None = None  # the graphs' shared logits buffer [max_num_seqs, vocab]
+        self._kernels_checked = False
         # static decode inputs, one int64 row per sequence: [token, position, slot, context_len, block table...]
         self._static, self._staging, self._staging_np = staged_int64((max_num_seqs, 4 + self.max_blocks), self.device)
         self._row_owner: list[tuple[list[int], int] | None] = [None] * max_num_seqs  # whose table each row holds
@@ -160,12 +174,15 @@ class ModelRunner:
         else:
             max_ctx = max(len(s.token_ids) for s in seqs) + ahead
             logits = self._decode_forward(bucket, max_ctx, self._lora_groups(seqs, [1] * B) if lora else None)[:B]
+            if not lora and bucket in self._planned:  # first use of this bucket: the next step replays it
+                self._capture_lazily(bucket)
         for s in seqs:
             s.num_cached = len(s.token_ids) + ahead
         return logits
 
     def _bucket(self, n: int) -> int:
-        for b in sorted(self._graphs):
+        """Rows a decode of ``n`` sequences runs: the smallest bucket >= n that is captured (or, lazy, may be)."""
+        for b in self._planned or sorted(self._graphs):
             if b >= n:
                 return b
         return n
@@ -213,9 +230,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- graphs
     @torch.no_grad()
-    def capture_graphs(self) -> None:
-        """Check the Triton kernel, then capture one decode graph per bucket (largest first: smaller ones
-        reuse its memory pool). Either failing degrades to eager decoding with a logged error."""
+    def check_kernels(self) -> None:
+        """Compile the Triton kernels and check them against their torch paths (before serving: a failing one
+        switches its torch path on for good, and the decode kernel's failure turns the graphs off)."""
+        self._kernels_checked = True
         if self.device.type != "cuda":
             return
         m = self.model
@@ -224,16 +242,27 @@ class ModelRunner:
         group = m.num_heads // m.num_kv_heads
         if not attention.check_triton_decode(self.device, m.dtype, m.num_kv_heads, group, m.head_dim):
             self.use_graphs = False  # the torch fallback needs the (host) max context length per step
+        if self.use_graphs:
+            self.row_prefill.check_kernel()
+
+    @torch.no_grad()
+    def capture_graphs(self) -> None:
+        """Check the kernels (unless :meth:`check_kernels` ran), then capture the decode graphs: every bucket, or
+        with ``lazy_graphs`` the largest (see the module docstring). Largest first: smaller ones reuse its memory
+        pool. A failure degrades to eager decoding with a logged error."""
+        if not self._kernels_checked:
+            self.check_kernels()
+        if self.device.type != "cuda" or not self.use_graphs:
             return
-        if not self.use_graphs:
-            return
+        buckets = graph_buckets(self.max_num_seqs)
         try:
-            self._capture(graph_buckets(self.max_num_seqs))
+            self._capture(buckets[-1:] if self.lazy_graphs else buckets)
         except Exception:  # keep serving, only slower
             logger.exception("CUDA graph capture failed; decoding eagerly")
-            self._graphs.clear()
-            self._graph_logits.clear()
-            self.use_graphs = False
+            self._drop_graphs()
+            return
+        if self.lazy_graphs:
+            self._planned = buckets
 
     def _capture(self, buckets: list[int]) -> None:
         st = self._static
@@ -243,21 +272,52 @@ class ModelRunner:
         # One logits buffer for every graph: each graph copies its logits into it, so a graph's own output is
         # freed into the pool after capture. Kept per graph, they cost sum(buckets) x vocab floats (~10 GB at
         # max_num_seqs 1024 with a 150k vocabulary) instead of max_num_seqs x vocab.
-        logits = torch.empty_like(warm)
+        self._logits = torch.empty_like(warm)
         del warm
         torch.cuda.synchronize(self.device)
-        pool = None
         for b in reversed(buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits[:b].copy_(self._decode_forward(b, self.kv.block_size))
-            if pool is None:
-                pool = graph.pool()
-            self._graphs[b] = graph
-            self._graph_logits[b] = logits[:b]
+            self._capture_decode(b)
         torch.cuda.synchronize(self.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s", buckets)
-        self.row_prefill.capture(logits, pool)
+        logger.info("captured decode CUDA graphs for batch sizes %s%s", buckets,
+                    " (the others at first use)" if self.lazy_graphs else "")  # fmt: skip
+        self.row_prefill.capture(self._logits, self._pool, lazy=self.lazy_graphs)
+
+    @torch.no_grad()  # also when a caller decodes with autograd on (tests): nothing may be saved for a backward
+    def _capture_decode(self, b: int) -> None:
+        """Capture bucket ``b`` into the shared pool. Thread-local capture mode: once serving, other threads of
+        the engine process (weight transfer, pipe) may use CUDA meanwhile, which a global capture would refuse."""
+        assert self._logits is not None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._logits[:b].copy_(self._decode_forward(b, self.kv.block_size))
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[b] = graph
+        self._graph_logits[b] = self._logits[:b]
+
+    def _capture_lazily(self, b: int) -> None:
+        """Capture bucket ``b`` after its first (eager) step; a failure drops every graph (eager from now on)."""
+        t0 = time.perf_counter()
+        try:
+            self._capture_decode(b)
+        except Exception:
+            logger.exception("capturing the decode CUDA graph for batch size %d failed; decoding eagerly", b)
+            self._drop_graphs()
+            return
+        logger.info("captured the decode CUDA graph for batch size %d at first use (%.0f ms)", b,
+                    1000 * (time.perf_counter() - t0))  # fmt: skip
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._graph_logits.clear()
+        self._planned, self._logits, self._pool = [], None, None
+        self.use_graphs = False
+        self.row_prefill.drop_graphs()
+
+    @property
+    def lazy_buckets_left(self) -> list[int]:
+        """Diagnostics: decode buckets still to be captured at first use."""
+        return [b for b in self._planned if b not in self._graphs]
 
     # --------------------------------------------------------------------- LoRA
     def _lora_groups(self, seqs: list[Sequence], lens: list[int]) -> list[tuple[object, torch.Tensor]] | None:

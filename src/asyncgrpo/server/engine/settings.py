@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CHECK_MODES = ("vllm", "strict")
+GRAPH_CAPTURE_MODES = ("lazy", "eager")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class EngineSettings:
         block_size: tokens per KV block.
         enable_lora / max_lora_rank / max_loras: runtime LoRA adapters.
         enforce_eager: no CUDA graphs (decode, and small prefills run row-wise).
+        cuda_graph_capture: ``lazy`` (default): capture the largest decode and prefill graphs at start and every
+            other size the first time a step needs it (that step pays its capture, once); ``eager``: every size
+            before serving (a longer start, no capture in the first steps). See ``engine/runner.py``.
         max_num_batched_tokens: prefill token budget per step (extension); None: max(16384, max_model_len).
         enable_prefix_caching: reuse the KV blocks of equal prompt prefixes (vLLM's default: on); every
             weight load, LoRA load/unload and prefix-cache reset empties the cache.
@@ -47,9 +51,16 @@ class EngineSettings:
     max_lora_rank: int = 16
     max_loras: int = 1
     enforce_eager: bool = False
+    cuda_graph_capture: str = "lazy"
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_return_routed_experts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_capture not in GRAPH_CAPTURE_MODES:
+            raise ValueError(
+                f"cuda_graph_capture must be one of {GRAPH_CAPTURE_MODES}, got {self.cuda_graph_capture!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,10 @@ class ServerState:
         # Diagnostics (bench/rollout_path.py): generation answers sent and seconds spent building + encoding them.
         self.http_stats = {"responses": 0, "response_build_s": 0.0, "last_outputs_unix": 0.0, "last_built_unix": 0.0}
         self.answers = AnswerEncoder(config.answer_workers)
+        # this server's start (server/main.py sets them once it listens): seconds from the launch of its process to
+        # serving, and the seconds of each phase of the engine's start and of this process's
+        self.ready_s: float | None = None
+        self.start_s: dict[str, dict[str, float]] = {}
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -122,6 +126,11 @@ class ServerState:
 
 def _state(request: web.Request) -> ServerState:
     return request.app[_STATE]  # type: ignore[return-value]
+
+
+def state_of(app: web.Application) -> ServerState:
+    """The state of an app made by :func:`create_app` (what its handlers share)."""
+    return app[_STATE]  # type: ignore[return-value]
 
 
 @web.middleware
@@ -290,7 +299,8 @@ async def server_info(request: web.Request) -> web.Response:
             # the trainer compares this with its own GPU's to choose ipc (same GPU) or NCCL (weights/ipc.py)
             "weight_transfer_backends": list(accepts), "gpu_uuid": e.gpu_uuid,
             "weight_round_step": True,  # POST /weight_round_step (server/engine/round_step.py)
-            "engine_step_timings": e.step_timings()}  # fmt: skip
+            "engine_step_timings": e.step_timings(),
+            "ready_s": state.ready_s, "start_s": state.start_s}  # fmt: skip
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},
                               "asyncgrpo": ours})  # fmt: skip
 

@@ -1,0 +1,58 @@
+"""Where a server's start goes: seconds per phase, counted from the start of the process.
+
+The server logs one line per process when it is ready (the engine's at ``engine ready``, the HTTP process's at
+``serving``) and reports both in ``/server_info`` (``asyncgrpo.start_s``, ``asyncgrpo.ready_s``), so a trainer or a
+benchmark can see which part of a slow start to look at: the interpreter and its imports, the model load, the KV
+cache, kernel warm-up, CUDA graphs, the tokenizer, the app.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_IMPORTED = time.monotonic()  # fallback origin where the process's own start time cannot be read
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: its start tick in ``/proc``; elsewhere: since this module's import).
+
+    The kernel's start tick counts from boot like ``CLOCK_BOOTTIME``, so the difference is exact to a tick (10 ms),
+    unlike the wall-clock ``create_time`` of psutil, whose boot time is rounded to the second.
+    """
+    try:
+        with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
+            stat = fh.read()
+        start_ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22; the name in (...) may hold spaces
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        if 0.0 <= age < 7 * 86400:
+            return age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    return time.monotonic() - _IMPORTED
+
+
+class StartClock:
+    """Phases of a start in order. ``from_process``: the first phase runs from the process's start (its interpreter
+    and imports), else from now (an engine built inside a process that did other things first)."""
+
+    def __init__(self, from_process: bool = True) -> None:
+        now = time.monotonic()
+        self.origin = now - process_age_s() if from_process else now
+        self.phases: dict[str, float] = {}
+        self._last = self.origin
+
+    def mark(self, phase: str) -> float:
+        """Close ``phase`` (it ran since the previous mark); returns its seconds. A repeated name adds up."""
+        now = time.monotonic()
+        seconds = now - self._last
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + seconds, 3)
+        self._last = now
+        return seconds
+
+    def since_start(self) -> float:
+        return round(time.monotonic() - self.origin, 3)
+
+    def text(self) -> str:
+        """``"process 3.1 s, load 2.0 s, ..."`` for the ready line."""
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
