@@ -38,8 +38,10 @@ out = {}
 with mps_daemon() as env:
     out["env_set"] = all(os.environ[k] == env[k] for k in MPS_ENV)
     out["servers"] = control(env, "get_server_list")
-    with launch_server(model_dir, extra_args=["--device", "cuda", "--gpu-memory-utilization", "0.05"],
-                       timeout=300) as server:
+    # a fixed KV cache: in a suite run, the pytest process still holds GiBs of earlier tests on this GPU, which a
+    # small --gpu-memory-utilization share counts as used (on an H200: "only 0 KV-cache tokens fit" at 0.05)
+    with launch_server(model_dir, extra_args=["--device", "cuda", "--gpu-memory-utilization", "0.05",
+                                              "--kv-cache-tokens", "8192"], timeout=300) as server:
         tokens, _ = server_greedy(server.base_url)
         out["tokens"] = [int(t) for t in tokens] if isinstance(tokens, list) else str(tokens)
         out["clients"] = control(env, f"get_client_list {out['servers'][0]}")
