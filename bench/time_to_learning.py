@@ -117,6 +117,7 @@ def gpu_child(a: argparse.Namespace) -> dict:
     log = work / "server.log"
     parallel = "wait" in inspect.signature(launcher.launch_server).parameters  # start the server, build meanwhile
     kw = {"wait": False} if parallel else {}
+    t_server = time.time()  # the server's launch (this child's imports came before it)
     server = launcher.launch_server(model, extra_args=flags, env=embedded_env(flags), log_path=str(log), timeout=600,
                                     **kw)  # fmt: skip
     t_ready = time.time() if not parallel else None
@@ -164,6 +165,7 @@ def gpu_child(a: argparse.Namespace) -> dict:
         server.wait_ready()
         t_ready = time.time()
     ready_at = t_ready
+    own_ready = _own_ready(server.base_url)
     with server:
         trainer.train()
         if "p" in prof_box:  # the run ended before the last profiled step
@@ -177,7 +179,9 @@ def gpu_child(a: argparse.Namespace) -> dict:
         "run": a.child,
         "settings": settings,
         "parallel_start": parallel,
-        "server_ready_s": ready_at - t_launch,
+        "server_ready_s": ready_at - t_server,  # launch to /health 200
+        "process_start_to_server_ready_s": ready_at - t_launch,
+        "server_own_ready_s": own_ready,
         "trainer_built_s": t_built - t_launch,
         **step_summary(stamps, ready_at, t_launch, per_step),
         "recompiles_after_step1": graphs[-1] - graphs[0] if graphs else None,
@@ -194,6 +198,17 @@ def gpu_child(a: argparse.Namespace) -> dict:
             (Path(a.profile_dir) / f"{a.tag}_{key}.txt").write_text(avg.table(sort_by=key, row_limit=45))
         out["profile"] = _profile_totals(prof)
     return out
+
+
+def _own_ready(base_url: str) -> float | None:
+    """The server's own launch-to-serving seconds (``/server_info``; None where it reports none)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url}/server_info", timeout=10) as r:
+            return json.loads(r.read()).get("asyncgrpo", {}).get("ready_s")
+    except OSError:
+        return None
 
 
 def _cpu_share(stamps: list[float], cpu: list[float]) -> float | None:
