@@ -160,6 +160,8 @@ def gpu_child(a: argparse.Namespace) -> dict:
 
     trainer = AsyncGRPOTrainer(model, reward_funcs=[reward], args=args, train_dataset=rows,
                                callbacks=[Clock()])  # fmt: skip
+    if parallel and hasattr(trainer, "warm_up_compile"):  # as asyncgrpo train does, while the server starts
+        trainer.warm_up_compile()
     t_built = time.time()
     if parallel:
         server.wait_ready()

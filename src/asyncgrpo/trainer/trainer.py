@@ -23,6 +23,7 @@ is transformers'. What changes:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -62,7 +63,7 @@ from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers
 from asyncgrpo.trainer.step_loader import StepLoader
 from asyncgrpo.trainer.step_stats import StepStats
-from asyncgrpo.trainer.warmup import should_warm_up, warm_up
+from asyncgrpo.trainer.warmup import WARMUP_BUDGET, can_warm_up_before_train, should_warm_up, warm_up
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.policy import is_peft_model
@@ -230,7 +231,14 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
         if should_warm_up(self):  # compile the step while the worker starts and generates the first groups
-            warm_up(self)
+            warm_up(self, self.token_budget)
+
+    def warm_up_compile(self) -> float:
+        """Compile the step's kernels now, e.g. while the server starts (``asyncgrpo train`` does); ``train()`` then
+        skips its warm-up. Seconds spent (0: nothing to do, see ``trainer/warmup.py``)."""
+        if not can_warm_up_before_train(self):
+            return 0.0
+        return warm_up(self, self.args.token_budget or WARMUP_BUDGET, before_train=True)
 
     def _stop_rollout(self) -> None:
         if self.worker is not None:
@@ -371,8 +379,10 @@ class AsyncGRPOTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
         return self.step_forward_backward(model, inputs["row"], inputs["normalizer"])
 
-    def step_forward_backward(self, model: torch.nn.Module, row: Any, normalizer: float, keep_metrics: bool = True):
-        """One row's forward and backward (``keep_metrics=False``: the compile warm-up, ``trainer/warmup.py``)."""
+    def step_forward_backward(self, model: torch.nn.Module, row: Any, normalizer: float, keep_metrics: bool = True,
+                              autocast_forward: bool = False):  # fmt: skip
+        """One row's forward and backward (``keep_metrics=False``: the compile warm-up, ``trainer/warmup.py``;
+        ``autocast_forward``: the model's forward under the accelerator's autocast, as a prepared model runs)."""
         model.train()
         t0 = time.perf_counter()
         if row is None or row.num_tokens == 0:  # every process must forward (FSDP collectives): a 1-token row
@@ -383,7 +393,8 @@ class AsyncGRPOTrainer(Trainer):
             replay.begin(row.routed_experts)
         with self.compute_loss_context_manager():
             router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
-            fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
+            with self.accelerator.autocast() if autocast_forward else contextlib.nullcontext():
+                fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
             if replay is not None:
                 replay.end_forward()
             result = self._policy_loss(fwd, row, normalizer) if row.num_trained else None

@@ -9,7 +9,9 @@ after it starts the rollout worker: two lengths, so a size that turns dynamic on
 here. The gradients are dropped; the optimizer, the scheduler and the weights are not touched.
 
 Only where it pays and is safe: a CUDA device, one process (every rank of a sharded run would have to warm up
-in lock step), no MoE routing replay (its rows carry the sampler's routing).
+in lock step), no MoE routing replay (its rows carry the sampler's routing). ``asyncgrpo train`` warms up even
+earlier, while its embedded server starts (``AsyncGRPOTrainer.warm_up_compile``), unless gradient checkpointing
+is on (the Trainer turns it on inside ``train()``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from asyncgrpo.packing.row import PackedRow
 logger = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 64  # a typical chat prompt; the row's length is what matters, not the split
+WARMUP_BUDGET = 2048  # rows before train() when token_budget is None (the server's max_model_len, not known yet)
 
 
 def warmup_rows(token_budget: int, num_generations: int, max_completion_length: int, vocab_size: int,
@@ -58,35 +61,48 @@ def warmup_rows(token_budget: int, num_generations: int, max_completion_length: 
 
 
 def should_warm_up(trainer: Any) -> bool:
-    """CUDA, one process, no routing replay, and ``warm_up_compile`` on."""
+    """CUDA, one process, no routing replay, ``warm_up_compile`` on, and not warmed up yet."""
     args = trainer.args
     return (
         getattr(args, "warm_up_compile", True)
+        and not getattr(trainer, "compile_warmed_up", False)
         and torch.device(args.device).type == "cuda"
         and args.world_size == 1
         and trainer.router_replay is None
     )
 
 
-def warm_up(trainer: Any) -> float:
+def can_warm_up_before_train(trainer: Any) -> bool:
+    """Before ``train()`` the model runs as it will inside it, except with gradient checkpointing, which the
+    Trainer switches on in ``train()`` (its checkpointed layers could guard differently): then ``train()``
+    warms up itself."""
+    return should_warm_up(trainer) and not trainer.args.gradient_checkpointing
+
+
+def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> float:
     """Run forward+backward of the warm-up rows through ``trainer.step_forward_backward``; returns seconds.
 
-    A failure is logged and ignored: the real step then compiles (or fails) as it would have without warm-up.
+    ``before_train``: the model is not prepared by accelerate yet, so its forward runs under the accelerator's
+    autocast, as the prepared model's forward will. A failure is logged and ignored: the real step then compiles
+    (or fails) as it would have without warm-up.
     """
     args = trainer.args
     lm = trainer._causal_lm()
+    model = trainer.model if before_train else trainer.model_wrapped
     t0 = time.perf_counter()
     top_n = args.num_sampler_logprobs if args.score_centering else 0
-    rows = warmup_rows(trainer.token_budget, args.num_generations, args.max_completion_length,
+    rows = warmup_rows(token_budget, args.num_generations, args.max_completion_length,
                        lm.get_output_embeddings().weight.shape[0], top_n)  # fmt: skip
     try:
         for row in rows:
-            trainer.step_forward_backward(trainer.model_wrapped, row, float(row.num_trained), keep_metrics=False)
+            trainer.step_forward_backward(model, row, float(row.num_trained), keep_metrics=False,
+                                          autocast_forward=before_train)  # fmt: skip
     except (RuntimeError, ValueError, TypeError) as exc:  # never lose the run to its warm-up
         logger.warning("the compile warm-up failed (%s: %s); the first steps compile instead", type(exc).__name__, exc)
     finally:
-        trainer.model_wrapped.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    trainer.compile_warmed_up = True
     seconds = time.perf_counter() - t0
-    logger.info("compiled the training step on two dummy rows (%s tokens) in %.1f s, while the first groups were "
-                "generated", "/".join(str(r.num_tokens) for r in rows), seconds)  # fmt: skip
+    logger.info("compiled the training step on two dummy rows (%s tokens) in %.1f s", "/".join(
+        str(r.num_tokens) for r in rows), seconds)  # fmt: skip
     return seconds

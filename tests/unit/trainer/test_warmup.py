@@ -45,14 +45,14 @@ def test_warm_up_leaves_weights_grads_and_metrics_alone(tmp_path):
     calls = []
     real = trainer.step_forward_backward
 
-    def spy(model, row, normalizer, keep_metrics=True):
+    def spy(model, row, normalizer, keep_metrics=True, autocast_forward=False):
         calls.append((row.num_tokens, keep_metrics))
-        loss = real(model, row, normalizer, keep_metrics=keep_metrics)
+        loss = real(model, row, normalizer, keep_metrics=keep_metrics, autocast_forward=autocast_forward)
         assert any(p.grad is not None for p in model.parameters())  # a real backward ran
         return loss
 
     trainer.step_forward_backward = spy
-    assert warm_up(trainer) > 0
+    assert warm_up(trainer, trainer.token_budget) > 0
     assert [k for _, k in calls] == [False, False] and calls[0][0] < calls[1][0]
     assert all(p.grad is None for p in trainer.model.parameters())
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -71,3 +71,24 @@ def test_compiled_layers_by_default_only_where_measured(tmp_path):
     Args.compile_decoder_layers, Args.device = None, "cuda"
     assert not wants_compiled_layers(Args, peft=True, router_replay=None)
     assert not wants_compiled_layers(Args, peft=False, router_replay=object())
+
+
+def test_a_warm_up_before_train_compiles_what_the_prepared_model_runs(tmp_path):
+    """asyncgrpo train warms up before train() (the server still starting): the model is not prepared yet, so the
+    warm-up runs its forward under the accelerator's autocast. The prepared model's first real step must then find
+    every graph compiled: no new dynamo graph."""
+    from torch._dynamo.utils import counters
+
+    from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers
+
+    trainer = _trainer(tmp_path, bf16=True, compile_decoder_layers=False)
+    torch._dynamo.reset()
+    compile_decoder_layers(trainer.model, CompileSettings(backend="aot_eager"))  # the guards inductor's would have
+    assert warm_up(trainer, 256, before_train=True) > 0 and trainer.compile_warmed_up
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the warm-up compiled the layers
+    prepared = trainer.accelerator.prepare(trainer.model)  # what train() does: forward under autocast from now on
+    row = warmup_rows(200, 4, 24, trainer.model.config.vocab_size, top_n=8)[1]
+    trainer.step_forward_backward(prepared, row, float(row.num_trained))
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled for the real step
+    assert not should_warm_up(trainer)  # train() skips its own warm-up
