@@ -21,12 +21,12 @@ FlashAttention path.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from asyncgrpo.server.engine.first_use import capture_at_first_use
 from asyncgrpo.server.layers.attention import check_prefill_kernel
 from asyncgrpo.server.layers.prefill_tiles import tile_rows
 from asyncgrpo.server.models.forward_batch import ForwardBatch, staged_int64
@@ -215,15 +215,7 @@ class RowPrefill:
         self._graphs[rows] = graph
 
     def _capture_lazily(self, rows: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._capture_one(rows)
-        except Exception:
-            logger.exception("capturing the prefill CUDA graph for %d token rows failed; prefilling eagerly", rows)
-            self.drop_graphs()
-            return
-        logger.info("captured the prefill CUDA graph for %d token rows at first use (%.0f ms)", rows,
-                    1000 * (time.perf_counter() - t0))  # fmt: skip
+        capture_at_first_use(lambda: self._capture_one(rows), self.drop_graphs, f"prefill ({rows} token rows)")
 
     def drop_graphs(self) -> None:
         """Row-wise prefill off, its graphs released (a capture failed)."""

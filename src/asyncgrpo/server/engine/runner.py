@@ -19,11 +19,11 @@ every bucket at start (``--cuda-graph-capture eager``).
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import torch
 
+from asyncgrpo.server.engine.first_use import capture_at_first_use
 from asyncgrpo.server.engine.kv_cache import KVCache
 from asyncgrpo.server.engine.row_prefill import ROW_BUCKETS, RowPrefill
 from asyncgrpo.server.engine.scheduler import Sequence
@@ -297,15 +297,7 @@ class ModelRunner:
 
     def _capture_lazily(self, b: int) -> None:
         """Capture bucket ``b`` after its first (eager) step; a failure drops every graph (eager from now on)."""
-        t0 = time.perf_counter()
-        try:
-            self._capture_decode(b)
-        except Exception:
-            logger.exception("capturing the decode CUDA graph for batch size %d failed; decoding eagerly", b)
-            self._drop_graphs()
-            return
-        logger.info("captured the decode CUDA graph for batch size %d at first use (%.0f ms)", b,
-                    1000 * (time.perf_counter() - t0))  # fmt: skip
+        capture_at_first_use(lambda: self._capture_decode(b), self._drop_graphs, f"decode (batch size {b})")
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
