@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 import os
 import re
-import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
+
+from asyncgrpo.step_times import slow_steps, warmup_share
 
 __all__ = [
     "METRICS",
@@ -184,7 +185,6 @@ STARTUP_METRICS: dict[str, str] = {
     "perf/recompiles": "torch.compile graphs built after the first step, a running total (logged when torch.compile "
     "is used)",
 }
-SLOW_STEP_FACTOR = 2.0  # a step slower than twice the median step is warm-up (a compile, first kernels, a cold cache)
 
 _PLACEHOLDERS = {r"\{reward_func_name\}": "[^/]+", r"\{tool_name\}": "[^/]+", r"\{server_index\}": "[0-9]+"}
 
@@ -215,20 +215,6 @@ def is_documented_metric(name: str) -> bool:
 
 def _last_words(name: str) -> list[str]:
     return name.rsplit("/", 1)[-1].split("_")
-
-
-def slow_steps(durations: Sequence[float]) -> list[float]:
-    """The step durations above ``SLOW_STEP_FACTOR`` x their median: the run's warm-up (``perf/warmup_share``)."""
-    if not durations:
-        return []
-    limit = SLOW_STEP_FACTOR * statistics.median(durations)
-    return [d for d in durations if d > limit]
-
-
-def warmup_share(durations: Sequence[float]) -> float:
-    """Share of the summed step ``durations`` spent in slow steps (0 without time)."""
-    total = sum(durations)
-    return sum(slow_steps(durations)) / total if total > 0 else 0.0
 
 
 def aggregation_rule(name: str) -> str:

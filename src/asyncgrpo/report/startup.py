@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import statistics
 
-from asyncgrpo.metrics import SLOW_STEP_FACTOR, slow_steps, warmup_share
 from asyncgrpo.report.runlog import RunLog
 from asyncgrpo.report.verdict import Verdict, g3, pct
+from asyncgrpo.step_times import SLOW_STEP_FACTOR, slow_steps, warmup_share
 
 WARMUP_HIGH = 0.2  # warm-up (steps slower than twice the median) takes more than a fifth of the training time
 # Fixed cost: forward+backward reaches less than 2 % of the GPU's peak FLOP/s, i.e. it takes more than 50 times what
