@@ -346,13 +346,13 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
         for url in args.server_urls:
             wait_for_server(url, float(server_cfg.get("wait_s", 60)))
     model = resolve_model(spec.model)
-    dataset = build_dataset(spec.dataset)
-    eval_dataset = build_eval(spec)
     with contextlib.ExitStack() as stack:
         server = None
-        if server_cfg.get("embedded"):  # it starts while the trainer loads its model; train() is its first client
+        if server_cfg.get("embedded"):  # it starts while the data is built and the trainer loads its model
             server = launch_embedded(stack, model, server_cfg)
             args.vllm_server_base_url = server.base_url
+        dataset = build_dataset(spec.dataset)
+        eval_dataset = build_eval(spec)
         kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
         try:
             trainer = AsyncGRPOTrainer(
