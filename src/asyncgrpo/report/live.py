@@ -11,6 +11,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from asyncgrpo.report.diagnose import diagnose
 from asyncgrpo.report.runlog import RunLog, RunSettings
+from asyncgrpo.step_times import SLOW_STEP_FACTOR
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,9 @@ def startup_line(windows: list[dict[str, float]]) -> str | None:
         parts.append(f"server ready in {ready:.1f} s")
     figures = [", ".join(parts)] if parts else []
     if share is not None:
-        figures.append(f"warm-up {100 * share:.0f} % of training time (steps slower than 2x the median)")
+        figures.append(
+            f"warm-up {100 * share:.0f} % of training time (steps slower than {SLOW_STEP_FACTOR:g}x the median)"
+        )
     if recompiles is not None:
         figures.append(f"{recompiles:.0f} recompile{'' if recompiles == 1 else 's'} after step 1")
     return "start-up: " + "; ".join(figures) if figures else None

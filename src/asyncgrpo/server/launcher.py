@@ -37,12 +37,13 @@ class ServerProcess:
     From ``launch_server(..., wait=False)`` it may still be starting: :meth:`wait_ready` waits for it.
     """
 
-    def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path, timeout: float = 300.0) -> None:
+    def __init__(self, proc: subprocess.Popen, base_url: str, log_path: Path, timeout: float = 300.0,
+                 launched: float | None = None) -> None:  # fmt: skip
         self.proc = proc
         self.base_url = base_url
         self.log_path = log_path
-        self.timeout = timeout  # the start's bound, counted from the launch
-        self._launched = time.monotonic()
+        self.timeout = timeout  # the start's bound, counted from the launch (``launched``, monotonic; default now)
+        self._launched = time.monotonic() if launched is None else launched
         self._ready = False
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -133,8 +134,7 @@ def launch_server(
         logger.info("starting the generation server: %s (log: %s)", " ".join(cmd), log)
         with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        server = ServerProcess(proc, f"http://{host}:{chosen}", log, timeout)
-        server._launched = t0  # a retry on another port shares the first launch's bound
+        server = ServerProcess(proc, f"http://{host}:{chosen}", log, timeout, launched=t0)  # retries share t0's bound
         if not wait:
             return server
         try:

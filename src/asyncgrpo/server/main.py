@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 from asyncgrpo.process_exit import exit_without_teardown
+from asyncgrpo.server.start_clock import StartClock
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def default_answer_workers(device_type: str) -> int:
     return max(1, min(8, cpus // 2))
 
 
-async def _serve(app: Any, host: str, port: int, clock: Any = None) -> None:
+async def _serve(app: Any, host: str, port: int, clock: StartClock) -> None:
     from aiohttp import web
 
     try:
@@ -231,13 +232,10 @@ async def _serve(app: Any, host: str, port: int, clock: Any = None) -> None:
     await site.start()
     gc.collect()
     gc.freeze()  # the tokenizer, app and imports leave the collector's scans (see Engine.start)
-    if clock is not None:
-        clock.mark("bind")
-        set_start_info(app, clock.since_start(), clock.phases)
-        logger.info("serving the vLLM 0.33 protocol on http://%s:%d, %.1f s after launch (%s)", host, port,
-                    clock.since_start(), clock.text())  # fmt: skip
-    else:
-        logger.info("serving the vLLM 0.33 protocol on http://%s:%d", host, port)
+    clock.mark("bind")
+    set_start_info(app, clock.since_start(), clock.phases)
+    logger.info("serving the vLLM 0.33 protocol on http://%s:%d, %.1f s after launch (%s)", host, port,
+                clock.since_start(), clock.text())  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -258,7 +256,6 @@ def run_serve(args: argparse.Namespace) -> int:
     Returns the exit code of a failed start (2).
     """
     from asyncgrpo.server.engine.settings import EngineSettings
-    from asyncgrpo.server.start_clock import StartClock
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
     clock = StartClock()  # from this process's start: /server_info's ready_s counts from the launch

@@ -27,7 +27,7 @@ from asyncgrpo.report.runlog import RUN_CONFIG_FILE
 from asyncgrpo.trainer.checkpoint import write_rollout_state
 from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.step_stats import StepStats
-from asyncgrpo.trainer.warmup_stats import StartupMetrics, server_ready_of
+from asyncgrpo.trainer.warmup_stats import StartupMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class AsyncGRPOCallback(TrainerCallback):
             tr.step_stats.record(tr.window, trained_tokens, args.world_size)
             # transformers' DefaultFlowCallback, always the first callback, has set should_log for this step
             self.startup.step_done(tr.window, state.global_step, tr.step_stats.step_durations, control.should_log,
-                                   server_ready_of(getattr(tr, "facts", None)))  # fmt: skip
+                                   tr.facts.ready_s if tr.facts is not None else None)  # fmt: skip
             n = tr.source.dataset_len
             if n:
                 state.epoch = tr.source.prompts_consumed / n

@@ -172,7 +172,7 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
-        if wants_compiled_layers(args, peft_config is not None or is_peft_model(model), self.router_replay):
+        if wants_compiled_layers(args, is_peft_model(model), self.router_replay):  # model: after get_peft_model
             compile_decoder_layers(self._causal_lm())
         self.window = MetricsWindow()
         self.step_stats = StepStats()

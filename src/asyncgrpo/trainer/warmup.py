@@ -46,14 +46,10 @@ def warmup_rows(token_budget: int, num_generations: int, max_completion_length: 
         for _ in range(max(num_generations, 1)):
             completion = rng.integers(0, vocab_size, per).tolist()
             mask = [0] * PROMPT_TOKENS + [1] * per
-            top = None
-            if top_n:
+            top = lps = None
+            if top_n:  # the sampler's top-N ids and their (descending) log-probs, on trained positions
                 top = [rng.integers(0, vocab_size, top_n).tolist() if m else [] for m in mask]
-            lps = (
-                [sorted((-rng.random(top_n) * 4 - 0.1).tolist(), reverse=True) if m else [] for m in mask]
-                if top_n
-                else None
-            )
+                lps = [sorted((-rng.random(top_n) * 4 - 0.1).tolist(), reverse=True) if m else [] for m in mask]
             samples.append(PackSample(prompt + completion, mask, [-1.0 * m for m in mask], float(rng.normal()), 0,
                                       sampler_topn_ids=top, sampler_topn_logprobs=lps))  # fmt: skip
         rows.append(pack_samples(samples))
@@ -64,7 +60,7 @@ def should_warm_up(trainer: Any) -> bool:
     """CUDA, one process, no routing replay, ``warm_up_compile`` on, and not warmed up yet."""
     args = trainer.args
     return (
-        getattr(args, "warm_up_compile", True)
+        args.warm_up_compile
         and not getattr(trainer, "compile_warmed_up", False)
         and torch.device(args.device).type == "cuda"
         and args.world_size == 1

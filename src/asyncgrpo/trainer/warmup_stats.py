@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from asyncgrpo.metrics import MetricsWindow, warmup_share
 from asyncgrpo.trainer.recompiles import RecompileCounter
@@ -76,9 +75,3 @@ class StartupMetrics:
             window.add("perf/warmup_share", warmup_share(durations))
             if self.recompiles.ever_compiled:
                 window.add("perf/recompiles", total)
-
-
-def server_ready_of(facts: Any) -> float | None:
-    """``ServerFacts.ready_s`` when the trainer probed a server that reports it."""
-    value = getattr(facts, "ready_s", None)
-    return float(value) if isinstance(value, int | float) else None
