@@ -89,6 +89,9 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> floa
     top_n = args.num_sampler_logprobs if args.score_centering else 0
     rows = warmup_rows(token_budget, args.num_generations, args.max_completion_length,
                        lm.get_output_embeddings().weight.shape[0], top_n)  # fmt: skip
+    # a cold compile runs tens of seconds before anything else is printed: say what the wait is
+    logger.info("compiling the training step on two dummy rows of %s tokens (warm_up_compile; a cold compile cache "
+                "takes tens of seconds)", "/".join(str(r.num_tokens) for r in rows))  # fmt: skip
     try:
         for row in rows:
             trainer.step_forward_backward(model, row, float(row.num_trained), keep_metrics=False,
