@@ -233,6 +233,7 @@ async def _serve(app: Any, host: str, port: int, clock: StartClock) -> None:
     gc.collect()
     gc.freeze()  # the tokenizer, app and imports leave the collector's scans (see Engine.start)
     clock.mark("bind")
+    clock.ready()
     set_start_info(app, clock.since_start(), clock.phases, clock.parts)
     logger.info("serving the vLLM 0.33 protocol on http://%s:%d, %.1f s after launch (%s)", host, port,
                 clock.since_start(), clock.text())  # fmt: skip
@@ -258,7 +259,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from asyncgrpo.server.engine.settings import EngineSettings
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
-    clock = StartClock()  # from this process's start: /server_info's ready_s counts from the launch
+    clock = StartClock(role="http")  # from this process's start: /server_info's ready_s counts from the launch
     clock.part("interpreter")  # the interpreter's start, the CLI's imports, the arguments
     if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
         from asyncgrpo.assets import demo_model_dir

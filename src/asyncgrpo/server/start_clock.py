@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 _IMPORTED = time.monotonic()  # fallback origin where the process's own start time cannot be read
+PROFILE_ENV = "ASYNCGRPO_START_PROFILE"  # a folder: each server process writes a cProfile of its start there
 
 
 def process_age_s() -> float:
@@ -36,7 +38,9 @@ class StartClock:
     """Phases of a start in order. ``from_process``: the first phase runs from the process's start (its interpreter
     and imports), else from now (an engine built inside a process that did other things first)."""
 
-    def __init__(self, from_process: bool = True) -> None:
+    def __init__(self, from_process: bool = True, role: str | None = None) -> None:
+        self._profile = _start_profile() if role else None
+        self.role = role
         now = time.monotonic()
         self.origin = now - process_age_s() if from_process else now
         self.phases: dict[str, float] = {}
@@ -70,6 +74,17 @@ class StartClock:
         self._last = self._last_part = now
         return seconds
 
+    def ready(self) -> None:
+        """The start is over: with ``ASYNCGRPO_START_PROFILE`` set, the profile since this clock's creation is written
+        to ``<folder>/<role>_start.prof`` (``bench/probes/engine_start_probe.py --cprofile`` reads it)."""
+        if self._profile is None:
+            return
+        self._profile.disable()
+        folder = os.environ[PROFILE_ENV]
+        os.makedirs(folder, exist_ok=True)
+        self._profile.dump_stats(os.path.join(folder, f"{self.role}_start.prof"))
+        self._profile = None
+
     def since_start(self) -> float:
         return round(time.monotonic() - self.origin, 3)
 
@@ -81,3 +96,13 @@ class StartClock:
             parts = [f"{k} {v:.1f}" for k, v in self.parts.get(phase, {}).items() if v >= 0.05]
             out.append(f"{phase} {seconds:.1f} s" + (f" [{', '.join(parts)}]" if parts else ""))
         return ", ".join(out)
+
+
+def _start_profile() -> Any:  # a cProfile.Profile where asked for (imported only then)
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof

@@ -89,7 +89,7 @@ def _error_output(request: Request, message: str) -> RequestOutput:
 # ---------------------------------------------------------------------- the engine process
 def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: ReceiverSettings, log_level: int) -> None:
     """Entry point of the engine process: build the engine, then serve the pipe until told to stop."""
-    clock = StartClock()  # from this process's start: its interpreter and imports are part of the server's start
+    clock = StartClock(role="engine")  # from this process's start: its interpreter and imports count too
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     clock.part("interpreter")  # the interpreter's start and the imports of the pickled entry point (this module)
@@ -105,6 +105,7 @@ def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: Rece
     except BaseException as exc:  # noqa: BLE001 - the API process reports it (with its type) and exits
         conn.send(Failed(_portable(exc)))
         return
+    clock.ready()
     targets = {"engine": engine, "receiver": engine.weight_receiver(receiver)}
     outbox: queue.SimpleQueue[FromEngine | None] = queue.SimpleQueue()
 
