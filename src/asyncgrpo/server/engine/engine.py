@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncgrpo.server.engine.commands import Abort, AddSequence, Pause, Resume, RunCall
+from asyncgrpo.server.engine.early_compile import start_early_compile
 from asyncgrpo.server.engine.general_runner import GeneralRunner
 from asyncgrpo.server.engine.kv_cache import (
     KVCache,
@@ -105,6 +106,7 @@ class Engine:
         max_num_batched_tokens, enable_prefix_caching = s.max_num_batched_tokens, s.enable_prefix_caching
         if (max_num_seqs is not None and max_num_seqs < 1) or block_size < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
+        early = start_early_compile(model, dtype, device, enforce_eager)  # Triton compiles while the model loads
         hf = load_any_model(model, dtype, device, clock.part)
         self.hf_config = hf.config
         cfg = hf.config.get_text_config()  # a vision-language config keeps its sizes in text_config
@@ -136,6 +138,9 @@ class Engine:
         self.eos_token_ids = _eos_ids(hf)
         self.block_size = block_size
         clock.mark("load")
+        if early is not None:  # before the KV plan: the thread's work on the GPU is done
+            early.join()
+            clock.part("early_compile_wait")
 
         budget = max_num_batched_tokens or max(DEFAULT_PREFILL_TOKENS, self.max_model_len)
         if budget < self.max_model_len:

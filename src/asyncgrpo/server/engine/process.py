@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from asyncgrpo.server.bytecode import keep_bytecode
 from asyncgrpo.server.engine.commands import (
     Abort,
     ErrorInfo,
@@ -92,13 +93,11 @@ def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: Rece
     clock = StartClock(role="engine")  # from this process's start: its interpreter and imports count too
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    keep_bytecode()  # the API process chose the folder (server/bytecode.py); this one writes there too
     clock.part("interpreter")  # the interpreter's start and the imports of the pickled entry point (this module)
-    import torch  # noqa: F401 - timed on its own: the largest import
-
-    clock.part("torch_import")
     from asyncgrpo.server.engine.engine import Engine
 
-    clock.part("engine_import")
+    clock.part("imports")  # torch's most of all
     clock.mark("process")
     try:
         engine = Engine(model, settings, clock=clock)
