@@ -51,6 +51,7 @@ from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers, wants_compiled_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
+from asyncgrpo.trainer.graphed_step import GraphedDecoder, step_graphs
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
@@ -61,7 +62,7 @@ from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers
-from asyncgrpo.trainer.step_loader import StepLoader
+from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
 from asyncgrpo.trainer.step_stats import StepStats
 from asyncgrpo.trainer.warmup import WARMUP_BUDGET, can_warm_up_before_train, should_warm_up, warm_up
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
@@ -193,6 +194,7 @@ class AsyncGRPOTrainer(Trainer):
         self.facts: ServerFacts | None = None
         self.served_adapter: str | None = None  # the newest adapter registered under adapter sync (T6), rank 0
         self.final_model_saved = False  # train() saved the final model to output_dir
+        self.graphed: GraphedDecoder | None = None  # cuda_graph_step: set up by the warm-up (trainer/graphed_step.py)
 
     # ------------------------------------------------------------------ set-up
 
@@ -230,6 +232,8 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None and self.worker.process is None:
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
+        if step_graphs(self, self.token_budget) is not None:  # buckets of the real token_budget, while it generates
+            self.graphed.capture_all()
         if should_warm_up(self):  # compile the step while the worker starts and generates the first groups
             warm_up(self, self.token_budget)
 
@@ -342,14 +346,7 @@ class AsyncGRPOTrainer(Trainer):
         return metrics
 
     def get_train_dataloader(self) -> StepLoader:
-        if self.args.max_steps > 0:
-            return StepLoader(self.train_dataset, None)
-        n = len(self.train_dataset)
-        # Each step trains at least one whole prompt group except when a group spills over a step, so
-        # 2 × prompts + a margin bounds the steps; the run stops earlier once the prompts are consumed.
-        bound = 2 * math.ceil(self.args.num_train_epochs * n) + 8
-        per_epoch = math.ceil(bound / max(math.ceil(self.args.num_train_epochs), 1))
-        return StepLoader(self.train_dataset, per_epoch * self.args.gradient_accumulation_steps)
+        return step_loader_for(self.args, self.train_dataset)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
         """One step's micro-batches for this process: ``{"row": PackedRow, "normalizer": float}`` each.
@@ -393,8 +390,12 @@ class AsyncGRPOTrainer(Trainer):
             replay.begin(row.routed_experts)
         with self.compute_loss_context_manager():
             router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
-            with self.accelerator.autocast() if autocast_forward else contextlib.nullcontext():
-                fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
+            graphs = self.graphed if replay is None and router is None else None
+            if graphs is not None and graphs.covers(row):  # small rows: the decoder as CUDA graphs
+                fwd = graphs.forward(row)
+            else:
+                with self.accelerator.autocast() if autocast_forward else contextlib.nullcontext():
+                    fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
             if replay is not None:
                 replay.end_forward()
             result = self._policy_loss(fwd, row, normalizer) if row.num_trained else None
