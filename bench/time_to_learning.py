@@ -59,14 +59,19 @@ def server_log_times(path: Path, t_launch: float, limit: int = 60) -> list[list]
     return out
 
 
-def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step: list[dict]) -> dict:
-    """Figures of one run from its step-end stamps (stamps[0]: train() began) and per-step metrics."""
+def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step: list[dict],
+                 profiled: tuple[int, int] | None = None) -> dict:  # fmt: skip
+    """Figures of one run from its step-end stamps (stamps[0]: train() began) and per-step metrics.
+
+    ``profiled``: steps (1-based, inclusive) run under the torch profiler, whose recording and trace processing
+    land inside them: left out of the slow-step ratio (which is also reported with them)."""
     durations = [b - a for a, b in itertools.pairwise(stamps)]
     if not durations:
         return {"steps": 0}
     ordered = sorted(durations[2:] or durations)
     median = ordered[len(ordered) // 2]
-    late = durations[2:]
+    late_all = durations[2:]
+    late = [d for i, d in enumerate(durations) if i >= 2 and not (profiled and profiled[0] <= i + 1 <= profiled[1])]
     fwd_bwd = sorted(m["perf/fwd_bwd_s"] for m in per_step[2:] if "perf/fwd_bwd_s" in m)
     steady = stamps[3:]
     slow = [d for d in durations if d > 2 * median]
@@ -78,6 +83,8 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
         "step2_s": durations[1] if len(durations) > 1 else None,
         "step_s_median_after_2": median,
         "max_step_after_2_over_median": max(late) / median if late else None,
+        "max_step_after_2_over_median_incl_profiled": max(late_all) / median if late_all else None,
+        "profiled_steps": list(profiled) if profiled else None,
         "fwd_bwd_s_median_after_2": fwd_bwd[len(fwd_bwd) // 2] if fwd_bwd else None,
         "steady_steps_per_min": 60.0 * (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else None,
         "warmup_share": sum(slow) / sum(durations),
@@ -96,22 +103,15 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
 def gpu_child(a: argparse.Namespace) -> dict:
     """One run in this process: launch the server, build the trainer, train ``--steps`` steps, time everything."""
     t_launch = time.time()
-    import torch
-    from transformers import TrainerCallback
-
-    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    # as `asyncgrpo train` does: the server launches first (these imports are light), torch and the trainer after
     from asyncgrpo.cli.launch import embedded_env, server_flags
     from asyncgrpo.server import launcher
-    from asyncgrpo.tasks.reasoning import numeric_answer_reward
-    from bench.learning import hashed_reward
 
-    reward = hashed_reward if a.random_init else numeric_answer_reward  # random weights: never a tied group
     settings, _ = GPU_RUNS[a.child]
     model = a.model_dir
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    cuda = torch.cuda.is_available()  # the CPU: a smoke run of this script
+    cuda = a.device == "cuda"  # the CPU: a smoke run of this script
     flags = [*server_flags({"embedded": True, "device": "cuda" if cuda else "cpu"}), "--seed", "0"]
     flags += ["--dtype", "bfloat16" if cuda else "float32"]
     log = work / "server.log"
@@ -121,6 +121,15 @@ def gpu_child(a: argparse.Namespace) -> dict:
     server = launcher.launch_server(model, extra_args=flags, env=embedded_env(flags), log_path=str(log), timeout=600,
                                     **kw)  # fmt: skip
     t_ready = time.time() if not parallel else None
+    import torch
+    from transformers import TrainerCallback
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.tasks.reasoning import numeric_answer_reward
+    from bench.learning import hashed_reward
+
+    reward = hashed_reward if a.random_init else numeric_answer_reward  # random weights: never a tied group
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     args = AsyncGRPOConfig(
         output_dir=str(work), max_steps=a.steps, num_generations=8, max_completion_length=a.max_completion_length, token_budget=1024,
         learning_rate=1e-5, vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", bf16=cuda, use_cpu=not cuda,
@@ -166,8 +175,10 @@ def gpu_child(a: argparse.Namespace) -> dict:
     if parallel:
         server.wait_ready()
         t_ready = time.time()
-    ready_at = t_ready
     own_ready = _own_ready(server.base_url)
+    # the server's own ready moment (launch + its ready_s); wait_ready() returns later when the trainer's build
+    # took longer than the server's start, and timing from there would hide that wait
+    ready_at = t_server + own_ready if own_ready is not None else t_ready
     with server:
         trainer.train()
         if "p" in prof_box:  # the run ended before the last profiled step
@@ -181,11 +192,12 @@ def gpu_child(a: argparse.Namespace) -> dict:
         "run": a.child,
         "settings": settings,
         "parallel_start": parallel,
-        "server_ready_s": ready_at - t_server,  # launch to /health 200
+        "server_ready_s": ready_at - t_server,  # launch to serving (the server's clock where it reports one)
+        "wait_ready_returned_s": t_ready - t_server,  # when the trainer, built, found the server ready
         "process_start_to_server_ready_s": ready_at - t_launch,
         "server_own_ready_s": own_ready,
         "trainer_built_s": t_built - t_launch,
-        **step_summary(stamps, ready_at, t_launch, per_step),
+        **step_summary(stamps, ready_at, t_launch, per_step, profiled=a.profile_steps if prof is not None else None),
         "recompiles_after_step1": graphs[-1] - graphs[0] if graphs else None,
         "unique_graphs": graphs[:3] + graphs[-1:],
         "compile_times": _compile_times(),
@@ -305,7 +317,8 @@ def run_gpu_variant(a: argparse.Namespace, tag: str, src: str, work: Path, model
         res = work / tag / f"{name}.json"
         cmd = [sys.executable, __file__, "--child", name, "--work-dir", str(work / tag / name), "--model-dir", model_dir,
                "--steps", str(a.steps), "--child-out", str(res), "--tag", tag,
-               "--max-completion-length", str(a.max_completion_length), *(["--random-init"] if a.random_init else [])]  # fmt: skip
+               "--max-completion-length", str(a.max_completion_length), *(["--random-init"] if a.random_init else []),
+               "--device", a.device]  # fmt: skip
         if a.profile_steps:
             cmd += ["--profile-steps", f"{a.profile_steps[0]}-{a.profile_steps[1]}", "--profile-dir", a.profile_dir]
         print(f"=== {tag} {name}", flush=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.packing.attention import FLEX_BLOCK, TreeAttentionPlan, _dense_mask, _flex_block_mask, build_plan
+from asyncgrpo.packing.attention import FLEX_BLOCK, TreeAttentionPlan, _dense_mask, _flex_block_mask
 from asyncgrpo.packing.deltanet import needs_linear_plan
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.trainer.packed_forward import PackedForward
@@ -203,6 +203,7 @@ class GraphedDecoder:
                 with self._capturable():
                     out = self._decoder_out(b.ids, b.pos, b.end)
                 torch.autograd.grad(out, self.params, torch.ones_like(out), allow_unused=True)
+            del out
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         if self.pool is None:
@@ -213,6 +214,9 @@ class GraphedDecoder:
         b.grad_out = torch.zeros_like(b.out)
         with torch.cuda.graph(b.bwd, pool=self.pool):
             b.grads = torch.autograd.grad(b.out, self.params, b.grad_out, allow_unused=True)
+        # drop the captured autograd graph: it would keep the parameters' gradient-accumulation nodes of the
+        # capture stream alive, and every later backward would then sync with that stream
+        b.out = b.out.detach()
         self.buckets[size] = b
         return b
 
@@ -256,14 +260,20 @@ class GraphedDecoder:
         self.verified = True
 
     def _compare(self, row: PackedRow) -> str | None:
-        """Hidden states and parameter gradients of a fixed projection loss, eager vs graphed; a problem or None."""
-        gen = torch.Generator(device=row.input_ids.device).manual_seed(0)
-        weights = torch.randn(row.num_tokens, self.lm.config.get_text_config().hidden_size, generator=gen,
-                              device=row.input_ids.device)  # fmt: skip
+        """Hidden states and parameter gradients of a fixed projection loss, eager vs graphed; a problem or None.
+
+        The eager side runs the same padded row outside the graph: this checks the capture (a kernel that reads
+        memory the graph does not own, a host value frozen into it). That padding leaves the real tokens alone is
+        a property of the mask, tested on its own; an unpadded eager row here would also recompile the layers
+        for a length that no graphed step meets."""
+        dev = row.input_ids.device
+        gen = torch.Generator(device=dev).manual_seed(0)
+        weights = torch.randn(row.num_tokens, self.lm.config.get_text_config().hidden_size, generator=gen, device=dev)
+        size = next(s for s in self.sizes if s >= max(row.num_tokens, 1))
+        padded = _Bucket.empty(size, dev)
+        padded.load(row)
         with self._capturable():
-            plan = build_plan(row, backend=self.backend)
-            eager = self.decoder(input_ids=row.input_ids[None], position_ids=row.position_ids[None],
-                                 attention_mask=None, use_cache=False, tree_plan=plan).last_hidden_state[0]  # fmt: skip
+            eager = self._decoder_out(padded.ids, padded.pos, padded.end)[: row.num_tokens]
         graphed = self.forward(row).hidden
         checks = [("hidden states", eager.float(), graphed.float())]
         grads_e = torch.autograd.grad((eager.float() * weights).sum(), self.params, allow_unused=True)
@@ -272,7 +282,7 @@ class GraphedDecoder:
         flat = [torch.cat([t.float().flatten() for t in side]) for side in zip(*pairs, strict=True)]
         checks.append(("parameter gradients", flat[0], flat[1]))
         for name, ref, got in checks:
-            err = float((got - ref).norm() / ref.norm().clamp(min=1e-12))
+            err = float((got - ref).detach().norm() / ref.detach().norm().clamp(min=1e-12))
             if not err <= VERIFY_RTOL:
                 return f"{name}: relative error {err:.2e} > {VERIFY_RTOL:.0e}"
         return None

@@ -10,11 +10,9 @@ is transformers'. What changes:
   or plain: ``trainer/packed_forward.py``), the chunked log-probs and the policy
   loss of ``trainer/loss.py``; under several processes rank 0 plans each step and
   scatters each process its own rows (``trainer/ranks.py``);
-* a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights
-  to the server, hand the new version to the worker) and logs the step's
-  ``StepStats``;
-* the rollout worker gets one frozen ``RolloutSettings`` (``rollout_settings``),
-  never the config.
+* a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights to the server, hand the new
+  version to the worker) and logs the step's ``StepStats``;
+* the rollout worker gets one frozen ``RolloutSettings`` (``rollout_settings``), never the config.
 
     trainer = AsyncGRPOTrainer(model="path/or/id", reward_funcs=[accuracy_reward],
                                args=AsyncGRPOConfig(output_dir="out"), train_dataset=ds)
@@ -35,7 +33,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, Trainer
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.files import make_readable
+from asyncgrpo.files import local_only, make_readable
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
 from asyncgrpo.models import vlm
 from asyncgrpo.packing import batch_metrics, build_plan, use_tree_attention
@@ -133,7 +131,8 @@ class AsyncGRPOTrainer(Trainer):
         self.router_top_k = experts_per_token(text_config)
         self.router_replay = build_router_replay(model, args.router_replay, args.wants_routed_experts)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
+            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code,
+                                                             **local_only(model_id))  # fmt: skip
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -229,7 +228,7 @@ class AsyncGRPOTrainer(Trainer):
     def start_rollout_worker(self) -> None:
         """Start generating (rank 0), once the server holds the weights of ``global_step``: after a resume, that
         is after ``on_train_begin`` pushed the restored weights, so the first samples carry them (X3)."""
-        if self.worker is not None and self.worker.process is None:
+        if self.worker is not None and not self.worker.started:
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
         if step_graphs(self, self.token_budget) is not None:  # buckets of the real token_budget, while it generates
