@@ -83,6 +83,14 @@ def test_a_launch_without_waiting_is_waited_for_later_and_reports_its_start(tiny
     # each process's phases tile its start: they add up to its total (the API process's: launch to serving)
     assert sum(api.values()) == pytest.approx(ours["ready_s"], abs=0.01)
     assert sum(v for k, v in engine.items() if k != "total") == pytest.approx(engine["total"], abs=0.01)
+    # the long phases are split into their parts, which add up to the phase (the model load's steps in order)
+    parts = ours["start_parts_s"]
+    assert list(parts["engine"]["load"]) == ["transformers_import", "config", "modeling_import", "from_pretrained",
+                                             "to_device", "native_model", "other"]  # fmt: skip
+    assert list(parts["http"]["tokenizer"]) == ["torch_import", "transformers_import", "from_pretrained", "other"]
+    for proc, phases in (("engine", engine), ("http", api)):
+        for phase, split in parts[proc].items():
+            assert sum(split.values()) == pytest.approx(phases[phase], abs=0.01), (proc, phase)
     assert not server.alive()
 
 

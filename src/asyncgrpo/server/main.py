@@ -233,7 +233,8 @@ async def _serve(app: Any, host: str, port: int, clock: StartClock) -> None:
     gc.collect()
     gc.freeze()  # the tokenizer, app and imports leave the collector's scans (see Engine.start)
     clock.mark("bind")
-    set_start_info(app, clock.since_start(), clock.phases)
+    clock.ready()
+    set_start_info(app, clock.since_start(), clock.phases, clock.parts)
     logger.info("serving the vLLM 0.33 protocol on http://%s:%d, %.1f s after launch (%s)", host, port,
                 clock.since_start(), clock.text())  # fmt: skip
     stop = asyncio.Event()
@@ -258,7 +259,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from asyncgrpo.server.engine.settings import EngineSettings
     from asyncgrpo.server.startup_checks import StartupError, check_port, resolve_model_dir
 
-    clock = StartClock()  # from this process's start: /server_info's ready_s counts from the launch
+    clock = StartClock(role="http")  # from this process's start: /server_info's ready_s counts from the launch
+    clock.part("interpreter")  # the interpreter's start, the CLI's imports, the arguments
     if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
         from asyncgrpo.assets import demo_model_dir
 
@@ -269,6 +271,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         logger.error("%s", exc)
         return 2
+    clock.part("checks")
     if args.api_server_count != 1:
         logger.warning("--api-server-count %d ignored: the embedded server runs one API process", args.api_server_count)
     engine: Any = None
@@ -286,8 +289,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.engine_process == "on" or (args.engine_process == "auto" and device_type == "cuda"):
             from asyncgrpo.server.engine.process import RemoteEngine
 
+            clock.part("engine_imports")
             # the receiver beside the weights gets the settings the HTTP layer will ask it for (_serve_config)
             engine = RemoteEngine(str(model_dir), settings, _receiver_settings(args, device_type), wait=False)
+            clock.part("spawn")
             clock.mark("spawn_engine")
         tokenizer = _load_tokenizer(model_dir, args.model, clock)
         from asyncgrpo.server.http.app import create_app
@@ -324,22 +329,31 @@ def _load_tokenizer(model_dir: str, model: str, clock: Any) -> Any:
     """The model's tokenizer, or None (prompts must then be token ids)."""
     tokenizer = None
     try:
+        import torch  # noqa: F401 - transformers' tokenizer classes import it: timed on its own, the largest import
+
+        clock.part("torch_import")
         from transformers import AutoTokenizer
 
+        clock.part("transformers_import")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        clock.part("from_pretrained")
     except (OSError, ValueError) as exc:
         logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", model, exc)
     clock.mark("tokenizer")
     return tokenizer
 
 
-def set_start_info(app: Any, ready_s: float, phases: dict[str, float]) -> None:
-    """What /server_info reports of this start (``asyncgrpo.ready_s``, ``asyncgrpo.start_s``)."""
+def set_start_info(
+    app: Any, ready_s: float, phases: dict[str, float], parts: dict[str, dict[str, float]] | None = None
+) -> None:
+    """What /server_info reports of this start (``asyncgrpo.ready_s``, ``asyncgrpo.start_s``, ``start_parts_s``)."""
+    parts = parts or {}
     from asyncgrpo.server.http.app import state_of
 
     state = state_of(app)
     state.ready_s = ready_s
     state.start_s = {"engine": dict(getattr(state.engine, "start_s", {}) or {}), "http": dict(phases)}
+    state.start_parts_s = {"engine": dict(getattr(state.engine, "start_parts_s", {}) or {}), "http": dict(parts)}
 
 
 def main(argv: list[str] | None = None) -> int:

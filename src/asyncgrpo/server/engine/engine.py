@@ -83,6 +83,7 @@ class Engine:
     pid: int
     routing: RoutingCapture | None = None  # --enable-return-routed-experts
     start_s: dict[str, float]  # seconds per start phase (start_clock.py), "total" included
+    start_parts_s: dict[str, dict[str, float]]  # the parts of the phases that time them (start_clock.py)
 
     def __init__(
         self,
@@ -104,7 +105,7 @@ class Engine:
         max_num_batched_tokens, enable_prefix_caching = s.max_num_batched_tokens, s.enable_prefix_caching
         if (max_num_seqs is not None and max_num_seqs < 1) or block_size < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and block_size ({block_size}) must be >= 1")
-        hf = load_any_model(model, dtype, device)
+        hf = load_any_model(model, dtype, device, clock.part)
         self.hf_config = hf.config
         cfg = hf.config.get_text_config()  # a vision-language config keeps its sizes in text_config
         self.general_path = not is_native(hf)
@@ -123,6 +124,7 @@ class Engine:
             if not self.general_path:
                 raise ValueError(f"--enable-return-routed-experts: {type(hf).__name__} has no MoE router to capture")
         self._model = GeneralLM(hf) if self.general_path else DecoderLM(hf, self.max_model_len)
+        clock.part("native_model")
         self.dtype = self._model.dtype
         self.device = self._model.device
         self.gpu_uuid = device_uuid(self.device) if self.device.type == "cuda" else None  # ipc: same GPU as a trainer?
@@ -196,6 +198,7 @@ class Engine:
         self._live_ids: set[str] = set()  # submit-side view of requests in flight, for duplicate ids
         self._ids_lock = threading.Lock()
         self.start_s = {**clock.phases, "total": clock.since_start()}  # /server_info: asyncgrpo.start_s
+        self.start_parts_s = {k: dict(v) for k, v in clock.parts.items()}
         logger.info("engine ready: %s on %s (%s), max_model_len %d, KV cache %d tokens = %s in %d blocks; started in "
                     "%.1f s (%s)", m.arch, self.device, self.dtype, self.max_model_len, self.kv_cache_tokens, kv_why,
                     self.num_blocks, self.start_s["total"], clock.text())  # fmt: skip

@@ -89,17 +89,23 @@ def _error_output(request: Request, message: str) -> RequestOutput:
 # ---------------------------------------------------------------------- the engine process
 def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: ReceiverSettings, log_level: int) -> None:
     """Entry point of the engine process: build the engine, then serve the pipe until told to stop."""
-    clock = StartClock()  # from this process's start: its interpreter and imports are part of the server's start
+    clock = StartClock(role="engine")  # from this process's start: its interpreter and imports count too
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    clock.part("interpreter")  # the interpreter's start and the imports of the pickled entry point (this module)
+    import torch  # noqa: F401 - timed on its own: the largest import
+
+    clock.part("torch_import")
     from asyncgrpo.server.engine.engine import Engine
 
+    clock.part("engine_import")
     clock.mark("process")
     try:
         engine = Engine(model, settings, clock=clock)
     except BaseException as exc:  # noqa: BLE001 - the API process reports it (with its type) and exits
         conn.send(Failed(_portable(exc)))
         return
+    clock.ready()
     targets = {"engine": engine, "receiver": engine.weight_receiver(receiver)}
     outbox: queue.SimpleQueue[FromEngine | None] = queue.SimpleQueue()
 
@@ -158,7 +164,7 @@ def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: Rece
 def _static_info(engine: Any) -> dict[str, Any]:
     """What :class:`RemoteEngine` answers without asking (its sizes, device and dtype as text: they pickle)."""
     names = ("max_model_len", "vocab_size", "block_size", "num_blocks", "kv_cache_tokens", "max_num_seqs",
-             "eos_token_ids", "general_path", "decode_backend", "gpu_uuid", "start_s")  # fmt: skip
+             "eos_token_ids", "general_path", "decode_backend", "gpu_uuid", "start_s", "start_parts_s")  # fmt: skip
     info = {n: getattr(engine, n) for n in names}
     info["device"], info["dtype"] = str(engine.device), str(engine.dtype).removeprefix("torch.")
     return info
@@ -192,6 +198,7 @@ class RemoteEngine:
     gpu_uuid: str | None
     pid: int
     start_s: dict[str, float]  # the engine process's start phases (start_clock.py)
+    start_parts_s: dict[str, dict[str, float]]  # their parts
 
     def __init__(
         self,

@@ -109,6 +109,7 @@ class ServerState:
         # serving, and the seconds of each phase of the engine's start and of this process's
         self.ready_s: float | None = None
         self.start_s: dict[str, dict[str, float]] = {}
+        self.start_parts_s: dict[str, dict[str, dict[str, float]]] = {}  # where inside a phase (start_clock.py)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -300,7 +301,7 @@ async def server_info(request: web.Request) -> web.Response:
             "weight_transfer_backends": list(accepts), "gpu_uuid": e.gpu_uuid,
             "weight_round_step": True,  # POST /weight_round_step (server/engine/round_step.py)
             "engine_step_timings": e.step_timings(),
-            "ready_s": state.ready_s, "start_s": state.start_s}  # fmt: skip
+            "ready_s": state.ready_s, "start_s": state.start_s, "start_parts_s": state.start_parts_s}  # fmt: skip
     return web.json_response({"vllm_config": vllm_config, "vllm_env": {"VLLM_SERVER_DEV_MODE": cfg.dev_mode},
                               "asyncgrpo": ours})  # fmt: skip
 

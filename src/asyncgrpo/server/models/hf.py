@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,15 +41,29 @@ def is_native(hf_model: nn.Module) -> bool:
     return type(hf_model).__name__ in SUPPORTED_ARCHITECTURES and any(a in SUPPORTED_ARCHITECTURES for a in archs)
 
 
-def load_any_model(model: str | os.PathLike | nn.Module, dtype: str | torch.dtype, device: str | torch.device):
+def _no_part(name: str) -> None:
+    """Where no start clock is given: parts are not timed."""
+
+
+def load_any_model(
+    model: str | os.PathLike | nn.Module,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    part: Callable[[str], None] = _no_part,
+):
     """An HF model on ``device`` in the resolved dtype, eval mode, no grads; from a directory or an instance.
 
     Causal LMs load through ``AutoModelForCausalLM``, vision-language checkpoints through
     ``AutoModelForImageTextToText``. An instance is used in place (its weights are shared, not copied).
+    ``part``: the start clock's :meth:`~asyncgrpo.server.start_clock.StartClock.part`, called after each step.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    part("transformers_import")
     dev = resolve_device(device)
+    if dev.type == "cuda":  # the CUDA context, made here rather than at the first weight, so the split shows it
+        torch.zeros(1, device=dev)
+        part("cuda_init")
     if isinstance(model, nn.Module):
         hf = model
         want = resolve_dtype(dtype, hf.config, dev) if dtype != "auto" else hf.dtype
@@ -61,6 +76,9 @@ def load_any_model(model: str | os.PathLike | nn.Module, dtype: str | torch.dtyp
         has_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         want = resolve_dtype(dtype, config if has_dtype else _text_config(config), dev)
         auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+        part("config")
+        _import_modeling(auto, config)
+        part("modeling_import")
         kwargs = {"device_map": str(dev)} if dev.type == "cuda" else {}
         try:
             hf = auto.from_pretrained(model, dtype=want, **kwargs)
@@ -70,10 +88,22 @@ def load_any_model(model: str | os.PathLike | nn.Module, dtype: str | torch.dtyp
                 f"({exc}); the embedded server serves models that AutoModelForCausalLM or "
                 "AutoModelForImageTextToText load"
             ) from exc
+        part("from_pretrained")
         hf = hf.to(dev)
     hf.eval()
     hf.requires_grad_(False)
+    part("to_device")
     return hf
+
+
+def _import_modeling(auto: Any, config: Any) -> None:
+    """Import the model's modeling module before ``from_pretrained`` (which would import it first thing), so a start
+    split tells the import from the weights. Only a timing aid: a mapping transformers keeps privately, so any error
+    leaves the import to ``from_pretrained``."""
+    try:
+        auto._model_mapping[type(config)]
+    except Exception as exc:  # noqa: BLE001 - e.g. a remote-code model, or a renamed private mapping
+        logger.debug("modeling module not imported ahead of from_pretrained: %s", exc)
 
 
 def text_model_aliases(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
