@@ -112,6 +112,12 @@ for stage in "$@"; do
         ${SSP_VARIANTS:+--variants "$SSP_VARIANTS"} \
         2>&1 | grep -vi warn | tail -8
       tar -czf "$OUT/ssp.tgz" -C "$OUT" ssp && rm -rf "$OUT/ssp" ;;
+    estart)  # issue 41: the embedded server's start beside a trainer-side load, cold then warm, profiled per process
+      mkdir -p "$OUT/estart"
+      timeout 300 python3 bench/probes/engine_start_probe.py --runs 3 --cprofile --out "$OUT/estart/engine_start_h200.json" 2>&1 \
+        | tail -30
+      cp "$OUT/estart/engine_start_h200.json" "$OUT/" 2>/dev/null
+      tar -czf "$OUT/estart.tgz" -C "$OUT" estart && rm -rf "$OUT/estart" ;;
     graphs)  # issue 41: CUDA graphs of the step against the eager step (GPU tests)
       python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
       timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_graphed_step_gpu.py 2>&1 \
