@@ -212,7 +212,7 @@ class RolloutWorker:
         queue_size: bound of the sample queue (0 = unbounded; admission already bounds it in tokens).
     """
 
-    def __init__(self, loop_obj: RolloutLoopLike, heartbeat_timeout: float = 300.0, queue_size: int = 0) -> None:
+    def __init__(self, loop_obj: RolloutLoopLike | None, heartbeat_timeout: float = 300.0, queue_size: int = 0) -> None:
         self._ctx = mp.get_context("spawn")
         ctx = self._ctx
         self.channels = WorkerChannels(
@@ -234,6 +234,13 @@ class RolloutWorker:
         self._loop_end: Any = None  # our end of the loop pipe, between spawn() and start()
         self.started = False  # start() handed the child its loop
 
+    def adopt(self, loop_obj: Any) -> RolloutWorker:
+        """Give a worker made without a loop (spawned ahead, :meth:`spawn`) the loop :meth:`start` hands over."""
+        if self.started:
+            raise RuntimeError("this rollout worker runs a loop already")
+        self.loop_obj = loop_obj
+        return self
+
     def start(self, timeout: float | None = None) -> None:
         """Spawn the child and hand it the rollout loop; returns once the child holds the loop.
 
@@ -248,6 +255,8 @@ class RolloutWorker:
         """
         if self.started:
             raise RuntimeError("this rollout worker was started already; make a new RolloutWorker to run again")
+        if self.loop_obj is None:
+            raise RuntimeError("this rollout worker has no loop to run: give it one with adopt(loop) first")
         timeout = self.heartbeat_timeout if timeout is None else timeout
         try:
             payload = ForkingPickler.dumps(self.loop_obj)  # fails here, in the trainer, if the loop cannot pickle

@@ -49,7 +49,7 @@ from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers, wants_compiled_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
-from asyncgrpo.trainer.graphed_step import GraphedDecoder, step_graphs
+from asyncgrpo.trainer.graphed_step import GraphedDecoder
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
@@ -59,10 +59,10 @@ from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
-from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers
+from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers, spawn_worker_ahead
 from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
 from asyncgrpo.trainer.step_stats import StepStats
-from asyncgrpo.trainer.warmup import WARMUP_BUDGET, can_warm_up_before_train, should_warm_up, warm_up
+from asyncgrpo.trainer.warmup import WARMUP_BUDGET, can_warm_up_before_train, prepare_step, warm_up
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.policy import is_peft_model
@@ -194,6 +194,7 @@ class AsyncGRPOTrainer(Trainer):
         self.served_adapter: str | None = None  # the newest adapter registered under adapter sync (T6), rank 0
         self.final_model_saved = False  # train() saved the final model to output_dir
         self.graphed: GraphedDecoder | None = None  # cuda_graph_step: set up by the warm-up (trainer/graphed_step.py)
+        self.worker_ahead: RolloutWorker | None = None  # spawned by warm_up_compile(), adopted by train()
 
     # ------------------------------------------------------------------ set-up
 
@@ -231,14 +232,13 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None and not self.worker.started:
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
-        if step_graphs(self, self.token_budget) is not None:  # buckets of the real token_budget, while it generates
-            self.graphed.capture_all()
-        if should_warm_up(self):  # compile the step while the worker starts and generates the first groups
-            warm_up(self, self.token_budget)
+        prepare_step(self, self.token_budget)  # compile and capture while the worker generates the first groups
 
     def warm_up_compile(self) -> float:
         """Compile the step's kernels now, e.g. while the server starts (``asyncgrpo train`` does); ``train()`` then
-        skips its warm-up. Seconds spent (0: nothing to do, see ``trainer/warmup.py``)."""
+        skips its warm-up. Seconds spent (0: nothing to do, see ``trainer/warmup.py``). The rollout worker's process
+        is spawned first: its imports run meanwhile (``trainer/setup.py``)."""
+        spawn_worker_ahead(self)
         if not can_warm_up_before_train(self):
             return 0.0
         return warm_up(self, self.args.token_budget or WARMUP_BUDGET, before_train=True)

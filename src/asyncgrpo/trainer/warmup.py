@@ -83,6 +83,16 @@ def _budget(trainer: Any) -> int:
     return trainer.args.token_budget or WARMUP_BUDGET
 
 
+def prepare_step(trainer: Any, token_budget: int) -> None:
+    """At ``train()``'s start: the graphs of the real ``token_budget`` (buckets the warm-up before ``train()``
+    could not know), then the compile warm-up if it has not run."""
+    graphs = step_graphs(trainer, token_budget)
+    if graphs is not None:
+        graphs.capture_all()
+    if should_warm_up(trainer):
+        warm_up(trainer, token_budget)
+
+
 def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> float:
     """Run forward+backward of the warm-up rows through ``trainer.step_forward_backward``; returns seconds.
 

@@ -118,14 +118,16 @@ def test_samples_flow_and_child_is_cpu_only():
 def test_a_worker_spawned_ahead_takes_its_loop_later_or_exits_when_stopped():
     """spawn() starts the child (its imports run meanwhile); start() hands the loop over later; the policy version
     set in between reaches it. A child spawned but never started exits at stop() without an error report."""
-    w = RolloutWorker(CountingLoop(2), heartbeat_timeout=30)
+    w = RolloutWorker(None, heartbeat_timeout=30)  # as the trainer spawns it ahead: the loop comes later
     w.spawn()
     assert w.process is not None and w.process.is_alive() and not w.started
     with pytest.raises(RolloutWorkerError, match="never started"):
         w.check()
+    with pytest.raises(RuntimeError, match="adopt"):
+        w.start()
     time.sleep(0.5)
     w.set_policy_version(3)
-    w.start()
+    w.adopt(CountingLoop(2)).start()
     try:
         assert [w.get_sample(timeout=60)["version"] for _ in range(2)] == [3, 3]
         with pytest.raises(RuntimeError, match="started already"):
