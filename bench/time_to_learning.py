@@ -63,15 +63,16 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
                  profiled: tuple[int, int] | None = None) -> dict:  # fmt: skip
     """Figures of one run from its step-end stamps (stamps[0]: train() began) and per-step metrics.
 
-    ``profiled``: steps (1-based, inclusive) run under the torch profiler, whose recording and trace processing
-    land inside them: left out of the slow-step ratio (which is also reported with them)."""
+    ``profiled``: steps (1-based, inclusive) run under the torch profiler: they and the step after them (the
+    profiler's trace processing runs after the last one's end stamp) are left out of the slow-step ratio, which is
+    also reported with them."""
     durations = [b - a for a, b in itertools.pairwise(stamps)]
     if not durations:
         return {"steps": 0}
     ordered = sorted(durations[2:] or durations)
     median = ordered[len(ordered) // 2]
     late_all = durations[2:]
-    late = [d for i, d in enumerate(durations) if i >= 2 and not (profiled and profiled[0] <= i + 1 <= profiled[1])]
+    late = [d for i, d in enumerate(durations) if i >= 2 and not (profiled and profiled[0] <= i + 1 <= profiled[1] + 1)]
     fwd_bwd = sorted(m["perf/fwd_bwd_s"] for m in per_step[2:] if "perf/fwd_bwd_s" in m)
     steady = stamps[3:]
     slow = [d for d in durations if d > 2 * median]
@@ -306,7 +307,8 @@ def run_gpu_variant(a: argparse.Namespace, tag: str, src: str, work: Path, model
     runs: dict = {}
     cache = Path(a.cache_root) / tag  # outside --out's folder: the compile cache is large
     for name, (_, kind) in GPU_RUNS.items():
-        if a.runs and name not in a.runs.split(","):
+        only = a.baseline_runs if tag == "baseline" and a.baseline_runs else a.runs
+        if only and name not in only.split(","):
             continue
         if kind == "cold":
             shutil.rmtree(cache, ignore_errors=True)
@@ -358,6 +360,7 @@ def main() -> int:
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--cache-root", default="/tmp/time-to-learning-cache", help="compile caches of the runs")
     p.add_argument("--runs", default=None, help="only these runs (comma-separated names of GPU_RUNS)")
+    p.add_argument("--baseline-runs", default=None, help="the baseline's runs only (default: --runs)")
     p.add_argument("--run-timeout", type=float, default=280.0)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
