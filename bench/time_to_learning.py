@@ -72,7 +72,12 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
     ordered = sorted(durations[2:] or durations)
     median = ordered[len(ordered) // 2]
     late_all = durations[2:]
-    late = [d for i, d in enumerate(durations) if i >= 2 and not (profiled and profiled[0] <= i + 1 <= profiled[1] + 1)]
+    kept = [i for i in range(2, len(durations)) if not (profiled and profiled[0] <= i + 1 <= profiled[1] + 1)]
+    late = [durations[i] for i in kept]
+    # the trainer's own share of a step: its time less the wait for samples (a generation-bound run's steps
+    # alternate between waiting and not; this ratio still catches a recompile or a capture inside a step)
+    waits = [m.get("perf/rollout_wait_s", 0.0) for m in per_step]
+    busy = sorted(durations[i] - waits[i] for i in kept if i < len(waits))
     fwd_bwd = sorted(m["perf/fwd_bwd_s"] for m in per_step[2:] if "perf/fwd_bwd_s" in m)
     steady = stamps[3:]
     slow = [d for d in durations if d > 2 * median]
@@ -85,6 +90,7 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
         "step_s_median_after_2": median,
         "max_step_after_2_over_median": max(late) / median if late else None,
         "max_step_after_2_over_median_incl_profiled": max(late_all) / median if late_all else None,
+        "max_busy_after_2_over_median": busy[-1] / busy[len(busy) // 2] if busy else None,
         "profiled_steps": list(profiled) if profiled else None,
         "fwd_bwd_s_median_after_2": fwd_bwd[len(fwd_bwd) // 2] if fwd_bwd else None,
         "steady_steps_per_min": 60.0 * (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else None,

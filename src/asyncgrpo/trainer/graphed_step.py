@@ -172,15 +172,24 @@ class GraphedDecoder:
                         "/".join(map(str, todo)), seconds)  # fmt: skip
         return seconds
 
-    def forward(self, row: PackedRow) -> PackedForward:
-        """The row's final hidden states from the bucket's graph (captured now if it is the first such row)."""
+    def forward(self, row: PackedRow) -> PackedForward | None:
+        """The row's final hidden states from the bucket's graph (captured now if it is the first such row);
+        None when that capture fails (the graphs are off then: the caller runs the eager step)."""
         size = next(s for s in self.sizes if s >= max(row.num_tokens, 1))
         if self._param_addresses() != self._addresses:
             raise RuntimeError(
                 "a decoder parameter was replaced after its CUDA graph was captured (graphs read parameters in "
                 "place; a .to(), a new state dict assigned instead of copied...): set cuda_graph_step=False"
             )
-        bucket = self.buckets.get(size) or self._capture(size)
+        bucket = self.buckets.get(size)
+        if bucket is None:  # a bucket the warm-up did not capture (no warm-up, or a larger token_budget)
+            t0 = time.perf_counter()
+            self._capture_or_fail(size)
+            bucket = self.buckets.get(size)
+            if bucket is None:
+                return None
+            logger.info("captured the %d-token CUDA graph of the decoder at first use (%.2f s)", size,
+                        time.perf_counter() - t0)  # fmt: skip
         full = _Replay.apply(bucket, row, *self.params)
         hidden = full[: row.num_tokens]
         weight = self.lm.get_output_embeddings().weight
@@ -209,10 +218,11 @@ class GraphedDecoder:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         b.fwd, b.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with self._capturable(), torch.cuda.graph(b.fwd, pool=self.pool):
+        # thread_local: another thread's CUDA work (a weight sync, a metrics copy) does not void the capture
+        with self._capturable(), torch.cuda.graph(b.fwd, pool=self.pool, capture_error_mode="thread_local"):
             b.out = self._decoder_out(b.ids, b.pos, b.end)
         b.grad_out = torch.zeros_like(b.out)
-        with torch.cuda.graph(b.bwd, pool=self.pool):
+        with torch.cuda.graph(b.bwd, pool=self.pool, capture_error_mode="thread_local"):
             b.grads = torch.autograd.grad(b.out, self.params, b.grad_out, allow_unused=True)
         # drop the captured autograd graph: it would keep the parameters' gradient-accumulation nodes of the
         # capture stream alive, and every later backward would then sync with that stream
@@ -274,7 +284,10 @@ class GraphedDecoder:
         padded.load(row)
         with self._capturable():
             eager = self._decoder_out(padded.ids, padded.pos, padded.end)[: row.num_tokens]
-        graphed = self.forward(row).hidden
+        got = self.forward(row)
+        if got is None:
+            return "its capture failed"
+        graphed = got.hidden
         checks = [("hidden states", eager.float(), graphed.float())]
         grads_e = torch.autograd.grad((eager.float() * weights).sum(), self.params, allow_unused=True)
         grads_g = torch.autograd.grad((graphed.float() * weights).sum(), self.params, allow_unused=True)

@@ -390,9 +390,8 @@ class AsyncGRPOTrainer(Trainer):
         with self.compute_loss_context_manager():
             router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
             graphs = self.graphed if replay is None and router is None else None
-            if graphs is not None and graphs.covers(row):  # small rows: the decoder as CUDA graphs
-                fwd = graphs.forward(row)
-            else:
+            fwd = graphs.forward(row) if graphs is not None and graphs.covers(row) else None  # small rows: CUDA graphs
+            if fwd is None:
                 with self.accelerator.autocast() if autocast_forward else contextlib.nullcontext():
                     fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
             if replay is not None:
