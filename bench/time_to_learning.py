@@ -19,6 +19,7 @@ CPU: ``asyncgrpo demo`` (the README's main job) per variant: launch to ready, to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import itertools
@@ -40,6 +41,8 @@ GPU_RUNS = {  # name -> (trainer settings, compile cache)
     "async_cold": ({"max_staleness": 2}, "cold"),
     "async_warm": ({"max_staleness": 2}, "warm"),
     "sync_warm": ({"max_staleness": 1, "sync_rollouts": True}, "warm"),
+    # server and trainer as clients of one MPS daemon (server: {mps: true}; docs/gpus.md): kernels side by side
+    "async_warm_mps": ({"max_staleness": 2}, "warm"),
 }
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$")
 
@@ -379,7 +382,13 @@ def main() -> int:
         a.profile_steps = (int(lo), int(hi))
         a.profile_dir = a.profile_dir or str(Path(a.out).with_suffix("")) + "_profile"
     if a.child:
-        Path(a.child_out).write_text(json.dumps(gpu_child(a)))
+        with contextlib.ExitStack() as stack:
+            if a.child.endswith("_mps"):  # before this process's first CUDA call, as `asyncgrpo train` does
+                from asyncgrpo.server.mps import mps_daemon
+
+                stack.enter_context(mps_daemon())
+            out = gpu_child(a)
+        Path(a.child_out).write_text(json.dumps(out))
         return 0
     work = Path(a.out).with_suffix("").parent / (Path(a.out).stem + "_runs")
     variants = ([("baseline", str(Path(a.baseline_src).resolve()))] if a.baseline_src else []) + [
