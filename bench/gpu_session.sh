@@ -101,16 +101,27 @@ for stage in "$@"; do
         --eval-every 30 --token-budget 8192 --learning-rate 1e-5 --heldout-limit 100 \
         --out "$OUT/learning_1gpu_h200.json" 2>&1 | tee "$OUT/learning_1gpu.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
     ttl)  # issue 41: time to learning, today's main (BASELINE_SRC) then this checkout, random-init SmolLM2-135M shape
-      timeout 560 python3 bench/time_to_learning.py --random-init --max-completion-length 40 --steps ${TTL_STEPS:-30} \
-        ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} --profile-steps 20-22 --run-timeout 110 \
+      timeout ${TTL_TIMEOUT:-560} python3 bench/time_to_learning.py --random-init --max-completion-length 40 --steps ${TTL_STEPS:-30} \
+        ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} ${TTL_RUNS:+--runs "$TTL_RUNS"} ${TTL_BASELINE_RUNS:+--baseline-runs "$TTL_BASELINE_RUNS"} --profile-steps 20-22 --run-timeout 110 \
         --out "$OUT/time_to_learning_h200.json" 2>&1 | tee "$OUT/ttl.log" | grep -vE "^\{'|it/s\]" | tail -20
       rm -rf "$OUT"/time_to_learning_h200_runs/random-135m
       tar -czf "$OUT/ttl_runs.tgz" -C "$OUT" time_to_learning_h200_runs time_to_learning_h200_profile 2>/dev/null
       rm -rf "$OUT"/time_to_learning_h200_runs "$OUT"/time_to_learning_h200_profile ;;
     ssp)  # issue 41: the packed step alone at the 135M shape, per backend/compile variant, with profiler tables
       timeout 240 python3 bench/probes/small_step_probe.py --out "$OUT/small_step_probe_h200.json" --profile-dir "$OUT/ssp" \
+        ${SSP_VARIANTS:+--variants "$SSP_VARIANTS"} \
         2>&1 | grep -vi warn | tail -8
       tar -czf "$OUT/ssp.tgz" -C "$OUT" ssp && rm -rf "$OUT/ssp" ;;
+    estart)  # issue 41: the embedded server's start beside a trainer-side load, cold then warm, profiled per process
+      mkdir -p "$OUT/estart"
+      timeout 300 python3 bench/probes/engine_start_probe.py --runs 3 --cprofile --out "$OUT/estart/engine_start_h200.json" 2>&1 \
+        | tail -30
+      cp "$OUT/estart/engine_start_h200.json" "$OUT/" 2>/dev/null
+      tar -czf "$OUT/estart.tgz" -C "$OUT" estart && rm -rf "$OUT/estart" ;;
+    graphs)  # issue 41: CUDA graphs of the step against the eager step (GPU tests)
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+      timeout ${GRAPHS_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GRAPHS_TESTS:-tests/gpu/test_graphed_step_gpu.py} 2>&1 \
+        | tee "$OUT/graphed_step_gpu.log" | grep -E "passed|failed|amp=|Error|error|assert" | tail -30 ;;
     multiserver)
       timeout 400 python3 bench/multi_server_sync.py --out "$OUT/multi_server_sync_h200x2.json" 2>&1 \
         | tee "$OUT/multi_server_sync.log" | tail -30 ;;

@@ -19,6 +19,7 @@ CPU: ``asyncgrpo demo`` (the README's main job) per variant: launch to ready, to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import itertools
@@ -40,6 +41,8 @@ GPU_RUNS = {  # name -> (trainer settings, compile cache)
     "async_cold": ({"max_staleness": 2}, "cold"),
     "async_warm": ({"max_staleness": 2}, "warm"),
     "sync_warm": ({"max_staleness": 1, "sync_rollouts": True}, "warm"),
+    # server and trainer as clients of one MPS daemon (server: {mps: true}; docs/gpus.md): kernels side by side
+    "async_warm_mps": ({"max_staleness": 2}, "warm"),
 }
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$")
 
@@ -59,14 +62,25 @@ def server_log_times(path: Path, t_launch: float, limit: int = 60) -> list[list]
     return out
 
 
-def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step: list[dict]) -> dict:
-    """Figures of one run from its step-end stamps (stamps[0]: train() began) and per-step metrics."""
+def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step: list[dict],
+                 profiled: tuple[int, int] | None = None) -> dict:  # fmt: skip
+    """Figures of one run from its step-end stamps (stamps[0]: train() began) and per-step metrics.
+
+    ``profiled``: steps (1-based, inclusive) run under the torch profiler: they and the step after them (the
+    profiler's trace processing runs after the last one's end stamp) are left out of the slow-step ratio, which is
+    also reported with them."""
     durations = [b - a for a, b in itertools.pairwise(stamps)]
     if not durations:
         return {"steps": 0}
     ordered = sorted(durations[2:] or durations)
     median = ordered[len(ordered) // 2]
-    late = durations[2:]
+    late_all = durations[2:]
+    kept = [i for i in range(2, len(durations)) if not (profiled and profiled[0] <= i + 1 <= profiled[1] + 1)]
+    late = [durations[i] for i in kept]
+    # the trainer's own share of a step: its time less the wait for samples (a generation-bound run's steps
+    # alternate between waiting and not; this ratio still catches a recompile or a capture inside a step)
+    waits = [m.get("perf/rollout_wait_s", 0.0) for m in per_step]
+    busy = sorted(durations[i] - waits[i] for i in kept if i < len(waits))
     fwd_bwd = sorted(m["perf/fwd_bwd_s"] for m in per_step[2:] if "perf/fwd_bwd_s" in m)
     steady = stamps[3:]
     slow = [d for d in durations if d > 2 * median]
@@ -78,6 +92,9 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
         "step2_s": durations[1] if len(durations) > 1 else None,
         "step_s_median_after_2": median,
         "max_step_after_2_over_median": max(late) / median if late else None,
+        "max_step_after_2_over_median_incl_profiled": max(late_all) / median if late_all else None,
+        "max_busy_after_2_over_median": busy[-1] / busy[len(busy) // 2] if busy else None,
+        "profiled_steps": list(profiled) if profiled else None,
         "fwd_bwd_s_median_after_2": fwd_bwd[len(fwd_bwd) // 2] if fwd_bwd else None,
         "steady_steps_per_min": 60.0 * (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else None,
         "warmup_share": sum(slow) / sum(durations),
@@ -96,22 +113,15 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
 def gpu_child(a: argparse.Namespace) -> dict:
     """One run in this process: launch the server, build the trainer, train ``--steps`` steps, time everything."""
     t_launch = time.time()
-    import torch
-    from transformers import TrainerCallback
-
-    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    # as `asyncgrpo train` does: the server launches first (these imports are light), torch and the trainer after
     from asyncgrpo.cli.launch import embedded_env, server_flags
     from asyncgrpo.server import launcher
-    from asyncgrpo.tasks.reasoning import numeric_answer_reward
-    from bench.learning import hashed_reward
 
-    reward = hashed_reward if a.random_init else numeric_answer_reward  # random weights: never a tied group
     settings, _ = GPU_RUNS[a.child]
     model = a.model_dir
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    cuda = torch.cuda.is_available()  # the CPU: a smoke run of this script
+    cuda = a.device == "cuda"  # the CPU: a smoke run of this script
     flags = [*server_flags({"embedded": True, "device": "cuda" if cuda else "cpu"}), "--seed", "0"]
     flags += ["--dtype", "bfloat16" if cuda else "float32"]
     log = work / "server.log"
@@ -121,6 +131,15 @@ def gpu_child(a: argparse.Namespace) -> dict:
     server = launcher.launch_server(model, extra_args=flags, env=embedded_env(flags), log_path=str(log), timeout=600,
                                     **kw)  # fmt: skip
     t_ready = time.time() if not parallel else None
+    import torch
+    from transformers import TrainerCallback
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.tasks.reasoning import numeric_answer_reward
+    from bench.learning import hashed_reward
+
+    reward = hashed_reward if a.random_init else numeric_answer_reward  # random weights: never a tied group
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     args = AsyncGRPOConfig(
         output_dir=str(work), max_steps=a.steps, num_generations=8, max_completion_length=a.max_completion_length, token_budget=1024,
         learning_rate=1e-5, vllm_server_base_url=server.base_url, report_to=[], save_strategy="no", bf16=cuda, use_cpu=not cuda,
@@ -166,8 +185,10 @@ def gpu_child(a: argparse.Namespace) -> dict:
     if parallel:
         server.wait_ready()
         t_ready = time.time()
-    ready_at = t_ready
     own_ready = _own_ready(server.base_url)
+    # the server's own ready moment (launch + its ready_s); wait_ready() returns later when the trainer's build
+    # took longer than the server's start, and timing from there would hide that wait
+    ready_at = t_server + own_ready if own_ready is not None else t_ready
     with server:
         trainer.train()
         if "p" in prof_box:  # the run ended before the last profiled step
@@ -181,11 +202,12 @@ def gpu_child(a: argparse.Namespace) -> dict:
         "run": a.child,
         "settings": settings,
         "parallel_start": parallel,
-        "server_ready_s": ready_at - t_server,  # launch to /health 200
+        "server_ready_s": ready_at - t_server,  # launch to serving (the server's clock where it reports one)
+        "wait_ready_returned_s": t_ready - t_server,  # when the trainer, built, found the server ready
         "process_start_to_server_ready_s": ready_at - t_launch,
         "server_own_ready_s": own_ready,
         "trainer_built_s": t_built - t_launch,
-        **step_summary(stamps, ready_at, t_launch, per_step),
+        **step_summary(stamps, ready_at, t_launch, per_step, profiled=a.profile_steps if prof is not None else None),
         "recompiles_after_step1": graphs[-1] - graphs[0] if graphs else None,
         "unique_graphs": graphs[:3] + graphs[-1:],
         "compile_times": _compile_times(),
@@ -294,7 +316,8 @@ def run_gpu_variant(a: argparse.Namespace, tag: str, src: str, work: Path, model
     runs: dict = {}
     cache = Path(a.cache_root) / tag  # outside --out's folder: the compile cache is large
     for name, (_, kind) in GPU_RUNS.items():
-        if a.runs and name not in a.runs.split(","):
+        only = a.baseline_runs if tag == "baseline" and a.baseline_runs else a.runs
+        if only and name not in only.split(","):
             continue
         if kind == "cold":
             shutil.rmtree(cache, ignore_errors=True)
@@ -305,7 +328,8 @@ def run_gpu_variant(a: argparse.Namespace, tag: str, src: str, work: Path, model
         res = work / tag / f"{name}.json"
         cmd = [sys.executable, __file__, "--child", name, "--work-dir", str(work / tag / name), "--model-dir", model_dir,
                "--steps", str(a.steps), "--child-out", str(res), "--tag", tag,
-               "--max-completion-length", str(a.max_completion_length), *(["--random-init"] if a.random_init else [])]  # fmt: skip
+               "--max-completion-length", str(a.max_completion_length), *(["--random-init"] if a.random_init else []),
+               "--device", a.device]  # fmt: skip
         if a.profile_steps:
             cmd += ["--profile-steps", f"{a.profile_steps[0]}-{a.profile_steps[1]}", "--profile-dir", a.profile_dir]
         print(f"=== {tag} {name}", flush=True)
@@ -345,6 +369,7 @@ def main() -> int:
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--cache-root", default="/tmp/time-to-learning-cache", help="compile caches of the runs")
     p.add_argument("--runs", default=None, help="only these runs (comma-separated names of GPU_RUNS)")
+    p.add_argument("--baseline-runs", default=None, help="the baseline's runs only (default: --runs)")
     p.add_argument("--run-timeout", type=float, default=280.0)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -357,7 +382,13 @@ def main() -> int:
         a.profile_steps = (int(lo), int(hi))
         a.profile_dir = a.profile_dir or str(Path(a.out).with_suffix("")) + "_profile"
     if a.child:
-        Path(a.child_out).write_text(json.dumps(gpu_child(a)))
+        with contextlib.ExitStack() as stack:
+            if a.child.endswith("_mps"):  # before this process's first CUDA call, as `asyncgrpo train` does
+                from asyncgrpo.server.mps import mps_daemon
+
+                stack.enter_context(mps_daemon())
+            out = gpu_child(a)
+        Path(a.child_out).write_text(json.dumps(out))
         return 0
     work = Path(a.out).with_suffix("").parent / (Path(a.out).stem + "_runs")
     variants = ([("baseline", str(Path(a.baseline_src).resolve()))] if a.baseline_src else []) + [

@@ -52,7 +52,12 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", default="flex:eager,flex:compiled,flex:decoder,flex:graphs,flex:dgraphs")
+    ap.add_argument(
+        "--variants",
+        default="flex:eager,flex:compiled,flex:graphed",
+        help="backend:mode, mode in eager, compiled, graphed (cuda_graph_step), graphs (per-layer "
+        "reduce-overhead), decoder / dgraphs (the whole decoder compiled, without / with CUDA graphs)",
+    )
     ap.add_argument("--profile-dir", default=None, help="a torch-profiler table of one step per variant")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--pure-bf16", action="store_true", help="bf16 weights without autocast (dtype='bfloat16')")
@@ -64,6 +69,7 @@ def main() -> int:
     from asyncgrpo import AsyncGRPOConfig
     from asyncgrpo.packing.attention import build_plan, use_tree_attention
     from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers, uncompile_decoder_layers
+    from asyncgrpo.trainer.graphed_step import GraphedDecoder
     from asyncgrpo.trainer.packed_forward import packed_forward
     from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 
@@ -90,10 +96,10 @@ def main() -> int:
                 sync()
             marks.append(time.perf_counter())
 
-        plan = build_plan(row, backend=backend, device=dev)
+        plan = build_plan(row, backend=backend, device=dev) if graphed is None else None
         mark()
         with autocast:
-            fwd = packed_forward(model, row, plan)
+            fwd = packed_forward(model, row, plan) if graphed is None else graphed.forward(row)
             mark()
             res = packed_policy_loss(fwd.hidden[row.pred_index], fwd.head_weight, row, float(row.num_trained), settings)
             loss = res.loss + fwd.anchor
@@ -123,6 +129,17 @@ def main() -> int:
             model.get_decoder().compile(dynamic=True)
         elif mode == "dgraphs":  # the whole decoder as one region with CUDA graphs
             model.get_decoder().compile(dynamic=True, mode="reduce-overhead")
+        graphed = None
+        if mode == "graphed":  # the trainer's cuda_graph_step: compiled layers inside CUDA graphs of the decoder
+            compile_decoder_layers(model)
+            t = time.perf_counter()
+            graphed = GraphedDecoder(model, max(r.num_tokens for r in rows), None if a.pure_bf16 else torch.bfloat16)
+            graphed.capture_all(verify_row=rows[0])
+            if graphed.failed:
+                results["variants"][variant] = {"error": graphed.failed}
+                print(variant, "failed:", graphed.failed, flush=True)
+                continue
+            results["capture_s"] = time.perf_counter() - t
         first = []
         try:
             for i in range(len(rows) if "graphs" in mode else 2):  # compile (and record each length's graphs)

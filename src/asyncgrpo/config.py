@@ -20,6 +20,7 @@ from asyncgrpo.config_checks import config_problems, parse_json_dict
 from asyncgrpo.config_data import DATA_FIELDS, DataFields
 from asyncgrpo.config_loss import LossFields, resolve_loss_fields
 from asyncgrpo.config_moe import MoeReplayFields
+from asyncgrpo.config_speed import SpeedFields
 from asyncgrpo.config_trl import TRLFields
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
     "loss and packing": (
         "loss_type", "importance_sampling_level", "scale_rewards", "vllm_importance_sampling_correction",
         "vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget", "compile_decoder_layers", "warm_up_compile",
+        "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget", "compile_decoder_layers", "warm_up_compile", "cuda_graph_step",
     ),
     "asynchronous pipeline": (
         "max_concurrent_rollouts", "answer_parse_processes", "max_staleness", "sync_rollouts", "weight_sync_steps",
@@ -94,7 +95,7 @@ def _bf16_device_available() -> bool:
 
 @dataclass
 class AsyncGRPOConfig(
-    TRLFields, LossFields, DataFields, MoeReplayFields, TrainingArguments
+    TRLFields, LossFields, DataFields, MoeReplayFields, SpeedFields, TrainingArguments
 ):  # mixins first: output_dir stays the first field
     """Configuration of `AsyncGRPOTrainer`.
 
@@ -298,24 +299,6 @@ class AsyncGRPOConfig(
             "count once. A group goes into one row whole when it fits there (its prompt forwarded once); a group "
             "larger than the budget, or one that would be too stale by the next step, is placed sample by sample. "
             "None: the server's max_model_len, read at start. Longer samples are dropped with a warning."
-        },
-    )
-
-    compile_decoder_layers: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Compile each decoder layer with torch.compile (dynamic shapes: packed rows of any length reuse "
-            "one graph), fusing the norm, RoPE and activation kernels of the packed training step. If compiling "
-            "fails the layers run eager with one warning. None: on when one process trains on CUDA with Triton, "
-            "without a PEFT adapter or routing replay (it halved a 135 M model's ~1k-token step on an H200)."
-        },
-    )
-    warm_up_compile: bool = field(
-        default=True,
-        metadata={
-            "help": "On CUDA (one process), run the step's forward and backward on two dummy rows of the run's "
-            "shapes right after the rollout worker starts, so the compiled kernels are built while the first groups "
-            "are generated instead of inside steps 1 and 2. Weights and optimizer are untouched."
         },
     )
 

@@ -71,7 +71,7 @@ def _convert(gguf: Path, out: Path) -> None:
 
     logger.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf.name, out)
     kwargs: dict[str, Any] = {"gguf_file": gguf.name}
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), local_files_only=True, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), quantization_config=GgufConfig(dequantize=True), dtype="float32", **kwargs
     )
@@ -122,4 +122,4 @@ def smollm2_tokenizer():
     """The real SmolLM2 tokenizer (49,152 tokens, ChatML template)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()), local_files_only=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from asyncgrpo.files import make_readable
+from asyncgrpo.files import local_only, make_readable
 from asyncgrpo.rollout.agents.tool_loop import schemas_of
 from asyncgrpo.rollout.reconcile import rollout_to_sequences
 from asyncgrpo.types import Rollout, TrainingSequence, TurnRecord
@@ -223,7 +223,7 @@ def warm_up_tool_calls(
 
     with WarmupProgress(progress) as shown:
         shown.say(f"loading {model_dir}", "loading the model")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **local_only(model_dir))
         prepare_tool_template(tokenizer)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         shown.say(f"{steps} supervised steps on {len(transcripts)} transcripts, lr {lr:g}", "training")

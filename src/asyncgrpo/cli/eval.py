@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from asyncgrpo.files import local_only
 from asyncgrpo.tasks.eval_sets import EvalSet, evaluate_sets, set_settings
 from asyncgrpo.tasks.evaluate import EvalSettings, settings_from_config
 
@@ -100,7 +101,8 @@ def run_eval(argv: list[str]) -> int:
         else:
             base_url = spec.args.server_urls[0]  # evaluation uses the first server
             wait_for_server(base_url, float(spec.server.get("wait_s", 60)))
-        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=spec.args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=spec.args.trust_remote_code,
+                                                  **local_only(model))  # fmt: skip
         base = settings_from_config(spec.args, base_url)
         for name, s in sets.items():
             t0 = time.perf_counter()

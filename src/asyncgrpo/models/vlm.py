@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from asyncgrpo.files import local_only
+
 logger = logging.getLogger(__name__)
 
 IMAGE_COLUMNS = ("images", "image")
@@ -33,9 +35,10 @@ def load_pretrained(model_id: str, **kwargs: Any) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config_kwargs = {"trust_remote_code": kwargs["trust_remote_code"]} if "trust_remote_code" in kwargs else {}
-    config = AutoConfig.from_pretrained(model_id, **config_kwargs)
+    local = local_only(model_id)
+    config = AutoConfig.from_pretrained(model_id, **config_kwargs, **local)
     auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-    return auto.from_pretrained(model_id, **kwargs)
+    return auto.from_pretrained(model_id, **{**local, **kwargs})
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

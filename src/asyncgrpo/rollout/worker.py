@@ -163,7 +163,11 @@ def _child_main(loop_conn: Any, channels: WorkerChannels, parent_pid: int) -> No
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="watch-trainer", daemon=True).start()
     channels.heartbeat.value = time.time()
     try:
-        loop_obj = ForkingPickler.loads(loop_conn.recv_bytes())
+        payload = loop_conn.recv_bytes()
+    except EOFError:  # spawned ahead (RolloutWorker.spawn), then stopped before it got a loop: nothing to report
+        exit_without_teardown(0)
+    try:
+        loop_obj = ForkingPickler.loads(payload)
         loop_conn.send_bytes(b"ok")  # the trainer's start() returns on this
         loop_conn.close()
         # Imports, the dataset and the tokenizer leave the collector's scans (see Engine.start). No collection
@@ -208,7 +212,7 @@ class RolloutWorker:
         queue_size: bound of the sample queue (0 = unbounded; admission already bounds it in tokens).
     """
 
-    def __init__(self, loop_obj: RolloutLoopLike, heartbeat_timeout: float = 300.0, queue_size: int = 0) -> None:
+    def __init__(self, loop_obj: RolloutLoopLike | None, heartbeat_timeout: float = 300.0, queue_size: int = 0) -> None:
         self._ctx = mp.get_context("spawn")
         ctx = self._ctx
         self.channels = WorkerChannels(
@@ -227,6 +231,15 @@ class RolloutWorker:
         self.loop_obj = loop_obj
         self.heartbeat_timeout = heartbeat_timeout
         self.process: mp.process.BaseProcess | None = None
+        self._loop_end: Any = None  # our end of the loop pipe, between spawn() and start()
+        self.started = False  # start() handed the child its loop
+
+    def adopt(self, loop_obj: Any) -> RolloutWorker:
+        """Give a worker made without a loop (spawned ahead, :meth:`spawn`) the loop :meth:`start` hands over."""
+        if self.started:
+            raise RuntimeError("this rollout worker runs a loop already")
+        self.loop_obj = loop_obj
+        return self
 
     def start(self, timeout: float | None = None) -> None:
         """Spawn the child and hand it the rollout loop; returns once the child holds the loop.
@@ -240,10 +253,32 @@ class RolloutWorker:
             RolloutWorkerError: the child exited before it received the loop (the guard hint says the usual cause).
             TimeoutError: the child did not take the loop within ``timeout`` seconds (default: the heartbeat timeout).
         """
+        if self.started:
+            raise RuntimeError("this rollout worker was started already; make a new RolloutWorker to run again")
+        if self.loop_obj is None:
+            raise RuntimeError("this rollout worker has no loop to run: give it one with adopt(loop) first")
         timeout = self.heartbeat_timeout if timeout is None else timeout
-        payload = ForkingPickler.dumps(self.loop_obj)  # fails here, in the trainer, if the loop cannot pickle
-        child_end, our_end = self._ctx.Pipe(duplex=True)
-        # The child stamps the heartbeat once it runs; until then its age counts from the spawn, not from 1970.
+        try:
+            payload = ForkingPickler.dumps(self.loop_obj)  # fails here, in the trainer, if the loop cannot pickle
+        except Exception:
+            self._close_unused_spawn()
+            raise
+        self.spawn()
+        # The child stamps the heartbeat once it runs; until then its age counts from the hand-over, not from 1970.
+        self.channels.heartbeat.value = time.time()
+        our_end, self._loop_end = self._loop_end, None
+        self._hand_over(our_end, bytes(payload), timeout)
+        self.started = True
+
+    def spawn(self) -> None:
+        """Start the child process now; :meth:`start` hands it the loop later (idempotent).
+
+        A spawned child re-imports torch, transformers and the user's script before it can take a loop: seconds
+        that, spawned ahead (the trainer does while it prepares the model and pushes the first weights), are not
+        spent in the first step."""
+        if self.process is not None:
+            return
+        child_end, self._loop_end = self._ctx.Pipe(duplex=True)
         self.channels.heartbeat.value = time.time()
         self.process = self._ctx.Process(
             target=_child_main,
@@ -270,7 +305,12 @@ class RolloutWorker:
         # middle of a message gives EOF here instead of a read that blocks forever on the missing bytes.
         for q in (self.channels.samples, self.channels.metrics, self.channels.errors):
             q._writer.close()
-        self._hand_over(our_end, bytes(payload), timeout)
+
+    def _close_unused_spawn(self) -> None:
+        """A child spawned ahead that will get no loop: closing our pipe end lets it exit (EOF) at once."""
+        if self._loop_end is not None:
+            self._loop_end.close()
+            self._loop_end = None
 
     def _hand_over(self, conn: Any, payload: bytes, timeout: float) -> None:
         """Send the loop and wait for the child's acknowledgement, watching the child and the clock meanwhile."""
@@ -340,7 +380,7 @@ class RolloutWorker:
             tb = None
         if tb is not None:
             raise RolloutWorkerError(f"the rollout worker failed:\n{tb}")
-        if self.process is None:
+        if self.process is None or not self.started:
             raise RolloutWorkerError("the rollout worker was never started")
         if not self.process.is_alive():
             raise RolloutWorkerError(f"the rollout worker exited unexpectedly (exit code {self.process.exitcode})")
@@ -392,6 +432,7 @@ class RolloutWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.channels.stop.set()
+        self._close_unused_spawn()
         if self.process is not None and self.process.is_alive():
             self.process.join(timeout)
             if self.process.is_alive():

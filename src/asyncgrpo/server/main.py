@@ -27,6 +27,7 @@ import signal
 import sys
 from typing import Any
 
+from asyncgrpo.files import local_only
 from asyncgrpo.process_exit import exit_without_teardown
 from asyncgrpo.server.bytecode import ENV, keep_bytecode
 from asyncgrpo.server.start_clock import StartClock
@@ -338,7 +339,7 @@ def _load_tokenizer(model_dir: str, model: str, clock: Any) -> Any:
         from transformers import AutoTokenizer
 
         clock.part("transformers_import")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **local_only(model_dir))  # no Hub round trip
         clock.part("from_pretrained")
     except (OSError, ValueError) as exc:
         logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", model, exc)

@@ -20,6 +20,7 @@ from typing import Any
 
 from asyncgrpo.client.http_client import AsyncServerClient, base_model_card
 from asyncgrpo.errors import ServerError
+from asyncgrpo.files import local_only
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def _same_tokens_and_config(served_dir: str, model_dir: str) -> bool:
 
     try:
         configs = [AutoConfig.from_pretrained(d).to_dict() for d in (served_dir, model_dir)]
-        toks = [AutoTokenizer.from_pretrained(d) for d in (served_dir, model_dir)]
+        toks = [AutoTokenizer.from_pretrained(d, **local_only(d)) for d in (served_dir, model_dir)]
     except (OSError, ValueError):  # not a loadable checkpoint: the names decide
         return False
     a, b = ({k: v for k, v in c.items() if k not in COPY_CONFIG_KEYS} for c in configs)

@@ -154,7 +154,8 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts | None, resume: ResumePoi
         loop = trainer.loop_cls(settings, dataset, trainer.reward_funcs, trainer.processing_class,
                                 tools=trainer.tools, environment_factory=trainer.environment_factory)  # fmt: skip
         check_picklable(loop, f"rollout loop {type(loop).__name__}")
-        worker = RolloutWorker(loop, heartbeat_timeout=args.rollout_worker_timeout)
+        ahead, trainer.worker_ahead = getattr(trainer, "worker_ahead", None), None
+        worker = ahead.adopt(loop) if ahead is not None else RolloutWorker(loop, args.rollout_worker_timeout)
     n = len(dataset) if hasattr(dataset, "__len__") else None
     total = math.ceil(args.num_train_epochs * n) if (args.max_steps <= 0 and n) else None
     source = RolloutSource(
@@ -179,7 +180,18 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts | None, resume: ResumePoi
     else:
         assert facts is not None
         sync = NamedTimeouts(_start_sender(args, facts, worker), args.weight_sync_timeout)
+    if isinstance(worker, RolloutWorker):  # its imports run while the Trainer prepares and pushes the first weights
+        worker.spawn()
     return RunParts(sync, worker, source)
+
+
+def spawn_worker_ahead(trainer: Any) -> None:
+    """Spawn our rollout worker's process now (rank 0), to be handed its loop by ``build_parts``: a child imports
+    torch, transformers and the user's script (4-5 s on an H200 machine) before it can generate, and spawned at
+    ``train()``'s start that was all inside step 1."""
+    if trainer.is_world_process_zero() and trainer.rollout_worker is None and trainer.worker_ahead is None:
+        trainer.worker_ahead = RolloutWorker(None, heartbeat_timeout=trainer.args.rollout_worker_timeout)
+        trainer.worker_ahead.spawn()
 
 
 def _start_adapter_sync(trainer: SetupSeam, facts: ServerFacts) -> WeightSync:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -23,3 +24,14 @@ class StepLoader:
     def __iter__(self):
         while True:
             yield None
+
+
+def step_loader_for(args: Any, dataset: Any) -> StepLoader:
+    """The loader of a run: endless under ``max_steps``, else a bound on the steps of ``num_train_epochs``."""
+    if args.max_steps > 0:
+        return StepLoader(dataset, None)
+    # Each step trains at least one whole prompt group except when a group spills over a step, so
+    # 2 x prompts + a margin bounds the steps; the run stops earlier once the prompts are consumed.
+    bound = 2 * math.ceil(args.num_train_epochs * len(dataset)) + 8
+    per_epoch = math.ceil(bound / max(math.ceil(args.num_train_epochs), 1))
+    return StepLoader(dataset, per_epoch * args.gradient_accumulation_steps)

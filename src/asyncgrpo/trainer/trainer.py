@@ -10,11 +10,9 @@ is transformers'. What changes:
   or plain: ``trainer/packed_forward.py``), the chunked log-probs and the policy
   loss of ``trainer/loss.py``; under several processes rank 0 plans each step and
   scatters each process its own rows (``trainer/ranks.py``);
-* a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights
-  to the server, hand the new version to the worker) and logs the step's
-  ``StepStats``;
-* the rollout worker gets one frozen ``RolloutSettings`` (``rollout_settings``),
-  never the config.
+* a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights to the server, hand the new
+  version to the worker) and logs the step's ``StepStats``;
+* the rollout worker gets one frozen ``RolloutSettings`` (``rollout_settings``), never the config.
 
     trainer = AsyncGRPOTrainer(model="path/or/id", reward_funcs=[accuracy_reward],
                                args=AsyncGRPOConfig(output_dir="out"), train_dataset=ds)
@@ -35,7 +33,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, Trainer
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.files import make_readable
+from asyncgrpo.files import local_only, make_readable
 from asyncgrpo.metrics import MetricsWindow, flops_per_token, peak_flops
 from asyncgrpo.models import vlm
 from asyncgrpo.packing import batch_metrics, build_plan, use_tree_attention
@@ -51,6 +49,7 @@ from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers, wants_compiled_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
+from asyncgrpo.trainer.graphed_step import GraphedDecoder
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
@@ -60,10 +59,10 @@ from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
-from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers
-from asyncgrpo.trainer.step_loader import StepLoader
+from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers, spawn_worker_ahead
+from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
 from asyncgrpo.trainer.step_stats import StepStats
-from asyncgrpo.trainer.warmup import WARMUP_BUDGET, can_warm_up_before_train, should_warm_up, warm_up
+from asyncgrpo.trainer.warmup import WARMUP_BUDGET, can_warm_up_before_train, prepare_step, warm_up
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.policy import is_peft_model
@@ -132,7 +131,8 @@ class AsyncGRPOTrainer(Trainer):
         self.router_top_k = experts_per_token(text_config)
         self.router_replay = build_router_replay(model, args.router_replay, args.wants_routed_experts)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
+            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code,
+                                                             **local_only(model_id))  # fmt: skip
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -193,6 +193,8 @@ class AsyncGRPOTrainer(Trainer):
         self.facts: ServerFacts | None = None
         self.served_adapter: str | None = None  # the newest adapter registered under adapter sync (T6), rank 0
         self.final_model_saved = False  # train() saved the final model to output_dir
+        self.graphed: GraphedDecoder | None = None  # cuda_graph_step: set up by the warm-up (trainer/graphed_step.py)
+        self.worker_ahead: RolloutWorker | None = None  # spawned by warm_up_compile(), adopted by train()
 
     # ------------------------------------------------------------------ set-up
 
@@ -227,15 +229,16 @@ class AsyncGRPOTrainer(Trainer):
     def start_rollout_worker(self) -> None:
         """Start generating (rank 0), once the server holds the weights of ``global_step``: after a resume, that
         is after ``on_train_begin`` pushed the restored weights, so the first samples carry them (X3)."""
-        if self.worker is not None and self.worker.process is None:
+        if self.worker is not None and not self.worker.started:
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
-        if should_warm_up(self):  # compile the step while the worker starts and generates the first groups
-            warm_up(self, self.token_budget)
+        prepare_step(self, self.token_budget)  # compile and capture while the worker generates the first groups
 
     def warm_up_compile(self) -> float:
         """Compile the step's kernels now, e.g. while the server starts (``asyncgrpo train`` does); ``train()`` then
-        skips its warm-up. Seconds spent (0: nothing to do, see ``trainer/warmup.py``)."""
+        skips its warm-up. Seconds spent (0: nothing to do, see ``trainer/warmup.py``). The rollout worker's process
+        is spawned first: its imports run meanwhile (``trainer/setup.py``)."""
+        spawn_worker_ahead(self)
         if not can_warm_up_before_train(self):
             return 0.0
         return warm_up(self, self.args.token_budget or WARMUP_BUDGET, before_train=True)
@@ -342,14 +345,7 @@ class AsyncGRPOTrainer(Trainer):
         return metrics
 
     def get_train_dataloader(self) -> StepLoader:
-        if self.args.max_steps > 0:
-            return StepLoader(self.train_dataset, None)
-        n = len(self.train_dataset)
-        # Each step trains at least one whole prompt group except when a group spills over a step, so
-        # 2 × prompts + a margin bounds the steps; the run stops earlier once the prompts are consumed.
-        bound = 2 * math.ceil(self.args.num_train_epochs * n) + 8
-        per_epoch = math.ceil(bound / max(math.ceil(self.args.num_train_epochs), 1))
-        return StepLoader(self.train_dataset, per_epoch * self.args.gradient_accumulation_steps)
+        return step_loader_for(self.args, self.train_dataset)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
         """One step's micro-batches for this process: ``{"row": PackedRow, "normalizer": float}`` each.
@@ -393,8 +389,11 @@ class AsyncGRPOTrainer(Trainer):
             replay.begin(row.routed_experts)
         with self.compute_loss_context_manager():
             router: list[torch.Tensor] | None = [] if self.router_aux_coef > 0 else None
-            with self.accelerator.autocast() if autocast_forward else contextlib.nullcontext():
-                fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
+            graphs = self.graphed if replay is None and router is None else None
+            fwd = graphs.forward(row) if graphs is not None and graphs.covers(row) else None  # small rows: CUDA graphs
+            if fwd is None:
+                with self.accelerator.autocast() if autocast_forward else contextlib.nullcontext():
+                    fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
             if replay is not None:
                 replay.end_forward()
             result = self._policy_loss(fwd, row, normalizer) if row.num_trained else None

@@ -72,6 +72,10 @@ class TRLWorkerHost:
         self.worker.start()
         self.process = self.worker
 
+    @property
+    def started(self) -> bool:
+        return self.process is not None
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.process is not None:
             self.process = None

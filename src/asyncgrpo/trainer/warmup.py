@@ -25,6 +25,7 @@ import torch
 
 from asyncgrpo.packing import PackSample, pack_samples
 from asyncgrpo.packing.row import PackedRow
+from asyncgrpo.trainer.graphed_step import step_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,25 @@ def should_warm_up(trainer: Any) -> bool:
 def can_warm_up_before_train(trainer: Any) -> bool:
     """Before ``train()`` the model runs as it will inside it, except with gradient checkpointing, which the
     Trainer switches on in ``train()`` (its checkpointed layers could guard differently): then ``train()``
-    warms up itself."""
-    return should_warm_up(trainer) and not trainer.args.gradient_checkpointing
+    warms up itself. CUDA graphs of the step (``trainer/graphed_step.py``) are captured without checkpointing
+    either way, so with them the warm-up runs before ``train()`` too."""
+    if not should_warm_up(trainer):
+        return False
+    return not trainer.args.gradient_checkpointing or step_graphs(trainer, _budget(trainer)) is not None
+
+
+def _budget(trainer: Any) -> int:
+    return trainer.args.token_budget or WARMUP_BUDGET
+
+
+def prepare_step(trainer: Any, token_budget: int) -> None:
+    """At ``train()``'s start: the graphs of the real ``token_budget`` (buckets the warm-up before ``train()``
+    could not know), then the compile warm-up if it has not run."""
+    graphs = step_graphs(trainer, token_budget)
+    if graphs is not None:
+        graphs.capture_all()
+    if should_warm_up(trainer):
+        warm_up(trainer, token_budget)
 
 
 def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> float:
@@ -93,6 +111,9 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> floa
     logger.info("compiling the training step on two dummy rows of %s tokens (warm_up_compile; a cold compile cache "
                 "takes tens of seconds)", "/".join(str(r.num_tokens) for r in rows))  # fmt: skip
     try:
+        graphs = step_graphs(trainer, token_budget)
+        if graphs is not None:  # every bucket now, checked on a real row, so no step captures one
+            graphs.capture_all(verify_row=rows[-1].to(args.device))
         for row in rows:
             trainer.step_forward_backward(model, row, float(row.num_trained), keep_metrics=False,
                                           autocast_forward=before_train)  # fmt: skip

@@ -115,6 +115,33 @@ def test_samples_flow_and_child_is_cpu_only():
     assert not w.process.is_alive()
 
 
+def test_a_worker_spawned_ahead_takes_its_loop_later_or_exits_when_stopped():
+    """spawn() starts the child (its imports run meanwhile); start() hands the loop over later; the policy version
+    set in between reaches it. A child spawned but never started exits at stop() without an error report."""
+    w = RolloutWorker(None, heartbeat_timeout=30)  # as the trainer spawns it ahead: the loop comes later
+    w.spawn()
+    assert w.process is not None and w.process.is_alive() and not w.started
+    with pytest.raises(RolloutWorkerError, match="never started"):
+        w.check()
+    with pytest.raises(RuntimeError, match="adopt"):
+        w.start()
+    time.sleep(0.5)
+    w.set_policy_version(3)
+    w.adopt(CountingLoop(2)).start()
+    try:
+        assert [w.get_sample(timeout=60)["version"] for _ in range(2)] == [3, 3]
+        with pytest.raises(RuntimeError, match="started already"):
+            w.start()
+    finally:
+        w.stop()
+    idle = RolloutWorker(CountingLoop(1), heartbeat_timeout=30)
+    idle.spawn()
+    t0 = time.monotonic()
+    idle.stop()
+    assert not idle.process.is_alive() and idle.process.exitcode == 0  # 1 would mean it reported an error
+    assert time.monotonic() - t0 < 9  # it saw the closed pipe; stop() did not wait out its 10 s and terminate it
+
+
 def test_child_exception_reaches_the_trainer_with_its_traceback():
     w = RolloutWorker(FailingLoop(), heartbeat_timeout=30)
     w.start()

@@ -92,3 +92,19 @@ def test_a_warm_up_before_train_compiles_what_the_prepared_model_runs(tmp_path):
     trainer.step_forward_backward(prepared, row, float(row.num_trained))
     assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled for the real step
     assert not should_warm_up(trainer)  # train() skips its own warm-up
+
+
+def test_warm_up_compile_spawns_the_rollout_worker_ahead(tmp_path):
+    """Its imports then run while the trainer compiles and the server starts; train() adopts it (the CLI train
+    tests run that path end to end)."""
+    trainer = _trainer(tmp_path)
+    assert trainer.worker_ahead is None
+    try:
+        assert trainer.warm_up_compile() == 0.0  # CPU: nothing to compile, but the worker is spawned
+        first = trainer.worker_ahead
+        assert first is not None and first.process.is_alive() and not first.started
+        trainer.warm_up_compile()
+        assert trainer.worker_ahead is first  # once
+    finally:
+        trainer.worker_ahead.stop()
+    assert trainer.worker_ahead.process.exitcode == 0

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncgrpo.files import local_only
 from asyncgrpo.models.vlm import is_vision_language
 from asyncgrpo.server.models.decoder import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
 
@@ -71,7 +72,7 @@ def load_any_model(
             want = torch.float32
         hf = hf.to(device=dev, dtype=want)
     else:
-        config = AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model, **local_only(model))
         # a vision-language config may keep the checkpoint dtype in its text config only
         has_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         want = resolve_dtype(dtype, config if has_dtype else _text_config(config), dev)
@@ -81,7 +82,7 @@ def load_any_model(
         part("modeling_import")
         kwargs = {"device_map": str(dev)} if dev.type == "cuda" else {}
         try:
-            hf = auto.from_pretrained(model, dtype=want, **kwargs)
+            hf = auto.from_pretrained(model, dtype=want, **kwargs, **local_only(model))
         except ValueError as exc:
             raise ValueError(
                 f"{model}: transformers cannot load this checkpoint as a causal LM or a vision-language model "

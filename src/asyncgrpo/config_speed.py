@@ -1,0 +1,42 @@
+"""Config fields of the training step's speed: compiled decoder layers, the compile warm-up, CUDA graphs.
+
+Each is on by default where the H200 measurements show it wins (one CUDA process, no adapter; bench/LOG.md,
+issue 41) and off elsewhere, where eager stays the safe choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeedFields:
+    compile_decoder_layers: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Compile each decoder layer with torch.compile (dynamic shapes: packed rows of any length reuse "
+            "one graph), fusing the norm, RoPE and activation kernels of the packed training step. If compiling "
+            "fails the layers run eager with one warning. None: on when one process trains on CUDA with Triton, "
+            "without a PEFT adapter or routing replay (it halved a 135 M model's ~1k-token step on an H200)."
+        },
+    )
+    warm_up_compile: bool = field(
+        default=True,
+        metadata={
+            "help": "On CUDA (one process), run the step's forward and backward on two dummy rows of the run's "
+            "shapes right after the rollout worker starts, so the compiled kernels are built while the first groups "
+            "are generated instead of inside steps 1 and 2. Weights and optimizer are untouched."
+        },
+    )
+
+    cuda_graph_step: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Run the decoder's forward and backward of small rows as CUDA graphs (rows padded to quarters of "
+                "token_budget; captured in the warm-up and checked against the eager step, which takes over with a warning "
+                "if they disagree; no activation checkpointing for them). None: on for one CUDA process with Triton, no "
+                "adapter, routing replay or router loss, when token_budget x parameters <= 4e12 (docs/gpus.md)."
+            )
+        },
+    )

@@ -1,0 +1,101 @@
+"""CUDA graphs of the step (``cuda_graph_step``) against the eager step on the same rows: the loss and every
+parameter gradient, with the decoder layers compiled as the trainer compiles them, in fp32 and under bf16 autocast,
+with activation checkpointing on (the graphs capture without it), replayed in both orders of two rows of different
+buckets and accumulated over two rows.
+
+Run: ``pytest -s -q -m gpu tests/gpu/test_graphed_step_gpu.py`` (one GPU, about a minute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
+from asyncgrpo.packing.row import pack_samples
+from asyncgrpo.trainer.compile import compile_decoder_layers, uncompile_decoder_layers
+from asyncgrpo.trainer.graphed_step import GraphedDecoder, graph_buckets
+from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
+from tests.gpu.test_packing_gpu import _model, _samples
+from tests.gpu.test_step_gpu import _with_top_n
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _loss(hidden, weight, row):
+    return packed_policy_loss(hidden[row.pred_index], weight, row, row.num_trained, PolicyLossSettings()).loss
+
+
+def _eager(model, rows, amp):
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for row in rows:
+        with torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext():
+            loss = _loss(packed_hidden_states(model, row, build_plan(row, "flex")), model.lm_head.weight, row)
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _graphed(model, graphs, rows):
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for row in rows:
+        fwd = graphs.forward(row)
+        loss = _loss(fwd.hidden, fwd.head_weight, row) + fwd.anchor
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst(grads, ref):
+    assert grads.keys() == ref.keys()
+    return max(float((g - ref[n]).norm() / ref[n].norm().clamp(min=1e-12)) for n, g in grads.items())
+
+
+@pytest.mark.parametrize(
+    "arch,amp,checkpointing,tol",
+    [("qwen3", None, False, 1e-4), ("llama", torch.bfloat16, False, 2e-2), ("qwen3", torch.bfloat16, True, 2e-2)],
+)
+def test_graphed_step_matches_the_eager_step(arch, amp, checkpointing, tol):
+    model = _model(arch, torch.float32).train()
+    use_tree_attention(model)
+    short = pack_samples(_with_top_n(_samples(0)[:3])).to("cuda")  # the tricky tries alone: a small bucket
+    long = pack_samples(_with_top_n(_samples(1))).to("cuda")
+    budget = long.num_tokens + 5
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch._dynamo.reset()
+    compile_decoder_layers(model)
+    try:
+        graphs = GraphedDecoder(model, budget, amp)
+        graphs.capture_all(verify_row=long)
+        assert graphs.failed is None, graphs.failed
+        assert graphs.verified and sorted(graphs.buckets) == graph_buckets(budget)
+        sizes = [next(s for s in graphs.sizes if s >= r.num_tokens) for r in (short, long)]
+        assert sizes[0] < sizes[1]  # two buckets, each replayed after the other
+        for rows in ([short], [long], [short], [long, short]):  # the last: gradients accumulated over two rows
+            ref_loss, ref_grads = _eager(model, rows, amp)
+            loss, grads = _graphed(model, graphs, rows)
+            worst = _worst(grads, ref_grads)
+            print(f"\n{arch} amp={amp} checkpointing={checkpointing} rows={[r.num_tokens for r in rows]}: "
+                  f"loss {loss:.6f} vs {ref_loss:.6f}, worst relative grad diff {worst:.2e}")  # fmt: skip
+            assert abs(loss - ref_loss) <= tol * max(1.0, abs(ref_loss))
+            assert worst <= tol
+    finally:
+        uncompile_decoder_layers(model)
+
+
+def test_a_replaced_parameter_is_refused():
+    model = _model("llama", torch.float32).train()
+    use_tree_attention(model)
+    row = pack_samples(_samples(0)[:3]).to("cuda")
+    graphs = GraphedDecoder(model, row.num_tokens, None)
+    graphs.capture_all()
+    assert graphs.failed is None, graphs.failed
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())  # a new tensor: the graph reads the old one
+    with pytest.raises(RuntimeError, match="cuda_graph_step=False"):
+        graphs.forward(row)
