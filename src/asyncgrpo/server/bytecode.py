@@ -1,9 +1,11 @@
 """Compiled bytecode for the server's imports where the environment turns writing it off.
 
 Why: each of the server's two processes imports torch and transformers, thousands of modules. Where
-``PYTHONDONTWRITEBYTECODE`` is set (many container images set it) and site-packages hold no ``.pyc`` files, every
-start compiles all of them from source again: on an H200 machine that made the engine's start 14.7 s instead of
-7.5 s and the HTTP process's tokenizer phase 11.6 s instead of 5.8 s, on every start, not only the first.
+``PYTHONDONTWRITEBYTECODE`` is set (many container images set it) and site-packages hold no ``.pyc`` files (uv, for
+one, installs without them), every start compiles all of them from source again: on an H200 machine that made the
+engine's start 14.7 s instead of 7.5 s and the HTTP process's tokenizer phase 11.6 s instead of 5.8 s, on every
+start, not only the first. Where torch has its bytecode beside its sources, nothing changes (a folder of our own
+would only make Python compile everything once more).
 
 Then the server keeps the bytecode in a folder of its own (Python's ``PYTHONPYCACHEPREFIX`` mechanism: a tree
 mirroring the sources, each ``.pyc`` checked against its source's mtime and size as always), so the sources'
@@ -16,6 +18,7 @@ workers find the folder through the environment from their first import.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -28,12 +31,22 @@ def default_folder() -> str:
     return os.path.join(root, "pycache")
 
 
-def keep_bytecode() -> str | None:
-    """Where this process may not write bytecode, write it to the server's own folder from now on; returns the
-    folder, or None where nothing changed (bytecode is written already, ``ASYNCGRPO_PYCACHE=0``, no writable folder).
-    """
+def has_bytecode(module: str) -> bool:
+    """Whether ``module`` (found, not imported) has a ``.pyc`` where Python looks for it now."""
+    try:
+        spec = importlib.util.find_spec(module)
+        origin = spec.origin if spec is not None else None
+        return bool(origin and origin.endswith(".py") and os.path.exists(importlib.util.cache_from_source(origin)))
+    except (ImportError, ValueError, NotImplementedError):
+        return False
+
+
+def keep_bytecode(probe: str = "torch") -> str | None:
+    """Where this process may not write bytecode and ``probe`` (the largest import) has none, write it to the
+    server's own folder from now on; returns the folder, or None where nothing changed (bytecode is written already
+    or there, ``ASYNCGRPO_PYCACHE=0``, no writable folder)."""
     choice = os.environ.get(ENV, "")
-    if choice == "0" or not sys.dont_write_bytecode:
+    if choice == "0" or not sys.dont_write_bytecode or has_bytecode(probe):
         return None
     folder = sys.pycache_prefix or choice or default_folder()
     try:

@@ -49,8 +49,8 @@ def test_a_cpu_engine_starts_no_thread_and_asks_cuda_nothing(monkeypatch):
 SCRIPT = textwrap.dedent("""
     import sys
     from asyncgrpo.server.bytecode import keep_bytecode
-    print(keep_bytecode())
     sys.path.insert(0, sys.argv[1])
+    print(keep_bytecode(probe=sys.argv[2]))
     import probe_module
 """)
 
@@ -59,12 +59,13 @@ SCRIPT = textwrap.dedent("""
 def test_bytecode_goes_to_the_servers_folder_where_the_environment_turns_it_off(tmp_path, choice):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "probe_module.py").write_text("X = 1\n")
+    (src / "probe_module.py").write_text("X = 1\n")  # a module without bytecode, like torch on the H200 machine
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "ASYNCGRPO_CACHE": str(tmp_path / "cache")}
     env.pop("PYTHONPYCACHEPREFIX", None)
     if choice is not None:
         env[bytecode.ENV] = choice
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(src)], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(src), "probe_module"], env=env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
     written = sorted(tmp_path.rglob("probe_module*.pyc"))
     assert not (src / "__pycache__").exists()  # the sources' folder is left as it was
     if choice == "0":
@@ -74,6 +75,20 @@ def test_bytecode_goes_to_the_servers_folder_where_the_environment_turns_it_off(
         assert len(written) == 1 and written[0].is_relative_to(tmp_path / "cache" / "pycache" / str(src).lstrip("/"))
 
 
-def test_bytecode_is_left_alone_where_it_is_written_already(monkeypatch):
+def test_bytecode_is_left_alone_where_it_is_written_already_or_there(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     assert bytecode.keep_bytecode() is None
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # torch here came with its bytecode: a prefix would lose it
+    assert bytecode.has_bytecode("torch") and bytecode.keep_bytecode() is None and sys.pycache_prefix is None
+    assert not bytecode.has_bytecode("no_such_module_at_all")
+
+
+def test_a_triton_cache_holding_every_kernel_looks_warm(tmp_path):
+    """Triton's cache layout: one folder per compiled variant, the module named after its function."""
+    assert not early_compile.triton_cache_looks_warm(str(tmp_path / "missing"))
+    for i, name in enumerate(early_compile._KERNELS):
+        assert not early_compile.triton_cache_looks_warm(str(tmp_path))  # one kernel still missing
+        (tmp_path / f"key{i}").mkdir()
+        (tmp_path / f"key{i}" / f"{name}.cubin").write_bytes(b"")
+        (tmp_path / f"key{i}" / f"{name}.json").write_text("{}")
+    assert early_compile.triton_cache_looks_warm(str(tmp_path))
