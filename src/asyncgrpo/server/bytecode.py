@@ -44,9 +44,12 @@ def has_bytecode(module: str) -> bool:
 def keep_bytecode(probe: str = "torch") -> str | None:
     """Where this process may not write bytecode and ``probe`` (the largest import) has none, write it to the
     server's own folder from now on; returns the folder, or None where nothing changed (bytecode is written already
-    or there, ``ASYNCGRPO_PYCACHE=0``, no writable folder)."""
+    or there, ``ASYNCGRPO_PYCACHE=0``, no writable folder). Where a prefix folder is set already (the engine process
+    gets the API process's), bytecode is written there: its own modules (the model's, Triton) too."""
     choice = os.environ.get(ENV, "")
-    if choice == "0" or not sys.dont_write_bytecode or has_bytecode(probe):
+    if choice == "0" or not sys.dont_write_bytecode:
+        return None
+    if sys.pycache_prefix is None and has_bytecode(probe):
         return None
     folder = sys.pycache_prefix or choice or default_folder()
     try:

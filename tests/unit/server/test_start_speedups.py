@@ -83,6 +83,16 @@ def test_bytecode_is_left_alone_where_it_is_written_already_or_there(tmp_path, m
     assert not bytecode.has_bytecode("no_such_module_at_all")
 
 
+def test_a_prefix_folder_set_already_is_written_to(tmp_path, monkeypatch):
+    """The engine process starts with the API process's folder in its environment (and -B): it writes there too,
+    whether torch's bytecode is there yet or not."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path))
+    monkeypatch.delenv(bytecode.ENV, raising=False)
+    assert bytecode.keep_bytecode() == str(tmp_path) and sys.dont_write_bytecode is False
+
+
 def test_a_triton_cache_holding_every_kernel_looks_warm(tmp_path):
     """Triton's cache layout: one folder per compiled variant, the module named after its function."""
     assert not early_compile.triton_cache_looks_warm(str(tmp_path / "missing"))
