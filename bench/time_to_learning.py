@@ -113,6 +113,12 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
 def gpu_child(a: argparse.Namespace) -> dict:
     """One run in this process: launch the server, build the trainer, train ``--steps`` steps, time everything."""
     t_launch = time.time()
+    try:  # as the `asyncgrpo` command does first (server/bytecode.py; the baseline's src may not have it)
+        from asyncgrpo.server.bytecode import keep_bytecode
+
+        keep_bytecode()
+    except ImportError:
+        pass
     # as `asyncgrpo train` does: the server launches first (these imports are light), torch and the trainer after
     from asyncgrpo.cli.launch import embedded_env, server_flags
     from asyncgrpo.server import launcher
