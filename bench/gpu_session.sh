@@ -15,6 +15,10 @@
 #   bash bench/gpu_session.sh learning-b6          # issue 10 B6 with heavier training steps (checkpointing on; two H200)
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh ttl   # issue 41: time to learning, main then this checkout
 #   bash bench/gpu_session.sh ssp                  # issue 41: the small packed step alone, per variant
+#   TTL_RUNS=async_cold,async_warm,sync_warm,async_warm_mps TTL_BASELINE_RUNS=async_warm,sync_warm \
+#     BASELINE_SRC=.baseline/src TTL_TIMEOUT=430 GRAPHS_TIMEOUT=150 \
+#     GRAPHS_TESTS="tests/gpu/test_graphed_step_gpu.py tests/gpu/test_packing_gpu.py" \
+#     bash bench/gpu_session.sh ttl graphs       # issue 41's final call (~10 min): time to learning + graph/B3 parity
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -120,7 +124,7 @@ for stage in "$@"; do
       tar -czf "$OUT/estart.tgz" -C "$OUT" estart && rm -rf "$OUT/estart" ;;
     graphs)  # issue 41: CUDA graphs of the step against the eager step (GPU tests)
       python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-      timeout ${GRAPHS_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GRAPHS_TESTS:-tests/gpu/test_graphed_step_gpu.py} 2>&1 \
+      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout ${GRAPHS_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GRAPHS_TESTS:-tests/gpu/test_graphed_step_gpu.py} 2>&1 \
         | tee "$OUT/graphed_step_gpu.log" | grep -E "passed|failed|amp=|Error|error|assert" | tail -30 ;;
     multiserver)
       timeout 400 python3 bench/multi_server_sync.py --out "$OUT/multi_server_sync_h200x2.json" 2>&1 \

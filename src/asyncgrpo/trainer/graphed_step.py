@@ -203,6 +203,9 @@ class GraphedDecoder:
             self._fail(f"capturing the {size}-token graph failed: {type(exc).__name__}: {str(exc)[:300]}")
 
     def _capture(self, size: int) -> _Bucket:
+        if not self.buckets:  # the first graph: the parameters as they are now (a .to() since __init__ is fine)
+            self.params = tuple(p for p in self.decoder.parameters() if p.requires_grad)
+            self._addresses = self._param_addresses()
         dev = self.params[0].device
         b = _Bucket.empty(size, dev)
         side = torch.cuda.Stream(dev)
