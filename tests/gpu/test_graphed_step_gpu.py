@@ -99,3 +99,43 @@ def test_a_replaced_parameter_is_refused():
     layer.weight = torch.nn.Parameter(layer.weight.detach().clone())  # a new tensor: the graph reads the old one
     with pytest.raises(RuntimeError, match="cuda_graph_step=False"):
         graphs.forward(row)
+
+
+def _reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path):
+    """Through AsyncGRPOTrainer as a run uses it: on by default, captured by warm_up_compile() with gradient
+    checkpointing on (the default), the accelerator's bf16 autocast; its gradients equal the eager step's."""
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.assets import smollm2_tokenizer, tiny_model
+    from asyncgrpo.trainer.warmup import warmup_rows
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=512, bf16=True)
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
+    trainer = AsyncGRPOTrainer(tiny_model("llama").cuda(), reward_funcs=[_reward], args=args, train_dataset=rows,
+                               processing_class=smollm2_tokenizer())  # fmt: skip
+    try:
+        assert args.gradient_checkpointing and trainer.warm_up_compile() > 0
+        graphs = trainer.graphed
+        assert graphs is not None and graphs.failed is None and graphs.verified, getattr(graphs, "failed", None)
+        assert graphs.autocast_dtype == torch.bfloat16 and sorted(graphs.buckets) == graph_buckets(512)
+        vocab = trainer.model.get_output_embeddings().weight.shape[0]
+        row = warmup_rows(512, 4, 40, vocab, top_n=8)[0]
+
+        def grads():
+            trainer.model.zero_grad(set_to_none=True)
+            trainer.step_forward_backward(trainer.model, row, float(row.num_trained), keep_metrics=False,
+                                          autocast_forward=True)  # fmt: skip
+            return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+        graphed = grads()
+        trainer.graphed = None  # the eager step
+        eager = grads()
+        worst = _worst(graphed, eager)
+        print(f"\ntrainer step, graphed vs eager (bf16 autocast): worst relative grad diff {worst:.2e}")
+        assert worst <= 2e-2
+    finally:
+        if trainer.worker_ahead is not None:
+            trainer.worker_ahead.stop()
