@@ -217,6 +217,7 @@ class AsyncGRPOTrainer(Trainer):
         ``start_rollout_worker``."""
         args: AsyncGRPOConfig = self.args
         self.facts = read_servers(self)
+        spawn_worker_ahead(self)  # once the servers answer: its imports overlap the Trainer's set-up and first push
         self.token_budget = args.token_budget or self.facts.max_model_len
         parts = build_parts(self, self.facts, resume, self.token_budget)
         self.weight_sync, self.worker, self.source = parts.weight_sync, parts.worker, parts.source
@@ -244,11 +245,12 @@ class AsyncGRPOTrainer(Trainer):
         return warm_up(self, self.args.token_budget or WARMUP_BUDGET, before_train=True)
 
     def _stop_rollout(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
+        for worker in (self.worker, self.worker_ahead):  # worker_ahead: a train() that failed before adopting it
+            if worker is not None:
+                worker.stop()
         if self.weight_sync is not None:
             self.weight_sync.close()
-        self.worker = self.source = self.weight_sync = None
+        self.worker = self.source = self.weight_sync = self.worker_ahead = None
 
     def _end_generation_after_last_step(self) -> None:
         """No sample generated after the last optimizer step is trained: stop the worker before the final
@@ -303,8 +305,8 @@ class AsyncGRPOTrainer(Trainer):
             else ResumePoint()
         )
         self.step_stats.num_tokens_total = resume.num_tokens
-        self._start_rollout(resume)
         try:
+            self._start_rollout(resume)
             out = super().train(resume_from_checkpoint=ckpt, **kwargs)
         except torch.OutOfMemoryError as exc:
             if getattr(self.weight_sync, "backend", None) != "ipc":
