@@ -59,10 +59,10 @@ def _row(seed: int):
     return pack_samples(samples)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_padded_row_keeps_its_tokens_hidden_states_and_gradients(seed):
+@pytest.mark.parametrize(("arch", "seed"), [("llama", 0), ("llama", 1), ("qwen2", 0), ("qwen3", 0), ("qwen3_vl", 0)])
+def test_a_padded_row_keeps_its_tokens_hidden_states_and_gradients(arch, seed):
     torch.manual_seed(0)
-    model = tiny_model("llama").float().train()
+    model = tiny_model(arch).float().train()
     use_tree_attention(model)
     row = _row(seed)
     graphs = GraphedDecoder(model, token_budget=4 * 128, autocast_dtype=None)
@@ -73,7 +73,8 @@ def test_a_padded_row_keeps_its_tokens_hidden_states_and_gradients(seed):
     n = row.num_tokens
     assert 0 < n < 128 and torch.equal(bucket.ids[:n], row.input_ids) and not bucket.ids[n:].any()
     assert torch.equal(bucket.end[n:], torch.arange(n + 1, 129))  # a pad sees itself only
-    weights = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    hidden_size = model.config.get_text_config().hidden_size
+    weights = torch.randn(n, hidden_size, generator=torch.Generator().manual_seed(seed))
 
     def run(hidden_fn):
         model.zero_grad(set_to_none=True)
