@@ -94,6 +94,15 @@ def step_graphs(trainer: Any, token_budget: int) -> GraphedDecoder | None:
     return graphs
 
 
+def check_graph_setting(trainer: Any) -> None:
+    """``cuda_graph_step=True`` on a set-up it cannot run on raises here, at the trainer's construction (the size
+    rule does not apply to True, so the budget does not matter)."""
+    if trainer.args.cuda_graph_step is True:
+        lm = trainer._causal_lm()
+        wants_graphed_step(trainer.args, lm, is_peft_model(trainer.model), trainer.router_replay,
+                           trainer.router_aux_coef > 0, token_budget=1)  # fmt: skip
+
+
 def graph_buckets(token_budget: int) -> list[int]:
     """Row sizes the graphs are captured for: quarters of ``token_budget`` in whole 128-token blocks."""
     sizes = {-(-max(1, token_budget * k // 4) // FLEX_BLOCK) * FLEX_BLOCK for k in (1, 2, 3, 4)}

@@ -49,7 +49,7 @@ from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers, wants_compiled_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
-from asyncgrpo.trainer.graphed_step import GraphedDecoder
+from asyncgrpo.trainer.graphed_step import GraphedDecoder, check_graph_setting
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
@@ -174,6 +174,7 @@ class AsyncGRPOTrainer(Trainer):
         use_tree_attention(self._causal_lm())
         if wants_compiled_layers(args, is_peft_model(model), self.router_replay):  # model: after get_peft_model
             compile_decoder_layers(self._causal_lm())
+        check_graph_setting(self)  # cuda_graph_step=True where it cannot run: said now, not at train()
         self.window = MetricsWindow()
         self.step_stats = StepStats()
         self.add_callback(AsyncGRPOCallback(self))
@@ -404,14 +405,12 @@ class AsyncGRPOTrainer(Trainer):
             aux = router_aux_loss(router, row.path_count, self.router_top_k) if router and row.num_trained else None
             if aux is not None:  # trainer/moe.py: the unpacked batch's balance loss, averaged over micro-batches
                 loss = loss + (self.router_aux_coef / self.args.gradient_accumulation_steps) * aux
-        if self._device_is_cuda():
-            torch.cuda.synchronize()  # CPU-GPU sync points: only for honest perf/fwd_s and perf/fwd_bwd_s
+        self._sync_device()  # CPU-GPU sync points: only for honest perf/fwd_s and perf/fwd_bwd_s
         forward_s = time.perf_counter() - t0
         self.accelerator.backward(loss)
         if replay is not None:
             replay.end()
-        if self._device_is_cuda():
-            torch.cuda.synchronize()
+        self._sync_device()
         if not keep_metrics:
             return loss.detach()
         self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens, forward_s)
@@ -429,8 +428,9 @@ class AsyncGRPOTrainer(Trainer):
         settings = loss_settings(self.args)  # the family, its correction and the reference's mask band
         return packed_policy_loss(fwd.hidden[row.pred_index], fwd.head_weight, row, normalizer, settings)
 
-    def _device_is_cuda(self) -> bool:
-        return torch.device(self.args.device).type == "cuda"
+    def _sync_device(self) -> None:
+        if torch.device(self.args.device).type == "cuda":
+            torch.cuda.synchronize()
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """This process's row only: transformers sums ``total_flos`` over processes."""

@@ -1,5 +1,6 @@
 """The compile warm-up: rows of the run's shapes, a real forward+backward that leaves the run untouched."""
 
+import pytest
 import torch
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -108,3 +109,8 @@ def test_warm_up_compile_spawns_the_rollout_worker_ahead(tmp_path):
     finally:
         trainer.worker_ahead.stop()
     assert trainer.worker_ahead.process.exitcode == 0
+
+
+def test_cuda_graph_step_true_where_it_cannot_run_fails_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="cuda_graph_step=True needs a CUDA device"):
+        _trainer(tmp_path, cuda_graph_step=True)
