@@ -19,8 +19,11 @@ workers find the folder through the environment from their first import.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
+
+logger = logging.getLogger(__name__)
 
 ENV = "ASYNCGRPO_PYCACHE"
 
@@ -51,6 +54,7 @@ def keep_bytecode(probe: str = "torch") -> str | None:
         return None
     if sys.pycache_prefix is None and has_bytecode(probe):
         return None
+    chosen_here = sys.pycache_prefix is None  # not inherited from the process that started this one
     folder = sys.pycache_prefix or choice or default_folder()
     try:
         os.makedirs(folder, exist_ok=True)
@@ -61,4 +65,6 @@ def keep_bytecode(probe: str = "torch") -> str | None:
     sys.pycache_prefix = folder
     sys.dont_write_bytecode = False
     os.environ["PYTHONPYCACHEPREFIX"] = folder  # child processes read it from their start
+    if chosen_here:
+        logger.info("PYTHONDONTWRITEBYTECODE is set: bytecode is kept in %s (%s=0: off)", folder, ENV)
     return folder

@@ -29,7 +29,7 @@ from typing import Any
 
 from asyncgrpo.files import local_only
 from asyncgrpo.process_exit import exit_without_teardown
-from asyncgrpo.server.bytecode import ENV, keep_bytecode
+from asyncgrpo.server.bytecode import keep_bytecode
 from asyncgrpo.server.start_clock import StartClock
 
 logger = logging.getLogger(__name__)
@@ -263,8 +263,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     clock = StartClock(role="http")  # from this process's start: /server_info's ready_s counts from the launch
     clock.part("interpreter")  # the interpreter's start, the CLI's imports, the arguments
-    if (pycache := keep_bytecode()) is not None:  # before torch and transformers: see server/bytecode.py
-        logger.info("PYTHONDONTWRITEBYTECODE is set: the server keeps its bytecode in %s (%s=0: off)", pycache, ENV)
+    keep_bytecode()  # before torch and transformers (server/bytecode.py); a no-op where the command did it first
     if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
         from asyncgrpo.assets import demo_model_dir
 

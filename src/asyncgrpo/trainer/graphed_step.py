@@ -77,18 +77,10 @@ def step_graphs(trainer: Any, token_budget: int) -> GraphedDecoder | None:
     graphs = trainer.graphed
     if graphs is None and getattr(trainer, "_graphs_decided", False) is False:
         trainer._graphs_decided = True
-        lm = trainer._causal_lm()
-        if wants_graphed_step(
-            trainer.args,
-            lm,
-            is_peft_model(trainer.model),
-            trainer.router_replay,
-            trainer.router_aux_coef > 0,
-            token_budget,
-        ):
+        if _trainer_wants(trainer, token_budget):
             precision = trainer.accelerator.mixed_precision
             amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(precision))
-            graphs = trainer.graphed = GraphedDecoder(lm, token_budget, amp)
+            graphs = trainer.graphed = GraphedDecoder(trainer._causal_lm(), token_budget, amp)
     elif graphs is not None:
         graphs.extend(token_budget)
     return graphs
@@ -98,9 +90,13 @@ def check_graph_setting(trainer: Any) -> None:
     """``cuda_graph_step=True`` on a set-up it cannot run on raises here, at the trainer's construction (the size
     rule does not apply to True, so the budget does not matter)."""
     if trainer.args.cuda_graph_step is True:
-        lm = trainer._causal_lm()
-        wants_graphed_step(trainer.args, lm, is_peft_model(trainer.model), trainer.router_replay,
-                           trainer.router_aux_coef > 0, token_budget=1)  # fmt: skip
+        _trainer_wants(trainer, token_budget=1)
+
+
+def _trainer_wants(trainer: Any, token_budget: int) -> bool:
+    """:func:`wants_graphed_step` for an ``AsyncGRPOTrainer``'s model and settings."""
+    return wants_graphed_step(trainer.args, trainer._causal_lm(), is_peft_model(trainer.model),
+                              trainer.router_replay, trainer.router_aux_coef > 0, token_budget)  # fmt: skip
 
 
 def graph_buckets(token_budget: int) -> list[int]:
@@ -147,7 +143,8 @@ class GraphedDecoder:
 
     def __init__(self, lm: torch.nn.Module, token_budget: int, autocast_dtype: torch.dtype | None) -> None:
         self.lm, self.decoder = lm, lm.get_decoder()
-        self.params = tuple(p for p in self.decoder.parameters() if p.requires_grad)
+        self.params: tuple[torch.Tensor, ...] = ()  # the decoder's trained parameters, taken at the first capture
+        self._addresses: tuple[int, ...] = ()  # where all its parameters were then
         self.autocast_dtype = autocast_dtype
         self.backend = "flex"  # the tree-attention kernel inside the graphs
         self.sizes = graph_buckets(token_budget)
@@ -155,7 +152,6 @@ class GraphedDecoder:
         self.pool: Any = None
         self.failed: str | None = None
         self.verified = False
-        self._addresses = self._param_addresses()
 
     # ------------------------------------------------------------------ public
     def extend(self, token_budget: int) -> None:
@@ -184,8 +180,8 @@ class GraphedDecoder:
     def forward(self, row: PackedRow) -> PackedForward | None:
         """The row's final hidden states from the bucket's graph (captured now if it is the first such row);
         None when that capture fails (the graphs are off then: the caller runs the eager step)."""
-        size = next(s for s in self.sizes if s >= max(row.num_tokens, 1))
-        if self._param_addresses() != self._addresses:
+        size = self._size_for(row)
+        if self.buckets and self._param_addresses() != self._addresses:
             raise RuntimeError(
                 "a decoder parameter was replaced after its CUDA graph was captured (graphs read parameters in "
                 "place; a .to(), a new state dict assigned instead of copied...): set cuda_graph_step=False"
@@ -212,7 +208,7 @@ class GraphedDecoder:
             self._fail(f"capturing the {size}-token graph failed: {type(exc).__name__}: {str(exc)[:300]}")
 
     def _capture(self, size: int) -> _Bucket:
-        if not self.buckets:  # the first graph: the parameters as they are now (a .to() since __init__ is fine)
+        if not self.buckets:  # the first graph: the parameters as they are now (a .to() before it is fine)
             self.params = tuple(p for p in self.decoder.parameters() if p.requires_grad)
             self._addresses = self._param_addresses()
         dev = self.params[0].device
@@ -291,8 +287,7 @@ class GraphedDecoder:
         dev = row.input_ids.device
         gen = torch.Generator(device=dev).manual_seed(0)
         weights = torch.randn(row.num_tokens, self.lm.config.get_text_config().hidden_size, generator=gen, device=dev)
-        size = next(s for s in self.sizes if s >= max(row.num_tokens, 1))
-        padded = _Bucket.empty(size, dev)
+        padded = _Bucket.empty(self._size_for(row), dev)
         padded.load(row)
         with self._capturable():
             eager = self._decoder_out(padded.ids, padded.pos, padded.end)[: row.num_tokens]
@@ -317,6 +312,10 @@ class GraphedDecoder:
         self.buckets.clear()
         logger.warning("CUDA graphs of the training step are off: %s; the step runs eager. Set cuda_graph_step=False "
                        "to skip the attempt.", why)  # fmt: skip
+
+    def _size_for(self, row: PackedRow) -> int:
+        """The smallest bucket that holds ``row``."""
+        return next(s for s in self.sizes if s >= max(row.num_tokens, 1))
 
     def _param_addresses(self) -> tuple[int, ...]:
         """Where the decoder's parameters live now (the module's, not our list: a replaced one shows here)."""

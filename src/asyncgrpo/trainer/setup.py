@@ -180,8 +180,6 @@ def build_parts(trainer: SetupSeam, facts: ServerFacts | None, resume: ResumePoi
     else:
         assert facts is not None
         sync = NamedTimeouts(_start_sender(args, facts, worker), args.weight_sync_timeout)
-    if isinstance(worker, RolloutWorker):  # its imports run while the Trainer prepares and pushes the first weights
-        worker.spawn()
     return RunParts(sync, worker, source)
 
 

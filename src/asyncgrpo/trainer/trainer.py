@@ -62,7 +62,7 @@ from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers, spawn_worker_ahead
 from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
 from asyncgrpo.trainer.step_stats import StepStats
-from asyncgrpo.trainer.warmup import WARMUP_BUDGET, can_warm_up_before_train, prepare_step, warm_up
+from asyncgrpo.trainer.warmup import can_warm_up_before_train, prepare_step, warm_up, warmup_budget
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.policy import is_peft_model
@@ -243,7 +243,7 @@ class AsyncGRPOTrainer(Trainer):
         spawn_worker_ahead(self)
         if not can_warm_up_before_train(self):
             return 0.0
-        return warm_up(self, self.args.token_budget or WARMUP_BUDGET, before_train=True)
+        return warm_up(self, warmup_budget(self), before_train=True)
 
     def _stop_rollout(self) -> None:
         for worker in (self.worker, self.worker_ahead):  # worker_ahead: a train() that failed before adopting it

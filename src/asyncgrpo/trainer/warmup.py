@@ -76,10 +76,12 @@ def can_warm_up_before_train(trainer: Any) -> bool:
     either way, so with them the warm-up runs before ``train()`` too."""
     if not should_warm_up(trainer):
         return False
-    return not trainer.args.gradient_checkpointing or step_graphs(trainer, _budget(trainer)) is not None
+    return not trainer.args.gradient_checkpointing or step_graphs(trainer, warmup_budget(trainer)) is not None
 
 
-def _budget(trainer: Any) -> int:
+def warmup_budget(trainer: Any) -> int:
+    """The rows' token budget before ``train()``: the config's, or ``WARMUP_BUDGET`` (the server's max_model_len,
+    its default, is not read yet)."""
     return trainer.args.token_budget or WARMUP_BUDGET
 
 
