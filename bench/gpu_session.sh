@@ -15,10 +15,9 @@
 #   bash bench/gpu_session.sh learning-b6          # issue 10 B6 with heavier training steps (checkpointing on; two H200)
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh ttl   # issue 41: time to learning, main then this checkout
 #   bash bench/gpu_session.sh ssp                  # issue 41: the small packed step alone, per variant
-#   TTL_RUNS=async_cold,async_warm,sync_warm,async_warm_mps TTL_BASELINE_RUNS=async_warm,sync_warm \
-#     BASELINE_SRC=.baseline/src TTL_TIMEOUT=430 GRAPHS_TIMEOUT=150 \
-#     GRAPHS_TESTS="tests/gpu/test_graphed_step_gpu.py tests/gpu/test_packing_gpu.py" \
-#     bash bench/gpu_session.sh ttl graphs       # issue 41's final call (~10 min): time to learning + graph/B3 parity
+#   TTL_RUNS=async_cold,async_warm,sync_warm,async_warm_mps TTL_BASELINE_RUNS=async_cold,async_warm,sync_warm \
+#     BASELINE_SRC=.baseline/src TTL_TIMEOUT=560 bash bench/gpu_session.sh ttl   # issue 41's final call (~9 min)
+#   TESTS_TIMEOUT=380 PACKING_SECONDS=120 bash bench/gpu_session.sh tests packing  # then the GPU suite, B1/B2 (same commit)
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -34,7 +33,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)
-      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout 330 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
         ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|PARITY|round|MiB|Error|error" | tail -40 ;;
     generation)
       timeout 260 python3 bench/generation.py --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" | tail -25 ;;
@@ -45,7 +44,7 @@ for stage in "$@"; do
     enginegc)  # GC pauses in the engine at B5's shape (the flat top-N change: CPU showed 6-7 full collections -> 0)
       timeout 200 python3 bench/probes/engine_gc.py --out "$OUT/engine_gc_h200.json" 2>&1 | tee "$OUT/engine_gc.log" | tail -6 ;;
     packing)
-      timeout 340 python3 bench/tree_packing.py --max-seconds 300 --out "$OUT/tree_packing_h200.json" 2>&1 \
+      timeout $((${PACKING_SECONDS:-300} + 40)) python3 bench/tree_packing.py --max-seconds ${PACKING_SECONDS:-300} --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/tree_packing.log" | tail -30 ;;
     model-a) mkdir -p /tmp/model && cp .m1/part /tmp/model/a && ls -la /tmp/model ;;
     model-b) cat /tmp/model/a .m2/part > /tmp/model/smollm2.gguf && ls -la /tmp/model ;;
@@ -105,6 +104,12 @@ for stage in "$@"; do
         --eval-every 30 --token-budget 8192 --learning-rate 1e-5 --heldout-limit 100 \
         --out "$OUT/learning_1gpu_h200.json" 2>&1 | tee "$OUT/learning_1gpu.log" | grep -vE "it/s\]|s/it\]" | tail -30 ;;
     ttl)  # issue 41: time to learning, today's main (BASELINE_SRC) then this checkout, random-init SmolLM2-135M shape
+      # the image's venv ships no .pyc and sets PYTHONDONTWRITEBYTECODE: compile site-packages once, as `pip install`
+      # does, so that neither variant's first run pays ~6 s per process for it (TTL_PRECOMPILE=0: leave it as it is)
+      if [ "${TTL_PRECOMPILE:-1}" != 0 ]; then
+        t0=$SECONDS; sp=$(python3 -c "import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec('torch').origin)))")
+        python3 -m compileall -q -j 16 "$sp" > /dev/null 2>&1; echo "bytecode of $sp compiled in $((SECONDS - t0)) s" | tee "$OUT/precompile.txt"
+      fi
       timeout ${TTL_TIMEOUT:-560} python3 bench/time_to_learning.py --random-init --max-completion-length 40 --steps ${TTL_STEPS:-30} \
         ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} ${TTL_RUNS:+--runs "$TTL_RUNS"} ${TTL_BASELINE_RUNS:+--baseline-runs "$TTL_BASELINE_RUNS"} --profile-steps 20-22 --run-timeout 110 \
         --out "$OUT/time_to_learning_h200.json" 2>&1 | tee "$OUT/ttl.log" | grep -vE "^\{'|it/s\]" | tail -20
