@@ -127,6 +127,18 @@ for stage in "$@"; do
         | tail -30
       cp "$OUT/estart/engine_start_h200.json" "$OUT/" 2>/dev/null
       tar -czf "$OUT/estart.tgz" -C "$OUT" estart && rm -rf "$OUT/estart" ;;
+    imports)  # issue 41: the server's transformers import, scikit-learn hidden (server/lean_imports.py) or not
+      for mode in plain lean; do
+        python3 -X importtime -c "
+import sys, time; t = time.time()
+from asyncgrpo.server import lean_imports
+lean_imports.enable() if '$mode' == 'lean' else None
+with lean_imports.without_unused_packages():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers.models.llama.modeling_llama
+print('$mode', 'import s', round(time.time() - t, 2), 'sklearn' in sys.modules, file=sys.stderr)" 2> "$OUT/importtime_$mode.txt"
+        grep -E "^(plain|lean) " "$OUT/importtime_$mode.txt"; sort -t'|' -k2 -n "$OUT/importtime_$mode.txt" | tail -12
+      done ;;
     graphs)  # issue 41: CUDA graphs of the step against the eager step (GPU tests)
       python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
       ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout ${GRAPHS_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GRAPHS_TESTS:-tests/gpu/test_graphed_step_gpu.py} 2>&1 \

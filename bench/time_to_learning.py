@@ -143,6 +143,10 @@ def gpu_child(a: argparse.Namespace) -> dict:
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.tasks.reasoning import numeric_answer_reward
     from bench.learning import hashed_reward
+    from bench.probes.start_timeline import install
+
+    timeline = install(t_launch)  # the first call of each start phase, seconds since launch
+    timeline["child_imports"] = [0.0, round(time.time() - t_launch, 3)]
 
     reward = hashed_reward if a.random_init else numeric_answer_reward  # random weights: never a tied group
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
@@ -220,6 +224,7 @@ def gpu_child(a: argparse.Namespace) -> dict:
         "main_thread_cpu_share_after_2": _cpu_share(stamps, cpu),
         "thread_cpu_s": threads,
         "server_start_log": server_log_times(log, t_launch),
+        "start_timeline": dict(sorted(timeline.items(), key=lambda kv: kv[1][0])),
     }
     if a.profile_dir and a.child == "async_warm" and prof is not None:
         Path(a.profile_dir).mkdir(parents=True, exist_ok=True)

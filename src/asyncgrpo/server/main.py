@@ -29,7 +29,9 @@ from typing import Any
 
 from asyncgrpo.files import local_only
 from asyncgrpo.process_exit import exit_without_teardown
+from asyncgrpo.server import lean_imports
 from asyncgrpo.server.bytecode import keep_bytecode
+from asyncgrpo.server.lean_imports import without_unused_packages
 from asyncgrpo.server.start_clock import StartClock
 
 logger = logging.getLogger(__name__)
@@ -264,6 +266,7 @@ def run_serve(args: argparse.Namespace) -> int:
     clock = StartClock(role="http")  # from this process's start: /server_info's ready_s counts from the launch
     clock.part("interpreter")  # the interpreter's start, the CLI's imports, the arguments
     keep_bytecode()  # before torch and transformers (server/bytecode.py); a no-op where the command did it first
+    lean_imports.enable()  # transformers without scikit-learn here (server/lean_imports.py)
     if str(args.model) == "demo":  # served under its directory's name: the trainer's demo_model_dir() matches it
         from asyncgrpo.assets import demo_model_dir
 
@@ -335,10 +338,11 @@ def _load_tokenizer(model_dir: str, model: str, clock: Any) -> Any:
         import torch  # noqa: F401 - transformers' tokenizer classes import it: timed on its own, the largest import
 
         clock.part("torch_import")
-        from transformers import AutoTokenizer
+        with without_unused_packages():  # server/lean_imports.py
+            from transformers import AutoTokenizer
 
-        clock.part("transformers_import")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, **local_only(model_dir))  # no Hub round trip
+            clock.part("transformers_import")
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, **local_only(model_dir))  # no Hub round trip
         clock.part("from_pretrained")
     except (OSError, ValueError) as exc:
         logger.warning("no tokenizer in %s (%s): prompts must be token ids and texts will be empty", model, exc)

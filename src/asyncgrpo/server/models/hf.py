@@ -26,6 +26,7 @@ from torch import nn
 
 from asyncgrpo.files import local_only
 from asyncgrpo.models.vlm import is_vision_language
+from asyncgrpo.server.lean_imports import without_unused_packages
 from asyncgrpo.server.models.decoder import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,12 @@ def load_any_model(
     ``AutoModelForImageTextToText``. An instance is used in place (its weights are shared, not copied).
     ``part``: the start clock's :meth:`~asyncgrpo.server.start_clock.StartClock.part`, called after each step.
     """
+    with without_unused_packages():  # the import and from_pretrained (which imports the modeling module)
+        return _load(model, dtype, device, part)
+
+
+def _load(model: str | os.PathLike | nn.Module, dtype: str | torch.dtype, device: str | torch.device,
+          part: Callable[[str], None]):  # fmt: skip
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     part("transformers_import")
