@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +47,22 @@ class FloodingLoop:
             channels.put_metric("rollout/test_count", 1)
         while not channels.stop.is_set():
             await asyncio.sleep(0.02)
+
+
+class ImportsSeenLoop:
+    """Emits which heavy modules the child had imported when this loop was unpickled (its module imports none)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []  # a non-empty state: pickle calls __setstate__ only for one
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.seen = sorted(m for m in ("asyncgrpo.rollout.loop", "torch", "transformers") if m in sys.modules)
+
+    async def run(self, channels) -> None:
+        channels.samples.put({"seen": self.seen})
+        while not channels.stop.is_set():
+            await asyncio.sleep(0.05)
 
 
 class FailingLoop:
@@ -142,6 +159,18 @@ def test_a_worker_spawned_ahead_takes_its_loop_later_or_exits_when_stopped():
     assert time.monotonic() - t0 < 9  # it saw the closed pipe; stop() did not wait out its 10 s and terminate it
 
 
+def test_a_child_imports_what_a_loop_needs_before_the_loop_arrives():
+    """Spawned ahead, the child imports torch, transformers and the loop's modules while it waits: unpickling the
+    loop at start() no longer pays for them inside the first group's time."""
+    w = RolloutWorker(None, heartbeat_timeout=60)
+    w.spawn()
+    w.adopt(ImportsSeenLoop()).start()
+    try:
+        assert w.get_sample(timeout=60)["seen"] == ["asyncgrpo.rollout.loop", "torch", "transformers"]
+    finally:
+        w.stop()
+
+
 def test_child_exception_reaches_the_trainer_with_its_traceback():
     w = RolloutWorker(FailingLoop(), heartbeat_timeout=30)
     w.start()
@@ -169,7 +198,7 @@ def test_killed_worker_stops_the_trainer_wait():
 
 def test_stale_heartbeat_is_an_error():
     w = RolloutWorker(BlockingLoop(), heartbeat_timeout=2.0)
-    w.start()
+    w.start(timeout=120)  # the child imports torch and transformers before it takes the loop
     try:
         with pytest.raises(RolloutWorkerError, match="heartbeat"):
             w.get_sample(timeout=30)
