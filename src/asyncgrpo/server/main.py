@@ -227,6 +227,8 @@ def default_answer_workers(device_type: str) -> int:
 async def _serve(app: Any, host: str, port: int, clock: StartClock) -> None:
     from aiohttp import web
 
+    from asyncgrpo.server.http.app import state_of
+
     try:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     except TypeError:  # aiohttp < 3.9 always cancels handlers of closed connections
@@ -243,6 +245,7 @@ async def _serve(app: Any, host: str, port: int, clock: StartClock) -> None:
                 clock.since_start(), clock.text())  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    state_of(app).answers.start_helpers(loop)  # after ready: their start is off the server's and the first answer's
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:

@@ -456,3 +456,30 @@ def test_float32_log_probs_go_out_short_and_read_back_as_the_same_float32(librar
     content = gen["choices"][0]["logprobs"]["content"]
     assert np.float32([e["logprob"] for e in content]).tolist() == out.logprobs
     assert [e["rank"] for e in content] == [e["rank"] for e in _reference_generate_content(out)]
+
+
+def test_helpers_started_when_the_server_serves_take_the_first_answer():
+    """start_helpers (the server calls it once it listens): the helpers run before any answer, and the first
+    answer goes to one of them instead of starting new ones; with no helpers asked for, none start."""
+    from asyncgrpo.server.http.answer_pool import AnswerEncoder
+
+    outs = [_output(random.Random(8), 64, 8)]
+    parsed = ParsedRequest("g", "m", None, [1, 2, 3], [], 8)
+
+    async def main() -> tuple[list[int], list[int], bool, list[int]]:
+        enc, off = AnswerEncoder(2, min_numbers=0), AnswerEncoder(0)
+        try:
+            loop = asyncio.get_running_loop()
+            enc.start_helpers(loop)
+            off.start_helpers(loop)
+            started = enc.helper_pids()
+            alive = all(pid_alive(p) for p in started)
+            await enc.generate(parsed, outs)
+            return started, enc.helper_pids(), alive, off.helper_pids()
+        finally:
+            enc.close()
+
+    started, after, alive, none = asyncio.run(main())
+    assert len(started) == 2 and alive
+    assert after == started
+    assert none == []

@@ -242,10 +242,11 @@ class AnswerEncoder:
         finally:
             handle.cancel()
 
-    def _pick(self, loop: asyncio.AbstractEventLoop) -> _Helper:
-        """The helper with the fewest jobs in hand; helpers start on first use, bound to this loop."""
+    def start_helpers(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the helpers now, bound to ``loop`` (the server does once it serves: a helper's interpreter and
+        imports take a few hundred ms, which otherwise sat inside the first large answer of a run)."""
         if not self.workers:
-            raise HelperFailed("the answer helpers are off")
+            return
         if self._loop is not loop:
             self.close()
             self._loop = loop
@@ -256,6 +257,12 @@ class AnswerEncoder:
                 loop.add_reader(helper.fd, self._on_readable, helper)
                 self._helpers.append(helper)
             logger.info("answer encoding in %d helper processes", self.workers)
+
+    def _pick(self, loop: asyncio.AbstractEventLoop) -> _Helper:
+        """The helper with the fewest jobs in hand; helpers not started yet (or lost) start now, bound to this loop."""
+        if not self.workers:
+            raise HelperFailed("the answer helpers are off")
+        self.start_helpers(loop)
         return min(self._helpers, key=lambda h: len(h.jobs))
 
     def _write(self, helper: _Helper, frame: bytes) -> None:
