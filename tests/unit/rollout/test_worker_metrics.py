@@ -9,7 +9,7 @@ import asyncio
 import threading
 import time
 
-from asyncgrpo.rollout import worker as worker_module
+from asyncgrpo.rollout import worker_child as worker_module
 from asyncgrpo.rollout.worker import RolloutWorker
 
 

@@ -34,8 +34,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.server import lean_imports
-from asyncgrpo.server.bytecode import keep_bytecode
+from asyncgrpo.server import bytecode, lean_imports
 from asyncgrpo.server.engine.commands import (
     Abort,
     ErrorInfo,
@@ -94,7 +93,7 @@ def _engine_main(conn: Any, model: str, settings: EngineSettings, receiver: Rece
     clock = StartClock(role="engine")  # from this process's start: its interpreter and imports count too
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    keep_bytecode()  # the API process chose the folder (server/bytecode.py); this one writes there too
+    bytecode.keep_bytecode()  # the API process chose the folder (server/bytecode.py); this one writes there too
     lean_imports.enable()  # transformers without scikit-learn here (server/lean_imports.py)
     clock.part("interpreter")  # the interpreter's start and the imports of the pickled entry point (this module)
     from asyncgrpo.server.engine.engine import Engine
