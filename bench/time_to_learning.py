@@ -292,6 +292,7 @@ def _profile_totals(prof) -> dict:
 # ------------------------------------------------------------------------------------------------- the CPU child
 def cpu_demo(a: argparse.Namespace, src: str, work: Path) -> dict:
     """``asyncgrpo demo`` (the README's main job) with ``src`` first on the path; its start and steps."""
+    shutil.rmtree(work, ignore_errors=True)  # an earlier run's server log and metrics.jsonl would be read as this one's
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": src, "TMPDIR": str(work)}  # the embedded server's log lands in work/
     t_launch = time.time()

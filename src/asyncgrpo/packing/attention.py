@@ -107,9 +107,9 @@ def build_plan(
     total = row.num_tokens
     end = row.subtree_end.to(device)
     if backend == "sdpa":
-        plan = TreeAttentionPlan("sdpa", total, dense_mask=_dense_mask(end))
+        plan = TreeAttentionPlan("sdpa", total, dense_mask=dense_tree_mask(end))
     elif backend == "flex":
-        plan = TreeAttentionPlan("flex", total, block_mask=_flex_block_mask(end))
+        plan = TreeAttentionPlan("flex", total, block_mask=flex_block_mask(end))
     else:
         plan = _varlen_plan(row, device)
     if linear_attention:
@@ -117,13 +117,13 @@ def build_plan(
     return plan
 
 
-def _dense_mask(end: torch.Tensor) -> torch.Tensor:
+def dense_tree_mask(end: torch.Tensor) -> torch.Tensor:
     """[T, T] bool: key k visible to query q iff k <= q < end[k] (causal, restricted to q's path)."""
     idx = torch.arange(end.numel(), device=end.device)
     return (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
 
 
-def _flex_block_mask(end: torch.Tensor) -> Any:
+def flex_block_mask(end: torch.Tensor) -> Any:
     """FlexAttention block mask of the tree, classified per 128x128 block without a [T, T] tensor.
 
     The number of visible (q, k) pairs in a block is the sum over its keys k of the length of

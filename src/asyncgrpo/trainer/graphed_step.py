@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.packing.attention import FLEX_BLOCK, TreeAttentionPlan, _dense_mask, _flex_block_mask
+from asyncgrpo.packing.attention import FLEX_BLOCK, TreeAttentionPlan, dense_tree_mask, flex_block_mask
 from asyncgrpo.packing.deltanet import needs_linear_plan
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.trainer.packed_forward import PackedForward
@@ -75,8 +75,8 @@ def step_graphs(trainer: Any, token_budget: int) -> GraphedDecoder | None:
     """The trainer's graphed decoder, made on the first call where :func:`wants_graphed_step` says so (and grown to
     a larger ``token_budget`` on later calls); None where the step runs eager."""
     graphs = trainer.graphed
-    if graphs is None and getattr(trainer, "_graphs_decided", False) is False:
-        trainer._graphs_decided = True
+    if graphs is None and not trainer.graphs_decided:
+        trainer.graphs_decided = True
         if _trainer_wants(trainer, token_budget):
             precision = trainer.accelerator.mixed_precision
             amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(precision))
@@ -243,10 +243,10 @@ class GraphedDecoder:
         in as ``attention_mask`` too: transformers returns a 4-D mask as it is instead of probing the positions
         for packed sequences (a host sync, which a capture refuses)."""
         if self.backend == "flex":
-            plan = TreeAttentionPlan("flex", ids.numel(), block_mask=_flex_block_mask(end))
+            plan = TreeAttentionPlan("flex", ids.numel(), block_mask=flex_block_mask(end))
             mask = plan.block_mask
         else:  # "sdpa": the same row through the dense mask (CPU tests of the padding)
-            plan = TreeAttentionPlan("sdpa", ids.numel(), dense_mask=_dense_mask(end))
+            plan = TreeAttentionPlan("sdpa", ids.numel(), dense_mask=dense_tree_mask(end))
             mask = plan.dense_mask[None, None]
         out = self.decoder(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, use_cache=False,
                            tree_plan=plan)  # fmt: skip

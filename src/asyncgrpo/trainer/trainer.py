@@ -183,10 +183,11 @@ class AsyncGRPOTrainer(Trainer):
             from asyncgrpo.report.live import CompactProgress, install_compact_progress, settings_of
 
             install_compact_progress(self, CompactProgress(COMPACT_DOCTOR_EVERY, settings_of(args)))
+        funcs = [reward_function_name(f) for f in reward_funcs]  # mixture_of_experts: the run doctor's routing table
         self.run_info: dict[str, Any] = {
             "model": model_id,
-            "reward_funcs": [reward_function_name(f) for f in reward_funcs],
-            "mixture_of_experts": is_moe(text_config),  # the run doctor's routing table
+            "reward_funcs": funcs,
+            "mixture_of_experts": is_moe(text_config),
         }
         self.worker: RolloutWorker | Any = None  # rank 0, during train() (a TRLWorkerHost around rollout_worker)
         self.source: RolloutSource | None = None  # rank 0, during train()
@@ -195,6 +196,7 @@ class AsyncGRPOTrainer(Trainer):
         self.served_adapter: str | None = None  # the newest adapter registered under adapter sync (T6), rank 0
         self.final_model_saved = False  # train() saved the final model to output_dir
         self.graphed: GraphedDecoder | None = None  # cuda_graph_step: set up by the warm-up (trainer/graphed_step.py)
+        self.graphs_decided = False  # step_graphs() asked once whether this run's step can run as CUDA graphs
         self.worker_ahead: RolloutWorker | None = None  # spawned by warm_up_compile(), adopted by train()
 
     # ------------------------------------------------------------------ set-up

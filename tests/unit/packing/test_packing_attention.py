@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from asyncgrpo.packing.attention import _flex_block_mask, build_plan, packed_hidden_states, use_tree_attention
+from asyncgrpo.packing.attention import build_plan, flex_block_mask, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.trainer.logprobs import selective_logprobs
 from tests.helpers.reference import lora_model, unpacked_logprobs_and_grads
@@ -123,7 +123,7 @@ def test_flex_block_mask_classifies_blocks_exactly():
 
     row = _large_row()
     dense = _dense_reference(row)
-    bm = _flex_block_mask(row.subtree_end)
+    bm = flex_block_mask(row.subtree_end)
     total, blk = row.num_tokens, 128
     nb = -(-total // blk)
     full = torch.zeros(nb, nb, dtype=torch.bool)
