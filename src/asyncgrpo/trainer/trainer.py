@@ -183,12 +183,9 @@ class AsyncGRPOTrainer(Trainer):
             from asyncgrpo.report.live import CompactProgress, install_compact_progress, settings_of
 
             install_compact_progress(self, CompactProgress(COMPACT_DOCTOR_EVERY, settings_of(args)))
-        funcs = [reward_function_name(f) for f in reward_funcs]  # mixture_of_experts: the run doctor's routing table
-        self.run_info: dict[str, Any] = {
-            "model": model_id,
-            "reward_funcs": funcs,
-            "mixture_of_experts": is_moe(text_config),
-        }
+        funcs = [reward_function_name(f) for f in reward_funcs]
+        moe = is_moe(text_config)  # the run doctor's routing table
+        self.run_info: dict[str, Any] = {"model": model_id, "reward_funcs": funcs, "mixture_of_experts": moe}
         self.worker: RolloutWorker | Any = None  # rank 0, during train() (a TRLWorkerHost around rollout_worker)
         self.source: RolloutSource | None = None  # rank 0, during train()
         self.weight_sync: WeightSync | None = None  # every process, during train() (trainer/setup.py picks it)
