@@ -26,7 +26,6 @@ import torch
 from asyncgrpo.packing import PackSample, pack_samples
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.trainer.graphed_step import step_graphs
-from asyncgrpo.trainer.optimizer_state import materialize_state
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +86,13 @@ def warmup_budget(trainer: Any) -> int:
 
 
 def prepare_step(trainer: Any, token_budget: int) -> None:
-    """At ``train()``'s start, while the worker generates the first groups: the graphs of the real
-    ``token_budget`` (buckets the warm-up before ``train()`` could not know), the compile warm-up if it has not
-    run, and the optimizer's state (``trainer/optimizer_state.py``; one process only)."""
+    """At ``train()``'s start: the graphs of the real ``token_budget`` (buckets the warm-up before ``train()``
+    could not know), then the compile warm-up if it has not run."""
     graphs = step_graphs(trainer, token_budget)
     if graphs is not None:
         graphs.capture_all()
     if should_warm_up(trainer):
         warm_up(trainer, token_budget)
-    if trainer.args.world_size == 1 and trainer.optimizer is not None:
-        materialize_state(trainer.optimizer)
 
 
 def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> float:
