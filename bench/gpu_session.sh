@@ -15,9 +15,10 @@
 #   bash bench/gpu_session.sh learning-b6          # issue 10 B6 with heavier training steps (checkpointing on; two H200)
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh ttl   # issue 41: time to learning, main then this checkout
 #   bash bench/gpu_session.sh ssp                  # issue 41: the small packed step alone, per variant
-#   TTL_RUNS=async_cold,async_warm,sync_warm,async_warm_mps TTL_BASELINE_RUNS=async_cold,async_warm,sync_warm \
-#     BASELINE_SRC=.baseline/src TTL_TIMEOUT=560 bash bench/gpu_session.sh ttl   # issue 41's final call (~9 min)
+#   TTL_RUNS=async_cold,async_warm,sync_warm,async_warm_mps TTL_BASELINE_RUNS=async_cold,async_warm \
+#     BASELINE_SRC=.baseline/src TTL_TIMEOUT=430 bash bench/gpu_session.sh ttl   # issue 41's final call (6 runs: ~6.5 min)
 #   TESTS_TIMEOUT=380 PACKING_SECONDS=120 bash bench/gpu_session.sh tests packing  # then the GPU suite, B1/B2 (same commit)
+#   (the graphs stage alone needs more than 140 s: its first three tests took that long on 2026-12-04)
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
