@@ -32,21 +32,27 @@ PHASES = [
 ]
 
 
+def resolve(module_name: str, path: str) -> tuple[Any, str, Any] | None:
+    """(the object holding the phase's function, its attribute name, the function), or None where it is missing."""
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part, None)
+    fn = getattr(owner, name, None) if owner is not None else None
+    return (owner, name, fn) if fn is not None else None
+
+
 def install(t_launch: float) -> dict[str, list[float]]:
     """Patch the phases; returns the dict they fill: label -> [start, end] of the first call (s since launch)."""
     seen: dict[str, list[float]] = {}
     for module_name, path, label in PHASES:
-        try:
-            owner: Any = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        *outer, name = path.split(".")
-        for part in outer:
-            owner = getattr(owner, part, None)
-        fn = getattr(owner, name, None) if owner is not None else None
-        if fn is None:
-            continue
-        setattr(owner, name, _first_call(fn, label, seen, t_launch))
+        found = resolve(module_name, path)
+        if found is not None:
+            owner, name, fn = found
+            setattr(owner, name, _first_call(fn, label, seen, t_launch))
     return seen
 
 
