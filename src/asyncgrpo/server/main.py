@@ -31,7 +31,6 @@ from asyncgrpo.files import local_only
 from asyncgrpo.process_exit import exit_without_teardown
 from asyncgrpo.server import lean_imports
 from asyncgrpo.server.bytecode import keep_bytecode
-from asyncgrpo.server.lean_imports import without_unused_packages
 from asyncgrpo.server.start_clock import StartClock
 
 logger = logging.getLogger(__name__)
@@ -341,7 +340,7 @@ def _load_tokenizer(model_dir: str, model: str, clock: Any) -> Any:
         import torch  # noqa: F401 - transformers' tokenizer classes import it: timed on its own, the largest import
 
         clock.part("torch_import")
-        with without_unused_packages():  # server/lean_imports.py
+        with lean_imports.without_unused_packages():
             from transformers import AutoTokenizer
 
             clock.part("transformers_import")
