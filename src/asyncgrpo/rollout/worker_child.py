@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -175,8 +174,9 @@ def _import_ahead() -> None:
     its parts and pushes the first weights; unpickling the loop then takes 0.1 s instead of the seconds of these
     imports (2.5 s on 2 CPU cores, 3-3.8 s on an H200 machine: the first generation waited for them)."""
     try:
-        importlib.import_module("asyncgrpo.rollout.loop")
         import transformers
+
+        import asyncgrpo.rollout.loop  # noqa: F401 - imports torch and the loop's modules
 
         transformers.PreTrainedTokenizerFast  # noqa: B018 - a lazy attribute: imports the fast tokenizers' module
     except Exception as exc:  # noqa: BLE001 - the unpickling below meets the same import and reports it in context
