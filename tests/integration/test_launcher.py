@@ -71,8 +71,9 @@ def test_a_launch_without_waiting_is_waited_for_later_and_reports_its_start(tiny
     server = launcher.launch_server(tiny_llama_dir, extra_args=["--device", "cpu", "--engine-process", "on",
                                                                 "--max-model-len", "128"], timeout=120, wait=False)  # fmt: skip
     with server:
-        assert server.alive()
+        assert server.alive() and not server.answers()  # a spawned interpreter does not serve within milliseconds
         assert server.wait_ready() is server and server.wait_ready() is server
+        assert server.answers()
         with urllib.request.urlopen(server.base_url + "/health", timeout=10) as r:
             assert r.status == 200 and r.headers[launcher.SERVER_PID_HEADER] == str(server.proc.pid)
         with urllib.request.urlopen(server.base_url + "/server_info", timeout=10) as r:
@@ -91,7 +92,7 @@ def test_a_launch_without_waiting_is_waited_for_later_and_reports_its_start(tiny
     for proc, phases in (("engine", engine), ("http", api)):
         for phase, split in parts[proc].items():
             assert sum(split.values()) == pytest.approx(phases[phase], abs=0.01), (proc, phase)
-    assert not server.alive()
+    assert not server.alive() and not server.answers()
 
 
 def test_a_taken_port_fails_a_launch_without_waiting_at_wait_ready(squatter, tiny_llama_dir):
@@ -100,6 +101,7 @@ def test_a_taken_port_fails_a_launch_without_waiting_at_wait_ready(squatter, tin
     server = launcher.launch_server(tiny_llama_dir, port=squatter, extra_args=["--device", "cpu"], timeout=120,
                                     wait=False)  # fmt: skip
     assert server.base_url.endswith(f":{squatter}")
+    assert not server.answers()  # answered, but not by this server: never "ready", and no raise here
     with pytest.raises(launcher.PortTaken, match=r"not an asyncgrpo server.*give it a free --port"):
         server.wait_ready()
     assert not server.alive()

@@ -361,7 +361,7 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
         except ServerError as e:
             raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
         if server is not None:
-            trainer.warm_up_compile()  # compile the step while the server still starts (CUDA; trainer/warmup.py)
+            trainer.warm_up_compile(until=server.answers)  # while the server starts (CUDA; trainer/warmup.py)
             await_embedded(server)
         # run_config.json (written by the trainer at train() start) records the YAML's sections too
         trainer.run_info.update(model=spec.model, dataset=spec.dataset, reward_funcs=list(spec.reward_specs))

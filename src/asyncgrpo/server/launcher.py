@@ -73,6 +73,15 @@ class ServerProcess:
         self._ready = True
         return self
 
+    def answers(self, timeout: float = 0.5) -> bool:
+        """Whether the server serves now, from one ``/health`` probe: never waits longer than ``timeout`` and never
+        raises (a start that failed is reported by :meth:`wait_ready`). For work that can stop at the first safe
+        point once the server is up (the trainer's compile warm-up)."""
+        if self._ready:
+            return self.alive()
+        health = _health(self.base_url, timeout) if self.alive() else None
+        return health is not None and health[0] and health[1] == str(self.proc.pid)
+
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -153,6 +162,15 @@ def _log_file(port: int) -> Path:
     return Path(name)
 
 
+def _health(base_url: str, timeout: float) -> tuple[bool, str | None] | None:
+    """One ``/health`` probe: (answered 200, the answering server's pid header), or None when nothing answered."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=timeout) as r:
+            return r.status == 200, r.headers.get(SERVER_PID_HEADER)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return None
+
+
 def _await_ready(server: ServerProcess, deadline: float, timeout: float) -> ServerProcess:
     """Poll ``/health`` until the server answers as itself (see :meth:`ServerProcess.wait_ready`)."""
     proc = server.proc
@@ -163,19 +181,16 @@ def _await_ready(server: ServerProcess, deadline: float, timeout: float) -> Serv
             logger.info("waiting for the generation server at %s to answer /health (%.0f s so far; log: %s)",
                         server.base_url, last_line - t0, server.log_path)  # fmt: skip
         exited = proc.poll() is not None
-        try:  # probed after an exit too: one that exited because another process holds its port is PortTaken
-            with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
-                healthy, answering = r.status == 200, r.headers.get(SERVER_PID_HEADER)
-            if healthy and answering != str(proc.pid):
-                who = f"pid {answering}" if answering else "a process that is not an asyncgrpo server"
-                raise PortTaken(
-                    f"{server.base_url} is answered by {who}, not by the server just started (pid {proc.pid}); "
-                    "give it a free --port"
-                )
-            if healthy and not exited:
-                return server
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
-            pass
+        # probed after an exit too: one that exited because another process holds its port is PortTaken
+        health = _health(server.base_url, 2.0)
+        if health is not None and health[0] and health[1] != str(proc.pid):
+            who = f"pid {health[1]}" if health[1] else "a process that is not an asyncgrpo server"
+            raise PortTaken(
+                f"{server.base_url} is answered by {who}, not by the server just started (pid {proc.pid}); "
+                "give it a free --port"
+            )
+        if health is not None and health[0] and not exited:
+            return server
         if exited:
             raise RuntimeError(
                 f"the generation server exited with code {proc.returncode} during start-up:\n{server.log_tail()}"

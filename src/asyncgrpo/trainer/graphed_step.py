@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,20 +162,30 @@ class GraphedDecoder:
         """Whether ``row`` runs graphed: graphs on, a bucket fits it, gradients on."""
         return self.failed is None and row.num_tokens <= self.sizes[-1] and torch.is_grad_enabled()
 
-    def capture_all(self, verify_row: PackedRow | None = None) -> float:
-        """Capture every bucket not yet captured (and check the first against ``verify_row``); seconds spent."""
+    def capture_all(self, verify_row: PackedRow | None = None, until: Callable[[], bool] | None = None) -> float:
+        """Capture every bucket not yet captured (and check the first against ``verify_row``); seconds spent.
+
+        ``until``: asked after each capture; True leaves the other buckets (and the check) for a later call."""
         t0 = time.perf_counter()
         todo = [s for s in self.sizes if s not in self.buckets]
+        done = []
         for size in todo:
+            if done and until is not None and until():
+                break
             if self.failed is None:
                 self._capture_or_fail(size)
-        if verify_row is not None and self.failed is None and not self.verified:
+                done.append(size)
+        if verify_row is not None and self.failed is None and not self.verified and len(done) == len(todo):
             self._verify_or_fail(verify_row)
         seconds = time.perf_counter() - t0
-        if todo and self.failed is None:
+        if done and self.failed is None:
             logger.info("captured CUDA graphs of the decoder for rows of %s tokens in %.1f s (cuda_graph_step)",
-                        "/".join(map(str, todo)), seconds)  # fmt: skip
+                        "/".join(map(str, done)), seconds)  # fmt: skip
         return seconds
+
+    def complete(self) -> bool:
+        """Every bucket captured and checked, or the graphs off: nothing left for :meth:`capture_all`."""
+        return self.failed is not None or (self.verified and all(s in self.buckets for s in self.sizes))
 
     def forward(self, row: PackedRow) -> PackedForward | None:
         """The row's final hidden states from the bucket's graph (captured now if it is the first such row);

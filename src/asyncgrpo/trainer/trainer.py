@@ -27,6 +27,7 @@ import logging
 import math
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -235,14 +236,14 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.start()
         prepare_step(self, self.token_budget)  # compile and capture while the worker generates the first groups
 
-    def warm_up_compile(self) -> float:
-        """Compile the step's kernels now, e.g. while the server starts (``asyncgrpo train`` does); ``train()`` then
-        skips its warm-up. Seconds spent (0: nothing to do, see ``trainer/warmup.py``). The rollout worker's process
-        is spawned first: its imports run meanwhile (``trainer/setup.py``)."""
+    def warm_up_compile(self, until: Callable[[], bool] | None = None) -> float:
+        """Compile the step's kernels now, while the server starts (``asyncgrpo train``); seconds spent (0: nothing to
+        do). ``until`` ("the server serves") stops it at the next safe point, and ``train()`` does the rest beside the
+        first generations (``trainer/warmup.py``). The rollout worker's process is spawned first (its imports)."""
         spawn_worker_ahead(self)
         if not can_warm_up_before_train(self):
             return 0.0
-        return warm_up(self, warmup_budget(self), before_train=True)
+        return warm_up(self, warmup_budget(self), before_train=True, until=until)
 
     def _stop_rollout(self) -> None:
         for worker in (self.worker, self.worker_ahead):  # worker_ahead: a train() that failed before adopting it

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,14 +96,22 @@ def prepare_step(trainer: Any, token_budget: int) -> None:
         warm_up(trainer, token_budget)
 
 
-def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> float:
+def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: Callable[[], bool] | None = None
+            ) -> float:  # fmt: skip
     """Run forward+backward of the warm-up rows through ``trainer.step_forward_backward``; returns seconds.
 
     ``before_train``: the model is not prepared by accelerate yet, so its forward runs under the accelerator's
-    autocast, as the prepared model's forward will. A failure is logged and ignored: the real step then compiles
-    (or fails) as it would have without warm-up.
+    autocast, as the prepared model's forward will. ``until``: asked before the warm-up and between its parts (a
+    bucket's graphs, a row); True stops it there, and ``train()`` does the rest while the worker generates the first
+    groups (``asyncgrpo train`` passes "the server serves": waiting on the compile then only delays generation). A
+    failure is logged and ignored: the real step then compiles (or fails) as it would have without warm-up.
     """
     args = trainer.args
+    stop = until or (lambda: False)
+    if stop():
+        logger.info("the generation server serves already: the compile warm-up runs in train(), beside the first "
+                    "generations")  # fmt: skip
+        return 0.0
     lm = trainer._causal_lm()
     model = trainer.model if before_train else trainer.model_wrapped
     t0 = time.perf_counter()
@@ -112,19 +121,28 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False) -> floa
     # a cold compile runs tens of seconds before anything else is printed: say what the wait is
     logger.info("compiling the training step on two dummy rows of %s tokens (warm_up_compile; a cold compile cache "
                 "takes tens of seconds)", "/".join(str(r.num_tokens) for r in rows))  # fmt: skip
+    stopped = False
     try:
         graphs = step_graphs(trainer, token_budget)
         if graphs is not None:  # every bucket now, checked on a real row, so no step captures one
-            graphs.capture_all(verify_row=rows[-1].to(args.device))
+            graphs.capture_all(verify_row=rows[-1].to(args.device), until=until)
+            stopped = not graphs.complete()
         for row in rows:
+            if stopped or stop():
+                stopped = True
+                break
             trainer.step_forward_backward(model, row, float(row.num_trained), keep_metrics=False,
                                           autocast_forward=before_train)  # fmt: skip
     except (RuntimeError, ValueError, TypeError) as exc:  # never lose the run to its warm-up
         logger.warning("the compile warm-up failed (%s: %s); the first steps compile instead", type(exc).__name__, exc)
     finally:
         model.zero_grad(set_to_none=True)
-    trainer.compile_warmed_up = True
     seconds = time.perf_counter() - t0
+    if stopped:  # not warmed up: train() finishes it (what is compiled and captured stays)
+        logger.info("the generation server serves: the rest of the compile warm-up runs in train(), beside the first "
+                    "generations (%.1f s spent before)", seconds)  # fmt: skip
+        return seconds
+    trainer.compile_warmed_up = True
     logger.info("compiled the training step on two dummy rows (%s tokens) in %.1f s", "/".join(
         str(r.num_tokens) for r in rows), seconds)  # fmt: skip
     return seconds

@@ -6,6 +6,7 @@ import torch
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.assets import smollm2_tokenizer, tiny_model
 from asyncgrpo.trainer.compile import wants_compiled_layers
+from asyncgrpo.trainer.graphed_step import GraphedDecoder
 from asyncgrpo.trainer.warmup import PROMPT_TOKENS, should_warm_up, warm_up, warmup_rows
 
 ROWS = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
@@ -114,3 +115,44 @@ def test_warm_up_compile_spawns_the_rollout_worker_ahead(tmp_path):
 def test_cuda_graph_step_true_where_it_cannot_run_fails_at_construction(tmp_path):
     with pytest.raises(ValueError, match="cuda_graph_step=True needs a CUDA device"):
         _trainer(tmp_path, cuda_graph_step=True)
+
+
+def test_a_warm_up_stops_where_asked_and_train_finishes_it(tmp_path):
+    """``until`` (asyncgrpo train: "the server serves") is asked before the warm-up and between its parts; a stopped
+    warm-up leaves ``compile_warmed_up`` unset, so ``train()`` runs it (whole) beside the first generations."""
+    trainer = _trainer(tmp_path)
+    trainer.model_wrapped = trainer.model
+    rows = []
+    real = trainer.step_forward_backward
+
+    def spy(model, row, normalizer, keep_metrics=True, autocast_forward=False):
+        rows.append(row.num_tokens)
+        return real(model, row, normalizer, keep_metrics=keep_metrics, autocast_forward=autocast_forward)
+
+    trainer.step_forward_backward = spy
+    assert warm_up(trainer, 256, until=lambda: True) == 0.0 and rows == []  # serving already: nothing here
+    answers = iter([False, False, True])  # before the warm-up, before row 1, before row 2
+    assert warm_up(trainer, 256, until=lambda: next(answers)) > 0
+    assert len(rows) == 1 and not getattr(trainer, "compile_warmed_up", False)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    warm_up(trainer, 256)  # train()'s turn
+    assert len(rows) == 3 and trainer.compile_warmed_up
+
+
+def test_graph_capture_stops_between_buckets_and_checks_once_all_are_captured():
+    """``capture_all(until=...)``: at least one bucket per call (a call always moves on), the check on a real row
+    only once every bucket is captured, and :meth:`complete` says whether anything is left."""
+    graphs = GraphedDecoder.__new__(GraphedDecoder)
+    graphs.sizes, graphs.buckets, graphs.failed, graphs.verified = [128, 256, 384, 512], {}, None, False
+    checked = []
+    graphs._capture_or_fail = lambda size: graphs.buckets.setdefault(size, size)
+    graphs._verify_or_fail = lambda row: (checked.append(row), setattr(graphs, "verified", True))
+    graphs.capture_all(verify_row="row", until=lambda: True)
+    assert list(graphs.buckets) == [128] and checked == [] and not graphs.complete()
+    answers = iter([False, True])
+    graphs.capture_all(verify_row="row", until=lambda: next(answers))
+    assert list(graphs.buckets) == [128, 256, 384] and checked == [] and not graphs.complete()
+    graphs.capture_all(verify_row="row")
+    assert list(graphs.buckets) == [128, 256, 384, 512] and checked == ["row"] and graphs.complete()
+    graphs.failed = "off"
+    assert graphs.complete()  # graphs turned off: nothing left to do either
