@@ -137,6 +137,14 @@ def gpu_child(a: argparse.Namespace) -> dict:
     server = launcher.launch_server(model, extra_args=flags, env=embedded_env(flags), log_path=str(log), timeout=600,
                                     **kw)  # fmt: skip
     t_ready = time.time() if not parallel else None
+    try:  # as the `asyncgrpo` command: the config's imports without scikit-learn (the baseline's src may lack it)
+        from asyncgrpo.cli.launch import import_config
+        from asyncgrpo.server import lean_imports
+
+        lean_imports.enable()
+        import_config()
+    except ImportError:
+        pass
     import torch
     from transformers import TrainerCallback
 
@@ -190,7 +198,8 @@ def gpu_child(a: argparse.Namespace) -> dict:
     trainer = AsyncGRPOTrainer(model, reward_funcs=[reward], args=args, train_dataset=rows,
                                callbacks=[Clock()])  # fmt: skip
     if parallel and hasattr(trainer, "warm_up_compile"):  # as asyncgrpo train does, while the server starts
-        trainer.warm_up_compile()
+        stops = "until" in inspect.signature(trainer.warm_up_compile).parameters  # stops once the server serves
+        trainer.warm_up_compile(**({"until": server.answers} if stops else {}))
     t_built = time.time()
     if parallel:
         server.wait_ready()

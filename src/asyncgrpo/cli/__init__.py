@@ -104,9 +104,11 @@ def _dispatch(argv: list[str]) -> tuple[Callable[[], int], bool]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
+    from asyncgrpo.server import lean_imports
     from asyncgrpo.server.bytecode import keep_bytecode
 
     keep_bytecode()  # before torch and transformers: where the image turns bytecode off, keep it in our cache
+    lean_imports.enable()  # our command's process: its imports of transformers may leave out scikit-learn
     command, debug = _dispatch(argv)
     try:
         return command()

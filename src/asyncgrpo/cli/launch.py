@@ -99,9 +99,22 @@ def resolve_model(name: str) -> str:
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------
+def import_config() -> None:
+    """Import ``AsyncGRPOConfig``, and with it transformers, peft and transformers' modeling stack, as the command
+    does: where this process is the ``asyncgrpo`` command's (``cli.main`` says so), without the packages they
+    never call here (``server/lean_imports.py``: scikit-learn, which transformers <= 5.17 imports with its
+    generation code; 0.5 s of the trainer's start on a CPU machine). The YAML's reward modules were imported
+    before (``check_run``): a user's import is never hidden."""
+    from asyncgrpo.server import lean_imports
+
+    with lean_imports.without_unused_packages():
+        import asyncgrpo.config  # noqa: F401
+
+
 def train_parser(prog: str = "asyncgrpo train", description: str | None = None):
     """HfArgumentParser over AsyncGRPOConfig (every field a --flag with its help) plus the command's own flags;
     returns the parser and the group of the command's own flags."""
+    import_config()
     from transformers import HfArgumentParser
 
     from asyncgrpo.config import AsyncGRPOConfig
@@ -191,9 +204,10 @@ def parse_train(
 
 
 def _config_from_dict(cfg: dict[str, Any]) -> RunSpec:
+    sections = check_run(cfg)
+    import_config()  # after the reward modules, as train_parser
     from asyncgrpo.config import AsyncGRPOConfig
 
-    sections = check_run(cfg)
     try:
         args = AsyncGRPOConfig(**check_args(dict(cfg["args"])))
     except ValueError as e:

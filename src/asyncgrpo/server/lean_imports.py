@@ -1,4 +1,4 @@
-"""transformers imported in the server's processes without the packages the server never calls.
+"""transformers imported in asyncgrpo's own processes without the packages they never call.
 
 Why: transformers up to 5.17 imports scikit-learn at import time wherever it is installed (its assisted-generation
 code takes ``roc_curve`` from it; later releases import it on first use), and scikit-learn pulls in SciPy. On an
@@ -7,9 +7,11 @@ for a function the server never calls. While :func:`without_unused_packages` is 
 reports those packages as absent (``sys.modules[name] = None``: ``importlib.util.find_spec`` answers None, so
 transformers' availability check says no and skips the import); on leaving, the packages are importable again.
 
-Only the server's own processes hide anything: their entry points call :func:`enable` (no user code runs there).
-Elsewhere (an engine built inside a user's process, the tests) the block changes nothing, so a user's
-``import sklearn`` in another thread can never fail because of it. ``ASYNCGRPO_LEAN_IMPORTS=0`` turns it off.
+Only the processes of asyncgrpo's own commands hide anything: the server's entry points and the ``asyncgrpo``
+command call :func:`enable`. The server runs no user code; the command's trainer process enters the block only
+to import the config (``cli.launch.import_config``), after the YAML's reward modules and before any thread starts.
+Elsewhere (an engine or trainer built inside a user's process, the tests) the block changes nothing, so a user's
+``import sklearn`` can never fail because of it. ``ASYNCGRPO_LEAN_IMPORTS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _enabled = False
 
 
 def enable() -> None:
-    """Mark this process as one of the server's (its entry point calls this before importing transformers)."""
+    """Mark this process as one of asyncgrpo's commands (the entry points call this before importing transformers)."""
     global _enabled
     _enabled = os.environ.get(ENV) != "0"
 

@@ -55,3 +55,39 @@ def test_outside_the_servers_processes_or_turned_off_nothing_is_hidden(mode, env
     out = _probe(mode, **env)
     assert out["hidden"] == []
     assert out["spec_inside"] is True and out["transformers_sees_it"] is True and out["import_inside"] is True
+
+
+COMMAND_PROBE = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    seen = {}
+
+    class Probe:  # asked for asyncgrpo.config first: is scikit-learn hidden at that moment?
+        def find_spec(self, name, path=None, target=None):
+            if name == "asyncgrpo.config":
+                seen["hidden_while_config_imports"] = "sklearn" in sys.modules and sys.modules["sklearn"] is None
+            return None
+
+    sys.meta_path.insert(0, Probe())
+    if sys.argv[1] == "command":
+        from asyncgrpo.cli import main
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            main(["train", "--help"])
+    else:  # a user's process calling the same function: nothing hidden
+        from asyncgrpo.cli.launch import import_config
+        import_config()
+    seen["config_imported"] = "asyncgrpo.config" in sys.modules
+    seen["given_back"] = sys.modules.get("sklearn", "absent") is not None
+    print(json.dumps(seen))
+    """
+)
+
+
+@pytest.mark.parametrize("mode,hidden", [("command", True), ("user_process", False)])
+def test_the_asyncgrpo_command_imports_the_config_without_scikit_learn(mode, hidden):
+    """``asyncgrpo train`` imports transformers (through the config) with scikit-learn hidden: transformers <= 5.17
+    imports it with its generation code, 0.5 s of the trainer's start. A user's process is left alone."""
+    done = subprocess.run([sys.executable, "-c", COMMAND_PROBE, mode], capture_output=True, text=True, timeout=120,
+                          check=True)  # fmt: skip
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"hidden_while_config_imports": hidden, "config_imported": True, "given_back": True}
