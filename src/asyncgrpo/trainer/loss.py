@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,8 +48,15 @@ class LossOutput:
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def metric_events(self) -> list[tuple[str, float, float]]:
-        """Metrics as `(name, value, weight)` floats. Syncs with the device: call once per step, not per token."""
-        return [(name, float(v), float(w)) for name, (v, w) in self.metrics.items()]
+        """Metrics as `(name, value, weight)` floats. One copy from the device (one sync, not one per value: on a GPU
+        shared with the server each sync waits for the trainer's turn); call once per step, not per token."""
+        flat: list[Any] = [t for vw in self.metrics.values() for t in vw]
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+        if at:
+            values = torch.stack([flat[i].detach().to(torch.float64).reshape(()) for i in at]).tolist()
+            for i, value in zip(at, values, strict=True):
+                flat[i] = value
+        return [(name, float(flat[2 * i]), float(flat[2 * i + 1])) for i, name in enumerate(self.metrics)]
 
 
 def loss_normalizer(
@@ -98,17 +106,20 @@ def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> 
 
 
 def _per_sample_fraction_extreme(
-    flags: torch.Tensor, mask: torch.Tensor, sample_index: torch.Tensor | None, largest: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min/max over samples of the fraction of a sample's trained tokens that are flagged."""
+    flags: torch.Tensor, mask: torch.Tensor, sample_index: torch.Tensor | None, largest: bool,
+    num_samples: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Min/max over samples of the fraction of a sample's trained tokens that are flagged. ``num_samples`` (more
+    than the largest index) keeps the device from a host sync; without it the size is read from the tensor."""
     if sample_index is None:
         count = mask.sum()
         frac = torch.where(mask, flags.float(), 0.0).sum() / count.clamp(min=1)
         return torch.where(count > 0, frac, math.nan), torch.ones((), device=flags.device)
     idx = sample_index[mask].long()
-    size = int(sample_index.max()) + 1 if sample_index.numel() else 0  # host sync: small, once per micro-batch
-    tokens = torch.bincount(idx, minlength=size).float()
-    hits = torch.bincount(idx, weights=flags[mask].float(), minlength=size)
+    if num_samples is None:  # a host sync (bincount on CUDA reads the largest index too)
+        num_samples = int(sample_index.max()) + 1 if sample_index.numel() else 0
+    tokens = torch.zeros(num_samples, device=flags.device).index_add_(0, idx, torch.ones_like(idx, dtype=torch.float))
+    hits = torch.zeros(num_samples, device=flags.device).index_add_(0, idx, flags[mask].float())
     present = tokens > 0
     frac = hits / tokens.clamp(min=1)
     return _masked_extreme(frac, present, largest)
@@ -180,6 +191,7 @@ def policy_loss(
     sampler_top_logprobs: torch.Tensor | None = None,
     sample_index: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    num_samples: int | None = None,
 ) -> LossOutput:
     """Loss and metrics of one micro-batch from per-token tensors.
 
@@ -199,6 +211,7 @@ def policy_loss(
         sampler_top_logprobs: [N, K] sampler log-probs of those ids; -inf marks padding slots.
         sample_index: [N] index of each token's sample, for the per-completion `clip_ratio/low_min|high_max`.
         entropy: [N] predictive entropy per token, averaged into the `entropy` metric when given.
+        num_samples: more than the largest `sample_index` (a packed row's sample count): no host sync then.
 
     Returns:
         `LossOutput` with the normalised loss and the loss metrics of docs/metrics.md.
@@ -224,6 +237,7 @@ def policy_loss(
         epsilon_high,
         score_centering,
         sample_index,
+        num_samples,
     )
     count = mask.sum()
     if score_centering:
@@ -246,6 +260,7 @@ def _loss_metrics(
     epsilon_high: float,
     score_centering: bool,
     sample_index: torch.Tensor | None,
+    num_samples: int | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Importance-sampling, masking and trust-region metrics over the trained tokens (before MIS masking)."""
     count = mask.sum()
@@ -263,8 +278,8 @@ def _loss_metrics(
         "sampling/importance_sampling_ratio/max": _masked_extreme(r, mask, largest=True),
         "sampling/masked_mean": _masked_mean((~in_range).float(), mask, count),
         "clip_ratio/low_mean": _masked_mean(low.float(), mask, count),
-        "clip_ratio/low_min": _per_sample_fraction_extreme(low, mask, sample_index, largest=False),
+        "clip_ratio/low_min": _per_sample_fraction_extreme(low, mask, sample_index, False, num_samples),
         "clip_ratio/high_mean": _masked_mean(high.float(), mask, count),
-        "clip_ratio/high_max": _per_sample_fraction_extreme(high, mask, sample_index, largest=True),
+        "clip_ratio/high_max": _per_sample_fraction_extreme(high, mask, sample_index, True, num_samples),
         "clip_ratio/region_mean": _masked_mean((low | high).float(), mask, count),
     }

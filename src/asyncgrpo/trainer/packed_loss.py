@@ -89,7 +89,7 @@ def packed_policy_loss(
         return policy_loss(
             out.logprobs, row.old_logprobs, row.advantages, mask, normalizer, score_centering=use_top,
             top_logprobs=out.extra_logprobs, sampler_top_logprobs=sampler_top, sample_index=row.entry_sample,
-            entropy=out.entropy, **settings.knobs(),
+            entropy=out.entropy, num_samples=_num_samples(row), **settings.knobs(),
         )  # fmt: skip
 
     def chunk_loss(lo: int, hi: int, lp: torch.Tensor, extra_lp: torch.Tensor | None) -> torch.Tensor:
@@ -102,7 +102,7 @@ def packed_policy_loss(
     metrics = policy_loss(
         out.logprobs, row.old_logprobs, row.advantages, mask, normalizer, score_centering=use_top,
         top_logprobs=out.extra_logprobs, sampler_top_logprobs=sampler_top, sample_index=row.entry_sample,
-        entropy=out.entropy, **settings.knobs(),
+        entropy=out.entropy, num_samples=_num_samples(row), **settings.knobs(),
     ).metrics  # fmt: skip
     return LossOutput(loss=loss, metrics=metrics)
 
@@ -140,3 +140,9 @@ def _family_packed_loss(
     metrics = family_loss(out.logprobs, row.old_logprobs, row.advantages, mask, seq, normalizer, fam, stats=stats,
                           entropy=out.entropy).metrics  # fmt: skip
     return LossOutput(loss=loss, metrics=metrics)
+
+
+def _num_samples(row: Any) -> int | None:
+    """The row's sample count, read on the host (the per-sample clip metrics need no device sync for it)."""
+    samples = getattr(row, "samples", None)
+    return len(samples) if samples is not None else None

@@ -195,6 +195,14 @@ def test_clip_metrics_per_completion_and_sampler_mass():
     # low flags (r < 0.8): tokens 0, 3, 4 -> sample 0: 1/3, sample 1: 2/2; high (r > 1.2): token 2 -> 1/3, 0
     assert m["clip_ratio/low_min"][0] == pytest.approx(1 / 3)
     assert m["clip_ratio/high_max"][0] == pytest.approx(1 / 3)
+    # a packed row passes its sample count (no host sync for the size); samples without trained tokens (2-4)
+    # are left out of the min/max, not counted as 0
+    sized = policy_loss(logp, slp, torch.ones(5, dtype=torch.float64), torch.ones(5, dtype=torch.bool), 5.0,
+                        top_logprobs=s_top.clone(), sampler_top_logprobs=s_top,
+                        sample_index=torch.tensor([0, 0, 0, 1, 1]), num_samples=5)  # fmt: skip
+    assert {k: (v, w) for k, v, w in sized.metric_events()}["clip_ratio/low_min"] == m["clip_ratio/low_min"]
+    # the events are the 0-d tensors' values, read in one copy
+    assert m == {k: (float(v), float(w)) for k, (v, w) in out.metrics.items() if k in m} and len(m) == len(out.metrics)
     assert m["clip_ratio/low_mean"] == (pytest.approx(3 / 5), 5.0)
     # covered sampler mass: 0.8, 0.7, 0.6, 0.9, 0.5 -> mean 0.7
     assert m["sampling/sampler_mass"][0] == pytest.approx(0.7)
