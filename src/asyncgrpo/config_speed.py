@@ -25,7 +25,8 @@ class SpeedFields:
         metadata={
             "help": "On CUDA (one process), run the step's forward and backward on two dummy rows of the run's "
             "shapes right after the rollout worker starts, so the compiled kernels are built while the first groups "
-            "are generated instead of inside steps 1 and 2. Weights and optimizer are untouched."
+            "are generated instead of inside steps 1 and 2 (`asyncgrpo train` starts it while its server starts, "
+            "and stops it once the server serves; `train()` does the rest). Weights and optimizer are untouched."
         },
     )
 
