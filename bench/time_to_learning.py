@@ -204,7 +204,8 @@ def gpu_child(a: argparse.Namespace) -> dict:
     if parallel:
         server.wait_ready()
         t_ready = time.time()
-    own_ready = _own_ready(server.base_url)
+    own_start = _own_start(server.base_url)
+    own_ready = own_start.get("ready_s")
     # the server's own ready moment (launch + its ready_s); wait_ready() returns later when the trainer's build
     # took longer than the server's start, and timing from there would hide that wait
     ready_at = t_server + own_ready if own_ready is not None else t_ready
@@ -225,6 +226,7 @@ def gpu_child(a: argparse.Namespace) -> dict:
         "wait_ready_returned_s": t_ready - t_server,  # when the trainer, built, found the server ready
         "process_start_to_server_ready_s": ready_at - t_launch,
         "server_own_ready_s": own_ready,
+        "server_start": own_start,  # where the server's start went, per process and part (a cold start's split)
         "trainer_built_s": t_built - t_launch,
         **step_summary(stamps, ready_at, t_launch, per_step, profiled=a.profile_steps if prof is not None else None),
         "recompiles_after_step1": graphs[-1] - graphs[0] if graphs else None,
@@ -244,15 +246,17 @@ def gpu_child(a: argparse.Namespace) -> dict:
     return out
 
 
-def _own_ready(base_url: str) -> float | None:
-    """The server's own launch-to-serving seconds (``/server_info``; None where it reports none)."""
+def _own_start(base_url: str) -> dict:
+    """The server's own start record (``/server_info``'s ``asyncgrpo``: ``ready_s``, each process's ``start_s`` and
+    ``start_parts_s``); empty where it reports none."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{base_url}/server_info", timeout=10) as r:
-            return json.loads(r.read()).get("asyncgrpo", {}).get("ready_s")
+            ours = json.loads(r.read()).get("asyncgrpo", {})
     except OSError:
-        return None
+        return {}
+    return {k: ours[k] for k in ("ready_s", "start_s", "start_parts_s") if k in ours}
 
 
 def _cpu_share(stamps: list[float], cpu: list[float]) -> float | None:
