@@ -31,6 +31,7 @@ from asyncgrpo.server.engine.request import Request, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.engine_run, bench.sampler_speed
 from bench.engine_run import submit_and_wait
+from bench.probes.profile_table import events_of, format_table, summarize
 from bench.result_file import write_result
 
 QWEN3_06B = {
@@ -144,6 +145,8 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None,
         table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
     device_us = sum(getattr(e, "self_device_time_total", 0.0) or 0.0 for e in prof.key_averages())
     steps = sum(t["steps"] for t in timings.values())
+    summary = summarize(events_of(prof), steps, sum(t["seconds"] for t in timings.values()))
+    print(format_table(f"engine step ({tag})", summary))
     if out is not None:
         path = out.with_name(out.stem + f"_{tag}_profile.txt")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +161,7 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None,
         "step_timings": timings,
         "device_kernel_ms_per_step": device_us / 1000 / max(steps, 1),
         "wall_ms_per_step": wall_ms,
+        "categories": summary,  # bench/probes/profile_table.py: time by kind of work, launches, syncs
     }
 
 

@@ -123,21 +123,29 @@ def time_method(model, run_all, device: str, warmup: int, iters: int) -> tuple[l
     return times, peak
 
 
-def profile_once(model, name: str, run_all, path: Path) -> None:
-    """Append the top CUDA kernels of one pass of ``name`` (already warm) to ``path``."""
+def profile_once(model, name: str, run_all, path: Path) -> dict:
+    """Append the top CUDA kernels of one pass of ``name`` (already warm) to ``path``, and the pass's time by kind
+    of work (``bench/probes/profile_table.py``); returns that summary."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.probes.profile_table import events_of, format_table, summarize
 
     model.zero_grad(set_to_none=True)
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
         run_all()
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     table = prof.key_averages().table(
         sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=45, max_name_column_width=70
     )
+    ckpt = bool(getattr(model, "is_gradient_checkpointing", False))
+    summary = summarize(events_of(prof), 1, wall)
     with path.open("a") as f:
-        f.write(f"\n==== {name} (ckpt={bool(getattr(model, 'is_gradient_checkpointing', False))})\n{table}\n")
+        f.write(f"\n==== {name} (ckpt={ckpt})\n{table}\n\n{format_table(f'{name} (ckpt={ckpt})', summary)}\n")
+    return summary
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -212,7 +220,7 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
 
         methods[name] = measure(model, name, run_all, device, args, info)
         if args.profile and name.startswith("tree_") and "time_s" in methods[name]:
-            profile_once(model, name, run_all, args.profile)
+            methods[name]["profile"] = profile_once(model, name, run_all, args.profile)
     set_checkpointing(model, False)
     res["methods"] = methods
     if args.skip_padded:
