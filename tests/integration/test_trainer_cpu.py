@@ -7,6 +7,7 @@ have reward variance and are trained.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -60,6 +61,16 @@ class RecompileAtStepTwo(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step in (1, 2):
             self.fn(torch.ones(3 if state.global_step == 1 else 6))
+
+
+class HeapWatch(TrainerCallback):
+    """Whether the process's heap is frozen at each step's end (trainer/heap.py)."""
+
+    def __init__(self) -> None:
+        self.frozen: list[bool] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.frozen.append(gc.get_freeze_count() > 0)
 
 
 class RecordingTrainer(AsyncGRPOTrainer):
@@ -117,11 +128,14 @@ def _metrics(tmp_path: Path) -> list[dict]:
 def test_short_run_trains_syncs_and_logs(tmp_path, server, tiny_llama_dir, dataset, caplog):
     args = _config(tmp_path, server)
     built_at = time.time()
+    heap = HeapWatch()
     trainer = AsyncGRPOTrainer(str(tiny_llama_dir), reward_funcs=[parity_reward], args=args, train_dataset=dataset,
-                               callbacks=[RecompileAtStepTwo()])  # fmt: skip
+                               callbacks=[RecompileAtStepTwo(), heap])  # fmt: skip
+    gc.unfreeze()  # (an in-process engine of an earlier test in this process may have frozen it)
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.recompiles"):
         out = trainer.train()
     assert out.global_step == 3
+    assert heap.frozen == [True] * 3 and gc.get_freeze_count() == 0  # frozen for train() only
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows[:3]] == [1, 2, 3]
     keys = set().union(*rows[:3])

@@ -51,6 +51,7 @@ from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_ch
 from asyncgrpo.trainer.compile import compile_decoder_layers, wants_compiled_layers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.graphed_step import GraphedDecoder, check_graph_setting
+from asyncgrpo.trainer.heap import frozen_heap
 from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
@@ -299,22 +300,20 @@ class AsyncGRPOTrainer(Trainer):
         """
         ckpt = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         n = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
-        restarted = resume_from_checkpoint == "auto"
-        resume = (
-            prepare_resume(ckpt, n, self.args.output_dir, restarted=restarted)
-            if self.is_world_process_zero()
-            else ResumePoint()
-        )
+        resume = ResumePoint()
+        if self.is_world_process_zero():
+            resume = prepare_resume(ckpt, n, self.args.output_dir, restarted=resume_from_checkpoint == "auto")
         self.step_stats.num_tokens_total = resume.num_tokens
-        try:
-            self._start_rollout(resume)
-            out = super().train(resume_from_checkpoint=ckpt, **kwargs)
-        except torch.OutOfMemoryError as exc:
-            if getattr(self.weight_sync, "backend", None) != "ipc":
-                raise
-            raise shared_gpu_oom(exc, self.args.device) from exc  # the split of the one GPU is what to change
-        finally:
-            self._stop_rollout()
+        with frozen_heap():  # full collections skip the heap built so far (trainer/heap.py)
+            try:
+                self._start_rollout(resume)
+                out = super().train(resume_from_checkpoint=ckpt, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                if getattr(self.weight_sync, "backend", None) != "ipc":
+                    raise
+                raise shared_gpu_oom(exc, self.args.device) from exc  # the split of the one GPU is what to change
+            finally:
+                self._stop_rollout()
         if self.args.save_strategy != "no" and self.args.world_size == 1:
             self.save_model(self.args.output_dir)  # X7: the final model, in output_dir (no off-grid checkpoint-N)
             self.final_model_saved = True

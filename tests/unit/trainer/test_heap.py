@@ -1,0 +1,36 @@
+"""trainer/heap.py: the heap frozen for the block and handed back after it; someone else's freeze left alone."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from asyncgrpo.trainer.heap import frozen_heap
+
+
+def test_the_block_freezes_what_exists_and_gives_it_back():
+    gc.unfreeze()  # (an in-process engine of an earlier test in this process may have frozen it)
+    tracked = len(gc.get_objects())
+    with frozen_heap() as froze:
+        assert froze and gc.get_freeze_count() >= tracked - 100  # what existed is in the permanent generation
+        assert len(gc.get_objects()) < 100  # ... which the collector's generations no longer hold
+    assert gc.get_freeze_count() == 0 and len(gc.get_objects()) >= tracked - 100
+
+
+def test_a_failure_inside_still_unfreezes():
+    gc.unfreeze()
+    with pytest.raises(RuntimeError), frozen_heap():
+        raise RuntimeError("boom")
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_frozen_by_its_owner_stays_frozen():
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        with frozen_heap() as froze:
+            assert not froze
+        assert gc.get_freeze_count() == count  # not unfrozen under its owner
+    finally:
+        gc.unfreeze()
