@@ -109,8 +109,8 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: 
     args = trainer.args
     stop = until or (lambda: False)
     if stop():
-        logger.info("the generation server serves already: the compile warm-up runs in train(), beside the first "
-                    "generations")  # fmt: skip
+        logger.info("compile warm-up left to train() (its `until` said stop: the generation server serves already), "
+                    "where it runs beside the first generations")  # fmt: skip
         return 0.0
     lm = trainer._causal_lm()
     model = trainer.model if before_train else trainer.model_wrapped
@@ -139,8 +139,8 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: 
         model.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - t0
     if stopped:  # not warmed up: train() finishes it (what is compiled and captured stays)
-        logger.info("the generation server serves: the rest of the compile warm-up runs in train(), beside the first "
-                    "generations (%.1f s spent before)", seconds)  # fmt: skip
+        logger.info("compile warm-up stopped after %.1f s (its `until` said stop: the generation server serves); "
+                    "train() does the rest beside the first generations", seconds)  # fmt: skip
         return seconds
     trainer.compile_warmed_up = True
     logger.info("compiled the training step on two dummy rows (%s tokens) in %.1f s", "/".join(
