@@ -51,8 +51,11 @@ class LossOutput:
         """Metrics as `(name, value, weight)` floats. One copy from the device (one sync, not one per value: on a GPU
         shared with the server each sync waits for the trainer's turn); call once per step, not per token."""
         flat: list[Any] = [t for vw in self.metrics.values() for t in vw]
-        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
-        if at:
+        on: dict[torch.device, list[int]] = {}  # one copy per device the values live on
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                on.setdefault(t.device, []).append(i)
+        for at in on.values():
             values = torch.stack([flat[i].detach().to(torch.float64).reshape(()) for i in at]).tolist()
             for i, value in zip(at, values, strict=True):
                 flat[i] = value

@@ -304,3 +304,14 @@ def test_empty_micro_batch_and_missing_top_logprobs():
     assert math.isnan({k: v for k, v, _ in out.metric_events()}["sampling/importance_sampling_ratio/max"])
     with pytest.raises(ValueError, match="score_centering needs top_logprobs"):
         policy_loss(lp, torch.zeros(3), torch.ones(3), torch.ones(3, dtype=torch.bool), 1.0)
+
+
+def test_metric_events_read_tensors_and_plain_numbers_in_order():
+    from asyncgrpo.trainer.loss import LossOutput
+
+    out = LossOutput(torch.zeros(()), {"a": (torch.tensor(2.5), 3.0), "b": (1.5, torch.tensor([4.0])),
+                                       "c": (torch.tensor(math.nan, dtype=torch.float64), torch.tensor(1))})  # fmt: skip
+    events = out.metric_events()
+    assert [(n, v, w) for n, v, w in events[:2]] == [("a", 2.5, 3.0), ("b", 1.5, 4.0)]
+    assert events[2][0] == "c" and math.isnan(events[2][1]) and events[2][2] == 1.0
+    assert all(isinstance(x, float) for _, v, w in events for x in (v, w))
