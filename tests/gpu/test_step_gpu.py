@@ -58,3 +58,23 @@ def test_compiled_fused_step_matches_eager_recomputing_step(backend):
         assert all(layer._compiled_call_impl is not None for layer in model.model.layers)  # no eager fallback
     finally:
         uncompile_decoder_layers(model)
+
+
+def test_the_pass_clock_reads_the_forward_from_cuda_events():
+    """One sync, after the backward: the forward's share from two events, within the whole, and about the length of
+    the kernels queued between them (a 4096-square matmul chain, timed alone here for reference)."""
+    from asyncgrpo.trainer.step_stats import PassClock
+
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):  # cuBLAS set-up out of the way
+        a @ a
+    torch.cuda.synchronize()
+    clock = PassClock("cuda")
+    for _ in range(20):
+        a @ a
+    clock.forward_done()
+    for _ in range(40):
+        a @ a
+    total, forward = clock.finish()
+    assert 0 < forward < total
+    assert 0.2 < forward / total < 0.5  # 20 of 60 equal matmuls

@@ -11,7 +11,41 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from asyncgrpo.metrics import MetricsWindow, mfu
+
+
+class PassClock:
+    """Times one micro-batch's forward and forward+backward with a single device sync, at the end.
+
+    A sync between the passes (as the step had) leaves the GPU idle while the host queues the backward, and on a
+    GPU time-sliced with the server it also waits out the server's turn. On CUDA the forward's share is read from
+    two events instead (GPU time from the forward's first kernel to its last); elsewhere from the wall clock.
+    """
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.t0 = time.perf_counter()
+        self.start, self.mid, self.mid_wall = self._event(), None, self.t0
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward_done(self) -> None:
+        self.mid, self.mid_wall = self._event(), time.perf_counter()
+
+    def finish(self) -> tuple[float, float]:
+        """(forward+backward, forward) seconds; syncs the device once."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        total = time.perf_counter() - self.t0
+        fwd = self.start.elapsed_time(self.mid) / 1e3 if self.mid is not None else self.mid_wall - self.t0
+        return total, min(fwd, total)
 
 
 @dataclass

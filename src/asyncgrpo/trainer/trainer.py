@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import math
 import multiprocessing as mp
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +62,7 @@ from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
 from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers, spawn_worker_ahead
 from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
-from asyncgrpo.trainer.step_stats import StepStats
+from asyncgrpo.trainer.step_stats import PassClock, StepStats
 from asyncgrpo.trainer.warmup import can_warm_up_before_train, prepare_step, warm_up, warmup_budget
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
@@ -382,7 +381,7 @@ class AsyncGRPOTrainer(Trainer):
         """One row's forward and backward (``keep_metrics=False``: the compile warm-up, ``trainer/warmup.py``;
         ``autocast_forward``: the model's forward under the accelerator's autocast, as a prepared model runs)."""
         model.train()
-        t0 = time.perf_counter()
+        clock = PassClock(self.args.device)  # one device sync, after the backward (trainer/step_stats.py)
         if row is None or row.num_tokens == 0:  # every process must forward (FSDP collectives): a 1-token row
             row = pack_samples([PackSample([0, 0], [0, 0], [0.0, 0.0], 0.0, -1)])
         row = row.to(self.args.device)
@@ -404,15 +403,14 @@ class AsyncGRPOTrainer(Trainer):
             aux = router_aux_loss(router, row.path_count, self.router_top_k) if router and row.num_trained else None
             if aux is not None:  # trainer/moe.py: the unpacked batch's balance loss, averaged over micro-batches
                 loss = loss + (self.router_aux_coef / self.args.gradient_accumulation_steps) * aux
-        self._sync_device()  # CPU-GPU sync points: only for honest perf/fwd_s and perf/fwd_bwd_s
-        forward_s = time.perf_counter() - t0
+        clock.forward_done()
         self.accelerator.backward(loss)
         if replay is not None:
             replay.end()
-        self._sync_device()
+        seconds, forward_s = clock.finish()
         if not keep_metrics:
             return loss.detach()
-        self.step_stats.add_forward_backward(time.perf_counter() - t0, row.num_tokens, forward_s)
+        self.step_stats.add_forward_backward(seconds, row.num_tokens, forward_s)
         if aux is not None:
             self.window.add("aux_loss", float(aux.detach()))
         if result is not None:
@@ -426,10 +424,6 @@ class AsyncGRPOTrainer(Trainer):
         (the gradient of the LM head and the hidden states is formed in the forward, chunk by chunk)."""
         settings = loss_settings(self.args)  # the family, its correction and the reference's mask band
         return packed_policy_loss(fwd.hidden[row.pred_index], fwd.head_weight, row, normalizer, settings)
-
-    def _sync_device(self) -> None:
-        if torch.device(self.args.device).type == "cuda":
-            torch.cuda.synchronize()
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """This process's row only: transformers sums ``total_flos`` over processes."""

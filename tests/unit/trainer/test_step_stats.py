@@ -51,3 +51,15 @@ def test_begin_starts_a_fresh_step_and_mfu_needs_a_known_peak():
     m = window.flush()
     assert "perf/fwd_bwd_mfu" not in m and "perf/wall_clock_mfu" not in m  # CPU / unknown device: not logged
     assert stats.num_tokens_total == 0
+
+
+def test_the_pass_clock_splits_forward_from_the_whole_by_the_wall_clock_off_cuda():
+    from asyncgrpo.trainer.step_stats import PassClock
+
+    clock = PassClock("cpu")
+    time.sleep(0.05)
+    clock.forward_done()
+    time.sleep(0.1)
+    total, forward = clock.finish()
+    assert 0.15 <= total < 30 and 0.05 <= forward < total
+    assert total - forward >= 0.1  # the backward's share
