@@ -146,7 +146,7 @@ METRICS: dict[str, str] = {
     "batch/dropped_oversize_count": "samples dropped for exceeding token_budget",
     "perf/step_s": "wall time of a step, optimizer, weight sync and sample wait included",
     "perf/fwd_bwd_s": "time in the step's forward and backward passes",
-    "perf/fwd_s": "time in the forward passes only",
+    "perf/fwd_s": "time in the forward passes only (on CUDA: GPU time between two events, no sync between the passes)",
     "perf/optimizer_s": "time in the optimizer step",
     "perf/rollout_wait_s": "time training waited on an empty rollout queue",
     "perf/weight_sync_s": "weight sync time (pause + barrier + transfer)",
