@@ -108,6 +108,16 @@ def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> 
     return torch.where(mask.any(), ext, math.nan), one
 
 
+def _segment_count(index: torch.Tensor) -> int:
+    """One more than the largest segment index (a host sync: callers that know the count pass it instead)."""
+    return int(index.max()) + 1 if index.numel() else 0
+
+
+def _segment_totals(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """[size] sums of ``values`` per segment ``index`` (no host sync; ``size`` above the largest index)."""
+    return torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, index, values)
+
+
 def _per_sample_fraction_extreme(
     flags: torch.Tensor, mask: torch.Tensor, sample_index: torch.Tensor | None, largest: bool,
     num_samples: int | None = None,
@@ -119,10 +129,10 @@ def _per_sample_fraction_extreme(
         frac = torch.where(mask, flags.float(), 0.0).sum() / count.clamp(min=1)
         return torch.where(count > 0, frac, math.nan), torch.ones((), device=flags.device)
     idx = sample_index[mask].long()
-    if num_samples is None:  # a host sync (bincount on CUDA reads the largest index too)
-        num_samples = int(sample_index.max()) + 1 if sample_index.numel() else 0
-    tokens = torch.zeros(num_samples, device=flags.device).index_add_(0, idx, torch.ones_like(idx, dtype=torch.float))
-    hits = torch.zeros(num_samples, device=flags.device).index_add_(0, idx, flags[mask].float())
+    if num_samples is None:
+        num_samples = _segment_count(sample_index)
+    tokens = _segment_totals(torch.ones_like(idx, dtype=torch.float), idx, num_samples)
+    hits = _segment_totals(flags[mask].float(), idx, num_samples)
     present = tokens > 0
     frac = hits / tokens.clamp(min=1)
     return _masked_extreme(frac, present, largest)

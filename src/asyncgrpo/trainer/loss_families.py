@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncgrpo.trainer.loss import LossOutput, _masked_extreme, _masked_mean, _per_sample_fraction_extreme, _up
+from asyncgrpo.trainer.loss import (
+    LossOutput,
+    _masked_extreme,
+    _masked_mean,
+    _per_sample_fraction_extreme,
+    _segment_count,
+    _segment_totals,
+    _up,
+)
 from asyncgrpo.trainer.sampler_correction import Correction, correction_weight
 
 __all__ = ["FamilySettings", "SequenceStats", "family_loss", "family_loss_value", "family_normalizer", "sequence_stats"]
@@ -72,9 +80,7 @@ class SequenceStats:
 
 
 def _segment_sum(values: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-    size = int(seq.max()) + 1 if seq.numel() else 0
-    total = torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, seq, values)
-    return total[seq]
+    return _segment_totals(values, seq, _segment_count(seq))[seq]
 
 
 def sequence_stats(
