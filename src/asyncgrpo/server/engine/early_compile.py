@@ -100,6 +100,7 @@ class EarlyCompile:
         from asyncgrpo.server.layers import attention, fused
 
         self.device, self.shapes, self.graphs = device, shapes, graphs
+        self.parts: dict[str, float] = {}  # seconds per group of kernels, for the engine's log line
         self._switches = [(attention.ENABLED, dict(attention.ENABLED)), (fused.ENABLED, dict(fused.ENABLED))]
         self._filter = _NotFromThread()
         for name in _QUIET:
@@ -112,14 +113,24 @@ class EarlyCompile:
 
         s, dev = self.shapes, self.device
         group = s.num_heads // s.num_kv_heads
-        t0 = time.monotonic()
+        t0 = last = time.monotonic()
+
+        def part(name: str) -> None:
+            nonlocal last
+            now = time.monotonic()
+            self.parts[name], last = round(now - last, 2), now
+
         try:
             torch.cuda.set_device(dev)  # Triton launches on the thread's current device
             if sample_kernel.check_kernel(dev):  # the Sampler's self-check, then its warm-up (Sampler.prepare)
                 sample_kernel.warm_up(dev, s.vocab, s.dtype)
+            part("sampler")
             fused.check_layer_kernels(dev, s.dtype, s.num_heads, s.num_kv_heads, s.head_dim, s.qk_norm)
+            part("layer")
             if attention.check_triton_decode(dev, s.dtype, s.num_kv_heads, group, s.head_dim) and self.graphs:
+                part("decode")
                 attention.check_prefill_kernel(dev, s.dtype, s.num_kv_heads, group, s.head_dim)
+                part("prefill")
         except Exception as exc:  # noqa: BLE001 - the engine's own checks meet any real failure again
             logger.debug("early compile stopped: %s", exc)
         finally:  # undone by the thread itself, so an engine that fails before join() leaves nothing behind
@@ -136,6 +147,8 @@ class EarlyCompile:
             self._thread.join(timeout=LOG_EVERY_S)
             if self._thread.is_alive():
                 logger.info("waiting for the early Triton compile (%.0f s so far)", time.monotonic() - t0)
+        logger.info("early Triton compile beside the load: %s (waited %.1f s for it)",
+                    ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items()) or "nothing", time.monotonic() - t0)  # fmt: skip
 
 
 def triton_cache_looks_warm(folder: str | None = None) -> bool:
