@@ -27,6 +27,10 @@ def test_the_guessed_sizes_are_those_of_the_loaded_model(arch, dtype):
     m = DecoderLM(load_any_model(path, "float32", "cpu"), 64)
     assert (shapes.num_heads, shapes.num_kv_heads, shapes.head_dim) == (m.num_heads, m.num_kv_heads, m.head_dim)
     assert shapes.vocab == m.vocab_size and shapes.qk_norm == (m.layers[0].q_norm is not None)
+    assert (shapes.hidden, shapes.intermediate) == (
+        m.hidden_size,
+        m.intermediate_size,
+    )  # the norms' and SwiGLU's widths
     assert shapes.dtype == resolve_dtype(dtype, m.hf_model.config, cuda)
 
 

@@ -63,6 +63,8 @@ class Shapes:
     vocab: int
     dtype: torch.dtype
     qk_norm: bool
+    hidden: int
+    intermediate: int
 
 
 def guess_shapes(model: Any, dtype: str, device: torch.device) -> Shapes | None:
@@ -82,7 +84,8 @@ def guess_shapes(model: Any, dtype: str, device: torch.device) -> Shapes | None:
         ckpt = SimpleNamespace(dtype=cfg.get("dtype"), torch_dtype=cfg.get("torch_dtype"))
         return Shapes(num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                       head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads), vocab=int(cfg["vocab_size"]),
-                      dtype=resolve_dtype(dtype, ckpt, device), qk_norm=cfg.get("model_type") == "qwen3")  # fmt: skip
+                      dtype=resolve_dtype(dtype, ckpt, device), qk_norm=cfg.get("model_type") == "qwen3",
+                      hidden=int(cfg["hidden_size"]), intermediate=int(cfg.get("intermediate_size") or 4 * cfg["hidden_size"]))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.debug("no early compile: %s", exc)
         return None
@@ -122,10 +125,11 @@ class EarlyCompile:
 
         try:
             torch.cuda.set_device(dev)  # Triton launches on the thread's current device
-            if sample_kernel.check_kernel(dev):  # the Sampler's self-check, then its warm-up (Sampler.prepare)
+            if sample_kernel.check_kernel(dev, s.vocab, s.dtype):  # Sampler.prepare: the self-check, then the rest
                 sample_kernel.warm_up(dev, s.vocab, s.dtype)
             part("sampler")
-            fused.check_layer_kernels(dev, s.dtype, s.num_heads, s.num_kv_heads, s.head_dim, s.qk_norm)
+            fused.check_layer_kernels(dev, s.dtype, s.num_heads, s.num_kv_heads, s.head_dim, s.qk_norm, s.hidden,
+                                      s.intermediate)  # fmt: skip
             part("layer")
             if attention.check_triton_decode(dev, s.dtype, s.num_kv_heads, group, s.head_dim) and self.graphs:
                 part("decode")

@@ -238,7 +238,7 @@ class ModelRunner:
             return
         m = self.model
         fused.check_layer_kernels(self.device, m.dtype, m.num_heads, m.num_kv_heads, m.head_dim,
-                                  m.layers[0].q_norm is not None)  # fmt: skip
+                                  m.layers[0].q_norm is not None, m.hidden_size, m.intermediate_size)  # fmt: skip
         group = m.num_heads // m.num_kv_heads
         if not attention.check_triton_decode(self.device, m.dtype, m.num_kv_heads, group, m.head_dim):
             self.use_graphs = False  # the torch fallback needs the (host) max context length per step

@@ -209,8 +209,9 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # CUDA: rows that only ask for a temperature go through the split-vocabulary kernels (see sample_kernel)
-        self.use_kernel = device.type == "cuda" and sample_kernel.check_kernel(device)
+        # CUDA: rows that only ask for a temperature go through the split-vocabulary kernels (see sample_kernel),
+        # once they passed their self-check, run by prepare() on the model's vocabulary (it shares the compiles)
+        self.use_kernel = device.type == "cuda" and sample_kernel.have_kernels()
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._warm: set[tuple[int, torch.dtype]] = set()  # (vocab, logits dtype) the kernels are compiled for
         self._flip = 0
@@ -258,12 +259,15 @@ class Sampler:
         return PendingSample(tokens=tokens, host=host, event=event, params=params, asked=asked, n=n, all_rows=all_rows)
 
     def prepare(self, vocab: int, dtype: torch.dtype) -> bool:
-        """Compile every slice size the kernels can use on [*, vocab] logits of ``dtype`` (the engine calls this
-        at start; otherwise the first fused step does). A compile failure turns the kernels off, like the
-        self-check. Returns whether the kernels are on."""
+        """Check the kernels on [2, vocab] logits of ``dtype``, then compile every slice size they can use there
+        (the engine calls this at start; otherwise the first fused step does). A failed check or compile turns the
+        kernels off. Returns whether the kernels are on."""
         key = (vocab, dtype)
         if self.use_kernel and key not in self._warm:
             self._warm.add(key)
+            if self.device.type == "cuda" and not sample_kernel.check_kernel(self.device, vocab, dtype):
+                self.use_kernel = False  # (on CPU only tests switch the kernels on, under TRITON_INTERPRET)
+                return False
             try:
                 sample_kernel.warm_up(self.device, vocab, dtype)
             except Exception:

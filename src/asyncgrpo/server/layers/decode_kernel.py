@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# not specialized on the table/context columns' layout (the runner's static buffer): the start-up check's small
+# tensors compile the variant the decode graphs launch
+@triton.jit(do_not_specialize=["table_ptr", "ctx_ptr", "stride_tb", "stride_cb"])
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]

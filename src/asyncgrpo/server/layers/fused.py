@@ -65,14 +65,29 @@ def _use_triton(x: torch.Tensor, force: bool | None) -> bool:
 
 
 def check_layer_kernels(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                        qk_norm: bool) -> bool:  # fmt: skip
-    """Compile and run the layer kernels once against their torch paths; on any failure use torch from now on."""
+                        qk_norm: bool, hidden: int | None = None, intermediate: int | None = None) -> bool:  # fmt: skip
+    """Compile and run the layer kernels once against their torch paths; on any failure use torch from now on.
+
+    Given the model's ``hidden`` and ``intermediate`` sizes it compiles the variants the model's steps launch
+    (the norms' block is the hidden size's power of two; decode writes no K/V copy, prefill does), so a cold
+    Triton cache meets no further compile when the engine captures its graphs."""
     if device.type != "cuda" or _kernels() is None:
         return False
     try:
         g = torch.Generator(device=device).manual_seed(0)
         T, D = 3, head_dim
-        qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * D, device=device, generator=g).to(dtype)
+        H, inner = hidden or D, intermediate or D
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, device=device, generator=g).to(dtype)
+
+        qkv, h0, d0, w, gate_up = (
+            rand(T, (num_heads + 2 * num_kv_heads) * D),
+            rand(T, H),
+            rand(T, H),
+            rand(H),
+            rand(T, 2 * inner),
+        )
         static = torch.tensor([[9, 0, 1, 1], [9, 5, 7, 6], [9, 2, 4, 3]], device=device)  # like the decode buffer
         pos = static[:, 1]  # strided columns, as in a decode step
         cos, sin = torch.rand(8, D, device=device).to(dtype), torch.rand(8, D, device=device).to(dtype)
@@ -80,13 +95,16 @@ def check_layer_kernels(device: torch.device, dtype: torch.dtype, num_heads: int
         slots = static[:, 2]
         got = []
         for force in (True, False):
-            kc = torch.zeros(3, 4, num_kv_heads, D, device=device, dtype=dtype)
-            vc = torch.zeros_like(kc)
-            q, k, v = qkv_rope_write(qkv, pos, cos, sin, norm, norm, slots, kc, vc, num_heads, num_kv_heads, True,
-                                     force=force)  # fmt: skip
-            h, x = add_rms_norm(qkv[:, :D], qkv[:, D : 2 * D], qkv[0, :D], 1e-6, force=force)
-            a = silu_mul(qkv[:, : 2 * D], force=force)
-            got.append([t.float() for t in (q, k, v, kc, vc, h, x, a)])
+            out = []
+            for need_kv in (True, False):  # prefill keeps K/V for its attention; decode only writes the cache
+                kc = torch.zeros(3, 4, num_kv_heads, D, device=device, dtype=dtype)
+                vc = torch.zeros_like(kc)
+                q, k, v = qkv_rope_write(qkv, pos, cos, sin, norm, norm, slots, kc, vc, num_heads, num_kv_heads,
+                                         need_kv, force=force)  # fmt: skip
+                out += [q, kc, vc] + ([k, v] if need_kv else [])
+            out += [*add_rms_norm(h0, d0, w, 1e-6, force=force), silu_mul(gate_up, force=force)]
+            out.append(rms_norm(h0, w, 1e-6) if force else rms_norm_torch(h0, w, 1e-6))
+            got.append([t.float() for t in out])
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         for a, b in zip(*got):
             err = (a - b).abs().max().item()

@@ -47,7 +47,8 @@ def silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n_cols + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+# not specialized on the position/slot columns' layout: a check's small buffer compiles the decode step's variant
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr", "stride_pos", "stride_slot"])
 def qkv_rope_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
     q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,

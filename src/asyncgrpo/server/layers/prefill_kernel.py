@@ -17,7 +17,7 @@ import triton.language as tl
 from asyncgrpo.server.layers.prefill_tiles import tile_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_ptr", "ctx_ptr", "stride_tb", "stride_cb"])  # as the decode kernel
 def _paged_prefill_kernel(
     q_ptr,  # [R, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]

@@ -16,9 +16,12 @@ idle and scanned 152 k elements serially):
    lower token id first) as processed log-probs, written straight into the
    float64 tensor that the sampler copies to the host in one go.
 
-Compiled variants: one per slice size (and logits dtype); batch size and top-N
-are runtime arguments (``do_not_specialize``), so :func:`warm_up` compiles all a
-vocabulary needs before the first step.
+Compiled variants: one slice program per slice size and one combine program per
+vocabulary (and logits dtype); batch size, top-N and the slice count are runtime
+arguments (``do_not_specialize``), and the combine program's widths are sized for
+the smallest slice a vocabulary can get, so :func:`warm_up` compiles all a
+vocabulary needs before the first step (four compiles at 49 k, each about a second
+on an empty Triton cache), and the self-check shares them.
 
 Top-N without sorting: a candidate is one int64 key, the fp32 bits of ``x``
 mapped to an order-preserving signed integer in the high half and
@@ -69,6 +72,11 @@ def _kernels() -> ModuleType | None:
     return load_kernels("asyncgrpo.server.layers.sample_triton", "the CUDA engine's sampling kernel")
 
 
+def have_kernels() -> bool:
+    """Whether the Triton programs import here (their self-check is :func:`check_kernel`)."""
+    return _kernels() is not None
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -92,6 +100,18 @@ def choose_slice(batch: int, vocab: int, sms: int) -> int:
     while _cdiv(vocab, size) > MAX_SLICES:
         size *= 2
     return size
+
+
+def combine_widths(vocab: int, slices: int, groups: int) -> tuple[int, int]:
+    """The combine program's lane counts (powers of two) for a row's slices and group heads, sized for every slice
+    size :func:`choose_slice` can give ``vocab``, so that they all share one compiled combine program; never
+    narrower than this call's ``slices`` and ``groups``."""
+    finest = SLICE_SIZES[-1]  # the most slices a row gets: the smallest slice, grown as choose_slice grows it
+    while _cdiv(vocab, finest) > MAX_SLICES:
+        finest *= 2
+    coarsest = max(SLICE_SIZES[0], finest)  # the most group heads: the last slice's padding is at most a slice
+    most_groups = _cdiv(vocab + coarsest - 1, GROUP)
+    return _pow2(max(slices, _cdiv(vocab, finest))), _pow2(max(groups, most_groups))
 
 
 def fused_sample(
@@ -130,6 +150,7 @@ def fused_sample(
     packed = torch.empty(2 * B + 2 * B * k, dtype=torch.float64, device=dev)
     warps = num_warps or min(16, max(4, block // 256))
     R = block // GROUP
+    s_p, ng_p = combine_widths(V, S, S * R)
     kernels = _kernels()
     if kernels is None:
         raise RuntimeError(f"the sampling kernel needs Triton: {INSTALL_HINT}")
@@ -138,8 +159,8 @@ def fused_sample(
         BLOCK=block, G=GROUP, R=R, num_warps=warps,
     )  # fmt: skip
     kernels.combine_kernel[(B,)](
-        logits, logits.stride(0), temps, part_f, part_i, part_k, tokens, lse, packed, V, B, S, k,
-        S_P=_pow2(S), G=GROUP, NG=S * R, NG_P=_pow2(S * R), num_warps=8,
+        logits, logits.stride(0), temps, part_f, part_i, part_k, tokens, lse, packed, V, B, S, k, S * R,
+        S_P=s_p, G=GROUP, NG_P=ng_p, num_warps=8,
     )  # fmt: skip
     return tokens, packed, lse
 
@@ -155,19 +176,20 @@ def warm_up(device: torch.device, vocab: int, dtype: torch.dtype) -> list[int]:
     return sizes
 
 
-def check_kernel(device: torch.device) -> bool:
-    """Compile and run the kernels once on a tiny batch (the greedy row must pick the argmax, which must also
-    head its top-8); False on any failure."""
+def check_kernel(device: torch.device, vocab: int = 300, dtype: torch.dtype = torch.float32) -> bool:
+    """Compile and run the kernels once on a batch of two rows of ``vocab`` logits of ``dtype`` (the greedy row
+    must pick the argmax, which must also head its top-8); False on any failure. Given the model's vocabulary and
+    dtype, it compiles one of the variants :func:`warm_up` needs, not one of its own."""
     if device.type != "cuda" or _kernels() is None:
         return False
     try:
-        logits = torch.arange(300, dtype=torch.float32, device=device).remainder(97)[None].repeat(2, 1)
+        logits = torch.arange(vocab, dtype=torch.float32, device=device).remainder(97)[None].repeat(2, 1).to(dtype)
         meta = torch.tensor([[0, 1], [0, 0], [0, 0], [MODE_GREEDY, MODE_SEEDED]], device=device)
         tok, packed, lse = fused_sample(logits, torch.ones(2, device=device), meta, meta[0], top_n=8)
-        ref = torch.logsumexp(logits[0], 0)
+        ref = torch.logsumexp(logits[0].float(), 0)
         top_id = packed[4].item()  # row 0's first top-8 id
-        if (tok[0].item() != 96 or top_id != 96 or abs(lse[0].item() - ref.item()) > 1e-3
-                or not 0 <= tok[1].item() < 300):  # fmt: skip
+        if (tok[0].item() != 96 or top_id != 96 or abs(lse[0].item() - ref.item()) > 1e-3 * max(1.0, ref.item())
+                or not 0 <= tok[1].item() < vocab):  # fmt: skip
             raise RuntimeError(f"sampling kernel self-check failed: {tok.tolist()}, {lse.tolist()}, {top_id}")
         return True
     except Exception:

@@ -81,10 +81,10 @@ def slice_kernel(
         tl.store(part_k_ptr + row * S * R + split * R + tl.arange(0, R), tl.where(gi < V, heads, _NO_KEY))
 
 
-@triton.jit(do_not_specialize=["B", "N"])
+@triton.jit(do_not_specialize=["B", "S", "N", "NG"])  # one compiled variant per vocabulary (see combine_widths)
 def combine_kernel(
     logits_ptr, stride_row, temp_ptr, part_f_ptr, part_i_ptr, part_k_ptr, out_tok_ptr, out_lse_ptr, packed_ptr,
-    V, B, S, N, S_P: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
+    V, B, S, N, NG, S_P: tl.constexpr, G: tl.constexpr, NG_P: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     sp = tl.arange(0, S_P)

@@ -127,6 +127,8 @@ class DecoderLM:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size = cfg.hidden_size
+        self.intermediate_size = self.layers[0].gate_up_w.shape[0] // 2  # the fused gate/up rows, halved
         self.scale = self.head_dim**-0.5
         self.act = _activation(cfg.hidden_act)
         self.silu = cfg.hidden_act in ("silu", "swish")
