@@ -34,7 +34,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)
-      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout -s INT -k 30 ${TESTS_TIMEOUT:-330} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
         ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|PARITY|round|MiB|Error|error" | tail -40 ;;
     generation)
       timeout 260 python3 bench/generation.py --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" | tail -25 ;;
