@@ -162,26 +162,44 @@ class GraphedDecoder:
         """Whether ``row`` runs graphed: graphs on, a bucket fits it, gradients on."""
         return self.failed is None and row.num_tokens <= self.sizes[-1] and torch.is_grad_enabled()
 
-    def capture_all(self, verify_row: PackedRow | None = None, until: Callable[[], bool] | None = None) -> float:
-        """Capture every bucket not yet captured (and check the first against ``verify_row``); seconds spent.
+    def capture_all(self, verify_row: PackedRow | None = None, until: Callable[[], bool] | None = None,
+                    at_least_one: bool = True) -> float:  # fmt: skip
+        """Capture every bucket not yet captured, largest first, and check the first capture against
+        ``verify_row``; seconds spent. Largest first: rows are packed up to ``token_budget``, so most steps replay
+        the largest bucket, and a step whose bucket is missing captures it at its first use.
 
-        ``until``: asked after each capture; True leaves the other buckets (and the check) for a later call."""
+        ``until``: asked before each capture (from the second on when ``at_least_one``); True leaves the other
+        buckets for a later call."""
         t0 = time.perf_counter()
-        todo = [s for s in self.sizes if s not in self.buckets]
-        done = []
+        todo = sorted((s for s in self.sizes if s not in self.buckets), reverse=True)
+        done: list[int] = []
         for size in todo:
-            if done and until is not None and until():
+            if self.failed is not None or (until is not None and (done or not at_least_one) and until()):
                 break
-            if self.failed is None:
-                self._capture_or_fail(size)
-                done.append(size)
-        if verify_row is not None and self.failed is None and not self.verified and len(done) == len(todo):
+            self._capture_or_fail(size)
+            done.append(size)
+            if verify_row is not None and not self.verified and self.failed is None:
+                self._verify_or_fail(verify_row)  # at once: a graph that disagrees is not captured five times
+        if verify_row is not None and not self.verified and self.failed is None and self.buckets:
             self._verify_or_fail(verify_row)
         seconds = time.perf_counter() - t0
         if done and self.failed is None:
-            logger.info("captured CUDA graphs of the decoder for rows of %s tokens in %.1f s (cuda_graph_step)",
-                        "/".join(map(str, done)), seconds)  # fmt: skip
+            left = len(self.sizes) - len(self.buckets)
+            logger.info("captured CUDA graphs of the decoder for rows of %s tokens in %.1f s (cuda_graph_step)%s",
+                        "/".join(map(str, done)), seconds, f"; {left} smaller bucket(s) later" if left else "")  # fmt: skip
         return seconds
+
+    def capture_largest(self, verify_row: PackedRow | None = None) -> float:
+        """The largest bucket only (the one full rows replay), checked against ``verify_row``; seconds spent."""
+        if self.sizes[-1] in self.buckets:
+            if verify_row is not None and not self.verified and self.failed is None:
+                self._verify_or_fail(verify_row)
+            return 0.0
+        return self.capture_all(verify_row=verify_row, until=lambda: True)
+
+    def missing(self) -> list[int]:
+        """Buckets not captured yet (none once the graphs are off)."""
+        return [] if self.failed is not None else [s for s in self.sizes if s not in self.buckets]
 
     def complete(self) -> bool:
         """Every bucket captured and checked, or the graphs off: nothing left for :meth:`capture_all`."""

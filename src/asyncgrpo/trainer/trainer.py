@@ -63,7 +63,7 @@ from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers, spawn_worker_ahead
 from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
 from asyncgrpo.trainer.step_stats import PassClock, StepStats
-from asyncgrpo.trainer.warmup import can_warm_up_before_train, prepare_step, warm_up, warmup_budget
+from asyncgrpo.trainer.warmup import can_warm_up_before_train, finish_step_graphs, prepare_step, warm_up, warmup_budget
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.policy import is_peft_model
@@ -234,7 +234,12 @@ class AsyncGRPOTrainer(Trainer):
         if self.worker is not None and not self.worker.started:
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
-        prepare_step(self, self.token_budget)  # compile and capture while the worker generates the first groups
+        # compile and capture while the worker generates the first groups, until they wait (sync_rollouts: at once)
+        prepare_step(self, self.token_budget, until=self._first_samples_wait)
+
+    def _first_samples_wait(self) -> bool:
+        worker = self.worker
+        return self.args.sync_rollouts or worker is None or worker.queue_size() > 0
 
     def warm_up_compile(self, until: Callable[[], bool] | None = None) -> float:
         """Compile the step's kernels now, while the server starts (``asyncgrpo train``); seconds spent (0: nothing to
@@ -357,6 +362,8 @@ class AsyncGRPOTrainer(Trainer):
         """
         self.step_stats.begin()  # perf/step_s counts the wait for samples
         per_rank: list[list[dict[str, Any]]] | None = None
+        if self.state.global_step >= 1:
+            finish_step_graphs(self)  # buckets step 1 did not wait for (none left after step 2's)
         if self.is_world_process_zero():
             assert self.source is not None
             micro = [] if self.source.finished else self.source.next_step(self.state.global_step)

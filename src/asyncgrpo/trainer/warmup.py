@@ -86,14 +86,26 @@ def warmup_budget(trainer: Any) -> int:
     return trainer.args.token_budget or WARMUP_BUDGET
 
 
-def prepare_step(trainer: Any, token_budget: int) -> None:
-    """At ``train()``'s start: the graphs of the real ``token_budget`` (buckets the warm-up before ``train()``
-    could not know), then the compile warm-up if it has not run."""
-    graphs = step_graphs(trainer, token_budget)
-    if graphs is not None:
-        graphs.capture_all()
+def prepare_step(trainer: Any, token_budget: int, until: Callable[[], bool] | None = None) -> None:
+    """At ``train()``'s start, while the worker generates the first groups: the compile warm-up if it has not run,
+    then the graphs of the real ``token_budget``'s buckets (ones the warm-up before ``train()`` could not know)
+    until ``until`` says the first samples wait: step 1 starts then, and :func:`finish_step_graphs` captures the
+    rest once it is done (a 135 M model on an H200: ~0.5 s a bucket, which step 1 no longer waits for)."""
     if should_warm_up(trainer):
         warm_up(trainer, token_budget)
+    graphs = step_graphs(trainer, token_budget)
+    if graphs is not None:
+        graphs.capture_all(until=until, at_least_one=False)
+        if graphs.missing():
+            logger.info("CUDA graphs of %s-token rows left for after step 1 (its samples are ready)",
+                        "/".join(map(str, graphs.missing())))  # fmt: skip
+
+
+def finish_step_graphs(trainer: Any) -> None:
+    """After step 1: capture the buckets :func:`prepare_step` left (so no later step captures one); cheap once done."""
+    graphs = getattr(trainer, "graphed", None)
+    if graphs is not None and graphs.missing():
+        graphs.capture_all()
 
 
 def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: Callable[[], bool] | None = None
@@ -101,8 +113,8 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: 
     """Run forward+backward of the warm-up rows through ``trainer.step_forward_backward``; returns seconds.
 
     ``before_train``: the model is not prepared by accelerate yet, so its forward runs under the accelerator's
-    autocast, as the prepared model's forward will. ``until``: asked before the warm-up and between its parts (a
-    bucket's graphs, a row); True stops it there, and ``train()`` does the rest while the worker generates the first
+    autocast, as the prepared model's forward will. ``until``: asked before the warm-up and between its parts (the
+    largest bucket's graphs, each row, each other bucket); True stops it there, and ``train()`` does the rest while the worker generates the first
     groups (``asyncgrpo train`` passes "the server serves": waiting on the compile then only delays generation). A
     failure is logged and ignored: the real step then compiles (or fails) as it would have without warm-up.
     """
@@ -124,15 +136,16 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: 
     stopped = False
     try:
         graphs = step_graphs(trainer, token_budget)
-        if graphs is not None:  # every bucket now, checked on a real row, so no step captures one
-            graphs.capture_all(verify_row=rows[-1].to(args.device), until=until)
-            stopped = not graphs.complete()
-        for row in rows:
-            if stopped or stop():
+        if graphs is not None:  # the bucket full rows replay, checked on a real row (the layers compile here)
+            graphs.capture_largest(verify_row=rows[-1].to(args.device))
+        for row in rows:  # the LM head and loss compile here, and the other row's bucket is captured
+            if stop():
                 stopped = True
                 break
             trainer.step_forward_backward(model, row, float(row.num_trained), keep_metrics=False,
                                           autocast_forward=before_train)  # fmt: skip
+        if graphs is not None and not stopped and before_train:  # the other buckets while the server starts
+            graphs.capture_all(until=until, at_least_one=False)  # (in train(), prepare_step does that)
     except (RuntimeError, ValueError, TypeError) as exc:  # never lose the run to its warm-up
         logger.warning("the compile warm-up failed (%s: %s); the first steps compile instead", type(exc).__name__, exc)
     finally:

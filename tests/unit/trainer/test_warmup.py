@@ -139,20 +139,81 @@ def test_a_warm_up_stops_where_asked_and_train_finishes_it(tmp_path):
     assert len(rows) == 3 and trainer.compile_warmed_up
 
 
-def test_graph_capture_stops_between_buckets_and_checks_once_all_are_captured():
-    """``capture_all(until=...)``: at least one bucket per call (a call always moves on), the check on a real row
-    only once every bucket is captured, and :meth:`complete` says whether anything is left."""
+def _counted_graphs(sizes, fails_check=False):
+    """A GraphedDecoder whose capture and check only record what they were asked (the GPU suite runs real ones)."""
     graphs = GraphedDecoder.__new__(GraphedDecoder)
-    graphs.sizes, graphs.buckets, graphs.failed, graphs.verified = [128, 256, 384, 512], {}, None, False
-    checked = []
+    graphs.sizes, graphs.buckets, graphs.failed, graphs.verified = list(sizes), {}, None, False
+    graphs.checked = []
+
+    def check(row):
+        graphs.checked.append((row, sorted(graphs.buckets)))
+        graphs.verified = True
+        if fails_check:
+            graphs.failed = "disagrees"
+            graphs.buckets.clear()
+
     graphs._capture_or_fail = lambda size: graphs.buckets.setdefault(size, size)
-    graphs._verify_or_fail = lambda row: (checked.append(row), setattr(graphs, "verified", True))
+    graphs._verify_or_fail = check
+    return graphs
+
+
+def test_graph_capture_goes_largest_first_checks_the_first_capture_and_stops_where_asked():
+    """Rows are packed up to the budget, so the largest bucket comes first and is the one checked; ``until`` is asked
+    before each capture (from the second on with ``at_least_one``), and :meth:`missing` says what is left."""
+    graphs = _counted_graphs([128, 256, 384, 512])
     graphs.capture_all(verify_row="row", until=lambda: True)
-    assert list(graphs.buckets) == [128] and checked == [] and not graphs.complete()
-    answers = iter([False, True])
-    graphs.capture_all(verify_row="row", until=lambda: next(answers))
-    assert list(graphs.buckets) == [128, 256, 384] and checked == [] and not graphs.complete()
+    assert list(graphs.buckets) == [512] and graphs.checked == [("row", [512])] and not graphs.complete()
+    graphs.capture_all(until=lambda: True, at_least_one=False)
+    assert list(graphs.buckets) == [512]  # samples wait already: nothing captured
+    answers = iter([False, True])  # asked before 256 and before 128
+    graphs.capture_all(until=lambda: next(answers))
+    assert list(graphs.buckets) == [512, 384, 256] and graphs.missing() == [128]
     graphs.capture_all(verify_row="row")
-    assert list(graphs.buckets) == [128, 256, 384, 512] and checked == ["row"] and graphs.complete()
+    assert graphs.missing() == [] and graphs.complete() and len(graphs.checked) == 1  # checked once
+    assert graphs.capture_largest("row") == 0.0  # there already
     graphs.failed = "off"
-    assert graphs.complete()  # graphs turned off: nothing left to do either
+    assert graphs.complete() and graphs.missing() == []  # graphs turned off: nothing left to do either
+
+
+def test_a_graph_that_fails_its_check_is_not_captured_again_for_every_bucket():
+    graphs = _counted_graphs([128, 256, 384, 512], fails_check=True)
+    graphs.capture_largest("row")
+    assert graphs.checked == [("row", [512])] and graphs.failed and graphs.buckets == {}
+    graphs.capture_all()
+    assert graphs.buckets == {} and graphs.complete()
+
+
+def test_step_one_does_not_wait_for_the_smaller_buckets_and_step_two_captures_them(tmp_path):
+    """prepare_step (train()'s start) captures buckets until the first samples wait; finish_step_graphs (called
+    before each step after the first) captures what is left, so no later step pays for a capture."""
+    from asyncgrpo.trainer.graphed_step import graph_buckets
+    from asyncgrpo.trainer.warmup import finish_step_graphs, prepare_step
+
+    trainer = _trainer(tmp_path)
+    trainer.graphed, trainer.graphs_decided = _counted_graphs(graph_buckets(1024)), True
+    waiting = iter([False, True])  # the first samples arrive during the second bucket's capture
+    prepare_step(trainer, 1024, until=lambda: next(waiting))
+    assert list(trainer.graphed.buckets) == [1024] and trainer.graphed.missing() == [256, 512, 768]
+    finish_step_graphs(trainer)
+    assert trainer.graphed.missing() == []
+    finish_step_graphs(trainer)  # nothing left: no capture
+    assert list(trainer.graphed.buckets) == [1024, 768, 512, 256]
+
+
+class _Worker:
+    def __init__(self, queued):
+        self.queued = queued
+
+    def queue_size(self):
+        return self.queued
+
+
+def test_the_first_samples_wait_when_the_worker_has_queued_some_or_generates_only_on_demand(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.worker = _Worker(0)
+    assert not trainer._first_samples_wait()
+    trainer.worker = _Worker(3)
+    assert trainer._first_samples_wait()
+    sync = _trainer(tmp_path, sync_rollouts=True)
+    sync.worker = _Worker(0)
+    assert sync._first_samples_wait()  # a sync_rollouts worker generates once step 1 asks: nothing to wait for
