@@ -1,7 +1,7 @@
 """A compact decoder-only forward (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
-The weights stay in the Hugging Face model they were loaded into, under their
-checkpoint names (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``), so
+The weights stay in the module tree they were loaded into (transformers' model, or the same tree built
+without transformers by ``direct_load.py``), under their checkpoint names (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``), so
 a weight update can be copied in place by name and CUDA graphs that read those
 tensors stay valid. The q/k/v (and gate/up) parameters are views into one fused
 matrix each, so the forward runs one matmul for them. Only the forward is ours:
@@ -234,6 +234,8 @@ class DecoderLM:
 
 
 def _activation(name: str):
+    if name in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU; the direct load imports no transformers
+        return F.silu
     from transformers.activations import ACT2FN
 
     if name not in ACT2FN:

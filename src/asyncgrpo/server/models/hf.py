@@ -28,6 +28,7 @@ from asyncgrpo.files import local_only
 from asyncgrpo.models.vlm import is_vision_language
 from asyncgrpo.server.lean_imports import without_unused_packages
 from asyncgrpo.server.models.decoder import SUPPORTED_ARCHITECTURES, resolve_device, resolve_dtype
+from asyncgrpo.server.models.direct_load import DirectCausalLM, load_direct
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ def architecture_of(hf_model: nn.Module) -> str:
 def is_native(hf_model: nn.Module) -> bool:
     """True for the families :class:`~asyncgrpo.server.models.decoder.DecoderLM` runs itself."""
     archs = list(getattr(hf_model.config, "architectures", None) or []) or [type(hf_model).__name__]
-    return type(hf_model).__name__ in SUPPORTED_ARCHITECTURES and any(a in SUPPORTED_ARCHITECTURES for a in archs)
+    own = isinstance(hf_model, DirectCausalLM) or type(hf_model).__name__ in SUPPORTED_ARCHITECTURES
+    return own and any(a in SUPPORTED_ARCHITECTURES for a in archs)
 
 
 def _no_part(name: str) -> None:
@@ -55,10 +57,14 @@ def load_any_model(
 ):
     """An HF model on ``device`` in the resolved dtype, eval mode, no grads; from a directory or an instance.
 
-    Causal LMs load through ``AutoModelForCausalLM``, vision-language checkpoints through
+    A safetensors folder of a native family loads without transformers (``direct_load.py``); other causal LMs
+    load through ``AutoModelForCausalLM``, vision-language checkpoints through
     ``AutoModelForImageTextToText``. An instance is used in place (its weights are shared, not copied).
     ``part``: the start clock's :meth:`~asyncgrpo.server.start_clock.StartClock.part`, called after each step.
     """
+    direct = load_direct(model, dtype, device, part)  # a native family's safetensors folder: no transformers
+    if direct is not None:
+        return direct
     with without_unused_packages():  # the import and from_pretrained (which imports the modeling module)
         return _load(model, dtype, device, part)
 
