@@ -95,10 +95,10 @@ def load_direct(model: Any, dtype: str | torch.dtype, device: str | torch.device
     cfg = DirectConfig(**{"hidden_act": "silu", **raw})  # the four families' default activation
     dev = resolve_device(device)
     want = resolve_dtype(dtype, cfg, dev)
+    part("config")
     if dev.type == "cuda":  # the CUDA context here, as the transformers path makes it, so the start split shows it
         torch.zeros(1, device=dev)
         part("cuda_init")
-    part("config")
     expected = _expected_shapes(raw)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
