@@ -178,22 +178,19 @@ class GraphedDecoder:
                 break
             self._capture_or_fail(size)
             done.append(size)
-            if verify_row is not None and not self.verified and self.failed is None:
-                self._verify_or_fail(verify_row)  # at once: a graph that disagrees is not captured five times
-        if verify_row is not None and not self.verified and self.failed is None and self.buckets:
-            self._verify_or_fail(verify_row)
+            self._verify_once(verify_row)  # at once: a graph that disagrees is not captured five times
+        self._verify_once(verify_row)  # nothing captured by this call, but earlier captures left unchecked
         seconds = time.perf_counter() - t0
         if done and self.failed is None:
-            left = len(self.sizes) - len(self.buckets)
+            left = len(self.missing())
             logger.info("captured CUDA graphs of the decoder for rows of %s tokens in %.1f s (cuda_graph_step)%s",
-                        "/".join(map(str, done)), seconds, f"; {left} smaller bucket(s) later" if left else "")  # fmt: skip
+                        "/".join(map(str, done)), seconds, f"; {left} bucket(s) left for later" if left else "")  # fmt: skip
         return seconds
 
     def capture_largest(self, verify_row: PackedRow | None = None) -> float:
         """The largest bucket only (the one full rows replay), checked against ``verify_row``; seconds spent."""
         if self.sizes[-1] in self.buckets:
-            if verify_row is not None and not self.verified and self.failed is None:
-                self._verify_or_fail(verify_row)
+            self._verify_once(verify_row)
             return 0.0
         return self.capture_all(verify_row=verify_row, until=lambda: True)
 
@@ -203,7 +200,7 @@ class GraphedDecoder:
 
     def complete(self) -> bool:
         """Every bucket captured and checked, or the graphs off: nothing left for :meth:`capture_all`."""
-        return self.failed is not None or (self.verified and all(s in self.buckets for s in self.sizes))
+        return self.failed is not None or (self.verified and not self.missing())
 
     def forward(self, row: PackedRow) -> PackedForward | None:
         """The row's final hidden states from the bucket's graph (captured now if it is the first such row);
@@ -296,6 +293,11 @@ class GraphedDecoder:
                 m.gradient_checkpointing = True
 
     # ------------------------------------------------------------------ checks
+    def _verify_once(self, row: PackedRow | None) -> None:
+        """The check on ``row``, where there is a row, a captured graph, and no verdict yet."""
+        if row is not None and not self.verified and self.failed is None and self.buckets:
+            self._verify_or_fail(row)
+
     def _verify_or_fail(self, row: PackedRow) -> None:
         try:
             problem = self._compare(row)

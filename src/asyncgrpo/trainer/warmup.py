@@ -96,9 +96,9 @@ def prepare_step(trainer: Any, token_budget: int, until: Callable[[], bool] | No
     graphs = step_graphs(trainer, token_budget)
     if graphs is not None:
         graphs.capture_all(until=until, at_least_one=False)
-        if graphs.missing():
+        if left := graphs.missing():
             logger.info("CUDA graphs of %s-token rows left for after step 1 (its samples are ready)",
-                        "/".join(map(str, graphs.missing())))  # fmt: skip
+                        "/".join(map(str, left)))  # fmt: skip
 
 
 def finish_step_graphs(trainer: Any) -> None:
@@ -114,9 +114,10 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: 
 
     ``before_train``: the model is not prepared by accelerate yet, so its forward runs under the accelerator's
     autocast, as the prepared model's forward will. ``until``: asked before the warm-up and between its parts (the
-    largest bucket's graphs, each row, each other bucket); True stops it there, and ``train()`` does the rest while the worker generates the first
-    groups (``asyncgrpo train`` passes "the server serves": waiting on the compile then only delays generation). A
-    failure is logged and ignored: the real step then compiles (or fails) as it would have without warm-up.
+    largest bucket's graphs, each row, each other bucket); True stops it there, and ``train()`` does the rest while
+    the worker generates the first groups (``asyncgrpo train`` passes "the server serves": waiting on the compile
+    then only delays generation). A failure is logged and ignored: the real step then compiles (or fails) as it
+    would have without warm-up.
     """
     args = trainer.args
     stop = until or (lambda: False)

@@ -1,8 +1,8 @@
 """A compact decoder-only forward (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 The weights stay in the module tree they were loaded into (transformers' model, or the same tree built
-without transformers by ``direct_load.py``), under their checkpoint names (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``), so
-a weight update can be copied in place by name and CUDA graphs that read those
+without transformers by ``direct_load.py``), under their checkpoint names (``q_proj``/``k_proj``/``v_proj``,
+``gate_proj``/``up_proj``), so a weight update can be copied in place by name and CUDA graphs that read those
 tensors stay valid. The q/k/v (and gate/up) parameters are views into one fused
 matrix each, so the forward runs one matmul for them. Only the forward is ours:
 it works on a flat batch of tokens ``[T, hidden]`` (several sequences packed
