@@ -30,7 +30,8 @@ from asyncgrpo.triton_support import have_triton, warn_missing
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CompileSettings", "compile_decoder_layers", "decoder_layers", "uncompile_decoder_layers", "wants_compiled_layers"
+    "CompileSettings", "compile_decoder_layers", "decoder_layers", "start_compile_workers", "uncompile_decoder_layers",
+    "wants_compiled_layers",
 ]  # fmt: skip
 
 
@@ -41,6 +42,24 @@ def wants_compiled_layers(args: Any, peft: bool, router_replay: Any) -> bool:
         return bool(args.compile_decoder_layers)
     on_cuda = torch.device(args.device).type == "cuda"
     return on_cuda and have_triton() and args.world_size == 1 and not peft and router_replay is None
+
+
+def start_compile_workers(args: Any, peft: bool) -> bool:
+    """Start inductor's Triton compile workers now, before the model loads, where the layers will be compiled on CUDA.
+
+    Why: inductor starts its worker pool at the first compile and, until the pool answers, compiles each Triton
+    kernel in the calling process, one after the other: a cold cache's first compile of the layer (forward and
+    backward, 10.7 s of code generation on an H200) ran mostly serial. Started here, the workers come up while the
+    model and the tokenizer load. Returns whether they were asked for (torch's ``TORCH_WARM_POOL=0`` still vetoes).
+    """
+    if torch.device(args.device).type != "cuda" or not wants_compiled_layers(args, peft, router_replay=None):
+        return False
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without the pool: inductor compiles in this process as before
+        return False
+    maybe_warm_pool()
+    return True
 
 
 @dataclass(frozen=True)

@@ -100,3 +100,23 @@ def test_compile_failure_falls_back_to_eager_once(caplog):
 def test_model_without_layer_list_is_refused():
     with pytest.raises(ValueError, match="compile_decoder_layers=False"):
         compile_decoder_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("device", "compile_layers", "peft", "started"),
+    [("cuda", True, False, True), ("cpu", True, False, False), ("cuda", False, False, False),
+     ("cuda", None, True, False)],
+)  # fmt: skip
+def test_compile_workers_start_early_only_where_the_layers_compile_on_cuda(monkeypatch, device, compile_layers, peft,
+                                                                           started):  # fmt: skip
+    """Inductor's Triton workers are asked for before the model loads only where layers compile with inductor on
+    CUDA: on the CPU (C++ code, no pool), with compile off, or under an adapter they would only use cores."""
+    from torch._inductor import async_compile
+
+    from asyncgrpo.trainer.compile import start_compile_workers
+
+    calls: list[int] = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(1))
+    args = type("Args", (), {"device": device, "compile_decoder_layers": compile_layers, "world_size": 1})()
+    assert start_compile_workers(args, peft=peft) is started
+    assert calls == ([1] if started else [])
