@@ -140,6 +140,21 @@ with lean_imports.without_unused_packages():
 print('$mode', 'import s', round(time.time() - t, 2), 'sklearn' in sys.modules, file=sys.stderr)" 2> "$OUT/importtime_$mode.txt"
         grep -E "^(plain|lean) " "$OUT/importtime_$mode.txt"; sort -t'|' -k2 -n "$OUT/importtime_$mode.txt" | tail -12
       done ;;
+    timports)  # issue 41: the trainer process's imports as `asyncgrpo train` makes them (second of two runs: bytecode kept)
+      for i in 1 2; do
+        python3 -X importtime -c "
+import sys, time; t = time.time()
+from asyncgrpo.server.bytecode import keep_bytecode
+keep_bytecode()
+from asyncgrpo.cli.launch import import_config
+from asyncgrpo.server import lean_imports
+lean_imports.enable()
+import_config()
+import torch
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+print('trainer imports s', round(time.time() - t, 2), file=sys.stderr)" 2> "$OUT/trainer_importtime.txt"
+      done
+      grep "trainer imports" "$OUT/trainer_importtime.txt"; sort -t'|' -k2 -n "$OUT/trainer_importtime.txt" | tail -25 ;;
     graphs)  # issue 41: CUDA graphs of the step against the eager step (GPU tests)
       python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
       ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout ${GRAPHS_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GRAPHS_TESTS:-tests/gpu/test_graphed_step_gpu.py} 2>&1 \

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: bench.result_file
 from bench.result_file import write_result
@@ -43,6 +44,8 @@ GPU_RUNS = {  # name -> (trainer settings, compile cache)
     "sync_warm": ({"max_staleness": 1, "sync_rollouts": True}, "warm"),
     # server and trainer as clients of one MPS daemon (server: {mps: true}; docs/gpus.md): kernels side by side
     "async_warm_mps": ({"max_staleness": 2}, "warm"),
+    # async_warm under cProfile from launch to step 1's end (its figures are slowed: left out of the checks)
+    "async_warm_prof": ({"max_staleness": 2}, "warm"),
 }
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$")
 
@@ -113,6 +116,12 @@ def step_summary(stamps: list[float], t_ready: float, t_launch: float, per_step:
 def gpu_child(a: argparse.Namespace) -> dict:
     """One run in this process: launch the server, build the trainer, train ``--steps`` steps, time everything."""
     t_launch = time.time()
+    start_prof = None
+    if a.child.endswith("_prof"):  # where the trainer's own start goes, call by call (main thread only)
+        import cProfile
+
+        start_prof = cProfile.Profile()
+        start_prof.enable()
     try:  # as the `asyncgrpo` command does first (server/bytecode.py; the baseline's src may not have it)
         from asyncgrpo.server.bytecode import keep_bytecode
 
@@ -189,6 +198,9 @@ def gpu_child(a: argparse.Namespace) -> dict:
             stamps.append(time.time())
             graphs.append(unique_graphs())
             cpu.append(time.thread_time())  # this (main) thread's CPU seconds: a step that waits shows less
+            if start_prof is not None and state.global_step == 1:
+                start_prof.disable()
+                _dump_start_profile(start_prof, work)
             if "p" in prof_box and state.global_step == a.profile_steps[1]:
                 if cuda:
                     torch.cuda.synchronize()
@@ -244,6 +256,19 @@ def gpu_child(a: argparse.Namespace) -> dict:
             (Path(a.profile_dir) / f"{a.tag}_{key}.txt").write_text(avg.table(sort_by=key, row_limit=45))
         out["profile"] = _profile_totals(prof)
     return out
+
+
+def _dump_start_profile(prof: Any, work: Path) -> None:
+    """The start's cProfile: the raw stats and the 80 largest entries by cumulative and by own time."""
+    import io
+    import pstats
+
+    prof.dump_stats(str(work / "start.prof"))
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(50)
+    (work / "start_prof.txt").write_text(text.getvalue())
 
 
 def _own_start(base_url: str) -> dict:
@@ -368,14 +393,15 @@ def run_gpu_variant(a: argparse.Namespace, tag: str, src: str, work: Path, model
         print(f"    ready {r.get('server_ready_s', 0):.1f}s  first step after ready {r.get('first_step_after_ready_s', 0):.1f}s"
               f"  median step {r.get('step_s_median_after_2', 0) or 0:.3f}s  fwd+bwd {r.get('fwd_bwd_s_median_after_2') or 0:.3f}s"
               f"  recompiles {r.get('recompiles_after_step1')}", flush=True)  # fmt: skip
+    measured = {k: r for k, r in runs.items() if not k.endswith("_prof")}  # a profiled run is slowed by its profiler
     a_, s_ = runs.get("async_warm", {}), runs.get("sync_warm", {})
     ratio = (a_.get("steady_steps_per_min") or 0) / (s_.get("steady_steps_per_min") or 1e-9)
     cold, warm = runs.get("async_cold", {}), runs.get("async_warm", {})
     checks = {
-        "server_ready_le_10s": max(r.get("server_ready_s", 1e9) for r in runs.values()) <= 10.0,
+        "server_ready_le_10s": max(r.get("server_ready_s", 1e9) for r in measured.values()) <= 10.0,
         "first_step_warm_le_5s": warm.get("first_step_after_ready_s", 1e9) <= 5.0,
         "first_step_cold_le_15s": cold.get("first_step_after_ready_s", 1e9) <= 15.0,
-        "no_step_after_2_over_2x_median": all((r.get("max_step_after_2_over_median") or 1e9) <= 2.0 for r in runs.values()),
+        "no_step_after_2_over_2x_median": all((r.get("max_step_after_2_over_median") or 1e9) <= 2.0 for r in measured.values()),
         "steady_fwd_bwd_le_30ms": (warm.get("fwd_bwd_s_median_after_2") or 1e9) <= 0.030,
     }  # fmt: skip
     return {"src": src, "runs": runs, "async_over_sync_steady_steps_per_min": ratio, "checks": checks}

@@ -17,8 +17,10 @@ from typing import Any
 # sees it (``from x import f`` binds f in the caller's module, so the caller's module is patched)
 PHASES = [
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.__init__", "trainer_init"),
+    ("asyncgrpo.trainer.trainer", "start_compile_workers", "compile_workers"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.warm_up_compile", "warm_up_compile"),
     ("asyncgrpo.trainer.trainer", "warm_up", "warm_up"),
+    ("asyncgrpo.trainer.graphed_step", "GraphedDecoder.capture_largest", "graph_capture_largest"),
     ("asyncgrpo.trainer.graphed_step", "GraphedDecoder.capture_all", "graph_capture"),
     ("asyncgrpo.rollout.worker", "RolloutWorker.spawn", "worker_spawn"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.train", "train"),
@@ -29,6 +31,7 @@ PHASES = [
     ("asyncgrpo.trainer.trainer", "prepare_step", "prepare_step"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.get_batch_samples", "first_batch"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.training_step", "first_fwd_bwd"),
+    ("asyncgrpo.trainer.trainer", "finish_step_graphs", "finish_step_graphs"),
 ]
 
 
