@@ -207,8 +207,16 @@ def gpu_child(a: argparse.Namespace) -> dict:
                 prof_box["done"] = prof_box.pop("p")
                 prof_box["done"].__exit__(None, None, None)
 
+    try:  # as asyncgrpo train: the rollout worker's process spawned before the trainer (the baseline may lack it)
+        from asyncgrpo.trainer.setup import spawn_rollout_worker
+
+        early_worker = spawn_rollout_worker(args)
+    except ImportError:
+        early_worker = None
     trainer = AsyncGRPOTrainer(model, reward_funcs=[reward], args=args, train_dataset=rows,
                                callbacks=[Clock()])  # fmt: skip
+    if early_worker is not None:
+        trainer.worker_ahead = early_worker
     if parallel and hasattr(trainer, "warm_up_compile"):  # as asyncgrpo train does, while the server starts
         stops = "until" in inspect.signature(trainer.warm_up_compile).parameters  # stops once the server serves
         trainer.warm_up_compile(**({"until": server.answers} if stops else {}))

@@ -101,18 +101,35 @@ def test_a_replaced_parameter_is_refused():
         graphs.forward(row)
 
 
+def test_a_check_row_of_a_bucket_not_captured_yet_keeps_the_graphs_on():
+    """capture_largest() checked on a row of a smaller bucket: that bucket is captured before the eager side runs
+    (captured while the eager side's autograd graph was alive, it failed and turned the graphs off: the H100 run
+    of 2026-12-05, max_completion_length 40)."""
+    model = _model("llama", torch.float32).train()
+    use_tree_attention(model)
+    short = pack_samples(_samples(0)[:3]).to("cuda")
+    graphs = GraphedDecoder(model, 4 * short.num_tokens + 5, None)
+    assert graphs.sizes[-1] > next(s for s in graphs.sizes if s >= short.num_tokens)
+    graphs.capture_largest(verify_row=short)
+    assert graphs.failed is None and graphs.verified, graphs.failed
+    assert len(graphs.buckets) == 2 and graphs.sizes[-1] in graphs.buckets
+
+
 def _reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path):
+@pytest.mark.parametrize("budget,completion", [(512, 256), (1024, 40)])
+def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path, budget, completion):
     """Through AsyncGRPOTrainer as a run uses it: on by default, captured by warm_up_compile() with gradient
-    checkpointing on (the default), the accelerator's bf16 autocast; its gradients equal the eager step's."""
+    checkpointing on (the default), the accelerator's bf16 autocast; its gradients equal the eager step's. Short
+    completions too (one group far below the budget: the warm-up rows pack several)."""
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.assets import smollm2_tokenizer, tiny_model
     from asyncgrpo.trainer.warmup import warmup_rows
 
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=512, bf16=True)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=budget, bf16=True,
+                           max_completion_length=completion)  # fmt: skip
     rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
     trainer = AsyncGRPOTrainer(tiny_model("llama").cuda(), reward_funcs=[_reward], args=args, train_dataset=rows,
                                processing_class=smollm2_tokenizer())  # fmt: skip
@@ -120,9 +137,9 @@ def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path):
         assert args.gradient_checkpointing and trainer.warm_up_compile() > 0
         graphs = trainer.graphed
         assert graphs is not None and graphs.failed is None and graphs.verified, getattr(graphs, "failed", None)
-        assert graphs.autocast_dtype == torch.bfloat16 and sorted(graphs.buckets) == graph_buckets(512)
+        assert graphs.autocast_dtype == torch.bfloat16 and sorted(graphs.buckets) == graph_buckets(budget)
         vocab = trainer.model.get_output_embeddings().weight.shape[0]
-        row = warmup_rows(512, 4, 40, vocab, top_n=8)[0]
+        row = warmup_rows(budget, 4, 40, vocab, top_n=8)[0]
 
         def grads():
             trainer.model.zero_grad(set_to_none=True)

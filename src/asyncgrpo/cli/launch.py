@@ -354,6 +354,7 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
     """
     from asyncgrpo import AsyncGRPOTrainer
     from asyncgrpo.errors import ServerError
+    from asyncgrpo.trainer.setup import spawn_rollout_worker
 
     args, server_cfg = spec.args, spec.server
     if not server_cfg.get("embedded"):
@@ -365,6 +366,9 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
         if server_cfg.get("embedded"):  # it starts while the data is built and the trainer loads its model
             server = launch_embedded(stack, model, server_cfg)
             args.vllm_server_base_url = server.base_url
+        early_worker = spawn_rollout_worker(args)  # its imports overlap the data, the model load and the compile
+        if early_worker is not None:
+            stack.callback(early_worker.stop)  # a no-op once the trainer stopped it
         dataset = build_dataset(spec.dataset)
         eval_dataset = build_eval(spec)
         kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
@@ -374,6 +378,8 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
             )
         except ServerError as e:
             raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
+        if early_worker is not None and trainer.worker_ahead is None and trainer.rollout_worker is None:
+            trainer.worker_ahead = early_worker  # train() hands it its rollout loop
         if server is not None:
             trainer.warm_up_compile(until=server.answers)  # while the server starts (CUDA; trainer/warmup.py)
             await_embedded(server)

@@ -17,6 +17,8 @@ How:
   after another, so two buckets' graphs never hold live data at once.
 - Captured without activation checkpointing: the graph keeps the bucket's activations, which the size rule
   (:func:`wants_graphed_step`) keeps to a few GB.
+- Captured only where no autograd graph over the parameters is alive (the start of a step, before its forward):
+  one that is alive keeps AccumulateGrad nodes of the default stream, and the capture fails on their sync.
 - Checked at the first capture: the graphed hidden states and parameter gradients against the eager decoder's on
   a real row. A mismatch or a capture error turns the graphs off with one warning and the step runs eager.
 """
@@ -314,10 +316,15 @@ class GraphedDecoder:
         memory the graph does not own, a host value frozen into it). That padding leaves the real tokens alone is
         a property of the mask, tested on its own; an unpadded eager row here would also recompile the layers
         for a length that no graphed step meets."""
+        size = self._size_for(row)
+        if size not in self.buckets:  # captured first: a capture while the eager side's autograd graph is alive
+            self._capture_or_fail(size)  # fails (its AccumulateGrad nodes sync with the default stream)
+            if size not in self.buckets:
+                return "its capture failed"
         dev = row.input_ids.device
         gen = torch.Generator(device=dev).manual_seed(0)
         weights = torch.randn(row.num_tokens, self.lm.config.get_text_config().hidden_size, generator=gen, device=dev)
-        padded = _Bucket.empty(self._size_for(row), dev)
+        padded = _Bucket.empty(size, dev)
         padded.load(row)
         with self._capturable():
             eager = self._decoder_out(padded.ids, padded.pos, padded.end)[: row.num_tokens]

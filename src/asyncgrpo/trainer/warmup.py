@@ -36,26 +36,43 @@ WARMUP_BUDGET = 2048  # rows before train() when token_budget is None (the serve
 
 def warmup_rows(token_budget: int, num_generations: int, max_completion_length: int, vocab_size: int,
                 top_n: int) -> list[PackedRow]:  # fmt: skip
-    """Two rows shaped like the run's (one prompt shared by a group, trained completions, sampler top-N when
-    score centering asks for it), of about half and all of ``token_budget`` tokens."""
+    """Two rows shaped like the run's, of about half and all of ``token_budget`` tokens: groups of one prompt and
+    G trained completions (sampler top-N where score centering asks for it), packed as the batcher packs them, as
+    many groups as fit. Whole rows matter: their lengths pick the CUDA graph buckets and compiled sizes the warm-up
+    prepares, and short completions (``max_completion_length`` 40) would otherwise leave both rows in a small
+    bucket that no real step uses."""
     rng = np.random.default_rng(0)
+    groups = max(num_generations, 1)
     rows = []
     for share in (0.5, 0.95):
-        target = max(int(token_budget * share), PROMPT_TOKENS + 2 * num_generations)
-        per = max(2, min(max_completion_length, (target - PROMPT_TOKENS) // max(num_generations, 1)))
-        prompt = rng.integers(0, vocab_size, PROMPT_TOKENS).tolist()
-        samples = []
-        for _ in range(max(num_generations, 1)):
-            completion = rng.integers(0, vocab_size, per).tolist()
-            mask = [0] * PROMPT_TOKENS + [1] * per
-            top = lps = None
-            if top_n:  # the sampler's top-N ids and their (descending) log-probs, on trained positions
-                top = [rng.integers(0, vocab_size, top_n).tolist() if m else [] for m in mask]
-                lps = [sorted((-rng.random(top_n) * 4 - 0.1).tolist(), reverse=True) if m else [] for m in mask]
-            samples.append(PackSample(prompt + completion, mask, [-1.0 * m for m in mask], float(rng.normal()), 0,
-                                      sampler_topn_ids=top, sampler_topn_logprobs=lps))  # fmt: skip
+        target = max(int(token_budget * share), PROMPT_TOKENS + 2 * groups)
+        samples: list[PackSample] = []
+        left = target
+        while left >= PROMPT_TOKENS + 3 * groups or not samples:  # whole groups, the last one shorter
+            # a group's row: the shared prompt, then per completion its tokens and (but for the first) a copy of
+            # the prompt's last token that predicts its first one; counted as one per completion here
+            per = max(2, min(max_completion_length, (left - PROMPT_TOKENS) // groups - 1))
+            samples += _warmup_group(rng, len(samples) // groups, per, groups, vocab_size, top_n)
+            left -= PROMPT_TOKENS + groups * (per + 1)
         rows.append(pack_samples(samples))
     return rows
+
+
+def _warmup_group(rng: np.random.Generator, group_id: int, per: int, size: int, vocab_size: int, top_n: int
+                  ) -> list[PackSample]:  # fmt: skip
+    """One prompt of ``PROMPT_TOKENS`` and ``size`` random completions of ``per`` trained tokens."""
+    prompt = rng.integers(0, vocab_size, PROMPT_TOKENS).tolist()
+    mask = [0] * PROMPT_TOKENS + [1] * per
+    samples = []
+    for _ in range(size):
+        completion = rng.integers(0, vocab_size, per).tolist()
+        top = lps = None
+        if top_n:  # the sampler's top-N ids and their (descending) log-probs, on trained positions
+            top = [rng.integers(0, vocab_size, top_n).tolist() if m else [] for m in mask]
+            lps = [sorted((-rng.random(top_n) * 4 - 0.1).tolist(), reverse=True) if m else [] for m in mask]
+        samples.append(PackSample(prompt + completion, mask, [-1.0 * m for m in mask], float(rng.normal()),
+                                  group_id, sampler_topn_ids=top, sampler_topn_logprobs=lps))  # fmt: skip
+    return samples
 
 
 def should_warm_up(trainer: Any) -> bool:

@@ -108,3 +108,56 @@ def test_an_embedded_cpu_server_and_the_trainer_split_the_cores(monkeypatch):
         assert split_cpu_threads(["--device", "cpu"], cores=8) == {}
     finally:
         torch.set_num_threads(before)
+
+
+def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(monkeypatch, tmp_path):
+    """``asyncgrpo train`` spawns the worker's process before it builds the data and the trainer (its imports overlap
+    them), gives it to the trainer as ``worker_ahead`` before the warm-up, and stops it if the trainer never did."""
+    import asyncgrpo
+    from asyncgrpo import AsyncGRPOConfig
+    from asyncgrpo.cli import launch
+    from asyncgrpo.cli.run_config import RunSpec
+    from asyncgrpo.rollout.worker import RolloutWorker
+
+    seen: dict = {}
+    real_spawn = RolloutWorker.spawn
+
+    def spawn(self):
+        seen.setdefault("order", []).append("spawn")
+        real_spawn(self)
+
+    class Trainer:  # the trainer's seams train_from_spec uses; a real one needs a live server
+        def __init__(self, model, reward_funcs, args, train_dataset, **kw):
+            seen.setdefault("order", []).append("trainer")
+            self.worker_ahead = self.rollout_worker = None
+            self.run_info, self.final_model_saved = {}, True
+
+        def warm_up_compile(self, until=None):
+            seen["ahead_at_warm_up"] = self.worker_ahead
+
+        def train(self, resume_from_checkpoint=None):
+            ahead = self.worker_ahead
+            seen["alive"] = ahead is not None and ahead.process.is_alive() and not ahead.started
+            return "trained"
+
+    class Server:
+        base_url = "http://127.0.0.1:1"
+
+        def answers(self):
+            return True
+
+    monkeypatch.setattr(RolloutWorker, "spawn", spawn)
+    monkeypatch.setattr(asyncgrpo, "AsyncGRPOTrainer", Trainer)
+    monkeypatch.setattr(launch, "launch_embedded", lambda stack, model, cfg: Server())
+    monkeypatch.setattr(launch, "await_embedded", lambda server: server)
+    monkeypatch.setattr(launch, "resolve_model", lambda name: name)
+    monkeypatch.setattr(launch, "build_dataset", lambda spec: [{"prompt": "2 + 2?"}])
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    spec = RunSpec("tiny", {}, None, (), (), {"embedded": True}, args)
+    out, trainer = launch.train_from_spec(spec)
+    worker = seen["ahead_at_warm_up"]
+    assert out == "trained" and seen["order"] == ["spawn", "trainer"] and seen["alive"]
+    assert isinstance(worker, RolloutWorker) and worker is trainer.worker_ahead
+    assert not worker.process.is_alive() and worker.process.exitcode == 0  # stopped on the way out
+    monkeypatch.setenv("RANK", "1")
+    assert launch.train_from_spec(spec)[1].worker_ahead is None  # other ranks: no worker of their own

@@ -6,7 +6,7 @@ import torch
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.assets import smollm2_tokenizer, tiny_model
 from asyncgrpo.trainer.compile import wants_compiled_layers
-from asyncgrpo.trainer.graphed_step import GraphedDecoder
+from asyncgrpo.trainer.graphed_step import GraphedDecoder, graph_buckets
 from asyncgrpo.trainer.warmup import PROMPT_TOKENS, should_warm_up, warm_up, warmup_rows
 
 ROWS = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
@@ -22,20 +22,38 @@ def _trainer(tmp_path, **kw):
                             processing_class=smollm2_tokenizer())  # fmt: skip
 
 
+def _check_row(row, target, groups, group_size, per_max):
+    """Within ``target`` tokens, short of it by less than one more group could fill; ``groups`` groups of
+    ``group_size`` samples whose completions are at most ``per_max`` tokens, every completion token trained."""
+    assert target - (PROMPT_TOKENS + 3 * group_size) - groups < row.num_tokens <= target
+    prompts = groups * PROMPT_TOKENS
+    assert row.num_flat_tokens == prompts * group_size + row.num_trained
+    assert row.num_trained <= groups * group_size * per_max
+
+
 def test_rows_have_the_runs_shape():
     small, large = warmup_rows(token_budget=1024, num_generations=8, max_completion_length=256, vocab_size=500,
                                top_n=8)  # fmt: skip
-    # G samples of prompt + (target - prompt) // G completion tokens; the prompt is forwarded once (shared)
-    per_small, per_large = (512 - PROMPT_TOKENS) // 8, (int(1024 * 0.95) - PROMPT_TOKENS) // 8
-    assert small.num_flat_tokens == 8 * (PROMPT_TOKENS + per_small)
-    assert PROMPT_TOKENS + 8 * per_small <= small.num_tokens < PROMPT_TOKENS + 8 * (per_small + 1)
-    assert PROMPT_TOKENS + 8 * per_large <= large.num_tokens <= 1024  # within the budget
+    _check_row(small, 512, 1, 8, 256)  # one group of 8 samples fills half the budget
+    _check_row(large, int(1024 * 0.95), 1, 8, 256)
     assert small.num_tokens != large.num_tokens  # two lengths: sizes that turn dynamic do so in the warm-up
-    assert small.num_trained == 8 * ((512 - PROMPT_TOKENS) // 8)
     assert small.sampler_topn_ids is not None and small.sampler_topn_ids.shape[1] == 8
-    # completions capped by max_completion_length; no top-N without score centering
+    # completions capped by max_completion_length: as many groups as fit; no top-N without score centering
     capped = warmup_rows(4096, 4, 16, 500, top_n=0)[1]
-    assert capped.num_flat_tokens == 4 * (PROMPT_TOKENS + 16) and capped.sampler_topn_ids is None
+    groups = int(4096 * 0.95) // (PROMPT_TOKENS + 4 * (16 + 1))  # 29, and 63 tokens left: too few for another
+    _check_row(capped, int(4096 * 0.95), groups, 4, 16)
+    assert capped.sampler_topn_ids is None
+
+
+def test_rows_of_short_completions_still_fill_their_share_of_the_budget():
+    """max_completion_length 40, G=8: one group is about 390 tokens; the rows pack groups (the last one shorter)
+    up to half and 95 % of the budget, so the larger row lands in the largest CUDA graph bucket, as full real
+    rows do, and the smaller one in the half-budget bucket."""
+    small, large = warmup_rows(1024, 8, 40, 500, top_n=0)
+    _check_row(small, 512, 2, 8, 40)
+    _check_row(large, int(1024 * 0.95), 3, 8, 40)
+    buckets = graph_buckets(1024)
+    assert buckets[-2] < large.num_tokens <= buckets[-1] and buckets[0] < small.num_tokens <= buckets[1]
 
 
 def test_warm_up_leaves_weights_grads_and_metrics_alone(tmp_path):
