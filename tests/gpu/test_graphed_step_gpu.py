@@ -104,15 +104,28 @@ def test_a_replaced_parameter_is_refused():
 def test_a_check_row_of_a_bucket_not_captured_yet_keeps_the_graphs_on():
     """capture_largest() checked on a row of a smaller bucket: that bucket is captured before the eager side runs
     (captured while the eager side's autograd graph was alive, it failed and turned the graphs off: the H100 run
-    of 2026-12-05, max_completion_length 40)."""
-    model = _model("llama", torch.float32).train()
+    of 2026-12-05, max_completion_length 40). A model still in eval mode (the warm-up before train()) is captured
+    in train mode, so the first real step neither recompiles the layers nor replays a graph without dropout."""
+    from torch._dynamo.utils import counters
+
+    model = _model("llama", torch.float32).eval()
     use_tree_attention(model)
     short = pack_samples(_samples(0)[:3]).to("cuda")
-    graphs = GraphedDecoder(model, 4 * short.num_tokens + 5, None)
-    assert graphs.sizes[-1] > next(s for s in graphs.sizes if s >= short.num_tokens)
-    graphs.capture_largest(verify_row=short)
-    assert graphs.failed is None and graphs.verified, graphs.failed
-    assert len(graphs.buckets) == 2 and graphs.sizes[-1] in graphs.buckets
+    long = pack_samples(_samples(0)[:15]).to("cuda")  # the tricky tries and one GRPO group: 1,135 tokens
+    torch._dynamo.reset()
+    compile_decoder_layers(model)
+    try:
+        graphs = GraphedDecoder(model, 2048, None)  # buckets of 512/1024/1536/2048 tokens
+        assert short.num_tokens <= 512 and 1024 < long.num_tokens <= 1536
+        graphs.capture_largest(verify_row=short)
+        assert graphs.failed is None and graphs.verified, graphs.failed
+        assert sorted(graphs.buckets) == [512, 2048] and model.training
+        compiled = counters["stats"]["unique_graphs"]
+        _graphed(model, graphs, [long])  # a step as train() runs it: its bucket captured at first use
+        assert graphs.failed is None and len(graphs.buckets) == 3, graphs.failed
+        assert counters["stats"]["unique_graphs"] == compiled  # nothing compiled again
+    finally:
+        uncompile_decoder_layers(model)
 
 
 def _reward(completions, **kwargs):

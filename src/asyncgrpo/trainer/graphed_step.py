@@ -235,6 +235,9 @@ class GraphedDecoder:
             self._fail(f"capturing the {size}-token graph failed: {type(exc).__name__}: {str(exc)[:300]}")
 
     def _capture(self, size: int) -> _Bucket:
+        # train mode, as the steps that replay it run (dropout, and the compiled layers guard on it: a capture before
+        # train() in eval mode compiled them once for it and again for the first step, 10 s on a cold cache)
+        self.lm.train()
         if not self.buckets:  # the first graph: the parameters as they are now (a .to() before it is fine)
             self.params = tuple(p for p in self.decoder.parameters() if p.requires_grad)
             self._addresses = self._param_addresses()

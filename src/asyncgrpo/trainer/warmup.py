@@ -75,6 +75,13 @@ def _warmup_group(rng: np.random.Generator, group_id: int, per: int, size: int, 
     return samples
 
 
+# where a stopped warm-up's rest goes, and why it stopped: before train() / inside it
+_STOPPED = {
+    True: ("left to train(), beside the first generations", "the generation server serves"),
+    False: ("left to step 1", "the first samples wait"),
+}
+
+
 def should_warm_up(trainer: Any) -> bool:
     """CUDA, one process, no routing replay, ``warm_up_compile`` on, and not warmed up yet."""
     args = trainer.args
@@ -108,8 +115,8 @@ def prepare_step(trainer: Any, token_budget: int, until: Callable[[], bool] | No
     then the graphs of the real ``token_budget``'s buckets (ones the warm-up before ``train()`` could not know)
     until ``until`` says the first samples wait: step 1 starts then, and :func:`finish_step_graphs` captures the
     rest once it is done (a 135 M model on an H200: ~0.5 s a bucket, which step 1 no longer waits for)."""
-    if should_warm_up(trainer):
-        warm_up(trainer, token_budget)
+    if should_warm_up(trainer):  # stopped once the samples wait: step 1 compiles the rest (the same work, no later)
+        warm_up(trainer, token_budget, until=until)
     graphs = step_graphs(trainer, token_budget)
     if graphs is not None:
         graphs.capture_all(until=until, at_least_one=False)
@@ -131,16 +138,16 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: 
 
     ``before_train``: the model is not prepared by accelerate yet, so its forward runs under the accelerator's
     autocast, as the prepared model's forward will. ``until``: asked before the warm-up and between its parts (the
-    largest bucket's graphs, each row, each other bucket); True stops it there, and ``train()`` does the rest while
-    the worker generates the first groups (``asyncgrpo train`` passes "the server serves": waiting on the compile
-    then only delays generation). A failure is logged and ignored: the real step then compiles (or fails) as it
-    would have without warm-up.
+    largest bucket's graphs, each row, each other bucket); True stops it there. Before ``train()`` (``asyncgrpo
+    train`` passes "the server serves": waiting on the compile then only delays generation) ``train()`` does the
+    rest while the worker generates the first groups; inside it (:func:`prepare_step` passes "the first samples
+    wait") step 1 does, as it would without warm-up. A failure is logged and ignored: the real step then compiles
+    (or fails) as it would have without warm-up.
     """
     args = trainer.args
     stop = until or (lambda: False)
     if stop():
-        logger.info("compile warm-up left to train() (its `until` said stop: the generation server serves already), "
-                    "where it runs beside the first generations")  # fmt: skip
+        logger.info("compile warm-up %s (its `until` said stop: %s)", *_STOPPED[before_train])
         return 0.0
     lm = trainer._causal_lm()
     model = trainer.model if before_train else trainer.model_wrapped
@@ -169,9 +176,9 @@ def warm_up(trainer: Any, token_budget: int, before_train: bool = False, until: 
     finally:
         model.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - t0
-    if stopped:  # not warmed up: train() finishes it (what is compiled and captured stays)
-        logger.info("compile warm-up stopped after %.1f s (its `until` said stop: the generation server serves); "
-                    "train() does the rest beside the first generations", seconds)  # fmt: skip
+    if stopped:  # not warmed up: train() or step 1 finishes it (what is compiled and captured stays)
+        logger.info("compile warm-up stopped after %.1f s: %s (its `until` said stop: %s)", seconds,
+                    *_STOPPED[before_train])  # fmt: skip
         return seconds
     trainer.compile_warmed_up = True
     logger.info("compiled the training step on two dummy rows (%s tokens) in %.1f s", "/".join(

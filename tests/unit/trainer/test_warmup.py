@@ -235,3 +235,26 @@ def test_the_first_samples_wait_when_the_worker_has_queued_some_or_generates_onl
     sync = _trainer(tmp_path, sync_rollouts=True)
     sync.worker = _Worker(0)
     assert sync._first_samples_wait()  # a sync_rollouts worker generates once step 1 asks: nothing to wait for
+
+
+def test_the_warm_up_inside_train_stops_once_the_first_samples_wait(tmp_path, monkeypatch):
+    """prepare_step() hands the warm-up its ``until`` ("the first samples wait"): step 1 then compiles what is left
+    instead of waiting for the warm-up's second row (CPU: should_warm_up forced, no graphs)."""
+    from asyncgrpo.trainer import warmup
+
+    trainer = _trainer(tmp_path)
+    trainer.model_wrapped = trainer.model
+    monkeypatch.setattr(warmup, "should_warm_up", lambda t: not getattr(t, "compile_warmed_up", False))
+    rows = []
+    real = trainer.step_forward_backward
+
+    def spy(model, row, normalizer, keep_metrics=True, autocast_forward=False):
+        rows.append(row.num_tokens)
+        return real(model, row, normalizer, keep_metrics=keep_metrics, autocast_forward=autocast_forward)
+
+    trainer.step_forward_backward = spy
+    answers = iter([False, False, True])  # before the warm-up, before row 1, before row 2
+    warmup.prepare_step(trainer, 256, until=lambda: next(answers, True))
+    assert len(rows) == 1 and not getattr(trainer, "compile_warmed_up", False)
+    warmup.prepare_step(trainer, 256)  # nobody waits: the whole warm-up
+    assert len(rows) == 3 and trainer.compile_warmed_up
