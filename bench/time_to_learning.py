@@ -129,7 +129,10 @@ def gpu_child(a: argparse.Namespace) -> dict:
     except ImportError:
         pass
     # as `asyncgrpo train` does: the server launches first (these imports are light), torch and the trainer after
-    from asyncgrpo.cli.launch import embedded_env, server_flags
+    try:
+        from asyncgrpo.cli.run_server import embedded_env, server_flags
+    except ImportError:  # a checkout from before cli/run_server.py (the baseline)
+        from asyncgrpo.cli.launch import embedded_env, server_flags
     from asyncgrpo.server import launcher
 
     settings, _ = GPU_RUNS[a.child]

@@ -82,8 +82,12 @@ def make_model(out: Path, tokenizer: Path) -> Path:
 
 def server_flags(device: str, extra: str) -> tuple[list[str], dict[str, str]]:
     """``asyncgrpo train``'s flags and environment for its embedded server (cli/launch.py), plus ``extra``."""
-    from asyncgrpo.cli.launch import embedded_env
-    from asyncgrpo.cli.launch import server_flags as train_flags
+    try:
+        from asyncgrpo.cli.run_server import embedded_env
+        from asyncgrpo.cli.run_server import server_flags as train_flags
+    except ImportError:  # a checkout from before cli/run_server.py
+        from asyncgrpo.cli.launch import embedded_env
+        from asyncgrpo.cli.launch import server_flags as train_flags
 
     flags = [*train_flags({"embedded": True, "device": device}), "--seed", "0"]
     flags += ["--dtype", "bfloat16" if device == "cuda" else "float32", *shlex.split(extra)]

@@ -75,7 +75,8 @@ def run_eval(argv: list[str]) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from asyncgrpo.cli.launch import build_eval, parse_train, resolve_model, start_embedded, wait_for_server
+    from asyncgrpo.cli.launch import build_eval, parse_train, resolve_model
+    from asyncgrpo.cli.run_server import start_embedded, wait_for_server
     from asyncgrpo.errors import UserError
 
     description = (

@@ -93,7 +93,7 @@ def test_format_reward_pays_exactly_for_the_tagged_answers_numeric_answer_reward
 def test_an_embedded_cpu_server_and_the_trainer_split_the_cores(monkeypatch):
     import torch
 
-    from asyncgrpo.cli.launch import split_cpu_threads
+    from asyncgrpo.cli.run_server import split_cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -161,3 +161,49 @@ def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(mo
     assert not worker.process.is_alive() and worker.process.exitcode == 0  # stopped on the way out
     monkeypatch.setenv("RANK", "1")
     assert launch.train_from_spec(spec)[1].worker_ahead is None  # other ranks: no worker of their own
+
+
+@pytest.mark.parametrize("how", ["train", "demo"])
+def test_the_embedded_server_launches_before_the_configs_imports(monkeypatch, tmp_path, how):
+    """``asyncgrpo train`` and ``demo`` launch the embedded server once the YAML's sections are checked, before
+    AsyncGRPOConfig's imports (transformers, peft), and the run uses that server; it is stopped on the way out."""
+    import copy
+
+    import yaml
+
+    from asyncgrpo.cli import launch
+
+    order: list[str] = []
+    stopped: list[bool] = []
+
+    class Server:
+        base_url = "http://127.0.0.1:1"
+
+    def launch_embedded(stack, model, cfg):
+        order.append("server")
+        stack.callback(lambda: stopped.append(True))
+        return Server()
+
+    def train_from_spec(spec, resume=None, progress=None, server=None):
+        order.append("train")
+        assert isinstance(server, Server) and spec.args.max_steps == 2 and not stopped
+
+        class Out:
+            global_step = 0
+
+        return Out(), None
+
+    real_import = launch.import_config
+    monkeypatch.setattr(launch, "import_config", lambda: (order.append("import_config"), real_import()))
+    monkeypatch.setattr(launch, "launch_embedded", launch_embedded)
+    monkeypatch.setattr(launch, "train_from_spec", train_from_spec)
+    monkeypatch.setattr(launch, "resolve_model", lambda name: name)
+    cfg = copy.deepcopy(DEMO_CONFIG)
+    cfg["args"].update(output_dir=str(tmp_path), max_steps=2)
+    if how == "train":
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        assert launch.run_train(["--config", str(path)]) == 0
+    else:
+        launch.train_from_config(cfg)
+    assert order[0] == "server" and "import_config" in order and order[-1] == "train" and stopped == [True]

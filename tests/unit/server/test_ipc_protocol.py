@@ -174,7 +174,7 @@ def test_server_side_backends_and_init_shapes():
 
 
 def test_embedded_server_on_the_trainers_gpu_gets_a_share_and_the_ipc_switch():
-    from asyncgrpo.cli.launch import embedded_env, server_flags
+    from asyncgrpo.cli.run_server import embedded_env, server_flags
 
     share = ["--gpu-memory-utilization", "0.3"]
     assert server_flags({"device": "auto"}) == ["--device", "auto", *share]
