@@ -149,6 +149,14 @@ def gpu_child(a: argparse.Namespace) -> dict:
     server = launcher.launch_server(model, extra_args=flags, env=embedded_env(flags), log_path=str(log), timeout=600,
                                     **kw)  # fmt: skip
     t_ready = time.time() if not parallel else None
+    try:  # as asyncgrpo train (cli/launch.py start_ahead): the rollout worker's process spawned with the server
+        from asyncgrpo.cli.launch import start_ahead  # noqa: F401 - only a checkout that does it (not the baseline)
+        from asyncgrpo.rollout.worker import RolloutWorker
+
+        early_worker = RolloutWorker(None)
+        early_worker.spawn()
+    except ImportError:
+        early_worker = None
     try:  # as the `asyncgrpo` command: the config's imports without scikit-learn (the baseline's src may lack it)
         from asyncgrpo.cli.launch import import_config
         from asyncgrpo.server import lean_imports
@@ -210,12 +218,6 @@ def gpu_child(a: argparse.Namespace) -> dict:
                 prof_box["done"] = prof_box.pop("p")
                 prof_box["done"].__exit__(None, None, None)
 
-    try:  # as asyncgrpo train: the rollout worker's process spawned before the trainer (the baseline may lack it)
-        from asyncgrpo.trainer.setup import spawn_rollout_worker
-
-        early_worker = spawn_rollout_worker(args)
-    except ImportError:
-        early_worker = None
     trainer = AsyncGRPOTrainer(model, reward_funcs=[reward], args=args, train_dataset=rows,
                                callbacks=[Clock()])  # fmt: skip
     if early_worker is not None:

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,24 +213,39 @@ def _config_from_dict(cfg: dict[str, Any], sections: RunSpec | None = None) -> R
     return dataclasses.replace(sections, args=args)
 
 
-def launch_ahead(stack: contextlib.ExitStack, sections: RunSpec) -> ServerProcess | None:
-    """The run's embedded server (None without one), launched once the YAML's sections are checked and before
-    ``AsyncGRPOConfig``'s imports (transformers, peft: 3-6 s), which then overlap the server's start."""
-    if not sections.server.get("embedded"):
-        return None
-    return launch_embedded(stack, resolve_model(sections.model), sections.server)
+@dataclasses.dataclass
+class Ahead:
+    """What a run starts once its YAML's sections are checked, before ``AsyncGRPOConfig``'s imports (transformers,
+    peft: 3-6 s), so that those overlap them: the embedded server, and the rollout worker's process, whose own
+    imports (4 s on a GPU machine) delayed step 1 by 3.4 s when the trainer spawned it after loading its model
+    (bench/LOG.md, issue 41). Both are stopped with the run's stack (a no-op for what the trainer stopped)."""
+
+    server: ServerProcess | None = None
+    worker: Any = None  # a RolloutWorker spawned without its loop (first rank only), for the trainer to adopt
+
+
+def start_ahead(stack: contextlib.ExitStack, sections: RunSpec) -> Ahead:
+    from asyncgrpo.rollout.worker import RolloutWorker
+
+    ahead = Ahead()
+    if sections.server.get("embedded"):
+        ahead.server = launch_embedded(stack, resolve_model(sections.model), sections.server)
+    if int(os.environ.get("RANK", "0")) == 0:  # the other ranks of a sharded run generate nothing
+        ahead.worker = RolloutWorker(None)
+        ahead.worker.spawn()
+        stack.callback(ahead.worker.stop)
+    return ahead
 
 
 def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: Any = None,
-                    server: ServerProcess | None = None) -> tuple[Any, Any]:  # fmt: skip
+                    ahead: Ahead | None = None) -> tuple[Any, Any]:  # fmt: skip
     """Run one checked training job; returns (``TrainOutput``, the trainer). The final model is always saved.
 
-    ``progress`` replaces transformers' progress callback (a ``ProgressCallback`` subclass) when given; ``server``:
-    the embedded server, when :func:`launch_ahead` launched it already (else it is launched here).
+    ``progress`` replaces transformers' progress callback (a ``ProgressCallback`` subclass) when given; ``ahead``:
+    what :func:`start_ahead` started already (else it is started here, still before the data and the trainer).
     """
     from asyncgrpo import AsyncGRPOTrainer
     from asyncgrpo.errors import ServerError
-    from asyncgrpo.trainer.setup import spawn_rollout_worker
 
     args, server_cfg = spec.args, spec.server
     if not server_cfg.get("embedded"):
@@ -237,13 +253,10 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
             wait_for_server(url, float(server_cfg.get("wait_s", 60)))
     model = resolve_model(spec.model)
     with contextlib.ExitStack() as stack:
-        if server is None and server_cfg.get("embedded"):  # it starts while the data and the trainer are built
-            server = launch_embedded(stack, model, server_cfg)
+        ahead = ahead if ahead is not None else start_ahead(stack, spec)
+        server, early_worker = ahead.server, ahead.worker
         if server is not None:
             args.vllm_server_base_url = server.base_url
-        early_worker = spawn_rollout_worker(args)  # its imports overlap the data, the model load and the compile
-        if early_worker is not None:
-            stack.callback(early_worker.stop)  # a no-op once the trainer stopped it
         dataset = build_dataset(spec.dataset)
         eval_dataset = build_eval(spec)
         kwargs = {"eval_dataset": eval_dataset} if eval_dataset is not None else {}
@@ -254,6 +267,7 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
         except ServerError as e:
             raise UserError(f"the generation server at {args.vllm_server_base_url} did not answer: {e}") from e
         if early_worker is not None and trainer.worker_ahead is None and trainer.rollout_worker is None:
+            early_worker.heartbeat_timeout = args.rollout_worker_timeout
             trainer.worker_ahead = early_worker  # train() hands it its rollout loop
         if server is not None:
             trainer.warm_up_compile(until=server.answers)  # while the server starts (CUDA; trainer/warmup.py)
@@ -274,8 +288,8 @@ def train_from_config(cfg: dict[str, Any], resume: str | bool | None = None, pro
     """A run from a YAML-shaped dict (``asyncgrpo demo``); returns the ``TrainOutput``."""
     with contextlib.ExitStack() as stack:
         sections = check_run(cfg)
-        server = launch_ahead(stack, sections)
-        return train_from_spec(_config_from_dict(cfg, sections), resume, progress, server)[0]
+        ahead = start_ahead(stack, sections)
+        return train_from_spec(_config_from_dict(cfg, sections), resume, progress, ahead)[0]
 
 
 def wants_mps(argv: list[str]) -> bool:
@@ -301,10 +315,10 @@ def run_train(argv: list[str]) -> int:
 def _run_train(argv: list[str]) -> int:
     with contextlib.ExitStack() as stack:
         cfg = config_yaml(argv)  # None: --help, or no --config (parse_train says so)
-        return _train_command(argv, launch_ahead(stack, check_run(cfg)) if cfg is not None else None)
+        return _train_command(argv, start_ahead(stack, check_run(cfg)) if cfg is not None else None)
 
 
-def _train_command(argv: list[str], server: ServerProcess | None) -> int:
+def _train_command(argv: list[str], ahead: Ahead | None) -> int:
     spec, ns = parse_train(argv)
 
     from asyncgrpo.report.live import CompactProgress, settings_of
@@ -314,7 +328,7 @@ def _train_command(argv: list[str], server: ServerProcess | None) -> int:
     a = spec.args
     progress = None if ns.log_full else CompactProgress(ns.doctor_every, settings_of(a))
     t0 = time.time()
-    out, _ = train_from_spec(spec, ns.resume, progress, server)
+    out, _ = train_from_spec(spec, ns.resume, progress, ahead)
     print(run_summary(a.output_dir, out.global_step, t0), flush=True)
     return 0
 

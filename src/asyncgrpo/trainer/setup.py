@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -189,19 +188,8 @@ def spawn_worker_ahead(trainer: Any) -> None:
     torch, transformers and the user's script (4-5 s on an H200 machine) before it can generate, and spawned at
     ``train()``'s start that was all inside step 1."""
     if trainer.is_world_process_zero() and trainer.rollout_worker is None and trainer.worker_ahead is None:
-        trainer.worker_ahead = spawn_rollout_worker(trainer.args, rank=0)
-
-
-def spawn_rollout_worker(args: AsyncGRPOConfig, rank: int | None = None) -> RolloutWorker | None:
-    """A rollout worker's process, spawned now, for a trainer to adopt as ``trainer.worker_ahead`` (then ``train()``
-    hands it its loop); None but on the first rank (``rank``, else the launcher's ``RANK``). ``asyncgrpo train``
-    spawns it beside the embedded server, before the data and the model: spawned by the trainer once its model was
-    loaded, step 1 of a run on a warm compile cache waited 3.4 s for the child's imports (bench/LOG.md, issue 41)."""
-    if (rank if rank is not None else int(os.environ.get("RANK", "0"))) != 0:
-        return None
-    worker = RolloutWorker(None, heartbeat_timeout=args.rollout_worker_timeout)
-    worker.spawn()
-    return worker
+        trainer.worker_ahead = RolloutWorker(None, heartbeat_timeout=trainer.args.rollout_worker_timeout)
+        trainer.worker_ahead.spawn()
 
 
 def _start_adapter_sync(trainer: SetupSeam, facts: ServerFacts) -> WeightSync:

@@ -112,7 +112,8 @@ def test_an_embedded_cpu_server_and_the_trainer_split_the_cores(monkeypatch):
 
 def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(monkeypatch, tmp_path):
     """``asyncgrpo train`` spawns the worker's process before it builds the data and the trainer (its imports overlap
-    them), gives it to the trainer as ``worker_ahead`` before the warm-up, and stops it if the trainer never did."""
+    them), gives it to the trainer as ``worker_ahead`` (with the config's timeout) before the warm-up, and stops it
+    if the trainer never did."""
     import asyncgrpo
     from asyncgrpo import AsyncGRPOConfig
     from asyncgrpo.cli import launch
@@ -152,12 +153,12 @@ def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(mo
     monkeypatch.setattr(launch, "await_embedded", lambda server: server)
     monkeypatch.setattr(launch, "resolve_model", lambda name: name)
     monkeypatch.setattr(launch, "build_dataset", lambda spec: [{"prompt": "2 + 2?"}])
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, rollout_worker_timeout=77.0)
     spec = RunSpec("tiny", {}, None, (), (), {"embedded": True}, args)
     out, trainer = launch.train_from_spec(spec)
     worker = seen["ahead_at_warm_up"]
     assert out == "trained" and seen["order"] == ["spawn", "trainer"] and seen["alive"]
-    assert isinstance(worker, RolloutWorker) and worker is trainer.worker_ahead
+    assert isinstance(worker, RolloutWorker) and worker is trainer.worker_ahead and worker.heartbeat_timeout == 77.0
     assert not worker.process.is_alive() and worker.process.exitcode == 0  # stopped on the way out
     monkeypatch.setenv("RANK", "1")
     assert launch.train_from_spec(spec)[1].worker_ahead is None  # other ranks: no worker of their own
@@ -175,6 +176,7 @@ def test_the_embedded_server_launches_before_the_configs_imports(monkeypatch, tm
 
     order: list[str] = []
     stopped: list[bool] = []
+    workers: list = []
 
     class Server:
         base_url = "http://127.0.0.1:1"
@@ -184,9 +186,11 @@ def test_the_embedded_server_launches_before_the_configs_imports(monkeypatch, tm
         stack.callback(lambda: stopped.append(True))
         return Server()
 
-    def train_from_spec(spec, resume=None, progress=None, server=None):
+    def train_from_spec(spec, resume=None, progress=None, ahead=None):
         order.append("train")
-        assert isinstance(server, Server) and spec.args.max_steps == 2 and not stopped
+        assert isinstance(ahead.server, Server) and spec.args.max_steps == 2 and not stopped
+        assert ahead.worker.process.is_alive() and not ahead.worker.started  # spawned ahead too
+        workers.append(ahead.worker)
 
         class Out:
             global_step = 0
@@ -207,3 +211,4 @@ def test_the_embedded_server_launches_before_the_configs_imports(monkeypatch, tm
     else:
         launch.train_from_config(cfg)
     assert order[0] == "server" and "import_config" in order and order[-1] == "train" and stopped == [True]
+    assert workers[0].process.exitcode == 0  # stopped on the way out
