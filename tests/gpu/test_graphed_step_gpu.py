@@ -106,7 +106,7 @@ def test_a_check_row_of_a_bucket_not_captured_yet_keeps_the_graphs_on():
     (captured while the eager side's autograd graph was alive, it failed and turned the graphs off: the H100 run
     of 2026-12-05, max_completion_length 40). A model still in eval mode (the warm-up before train()) is captured
     in train mode, so the first real step neither recompiles the layers nor replays a graph without dropout."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import guard_failures
 
     model = _model("llama", torch.float32).eval()
     use_tree_attention(model)
@@ -120,10 +120,11 @@ def test_a_check_row_of_a_bucket_not_captured_yet_keeps_the_graphs_on():
         graphs.capture_largest(verify_row=short)
         assert graphs.failed is None and graphs.verified, graphs.failed
         assert sorted(graphs.buckets) == [512, 2048] and model.training
-        compiled = counters["stats"]["unique_graphs"]
         _graphed(model, graphs, [long])  # a step as train() runs it: its bucket captured at first use
         assert graphs.failed is None and len(graphs.buckets) == 3, graphs.failed
-        assert counters["stats"]["unique_graphs"] == compiled  # nothing compiled again
+        # the layers were not compiled again for train mode (the loss kernels compile here for the first time)
+        failed = [str(f) for fails in guard_failures.values() for f in fails]
+        assert not [f for f in failed if "training" in f], failed
     finally:
         uncompile_decoder_layers(model)
 
