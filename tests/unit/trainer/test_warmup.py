@@ -135,11 +135,8 @@ def test_cuda_graph_step_true_where_it_cannot_run_fails_at_construction(tmp_path
         _trainer(tmp_path, cuda_graph_step=True)
 
 
-def test_a_warm_up_stops_where_asked_and_train_finishes_it(tmp_path):
-    """``until`` (asyncgrpo train: "the server serves") is asked before the warm-up and between its parts; a stopped
-    warm-up leaves ``compile_warmed_up`` unset, so ``train()`` runs it (whole) beside the first generations."""
-    trainer = _trainer(tmp_path)
-    trainer.model_wrapped = trainer.model
+def _record_rows(trainer):
+    """The token counts of the rows the trainer's step runs from now on (the real step still runs)."""
     rows = []
     real = trainer.step_forward_backward
 
@@ -148,6 +145,15 @@ def test_a_warm_up_stops_where_asked_and_train_finishes_it(tmp_path):
         return real(model, row, normalizer, keep_metrics=keep_metrics, autocast_forward=autocast_forward)
 
     trainer.step_forward_backward = spy
+    return rows
+
+
+def test_a_warm_up_stops_where_asked_and_train_finishes_it(tmp_path):
+    """``until`` (asyncgrpo train: "the server serves") is asked before the warm-up and between its parts; a stopped
+    warm-up leaves ``compile_warmed_up`` unset, so ``train()`` runs it (whole) beside the first generations."""
+    trainer = _trainer(tmp_path)
+    trainer.model_wrapped = trainer.model
+    rows = _record_rows(trainer)
     assert warm_up(trainer, 256, until=lambda: True) == 0.0 and rows == []  # serving already: nothing here
     answers = iter([False, False, True])  # before the warm-up, before row 1, before row 2
     assert warm_up(trainer, 256, until=lambda: next(answers)) > 0
@@ -245,14 +251,7 @@ def test_the_warm_up_inside_train_stops_once_the_first_samples_wait(tmp_path, mo
     trainer = _trainer(tmp_path)
     trainer.model_wrapped = trainer.model
     monkeypatch.setattr(warmup, "should_warm_up", lambda t: not getattr(t, "compile_warmed_up", False))
-    rows = []
-    real = trainer.step_forward_backward
-
-    def spy(model, row, normalizer, keep_metrics=True, autocast_forward=False):
-        rows.append(row.num_tokens)
-        return real(model, row, normalizer, keep_metrics=keep_metrics, autocast_forward=autocast_forward)
-
-    trainer.step_forward_backward = spy
+    rows = _record_rows(trainer)
     answers = iter([False, False, True])  # before the warm-up, before row 1, before row 2
     warmup.prepare_step(trainer, 256, until=lambda: next(answers, True))
     assert len(rows) == 1 and not getattr(trainer, "compile_warmed_up", False)
