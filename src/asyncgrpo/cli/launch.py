@@ -269,6 +269,8 @@ def train_from_spec(spec: RunSpec, resume: str | bool | None = None, progress: A
         if early_worker is not None and trainer.worker_ahead is None and trainer.rollout_worker is None:
             early_worker.heartbeat_timeout = args.rollout_worker_timeout
             trainer.worker_ahead = early_worker  # train() hands it its rollout loop
+        elif early_worker is not None:  # the trainer generates otherwise (a TRL rollout worker): not needed
+            early_worker.stop()
         if server is not None:
             trainer.warm_up_compile(until=server.answers)  # while the server starts (CUDA; trainer/warmup.py)
             await_embedded(server)

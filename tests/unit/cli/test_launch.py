@@ -113,7 +113,7 @@ def test_an_embedded_cpu_server_and_the_trainer_split_the_cores(monkeypatch):
 def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(monkeypatch, tmp_path):
     """``asyncgrpo train`` spawns the worker's process before it builds the data and the trainer (its imports overlap
     them), gives it to the trainer as ``worker_ahead`` (with the config's timeout) before the warm-up, and stops it
-    if the trainer never did."""
+    if the trainer never did, or at once where the trainer has a rollout worker of its own."""
     import asyncgrpo
     from asyncgrpo import AsyncGRPOConfig
     from asyncgrpo.cli import launch
@@ -130,7 +130,7 @@ def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(mo
     class Trainer:  # the trainer's seams train_from_spec uses; a real one needs a live server
         def __init__(self, model, reward_funcs, args, train_dataset, **kw):
             seen.setdefault("order", []).append("trainer")
-            self.worker_ahead = self.rollout_worker = None
+            self.worker_ahead, self.rollout_worker = None, seen.get("plugin")
             self.run_info, self.final_model_saved = {}, True
 
         def warm_up_compile(self, until=None):
@@ -162,6 +162,12 @@ def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(mo
     assert not worker.process.is_alive() and worker.process.exitcode == 0  # stopped on the way out
     monkeypatch.setenv("RANK", "1")
     assert launch.train_from_spec(spec)[1].worker_ahead is None  # other ranks: no worker of their own
+    monkeypatch.delenv("RANK")
+    seen["plugin"] = object()  # a TRL rollout worker generates instead: ours is stopped at once, not adopted
+    spawned = []
+    monkeypatch.setattr(RolloutWorker, "spawn", lambda self: (spawned.append(self), real_spawn(self)))
+    assert launch.train_from_spec(spec)[1].worker_ahead is None
+    assert spawned and not spawned[0].process.is_alive() and not seen["alive"]
 
 
 @pytest.mark.parametrize("how", ["train", "demo"])
