@@ -231,9 +231,15 @@ def start_ahead(stack: contextlib.ExitStack, sections: RunSpec) -> Ahead:
     if sections.server.get("embedded"):
         ahead.server = launch_embedded(stack, resolve_model(sections.model), sections.server)
     if int(os.environ.get("RANK", "0")) == 0:  # the other ranks of a sharded run generate nothing
-        ahead.worker = RolloutWorker(None)
-        ahead.worker.spawn()
-        stack.callback(ahead.worker.stop)
+        worker = ahead.worker = RolloutWorker(None)
+        worker.spawn()
+
+        def stop(exc_type: Any, *_: Any) -> None:
+            if exc_type is not None and not worker.started and worker.process is not None:
+                worker.process.terminate()  # a bad flag: its error waits neither for the child's imports nor a loop
+            worker.stop()
+
+        stack.push(stop)
     return ahead
 
 

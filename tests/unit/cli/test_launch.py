@@ -1,5 +1,6 @@
 """The YAML run launcher: parsing, imports, errors, and the demo config kept equal to examples/demo.yaml."""
 
+import copy
 import re
 from pathlib import Path
 
@@ -174,8 +175,6 @@ def test_train_spawns_the_rollout_worker_before_the_trainer_and_hands_it_over(mo
 def test_the_embedded_server_launches_before_the_configs_imports(monkeypatch, tmp_path, how):
     """``asyncgrpo train`` and ``demo`` launch the embedded server once the YAML's sections are checked, before
     AsyncGRPOConfig's imports (transformers, peft), and the run uses that server; it is stopped on the way out."""
-    import copy
-
     import yaml
 
     from asyncgrpo.cli import launch
@@ -218,3 +217,38 @@ def test_the_embedded_server_launches_before_the_configs_imports(monkeypatch, tm
         launch.train_from_config(cfg)
     assert order[0] == "server" and "import_config" in order and order[-1] == "train" and stopped == [True]
     assert workers[0].process.exitcode == 0  # stopped on the way out
+
+
+def test_a_bad_flag_stops_what_was_started_ahead_without_waiting_for_it(monkeypatch, tmp_path):
+    """The server and the worker start before the command line is parsed; a bad flag then ends the run with its
+    error, and the worker (mid-import, never given a loop) is terminated rather than waited for."""
+    import signal
+
+    import yaml
+
+    from asyncgrpo.cli import launch
+    from asyncgrpo.errors import UserError
+    from asyncgrpo.rollout.worker import RolloutWorker
+
+    spawned: list = []
+    stopped: list[bool] = []
+    real_spawn = RolloutWorker.spawn
+    monkeypatch.setattr(RolloutWorker, "spawn", lambda self: (spawned.append(self), real_spawn(self)))
+
+    class Server:
+        base_url = "http://127.0.0.1:1"
+
+    def launch_embedded(stack, model, cfg):
+        stack.callback(lambda: stopped.append(True))
+        return Server()
+
+    monkeypatch.setattr(launch, "launch_embedded", launch_embedded)
+    monkeypatch.setattr(launch, "resolve_model", lambda name: name)
+    cfg = copy.deepcopy(DEMO_CONFIG)
+    cfg["args"].update(output_dir=str(tmp_path))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(UserError, match="unknown command-line argument"):
+        launch.run_train(["--config", str(path), "--bogus_flag", "1"])
+    assert stopped == [True] and len(spawned) == 1
+    assert spawned[0].process.exitcode == -signal.SIGTERM
