@@ -11,7 +11,7 @@ from asyncgrpo.packing.row import pack_samples
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.rollout.advantages import group_advantages
 from asyncgrpo.trainer.packed_loss import loss_settings
-from asyncgrpo.trainer.rollout_source import split_rows
+from asyncgrpo.trainer.step_rows import split_rows
 
 
 def _cfg(tmp_path, **kw) -> AsyncGRPOConfig:

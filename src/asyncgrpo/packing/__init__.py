@@ -13,17 +13,28 @@ from asyncgrpo.packing.attention import (
     register_tree_attention,
     use_tree_attention,
 )
-from asyncgrpo.packing.planner import MicroBatch, TokenBudgetBatcher, batch_metrics, plan_step
+from asyncgrpo.packing.planner import (
+    CLOSE,
+    GROUP_END,
+    MicroBatch,
+    PullMark,
+    TokenBudgetBatcher,
+    batch_metrics,
+    plan_step,
+)
 from asyncgrpo.packing.row import PackedRow, pack_samples, pack_trie
 from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.packing.trie import PrefixTrie
 
 __all__ = [
+    "CLOSE",
+    "GROUP_END",
     "TREE_ATTENTION",
     "MicroBatch",
     "PackSample",
     "PackedRow",
     "PrefixTrie",
+    "PullMark",
     "TokenBudgetBatcher",
     "TreeAttentionPlan",
     "batch_metrics",

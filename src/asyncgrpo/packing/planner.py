@@ -16,17 +16,25 @@ each attends to). A sample longer than the budget can never fit and is dropped w
 warning.
 
 With ``keep_groups=True`` (the trainer's setting) the samples of a group are held until
-the group ends (a sample of another group arrives, or ``flush``) and placed together:
+the group ends (``end_group``, a sample of another group, or ``flush``) and placed together:
 in the row where the whole group fits with the lowest resulting load, else in a new
 micro-batch, so its prompt is forwarded once. Only a group larger than the budget is
 placed sample by sample with the rules above (and then spans rows), and so is a group
 the caller's ``must_not_wait`` flags (the trainer: a group that would be too stale in a
 later step) when it does not fit whole: it fills the open micro-batch and only the rest
 waits, as without ``keep_groups``.
+
+A step need not wait for the group that would close its last micro-batch: ``pull`` may answer
+``GROUP_END`` after a group's last sample, so the group is placed at once instead of when the
+next group's first sample arrives, and ``CLOSE`` when it holds no sample and
+``cannot_take_a_group`` (no row has room for the smallest of the last groups placed). Without
+both, a step of two groups waited for two more: on one GPU at the 135M shape every second or
+third step waited 60-130 ms for groups it would not train.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -37,6 +45,19 @@ from asyncgrpo.packing.sample import PackSample
 from asyncgrpo.packing.trie import PrefixTrie
 
 logger = logging.getLogger(__name__)
+
+RECENT_GROUPS = 16  # cannot_take_a_group compares a row's room with the smallest of this many last groups
+
+
+class PullMark(enum.Enum):
+    """What ``plan_step``'s ``pull`` may answer instead of a sample."""
+
+    GROUP_END = "the samples pulled since the last group end complete their group: place it now"
+    CLOSE = "the open micro-batch can take none of the last groups: close it now"
+
+
+GROUP_END = PullMark.GROUP_END
+CLOSE = PullMark.CLOSE
 
 
 @dataclass
@@ -91,6 +112,7 @@ class TokenBudgetBatcher:
         self.dropped_oversize_count = 0  # since the last take_dropped_count()
         self._open = self._new_micro_batch()
         self._placed: list[PackSample] = []  # samples of the open micro-batch, in placement order
+        self._recent_groups: deque[int] = deque(maxlen=RECENT_GROUPS)  # forwarded tokens of the last groups
 
     def _new_micro_batch(self) -> MicroBatch:
         return MicroBatch([PrefixTrie(self.share_prefixes) for _ in range(self.num_processes)])
@@ -121,7 +143,32 @@ class TokenBudgetBatcher:
             self._place_group(self._group)
             self._group = []
         self._group.append(sample)
+        return self.pop_closed()
+
+    def end_group(self) -> MicroBatch | None:
+        """The held group is complete (its last sample was added): place it now rather than when the next group's
+        first sample arrives; returns the micro-batch the placement closed, if any."""
+        if self.keep_groups and self._group:
+            self._place_group(self._group)
+            self._group = []
+        return self.pop_closed()
+
+    def pop_closed(self) -> MicroBatch | None:
+        """A micro-batch closed by an earlier placement and not returned yet (a group larger than the budget may
+        close several), or None."""
         return self._closed.popleft() if self._closed else None
+
+    def cannot_take_a_group(self) -> bool:
+        """Whether the open micro-batch is as full as the last groups allow: it holds samples, nothing waits to be
+        placed, and no row has room for the smallest of the last ``RECENT_GROUPS`` groups (their forwarded tokens).
+        Then a step closes it rather than wait for a group that would most likely not fit (a smaller group that
+        comes later opens the next micro-batch)."""
+        if not self.keep_groups or self._group or self._closed or not self._recent_groups:
+            return False
+        if self._open.num_samples == 0:
+            return False
+        smallest = min(self._recent_groups)
+        return all(self.token_budget - row.num_tokens < smallest for row in self._open.rows)
 
     def _place(self, sample: PackSample) -> MicroBatch | None:
         """Rules 1-4 for one sample; returns the micro-batch it closed, if any."""
@@ -140,6 +187,7 @@ class TokenBudgetBatcher:
         alone = PrefixTrie(self.share_prefixes)
         for s in samples:
             alone.insert(s)
+        self._recent_groups.append(alone.num_tokens)
         if len(samples) == 1 or alone.num_tokens > self.token_budget:
             for s in samples:
                 closed = self._place(s)
@@ -221,24 +269,30 @@ class TokenBudgetBatcher:
 
 
 def plan_step(
-    batcher: TokenBudgetBatcher, pull: Callable[[], PackSample | None], gradient_accumulation_steps: int
+    batcher: TokenBudgetBatcher, pull: Callable[[], PackSample | PullMark | None], gradient_accumulation_steps: int
 ) -> list[MicroBatch]:
     """Pull samples until ``gradient_accumulation_steps`` micro-batches are closed.
 
-    ``pull`` returns the next sample, or None when no more will come (the open micro-batch
-    is then flushed and the step may be short). The sample that closes the last
-    micro-batch stays in the batcher and opens the next step.
+    ``pull`` returns the next sample, a ``PullMark`` (``GROUP_END``: place the group just pulled; ``CLOSE``: close
+    the open micro-batch now), or None when no more will come (the open micro-batch is then flushed and the step
+    may be short). A sample that closes the last micro-batch stays in the batcher and opens the next step.
     """
     out: list[MicroBatch] = []
     while len(out) < gradient_accumulation_steps:
-        sample = pull()
-        if sample is None:
+        item = pull()
+        if item is None:
             while len(out) < gradient_accumulation_steps and (closed := batcher.flush()) is not None:
                 out.append(closed)
             break
-        closed = batcher.add(sample)
-        if closed is not None:
+        if item is GROUP_END:
+            closed = batcher.end_group()
+        elif item is CLOSE:
+            closed = batcher.flush()
+        else:
+            closed = batcher.add(item)
+        while closed is not None:
             out.append(closed)
+            closed = batcher.pop_closed() if len(out) < gradient_accumulation_steps else None
     return out
 
 

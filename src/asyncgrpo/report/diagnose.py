@@ -60,16 +60,21 @@ def _change(steps: list[float], values: list[float]) -> float:
 
 # ---- rollout queue ---------------------------------------------------------------------------------------------------
 def queue_verdict(run: RunLog, last: int) -> Verdict | None:
-    wait = _share(run, "perf/rollout_wait_s", last)
-    if wait is None:
+    median_wait = _share(run, "perf/rollout_wait_s", last)
+    if median_wait is None:
         return None
+    # A generation-bound run whose steps alternate (rollouts in flight finish together: one step finds them ready,
+    # the next waits) has a median wait near zero; the mean of the capped per-window shares still shows the idling,
+    # and one long wait (a server hiccup) moves it by at most 1/n.
+    mean_wait = _mean_share(run, "perf/rollout_wait_s", last) or 0.0
+    wait = max(median_wait, mean_wait)
     queue = _mean(run.series("rollout/queue_size", last)[1])
     per_step = _mean(run.series("batch/samples_per_step", last)[1])
     queue_steps = queue / per_step if queue is not None and per_step else None
     blocked = _share(run, "rollout/backpressure_s", last)
     n = len(run.recent(last))
     figs = {
-        "perf/rollout_wait_s": f"{_pct(wait)} of a step (median of the last {n} windows)",
+        "perf/rollout_wait_s": f"{_pct(median_wait)} of a step (median of the last {n} windows; mean {_pct(mean_wait)})",
         "rollout/queue_size": "n/a" if queue_steps is None else f"{_g(queue)} samples = {queue_steps:.2f} steps",
         "rollout/backpressure_s": "n/a" if blocked is None else f"{_pct(blocked)} of a step per group start",
         "max_staleness": str(run.settings.max_staleness),
@@ -127,6 +132,20 @@ def _share(run: RunLog, name: str, last: int) -> float | None:
     return shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
 
 
+def _mean_share(run: RunLog, name: str, last: int) -> float | None:
+    """Mean over the windows of ``name / perf/step_s``, each capped at 1: how much of its time the trainer spent on
+    ``name`` where it alternates between steps (the median says 0 when fewer than half the steps wait)."""
+    shares = [
+        min(r[name] / r["perf/step_s"], 1.0) for r in run.recent(last) if name in r and r.get("perf/step_s", 0) > 0
+    ]
+    return sum(shares) / len(shares) if shares else None
+
+
+def _wait_share(run: RunLog, last: int) -> float:
+    """The trainer's wait for samples as a share of a step: the larger of the median and the capped mean."""
+    return max(_share(run, "perf/rollout_wait_s", last) or 0.0, _mean_share(run, "perf/rollout_wait_s", last) or 0.0)
+
+
 # ---- concurrency -----------------------------------------------------------------------------------------------------
 def concurrency_verdict(run: RunLog, last: int) -> Verdict | None:
     conc = _mean(run.series("rollout/concurrency", last)[1])
@@ -135,7 +154,7 @@ def concurrency_verdict(run: RunLog, last: int) -> Verdict | None:
     limit = run.settings.max_concurrent_rollouts
     cap = _mean(run.series("rollout/concurrency_cap", last)[1])
     kv = _mean(run.series("rollout/vllm_kv_cache_usage_frac", last)[1])
-    wait = _share(run, "perf/rollout_wait_s", last) or 0.0
+    wait = _wait_share(run, last)
     blocked = _share(run, "rollout/backpressure_s", last) or 0.0
     figs = {
         "rollout/concurrency": _g(conc),

@@ -28,6 +28,10 @@ WAIT_WARMUP_ACTION = (
     "the slow steps waited for generation's first rollouts, which no compile cache shortens (the queue table says "
     "whether generation keeps up afterwards); a longer run (max_steps) amortises the start"
 )
+CADENCE_ACTION = (
+    "raise max_staleness: more rollouts in flight (decoded in larger batches) so that generation keeps up; or add "
+    "generation capacity (another server in vllm_server_base_url). The queue and concurrency tables give the waits"
+)
 FIXED_COST_ACTION = (
     "give each step more tokens so the fixed cost is shared: raise token_budget (more groups packed per row and "
     "step) or num_generations; set compile_decoder_layers=True (fused kernels, fewer launches)"
@@ -62,6 +66,7 @@ def warmup_verdict(run: RunLog, last: int) -> Verdict | None:
     slow = slow_steps(durations)
     limit = SLOW_STEP_FACTOR * statistics.median(durations)
     waited = sum(n * w.get("perf/rollout_wait_s", 0.0) for n, w in _step_windows(run) if w["perf/step_s"] > limit)
+    late = sum(1 for d in durations[len(durations) // 2 :] if d > limit)  # slow steps in the run's second half
     figs = {
         "perf/warmup_share": pct(share) + ("" if logged else " (from the windows' perf/step_s)"),
         "slow steps": f"{len(slow)} of {len(durations)} above {SLOW_STEP_FACTOR:g}x the median step "
@@ -75,6 +80,15 @@ def warmup_verdict(run: RunLog, last: int) -> Verdict | None:
     if share <= WARMUP_HIGH:
         return Verdict("warm-up", "warm-up is a small share of the training time", "nothing to do", True, figs)
     head = f"warm-up took {pct(share)} of the training time: steps slower than {SLOW_STEP_FACTOR:g}x the median"
+    if slow and waited > sum(slow) / 2 and 3 * late >= len(slow):
+        figs["slow steps in the run's second half"] = f"{late} of {len(slow)}"
+        what = (
+            f"not a warm-up: {pct(share)} of the training time is in steps slower than {SLOW_STEP_FACTOR:g}x the "
+            f"median all through the run ({late} of {len(slow)} in its second half), mostly waiting for samples "
+            f"({g3(waited)} s of {g3(sum(slow))} s): generation-bound, with rollouts that finish in bursts (a step "
+            "that finds the next groups ready is fast, the one after waits for the next burst)"
+        )
+        return Verdict("warm-up", what, CADENCE_ACTION, False, figs)
     if slow and waited > sum(slow) / 2:
         what = f"{head} dominate a run this short, mostly waiting for samples while generation started"
         return Verdict("warm-up", what, WAIT_WARMUP_ACTION, False, figs)

@@ -41,16 +41,17 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asyncgrpo.packing import MicroBatch, PackedRow, PackSample, TokenBudgetBatcher, plan_step
+from asyncgrpo.packing import MicroBatch, PackSample, TokenBudgetBatcher, plan_step
+from asyncgrpo.packing.planner import CLOSE, GROUP_END, PullMark
 from asyncgrpo.rollout.messages import GroupResult
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.trainer.data_accounting import DataAccounting
-from asyncgrpo.trainer.loss_families import family_normalizer
 from asyncgrpo.trainer.no_signal import StepGroups, likely_cause, unanswering
 from asyncgrpo.trainer.step_fill import is_share, strip_shares, tied_shares
 
 logger = logging.getLogger(__name__)
 
+READY_POLL_S = 0.001  # how long a step looks for a ready group before closing a micro-batch no group would fit
 WAIT_LOG_INTERVAL_S = 30.0  # X4: a step that waits for samples says why at least this often
 FIRST_NOTICE_S = 20.0  # a step still without a trainable group this long after it began says why (issue 30)
 ZERO_STD_PATIENCE_GROUPS = 256  # this many scored groups in a row with equal rewards stop the run
@@ -138,6 +139,7 @@ class RolloutSource:
         self._dropped_reward_n = 0
         self._pending: dict[int, int] = {}  # flat row index -> sequences not yet trained
         self._buffer: deque[PackSample] = deque()
+        self._group_end_due = False  # the last sample pulled ended its group: the next pull says GROUP_END
         self._ended = False
         self._carried_tokens = 0  # tokens pulled but not trained by the last planned step (G3: still queued)
         self.wait_s = 0.0  # seconds the current step waited on the worker's queue (perf/rollout_wait_s)
@@ -200,6 +202,22 @@ class RolloutSource:
                 self._notice(timeout)
         self.wait_s += time.perf_counter() - t0
         self._notice(timeout)  # groups that keep arriving, all dropped, must not silence the line
+        self._accept(res)
+
+    def _receive_ready(self) -> bool:
+        """Pull a group result only if one is ready now (within a millisecond); whether one was."""
+        t0 = time.perf_counter()
+        try:
+            res: GroupResult = self.worker.get_sample(READY_POLL_S)
+        except TimeoutError:
+            return False
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        self._accept(res)
+        return True
+
+    def _accept(self, res: GroupResult) -> None:
+        """One group result into the buffer, or settled (tied, rejected, invalid, stale; the end of data)."""
         if res.end:
             self._ended = True
             if not self._trained_any and self._step_zero_std and all(map(is_share, self._buffer)):
@@ -304,19 +322,34 @@ class RolloutSource:
         else:
             self._pending[row_index] = left
 
-    def _pull(self) -> PackSample | None:
+    def _pull(self) -> PackSample | PullMark | None:
+        """The planner's next sample; ``GROUP_END`` after a group's last one (the buffer holds whole groups: a
+        group result's samples arrive together); ``CLOSE`` when no group is ready and the open micro-batch could
+        take none of the last groups: the step trains what it holds instead of waiting for a group it would most
+        likely carry. A ready group is still pulled (it may fit after all, or be at its last fresh step:
+        ``must_not_wait``), as every group was before, so only the wait goes."""
+        if self._group_end_due:
+            self._group_end_due = False
+            return GROUP_END
         while True:
             while not self._buffer:
                 if self._ended or (self.total_prompts is not None and self._requested_enough()):
                     return None
                 if self.data is not None and self.data.cap_stops(self.policy_version + 1, self.batcher.pending_samples):
                     return None  # over the over-sampling cap: the step trains what it holds
-                self._receive(self.sample_timeout)
+                if not self.batcher.cannot_take_a_group():
+                    self._receive(self.sample_timeout)
+                elif not self._receive_ready():
+                    return CLOSE
             sample = self._buffer.popleft()
             # Samples wait in the buffer across steps (a group larger than what a step still takes): check here.
+            ends_group = not self._buffer or self._buffer[0].group_id != sample.group_id
             if not self._is_stale(sample.meta.model_version):
+                self._group_end_due = ends_group
                 return sample
             self._drop_stale(sample.meta.row_index, 1)
+            if ends_group:  # the group's earlier samples may wait in the planner (a no-op if none do)
+                return GROUP_END
 
     def _requested_enough(self) -> bool:
         # Everything needed to reach total_prompts is consumed or already placed in the planner.
@@ -335,6 +368,7 @@ class RolloutSource:
         self.metrics.append(("sample/dropped_stale_count", 0.0, 1.0))  # present (0) in every window
         # The sample that closed the last step waits in the planner; re-check it (and any others) against the
         # new version so no sample is trained more than max_staleness updates behind (G4).
+        self._group_end_due = False  # the planner's samples go back to the buffer and are pulled again
         for sample in reversed(self.batcher.take_open_samples()):
             if self._is_stale(sample.meta.model_version):
                 self._drop_stale(sample.meta.row_index, 1)
@@ -393,30 +427,3 @@ class RolloutSource:
     def take_metrics(self) -> list[tuple[str, float, float]]:
         out, self.metrics = self.metrics, []
         return out
-
-
-def split_rows(
-    packed: list[list[PackedRow]],
-    gradient_accumulation_steps: int,
-    num_processes: int,
-    loss_type: str = "asyncgrpo",
-    max_completion_length: int = 1,
-) -> list[list[dict[str, object]]]:
-    """Each process's share of a step: ``[{"row": its row or None, "normalizer": float}]`` per micro-batch.
-
-    The planner already gave every micro-batch one row per process, balanced by attention cost; process i
-    trains row i. The normalizer counts the trained tokens (or sequences, as ``loss_type`` says:
-    ``family_normalizer``) of all the micro-batch's rows, or of the whole step: the global counts of L5, taken
-    here on rank 0, which plans every process's rows, so every process divides by the same number whatever its
-    own row holds (no all-reduce needed).
-    """
-    per_rank: list[list[dict[str, object]]] = [[] for _ in range(num_processes)]
-    step_tokens = sum(r.num_trained for rows in packed for r in rows)
-    for rows in packed:
-        tokens = sum(r.num_trained for r in rows)
-        sequences = sum(int(r.entry_sample.unique().numel()) for r in rows)
-        norm = family_normalizer(loss_type, tokens, sequences, step_tokens, max_completion_length,
-                                 gradient_accumulation_steps, num_processes)  # fmt: skip
-        for rank in range(num_processes):
-            per_rank[rank].append({"row": rows[rank] if rank < len(rows) else None, "normalizer": norm})
-    return per_rank

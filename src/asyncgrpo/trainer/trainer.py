@@ -1,8 +1,7 @@
 """``AsyncGRPOTrainer``: a ``transformers.Trainer`` whose data source is the rollout queue (T1).
 
-The Trainer machinery — optimizer and scheduler, gradient accumulation and
-clipping, callbacks, ``report_to``, checkpoints, ``push_to_hub``, accelerate/FSDP —
-is transformers'. What changes:
+The Trainer machinery — optimizer and scheduler, gradient accumulation and clipping, callbacks, ``report_to``,
+checkpoints, ``push_to_hub``, accelerate/FSDP — is transformers'. What changes:
 
 * ``get_batch_samples`` pulls one optimizer step of packed micro-batches from the
   rollout worker (``RolloutSource``) instead of reading a DataLoader;
@@ -58,10 +57,11 @@ from asyncgrpo.trainer.moe_replay import build_router_replay
 from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
 from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
-from asyncgrpo.trainer.rollout_source import RolloutSource, split_rows
+from asyncgrpo.trainer.rollout_source import RolloutSource
 from asyncgrpo.trainer.server_setup import ServerFacts
 from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers, spawn_worker_ahead
 from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
+from asyncgrpo.trainer.step_rows import split_rows
 from asyncgrpo.trainer.step_stats import PassClock, StepStats
 from asyncgrpo.trainer.warmup import can_warm_up_before_train, finish_step_graphs, prepare_step, warm_up, warmup_budget
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields

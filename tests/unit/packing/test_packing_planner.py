@@ -221,3 +221,74 @@ def test_keep_groups_places_a_group_that_must_not_wait_sample_by_sample():
 
     assert first_micro_batch(None) == (["A", "A"], 21)  # B waits, whole, for the next micro-batch
     assert first_micro_batch(lambda group: group[0].group_id == "B") == (["A", "A", "B"], 36)  # 21 + 15
+
+
+# ---- a step that need not wait for the group that would close it (issue 41) -------------------------------------------
+def _group(g: int, n: int = 2, prompt: int = 10, completion: int = 5) -> list[PackSample]:
+    """Group ``g``: a prompt of its own and ``n`` completions: prompt - 1 shared + n x (copy + completion) tokens."""
+    return [_s(range(100 * g, 100 * g + prompt), range(10_000 + 100 * g + 10 * i, 10_000 + 100 * g + 10 * i + completion), g)
+            for i in range(n)]  # fmt: skip
+
+
+def test_end_group_places_the_group_at_once():
+    b = TokenBudgetBatcher(token_budget=50, keep_groups=True)  # a group of 2: 9 + 2 x 6 = 21 tokens
+    for s in _group(0):
+        assert b.add(s) is None
+    assert b.end_group() is None  # placed in the open row, no micro-batch closed
+    assert b.pending_samples == 2 and b._open.rows[0].num_tokens == 21
+    for s in _group(1):
+        b.add(s)
+    assert b.end_group() is None and b._open.rows[0].num_tokens == 42  # both fit: 42 <= 50
+    for s in _group(2):
+        b.add(s)
+    closed = b.end_group()  # 63 > 50: the open micro-batch closes without a sample of a fourth group
+    assert closed is not None and sorted(closed.rows[0].group_ids) == [0, 1]
+    assert b._open.rows[0].group_ids == {2} and b.end_group() is None  # nothing held: a no-op
+
+
+def test_cannot_take_a_group_compares_the_room_with_the_smallest_recent_group():
+    b = TokenBudgetBatcher(token_budget=50, keep_groups=True)
+    assert not b.cannot_take_a_group()  # empty, and no group seen
+    for g in (0, 1):
+        for s in _group(g):
+            b.add(s)
+        b.end_group()
+    assert b.cannot_take_a_group()  # 42 of 50: 8 left, the smallest group seen is 21
+    b.add(_group(2)[0])
+    assert not b.cannot_take_a_group()  # a group is being pulled: it must end first
+    assert b.end_group() is not None  # a group of one sample (15 tokens) does not fit the 8 left: it closes one
+    assert not b.cannot_take_a_group()  # 15 in the open row, 35 left >= the smallest (15)
+    one = TokenBudgetBatcher(token_budget=50, keep_groups=False)
+    for s in _group(0) + _group(1):
+        one.add(s)
+    assert not one.cannot_take_a_group()  # only with keep_groups (groups are what it measures)
+
+
+def test_cannot_take_a_group_needs_every_row_full():
+    b = TokenBudgetBatcher(token_budget=25, num_processes=2, keep_groups=True)
+    for s in _group(0):
+        b.add(s)
+    b.end_group()  # row 0: 21 of 25; row 1 empty
+    assert not b.cannot_take_a_group()
+    for s in _group(1):
+        b.add(s)
+    b.end_group()
+    assert b.cannot_take_a_group()  # both rows at 21: 4 left in each
+
+
+def test_plan_step_follows_the_pull_marks():
+    from asyncgrpo.packing import CLOSE, GROUP_END
+
+    b = TokenBudgetBatcher(token_budget=50, keep_groups=True)
+    script = iter([*_group(0), GROUP_END, *_group(1), GROUP_END, CLOSE, *_group(2), GROUP_END, *_group(3), GROUP_END])
+    pulled = []
+
+    def pull():
+        item = next(script, None)
+        pulled.append(item)
+        return item
+
+    (first,) = plan_step(b, pull, gradient_accumulation_steps=1)
+    assert sorted(first.rows[0].group_ids) == [0, 1] and pulled[-1] is CLOSE  # closed without group 2
+    (second,) = plan_step(b, pull, gradient_accumulation_steps=1)
+    assert sorted(second.rows[0].group_ids) == [2, 3] and pulled[-1] is None  # the end of data flushed it

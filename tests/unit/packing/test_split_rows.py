@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncgrpo.packing import PackSample, pack_samples
-from asyncgrpo.trainer.rollout_source import split_rows
+from asyncgrpo.trainer.step_rows import split_rows
 
 
 def _row(trained: int, prompt: int = 3):

@@ -91,6 +91,33 @@ def test_queue_median_ignores_one_slow_step(tmp_path):
     assert "87 %" in verdict(run, "queue").diagnosis
 
 
+# Steps 3-30 of a measured run (bench/results/time_to_learning_h100.json, async_warm at 2f585a9: SmolLM2-135M shape,
+# server and trainer on one H100): generation-bound, and the waits come every second or third step.
+H100_STEP_S = [0.161, 0.0629, 0.1426, 0.1123, 0.064, 0.1181, 0.0614, 0.0636, 0.1385, 0.0719, 0.073, 0.1361, 0.067,
+               0.1034, 0.1647, 0.0593, 0.0719, 0.1694, 0.0684, 0.078, 0.2348, 0.058, 0.0698, 0.1383, 0.0731, 0.065,
+               0.1427, 0.0682]  # fmt: skip
+H100_WAIT_S = [0.1075, 0.0004, 0.0907, 0.0517, 0.0005, 0.0546, 0.0005, 0.0005, 0.0739, 0.0007, 0.0008, 0.068, 0.0006,
+               0.0189, 0.0956, 0.0006, 0.0005, 0.0712, 0.0006, 0.0006, 0.066, 0.0005, 0.0006, 0.069, 0.0007, 0.0005,
+               0.0724, 0.0006]  # fmt: skip
+
+
+def test_queue_sees_waits_that_alternate_between_steps(tmp_path):
+    """Fewer than half the steps wait, so the median share is near zero; the mean of the shares is not."""
+    shares = sorted(w / s for w, s in zip(H100_WAIT_S, H100_STEP_S))
+    median = (shares[13] + shares[14]) / 2
+    mean = sum(shares) / len(shares)
+    assert median < 0.05 and mean > 0.2  # the run this test is about
+    run = write_run(tmp_path, steps=len(H100_STEP_S), perf__step_s=lambda s: H100_STEP_S[s - 1],
+                    perf__rollout_wait_s=lambda s: H100_WAIT_S[s - 1], rollout__queue_size=0.0,
+                    batch__samples_per_step=16.0, rollout__backpressure_s=0.0)  # fmt: skip
+    v = verdict(run, "queue")
+    assert "generation-bound" in v.diagnosis and not v.healthy
+    assert f"waited {100 * mean:.0f} %" in v.diagnosis
+    assert v.figures["perf/rollout_wait_s"] == (
+        f"{100 * median:.0f} % of a step (median of the last 28 windows; mean {100 * mean:.0f} %)"
+    )
+
+
 # ---- concurrency table -----------------------------------------------------------------------------------------------
 def test_concurrency_staleness_limit(tmp_path):
     run = write_run(

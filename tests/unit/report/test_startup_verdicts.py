@@ -112,3 +112,16 @@ def test_warmup_spent_waiting_for_samples_is_named_so():
     assert not v.healthy and "mostly waiting for samples" in v.diagnosis
     assert "TORCHINDUCTOR_CACHE_DIR" not in v.action and "max_steps" in v.action
     assert v.figures["perf/rollout_wait_s in slow steps"] == "5 s"
+
+
+def test_slow_steps_all_through_the_run_that_wait_are_not_called_warm_up():
+    # A generation-bound cadence: two steps of 0.07 s, then one of 0.2 s that waited 0.13 s, ten times over.
+    # Median 0.07 s; the ten slow steps take 2.0 s of 3.4 s (59 %), 1.3 s of it waiting, 5 of them in the second half.
+    windows = _windows([0.07, 0.07, 0.2] * 10, perf__rollout_wait_s=0.0)
+    for w in windows[2::3]:
+        w["perf/rollout_wait_s"] = 0.13
+    v = _verdict(windows, "warm-up")
+    assert not v.healthy and v.diagnosis.startswith("not a warm-up: 59 % of the training time")
+    assert "generation-bound" in v.diagnosis and "(1.3 s of 2 s)" in v.diagnosis
+    assert v.action.startswith("raise max_staleness") and "TORCHINDUCTOR_CACHE_DIR" not in v.action
+    assert v.figures["slow steps in the run's second half"] == "5 of 10"

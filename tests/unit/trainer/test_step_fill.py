@@ -79,24 +79,25 @@ def test_a_group_takes_as_many_tokens_as_a_row_forwards():
 
 
 def test_on_tied_groups_take_no_room_and_steps_fill_with_kept_groups():
-    # Step 1 pulls 0K 1T 2K 3K 4T 5T 6K: the first sample of 6 places 3, which does not fit next to 0 and 2 (123).
-    # Step 2 starts with 3 and 6 (carried), pulls 7K 8T 9K: 9 places 7 past the budget. Step 3: 7, pulls 10K 11K.
+    # Step 1 pulls 0K 1T 2K: 0 and 2 fill 82 of 100 and no group (41) fits the rest; 3K is ready, so it is pulled
+    # (it might have fitted) and placed as soon as it is complete: it does not fit (123) and closes the step.
+    # Step 2 starts with 3 (carried), pulls 4T 5T 6K and the ready 7K, which closes it. Step 3: 7, 8T 9K, 10K.
     steps = _steps(SCRIPT, dynamic=True, steps=3)
     assert [t for t, _ in steps] == [[0, 2], [3, 6], [7, 9]]
     assert [(m["generated_groups"], m["kept_groups"], m["cap_hit"]) for _, m in steps] == [
-        (7.0, 4.0, 0.0), (3.0, 2.0, 0.0), (2.0, 2.0, 0.0)]  # fmt: skip
-    assert steps[0][1]["generated_per_kept"] == 7 / 4
+        (4.0, 3.0, 0.0), (4.0, 2.0, 0.0), (3.0, 2.0, 0.0)]  # fmt: skip
+    assert steps[0][1]["generated_per_kept"] == 4 / 3
 
 
 def test_off_tied_groups_keep_their_room_and_a_step_of_ties_keeps_pulling():
-    # Step 1 pulls 0K 1T 2K 3K: 0 and 1's share fill 82, 2 does not fit: one group trained (0).
+    # Step 1 pulls 0K 1T 2K: 0 and 1's share fill 82, 2 does not fit: one group trained (0).
     # Step 2: 2 and 3 fill 82; 4's share closes it. Step 3: the shares of 4 and 5 fill 82 and 6 closes a step
-    # with nothing to train: it keeps pulling (7K 8T 9K): 6 and 7 fill 82, 8's share closes it.
+    # with nothing to train: it keeps pulling (7K 8T): 6 and 7 fill 82, 8's share closes it.
     steps = _steps(SCRIPT, dynamic=False, steps=3)
     assert [t for t, _ in steps] == [[0], [2, 3], [6, 7]]
     assert [(m["generated_groups"], m["kept_groups"], m["cap_hit"]) for _, m in steps] == [
-        (4.0, 3.0, 0.0), (2.0, 0.0, 0.0), (4.0, 3.0, 0.0)]  # fmt: skip
-    assert "generated_per_kept" not in steps[1][1]  # step 2 pulled 4T 5T only (it trained groups pulled before)
+        (3.0, 2.0, 0.0), (2.0, 1.0, 0.0), (4.0, 2.0, 0.0)]  # fmt: skip
+    assert steps[1][1]["generated_per_kept"] == 2.0  # step 2 pulled 3K 4T (it trained 2, pulled before)
 
 
 def test_off_never_over_samples_past_the_cap():
@@ -108,12 +109,12 @@ def test_off_never_over_samples_past_the_cap():
 
 def test_the_cap_stops_a_step_which_trains_what_it_holds(caplog):
     # Factor 2: 0K 1T 2T is 3 generated for 1 kept (> 2): step 1 stops and trains group 0 alone (30 tokens, not 60).
-    # Step 2 pulls 3T 4K 5K 6K 7K (5 for 4 kept, under the cap) and is full: 4 and 5.
+    # Step 2 pulls 3T 4K 5K 6K (4 for 3 kept, under the cap) and is full: 4 and 5.
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.trainer.data_accounting"):
         steps = _steps("KTTTKKKKK", dynamic=True, steps=2, max_factor=2.0)
     assert [t for t, _ in steps] == [[0], [4, 5]]
     assert [(m["generated_groups"], m["kept_groups"], m["cap_hit"]) for _, m in steps] == [
-        (3.0, 1.0, 1.0), (5.0, 4.0, 0.0)]  # fmt: skip
+        (3.0, 1.0, 1.0), (4.0, 3.0, 0.0)]  # fmt: skip
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("step 1: dynamic sampling stopped filling the step: 3 groups generated for 1 kept")
     assert "trains the 2 samples it holds" in line and "dynamic_sampling_max_factor" in line
