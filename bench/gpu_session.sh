@@ -18,6 +18,7 @@
 #   TTL_RUNS=async_cold,async_warm,sync_warm,async_warm_mps TTL_BASELINE_RUNS=async_cold,async_warm \
 #     BASELINE_SRC=.baseline/src TTL_TIMEOUT=430 bash bench/gpu_session.sh ttl   # issue 41's final call (6 runs: ~6.5 min)
 #   TESTS_TIMEOUT=380 PACKING_SECONDS=120 bash bench/gpu_session.sh tests packing  # then the GPU suite, B1/B2 (same commit)
+#   BASELINE_SRC=.baseline/src PACKING_SECONDS=100 bash bench/gpu_session.sh packing-ab  # B1/B2 compiled, main vs this
 #   (the graphs stage alone needs more than 140 s: its first three tests took that long on 2026-12-04)
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
@@ -47,6 +48,14 @@ for stage in "$@"; do
     packing)
       timeout $((${PACKING_SECONDS:-300} + 40)) python3 bench/tree_packing.py --max-seconds ${PACKING_SECONDS:-300} --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/tree_packing.log" | tail -30 ;;
+    packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
+      for tag in baseline current; do
+        src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}
+        [ $tag = baseline ] && src=$(cd "$src" && pwd)
+        PYTHONPATH=/tmp/site:$src timeout $((${PACKING_SECONDS:-100} + 120)) python3 bench/tree_packing.py --compile \
+          --models qwen3-1.7b --skip-padded --max-seconds ${PACKING_SECONDS:-100} --out "$OUT/tree_packing_${tag}_h200.json" 2>&1 \
+          | tee "$OUT/tree_packing_$tag.log" | tail -14
+      done ;;
     model-a) mkdir -p /tmp/model && cp .m1/part /tmp/model/a && ls -la /tmp/model ;;
     model-b) cat /tmp/model/a .m2/part > /tmp/model/smollm2.gguf && ls -la /tmp/model ;;
     train)

@@ -42,6 +42,8 @@ GPU_RUNS = {  # name -> (trainer settings, compile cache)
     "async_cold": ({"max_staleness": 2}, "cold"),
     "async_warm": ({"max_staleness": 2}, "warm"),
     "sync_warm": ({"max_staleness": 1, "sync_rollouts": True}, "warm"),
+    # the library's default max_staleness (4): twice the rollouts in flight of the runs above
+    "async_warm_default": ({}, "warm"),
     # server and trainer as clients of one MPS daemon (server: {mps: true}; docs/gpus.md): kernels side by side
     "async_warm_mps": ({"max_staleness": 2}, "warm"),
     # async_warm under cProfile from launch to step 1's end (its figures are slowed: left out of the checks)
