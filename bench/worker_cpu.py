@@ -60,15 +60,22 @@ class _Stub(asyncio.Protocol):
             if len(self.buf) < end + 4 + length:
                 return
             body, self.buf = self.buf[end + 4 : end + 4 + length], self.buf[end + 4 + length :]
-            if not head.split(" ")[1].startswith("/v1/completions"):
-                self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
-                continue
+            self.respond(head, body)
+
+    def respond(self, head: str, body: bytes) -> None:
+        """Answer one request (a subclass may answer later: bench/probes/step_cadence.py)."""
+        if not head.split(" ")[1].startswith("/v1/completions"):
+            self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+        else:
             req = orjson.loads(body)
             choice = self._choice(req["max_tokens"])
             choices = b",".join(choice % i for i in range(req.get("n", 1)))
-            out = b'{"id":"x","object":"text_completion","created":0,"model":"bench","choices":[' + choices + b"]}"
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                                 % len(out) + out)  # fmt: skip
+            self.write_completion(choices)
+
+    def write_completion(self, choices: bytes) -> None:
+        out = b'{"id":"x","object":"text_completion","created":0,"model":"bench","choices":[' + choices + b"]}"
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                             % len(out) + out)  # fmt: skip
 
 
 def _serve(port: int) -> None:

@@ -33,37 +33,28 @@ import orjson
 
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.*
+from bench.worker_cpu import _Stub as WorkerCpuStub
+
 REPO = Path(__file__).resolve().parents[2]
 G = 8
 
 
-class _Stub(asyncio.Protocol):
-    """HTTP/1.1 keep-alive; ``/v1/completions`` answered after the latency with ``n`` random completions."""
+class _Stub(WorkerCpuStub):
+    """``/v1/completions`` answered after ``latency`` seconds (requests overlap) with ``n`` random completions."""
 
     latency = 0.2
 
-    def connection_made(self, transport: Any) -> None:
-        self.transport, self.buf = transport, b""
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        while (end := self.buf.find(b"\r\n\r\n")) >= 0:
-            head = self.buf[:end].decode("latin1")
-            length = next((int(v) for k, _, v in (h.partition(":") for h in head.split("\r\n")[1:])
-                           if k.lower() == "content-length"), 0)  # fmt: skip
-            if len(self.buf) < end + 4 + length:
-                return
-            body, self.buf = self.buf[end + 4 : end + 4 + length], self.buf[end + 4 + length :]
-            asyncio.get_running_loop().create_task(self._answer(head, body))
-
-    async def _answer(self, head: str, body: bytes) -> None:
+    def respond(self, head: str, body: bytes) -> None:
         if not head.split(" ")[1].startswith("/v1/completions"):
-            self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
-            return
-        req = orjson.loads(body)
-        await asyncio.sleep(self.latency)
+            super().respond(head, body)
+        else:
+            asyncio.get_running_loop().create_task(self._answer(orjson.loads(body)))
+
+    async def _answer(self, req: dict) -> None:
         from asyncgrpo.server.http.wire_json import completion_logprobs_json
 
+        await asyncio.sleep(self.latency)
         choices = []
         for i in range(req.get("n", 1)):
             toks = [random.randrange(2, 30_000) for _ in range(req["max_tokens"])]
@@ -71,11 +62,7 @@ class _Stub(asyncio.Protocol):
             logprobs = completion_logprobs_json(toks, lps, [[(t, lp)] for t, lp in zip(toks, lps)])
             choices.append(b'{"index":%d,"text":"","logprobs":%s,"finish_reason":"length","stop_reason":null,'
                            b'"token_ids":%s,"prompt_token_ids":[]}' % (i, logprobs.encode(), orjson.dumps(toks)))  # fmt: skip
-        out = (
-            b'{"id":"x","object":"text_completion","created":0,"model":"bench","choices":[' + b",".join(choices) + b"]}"
-        )
-        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                             % len(out) + out)  # fmt: skip
+        self.write_completion(b",".join(choices))
 
 
 def serve(port: int, latency: float) -> None:
