@@ -112,7 +112,7 @@ class TokenBudgetBatcher:
         self.dropped_oversize_count = 0  # since the last take_dropped_count()
         self._open = self._new_micro_batch()
         self._placed: list[PackSample] = []  # samples of the open micro-batch, in placement order
-        self._recent_groups: deque[int] = deque(maxlen=RECENT_GROUPS)  # forwarded tokens of the last groups
+        self._recent_groups: deque[int] = deque(maxlen=RECENT_GROUPS)  # tokens the last groups needed (see below)
 
     def _new_micro_batch(self) -> MicroBatch:
         return MicroBatch([PrefixTrie(self.share_prefixes) for _ in range(self.num_processes)])
@@ -160,7 +160,8 @@ class TokenBudgetBatcher:
 
     def cannot_take_a_group(self) -> bool:
         """Whether the open micro-batch is as full as the last groups allow: it holds samples, nothing waits to be
-        placed, and no row has room for the smallest of the last ``RECENT_GROUPS`` groups (their forwarded tokens).
+        placed, and no row has room for the smallest of the last ``RECENT_GROUPS`` groups (their forwarded tokens;
+        for a group larger than a row, which is placed sample by sample, its shortest sample).
         Then a step closes it rather than wait for a group that would most likely not fit (a smaller group that
         comes later opens the next micro-batch)."""
         if not self.keep_groups or self._group or self._closed or not self._recent_groups:
@@ -187,7 +188,9 @@ class TokenBudgetBatcher:
         alone = PrefixTrie(self.share_prefixes)
         for s in samples:
             alone.insert(s)
-        self._recent_groups.append(alone.num_tokens)
+        # what the next group would need: the whole group, or one sample where it is placed sample by sample
+        whole = len(samples) > 1 and alone.num_tokens <= self.token_budget
+        self._recent_groups.append(alone.num_tokens if whole else min(len(s) for s in samples))
         if len(samples) == 1 or alone.num_tokens > self.token_budget:
             for s in samples:
                 closed = self._place(s)

@@ -292,3 +292,13 @@ def test_plan_step_follows_the_pull_marks():
     assert sorted(first.rows[0].group_ids) == [0, 1] and pulled[-1] is CLOSE  # closed without group 2
     (second,) = plan_step(b, pull, gradient_accumulation_steps=1)
     assert sorted(second.rows[0].group_ids) == [2, 3] and pulled[-1] is None  # the end of data flushed it
+
+
+def test_after_groups_larger_than_a_row_the_room_is_compared_with_a_sample():
+    b = TokenBudgetBatcher(token_budget=30, keep_groups=True)
+    for s in _group(0, n=4):  # 9 + 4 x 6 = 33 tokens > 30: placed sample by sample (15, then 6 each: 27, then 15)
+        b.add(s)
+    assert b.end_group() is not None  # the fourth sample did not fit the 3 left: it opened the next micro-batch
+    assert not b.cannot_take_a_group()  # 15 of 30 in the open row: a sample (15) still fits
+    b.add(_group(1, completion=14)[0])  # 24 tokens: does not fit the 15 left
+    assert b.end_group() is not None and b.cannot_take_a_group()  # 24 in the row, 6 left < the shortest sample
