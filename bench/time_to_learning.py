@@ -362,6 +362,7 @@ def cpu_demo(a: argparse.Namespace, src: str, work: Path) -> dict:
         "steps": len(per_step),
         "step_s": [round(m["perf/step_s"], 2) for m in per_step],
         "fwd_bwd_s": [round(m.get("perf/fwd_bwd_s", 0.0), 2) for m in per_step],
+        "rollout_wait_s": [round(m.get("perf/rollout_wait_s", 0.0), 2) for m in per_step],
         "wall_s": time.time() - t_launch,
         "perf_metrics": {k: v for k, v in per_step[-1].items() if k in PERF_NEW} if per_step else {},
         "server_start_log": start,
