@@ -181,3 +181,30 @@ def test_row_prefill_graphs_with_prefix_cache_groups_match_hf_and_eager():
                 key = f"{tag}{i}-{j}"
                 assert outs[True][key].token_ids == want == outs[False][key].token_ids, key
                 torch.testing.assert_close(outs[True][key].logprobs, outs[False][key].logprobs, atol=1e-4, rtol=0)
+
+
+def test_graphs_captured_while_idle_match_hf():
+    """Lazy graphs (the default): the idle engine captures every remaining decode bucket and prefill row count,
+    smallest first, before any request; then greedy decoding across several batch sizes still matches HF."""
+    import time
+
+    hf = _model(torch.float32)
+    eng = Engine(_model(torch.float32), max_model_len=128, max_num_seqs=64, kv_cache_tokens=8192, block_size=16)
+    eng.start()
+    try:
+        runner = eng._runner
+        assert runner.lazy_graphs
+        deadline = time.monotonic() + 120
+        while (runner.lazy_buckets_left or runner.row_prefill.lazy_rows_left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner.lazy_buckets_left == [] and runner.row_prefill.lazy_rows_left == []
+        assert runner.use_graphs  # no capture failed (a failure drops every graph)
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, eng.vocab_size, (int(n),), generator=gen).tolist() for n in range(3, 40, 3)]
+        reqs = [Request(f"i{i}", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(prompts)]  # fmt: skip
+        outs = _collect(eng, reqs)
+    finally:
+        eng.shutdown()
+    for i, p in enumerate(prompts):
+        assert outs[f"i{i}"].token_ids == hf_greedy(hf, p, 24)[0], f"request {i}"

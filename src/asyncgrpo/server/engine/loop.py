@@ -138,9 +138,17 @@ class EngineLoop:
                         logger.exception("engine step crashed; aborting the requests in flight")
                         self._abort_all(error="engine step crashed (see the server log)")
                 self._resolve_drain_waiters()
-                if not stepped:
+                if not stepped and not self._capture_idle():
                     self._wake.wait(IDLE_WAIT_S)
         logger.info("engine thread stopped")
+
+    def _capture_idle(self) -> bool:
+        """Nothing to run: capture one more CUDA graph (``ModelRunner.capture_idle``) unless paused; whether one was.
+        A request that arrives meanwhile waits one capture (about 10 ms)."""
+        if self.pause_mode is not None or not self._commands.empty():
+            return False
+        capture = getattr(self.runner, "capture_idle", None)  # test runners may lack it
+        return bool(capture()) if capture is not None else False
 
     def _drain_commands(self) -> None:
         while (item := _next(self._commands)) is not None:

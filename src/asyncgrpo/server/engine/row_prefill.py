@@ -215,7 +215,18 @@ class RowPrefill:
         self._graphs[rows] = graph
 
     def _capture_lazily(self, rows: int) -> None:
-        capture_at_first_use(lambda: self._capture_one(rows), self.drop_graphs, f"prefill ({rows} token rows)")
+        self.capture_rows(rows, "at first use")
+
+    def capture_rows(self, rows: int, when: str) -> None:
+        """Capture bucket ``rows`` now (after its first eager step, or while the engine idles)."""
+        capture_at_first_use(lambda: self._capture_one(rows), self.drop_graphs, f"prefill ({rows} token rows)", when)
+
+    @property
+    def lazy_rows_left(self) -> list[int]:
+        """Row buckets still to be captured (ascending); empty unless graphs are on and lazy."""
+        if not (self.enabled and self.lazy):
+            return []
+        return [r for r in self.buckets if r not in self._graphs]
 
     def drop_graphs(self) -> None:
         """Row-wise prefill off, its graphs released (a capture failed)."""

@@ -12,8 +12,10 @@ When graphs are captured (``lazy_graphs``): capturing every bucket before servin
 start, and a GRPO run uses a handful of them. So at start only the largest decode bucket and the largest
 prefill row count are captured (they size the one memory pool all graphs share, as when every graph is
 captured largest first); any other bucket runs eagerly the first time a step needs it (that step is its
-warm-up) and is captured right after, so the next step of its size replays. ``lazy_graphs=False`` captures
-every bucket at start (``--cuda-graph-capture eager``).
+warm-up) and is captured right after, so the next step of its size replays. While the engine has nothing to
+run, the buckets not captured yet are captured one at a time, smallest first (``capture_idle``: the sizes a
+run meets first), so a run that grows its batch after the start rarely meets an eager step and a capture inside
+its steps. ``lazy_graphs=False`` captures every bucket at start (``--cuda-graph-capture eager``).
 """
 
 from __future__ import annotations
@@ -305,6 +307,23 @@ class ModelRunner:
         self._planned, self._logits, self._pool = [], None, None
         self.use_graphs = False
         self.row_prefill.drop_graphs()
+
+    def capture_idle(self) -> bool:
+        """Capture the smallest decode bucket or prefill row count not captured yet (decode first at equal rows);
+        the engine calls it when it has nothing to run. Returns whether one was captured."""
+        if not self.use_graphs:
+            return False
+        decode = [b for b in self._planned if b not in self._graphs]
+        prefill = self.row_prefill.lazy_rows_left
+        if decode and (not prefill or decode[0] <= prefill[0]):
+            b = decode[0]
+            capture_at_first_use(lambda: self._capture_decode(b), self._drop_graphs, f"decode (batch size {b})",
+                                 "while idle")  # fmt: skip
+            return True
+        if prefill:
+            self.row_prefill.capture_rows(prefill[0], "while idle")
+            return True
+        return False
 
     @property
     def lazy_buckets_left(self) -> list[int]:

@@ -30,8 +30,8 @@ class EngineSettings:
         enable_lora / max_lora_rank / max_loras: runtime LoRA adapters.
         enforce_eager: no CUDA graphs (decode, and small prefills run row-wise).
         cuda_graph_capture: ``lazy`` (default): capture the largest decode and prefill graphs at start and every
-            other size the first time a step needs it (that step pays its capture, once); ``eager``: every size
-            before serving (a longer start, no capture in the first steps). See ``engine/runner.py``.
+            other size while the engine idles (smallest first) or the first time a step needs it (that step pays
+            its capture, once); ``eager``: every size before serving (a longer start). See ``engine/runner.py``.
         max_num_batched_tokens: prefill token budget per step (extension); None: max(16384, max_model_len).
         enable_prefix_caching: reuse the KV blocks of equal prompt prefixes (vLLM's default: on); every
             weight load, LoRA load/unload and prefix-cache reset empties the cache.
