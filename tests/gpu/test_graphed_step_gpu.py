@@ -170,3 +170,46 @@ def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path, bud
     finally:
         if trainer.worker_ahead is not None:
             trainer.worker_ahead.stop()
+
+
+def test_an_eager_step_one_compiles_nothing_matches_the_graphed_step_and_step_two_warms_up(tmp_path):
+    """The eager start (trainer/warmup.py start_eager): step 1 through ``training_step`` with no compiled kernel, no
+    CUDA graph and SDPA tree attention builds no dynamo graph; the warm-up before step 2 compiles and captures (its
+    graphs are not counted as recompiles); the graphed step's gradients then equal the eager step's."""
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.assets import smollm2_tokenizer, tiny_model
+    from asyncgrpo.trainer.recompiles import RecompileCounter, graphs_built
+    from asyncgrpo.trainer.warmup import finish_step_graphs, warmup_rows
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=1024, bf16=True,
+                           max_completion_length=40)  # fmt: skip
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
+    trainer = AsyncGRPOTrainer(tiny_model("llama").cuda(), reward_funcs=[_reward], args=args, train_dataset=rows,
+                               processing_class=smollm2_tokenizer())  # fmt: skip
+    torch._dynamo.reset()
+    trainer.model_wrapped = trainer.accelerator.prepare(trainer.model)  # as train() runs it: bf16 autocast
+    trainer.token_budget = 1024
+    vocab = trainer.model.get_output_embeddings().weight.shape[0]
+    row = warmup_rows(1024, 8, 40, vocab, top_n=8)[1]
+
+    def grads():
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.training_step(trainer.model_wrapped, {"row": row, "normalizer": float(row.num_trained)})
+        return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    trainer.eager_first_step = True
+    before = graphs_built()
+    eager = grads()
+    assert graphs_built() == before and trainer.graphed is None  # nothing compiled, no graph captured
+    counter = RecompileCounter()
+    counter.start()  # step 1's end
+    finish_step_graphs(trainer)  # step 2's start: the whole warm-up
+    graphs = trainer.graphed
+    assert graphs is not None and graphs.complete() and graphs.failed is None, getattr(graphs, "failed", None)
+    assert trainer.compile_warmed_up and not trainer.eager_first_step and graphs_built() > before
+    assert counter.check(2) == 0
+    graphed = grads()
+    assert counter.check(3) == 0  # the real step replays what the warm-up built
+    worst = _worst(graphed, eager)
+    print(f"\neager step 1 vs graphed step 2 (bf16 autocast, SDPA vs flex): worst relative grad diff {worst:.2e}")
+    assert worst <= 2e-2
