@@ -256,11 +256,7 @@ def gpu_child(a: argparse.Namespace) -> dict:
         "server_start": own_start,  # where the server's start went, per process and part (a cold start's split)
         "trainer_built_s": t_built - t_launch,
         **step_summary(stamps, ready_at, t_launch, per_step, profiled=a.profile_steps if prof is not None else None),
-        # the run's own count (an eager step 1's warm-up before step 2 builds the first graphs: not recompiles),
-        # and the raw counts of dynamo graphs built after step 1 and after step 2
-        "recompiles_after_step1": per_step[-1].get("perf/recompiles", graphs[-1] - graphs[0] if graphs else None),
-        "graphs_built_after_step1": graphs[-1] - graphs[0] if graphs else None,
-        "graphs_built_after_step2": graphs[-1] - graphs[1] if len(graphs) > 1 else None,
+        "recompiles_after_step1": graphs[-1] - graphs[0] if graphs else None,
         "unique_graphs": graphs[:3] + graphs[-1:],
         "compile_times": _compile_times(),
         "main_thread_cpu_share_after_2": _cpu_share(stamps, cpu),

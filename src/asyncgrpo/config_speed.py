@@ -26,8 +26,7 @@ class SpeedFields:
             "help": "On CUDA (one process), run the step's forward and backward on two dummy rows of the run's "
             "shapes right after the rollout worker starts, so the compiled kernels are built while the first groups "
             "are generated instead of inside steps 1 and 2 (`asyncgrpo train` starts it while its server starts, "
-            "and stops it once the server serves; `train()` does the rest; when the first samples come within a second, "
-            "step 1 runs eager and the warm-up follows it: docs/gpus.md). Weights and optimizer are untouched."
+            "and stops it once the server serves; `train()` does the rest). Weights and optimizer are untouched."
         },
     )
 

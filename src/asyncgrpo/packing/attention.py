@@ -24,10 +24,8 @@ the model falls back to transformers' SDPA attention with its usual mask.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +43,6 @@ logger = logging.getLogger(__name__)
 TREE_ATTENTION = "asyncgrpo_tree"
 BACKENDS = ("auto", "sdpa", "flex", "varlen")
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (tokens per block side)
-_auto_choice: str | None = None  # what "auto" means inside :func:`auto_backend` (None: the device decides)
 
 
 @dataclass
@@ -98,8 +95,6 @@ def build_plan(
     device = torch.device(device) if device is not None else row.input_ids.device
     if backend not in BACKENDS:
         raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
-    if backend == "auto" and _auto_choice is not None:
-        backend = _auto_choice
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
         if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
@@ -120,20 +115,6 @@ def build_plan(
     if linear_attention:
         plan.linear = build_linear_plan(row, device, linear_chunk)
     return plan
-
-
-@contextlib.contextmanager
-def auto_backend(backend: str) -> Iterator[None]:
-    """Plans built inside take ``backend`` where they ask for "auto". Why: a step that runs without compiled
-    kernels (the trainer's eager step 1, ``trainer/warmup.py``) wants SDPA, as FlexAttention is only fast compiled."""
-    global _auto_choice
-    if backend not in BACKENDS[1:]:
-        raise ValueError(f"auto_backend takes one of {BACKENDS[1:]}, not {backend!r}")
-    before, _auto_choice = _auto_choice, backend
-    try:
-        yield
-    finally:
-        _auto_choice = before
 
 
 def dense_tree_mask(end: torch.Tensor) -> torch.Tensor:

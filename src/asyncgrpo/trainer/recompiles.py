@@ -14,18 +14,14 @@ Both are private; on a torch where either is missing or shaped otherwise the cou
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 CAUSE_UNKNOWN = "cause unknown"
 MAX_CAUSE_CHARS = 400  # one guard's text; the whole guard list of a verbose failure can run to pages
-_warm_up_graphs = 0  # graphs built inside warm_up_compiles(), at any time
-_warm_up_failures: dict[Any, int] = {}  # guard failures per code object as the last warm_up_compiles() left them
 
 
 def _dynamo_utils() -> Any | None:
@@ -59,19 +55,6 @@ def _where(code: Any) -> str:
     return f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
 
 
-@contextlib.contextmanager
-def warm_up_compiles() -> Iterator[None]:
-    """Graphs built inside are warm-up, not recompiles, even after step 1: the compile warm-up an eager step 1 left
-    for after it (``trainer/warmup.py``) builds the step's first graphs then."""
-    global _warm_up_graphs
-    before = graphs_built()
-    try:
-        yield
-    finally:
-        _warm_up_graphs += max(graphs_built() - before, 0)
-        _warm_up_failures.update({code: len(reasons) for code, reasons in _failures().items()})
-
-
 class RecompileCounter:
     """Graphs built after ``start()`` (step 1's end), and the guard failures that caused them.
 
@@ -82,7 +65,6 @@ class RecompileCounter:
     def __init__(self) -> None:
         self.started = False
         self._graphs_at_start = 0
-        self._warm_up_at_start = 0
         self._seen: dict[Any, int] = {}  # code object -> guard failures already reported
         self.total = 0
         self.ever_compiled = False
@@ -91,7 +73,6 @@ class RecompileCounter:
         """Step 1 is over: what was compiled until now is warm-up, every later graph counts."""
         self.started = True
         self._graphs_at_start = graphs_built()
-        self._warm_up_at_start = _warm_up_graphs
         self.ever_compiled = self._graphs_at_start > 0
         self._seen = {code: len(reasons) for code, reasons in _failures().items()}
 
@@ -101,8 +82,7 @@ class RecompileCounter:
             return 0
         built = graphs_built()
         self.ever_compiled = self.ever_compiled or built > 0
-        warm_up = _warm_up_graphs - self._warm_up_at_start  # built since start() by a deferred warm-up
-        new = max(built - self._graphs_at_start - warm_up - self.total, 0)
+        new = max(built - self._graphs_at_start - self.total, 0)
         causes = self._new_causes()
         if new or causes:
             self.total += new
@@ -117,7 +97,7 @@ class RecompileCounter:
     def _new_causes(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for code, reasons in _failures().items():
-            seen = max(self._seen.get(code, 0), _warm_up_failures.get(code, 0))
+            seen = self._seen.get(code, 0)
             if len(reasons) > seen:
                 fresh = [str(r).split("\nUser stack trace:")[0][:MAX_CAUSE_CHARS] for r in reasons[seen:]]
                 out[_where(code)] = list(dict.fromkeys(fresh)) or [CAUSE_UNKNOWN]

@@ -44,7 +44,6 @@ from asyncgrpo.rollout.rewards import check_picklable, check_reward_signature, d
 from asyncgrpo.rollout.settings import RolloutSettings
 from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.tasks.eval_sets import EvalSet, as_eval_sets
-from asyncgrpo.trainer import warmup
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
 from asyncgrpo.trainer.compile import compile_decoder_layers, start_compile_workers, wants_compiled_layers
@@ -64,6 +63,7 @@ from asyncgrpo.trainer.setup import build_parts, check_plugins, read_servers, sp
 from asyncgrpo.trainer.step_loader import StepLoader, step_loader_for
 from asyncgrpo.trainer.step_rows import split_rows
 from asyncgrpo.trainer.step_stats import PassClock, StepStats
+from asyncgrpo.trainer.warmup import can_warm_up_before_train, finish_step_graphs, prepare_step, warm_up, warmup_budget
 from asyncgrpo.trainer.worker_settings import build_rollout_settings, config_extra_fields
 from asyncgrpo.weights.base import WeightSync
 from asyncgrpo.weights.policy import is_peft_model
@@ -236,7 +236,7 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.set_policy_version(self.state.global_step)
             self.worker.start()
         # compile and capture while the worker generates the first groups, until they wait (sync_rollouts: at once)
-        warmup.prepare_step(self, self.token_budget, until=self._first_samples_wait)
+        prepare_step(self, self.token_budget, until=self._first_samples_wait)
 
     def _first_samples_wait(self) -> bool:
         worker = self.worker
@@ -247,9 +247,9 @@ class AsyncGRPOTrainer(Trainer):
         do). ``until`` ("the server serves") stops it at the next safe point, and ``train()`` does the rest beside the
         first generations (``trainer/warmup.py``). The rollout worker's process is spawned first (its imports)."""
         spawn_worker_ahead(self)
-        if not warmup.can_warm_up_before_train(self):
+        if not can_warm_up_before_train(self):
             return 0.0
-        return warmup.warm_up(self, warmup.warmup_budget(self), before_train=True, until=until)
+        return warm_up(self, warmup_budget(self), before_train=True, until=until)
 
     def _stop_rollout(self) -> None:
         for worker in (self.worker, self.worker_ahead):  # worker_ahead: a train() that failed before adopting it
@@ -275,7 +275,8 @@ class AsyncGRPOTrainer(Trainer):
         rank 0 sends. With several processes they first meet in a barrier, which rank 0 enters once the server
         is paused: then the gathers start together, and a failed round is never replayed by rank 0 alone. What
         carries the weights (merged weights, or the adapter under adapter sync, T6) is the ``weight_sync`` that
-        ``trainer/setup.py`` chose."""
+        ``trainer/setup.py`` chose.
+        """
         if self.weight_sync is None or (self.is_world_process_zero() and self.worker is None):
             raise RuntimeError("sync_weights needs the weight sync and rollout worker that train() starts")
         step = self.state.global_step
@@ -362,7 +363,7 @@ class AsyncGRPOTrainer(Trainer):
         self.step_stats.begin()  # perf/step_s counts the wait for samples
         per_rank: list[list[dict[str, Any]]] | None = None
         if self.state.global_step >= 1:
-            warmup.finish_step_graphs(self)  # an eager step 1's warm-up, buckets step 1 did not wait for
+            finish_step_graphs(self)  # buckets step 1 did not wait for (none left after step 2's)
         if self.is_world_process_zero():
             assert self.source is not None
             micro = [] if self.source.finished else self.source.next_step(self.state.global_step)
@@ -380,8 +381,7 @@ class AsyncGRPOTrainer(Trainer):
         return batches, None
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
-        with warmup.first_step_kernels(self):  # step 1 eager when its samples came before the compile could finish
-            return self.step_forward_backward(model, inputs["row"], inputs["normalizer"])
+        return self.step_forward_backward(model, inputs["row"], inputs["normalizer"])
 
     def step_forward_backward(self, model: torch.nn.Module, row: Any, normalizer: float, keep_metrics: bool = True,
                               autocast_forward: bool = False):  # fmt: skip

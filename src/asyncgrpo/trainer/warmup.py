@@ -11,34 +11,27 @@ here. The gradients are dropped; the optimizer, the scheduler and the weights ar
 Only where it pays and is safe: a CUDA device, one process (every rank of a sharded run would have to warm up
 in lock step), no MoE routing replay (its rows carry the sampler's routing). ``asyncgrpo train`` warms up even
 earlier, while its embedded server starts (``AsyncGRPOTrainer.warm_up_compile``), unless gradient checkpointing
-is on (the Trainer turns it on inside ``train()``). Where the first samples come sooner than the compile could
-finish, step 1 runs eager and the warm-up follows it (:func:`start_eager`).
+is on (the Trainer turns it on inside ``train()``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from asyncgrpo.packing import PackSample, pack_samples
-from asyncgrpo.packing.attention import auto_backend
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.trainer.graphed_step import step_graphs
-from asyncgrpo.trainer.recompiles import warm_up_compiles
 
 logger = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 64  # a typical chat prompt; the row's length is what matters, not the split
 WARMUP_BUDGET = 2048  # rows before train() when token_budget is None (the server's max_model_len, not known yet)
-FIRST_SAMPLES_GRACE_S = 1.0  # how long train() waits for the first samples before it compiles instead (start_eager)
-EAGER_START_MAX_TOKENS = 8192  # the largest row budget an eager step 1 runs (SDPA's [T, T] mask grows as T^2)
-SAMPLE_POLL_S = 0.005
 
 
 def warmup_rows(token_budget: int, num_generations: int, max_completion_length: int, vocab_size: int,
@@ -121,10 +114,7 @@ def prepare_step(trainer: Any, token_budget: int, until: Callable[[], bool] | No
     """At ``train()``'s start, while the worker generates the first groups: the compile warm-up if it has not run,
     then the graphs of the real ``token_budget``'s buckets (ones the warm-up before ``train()`` could not know)
     until ``until`` says the first samples wait: step 1 starts then, and :func:`finish_step_graphs` captures the
-    rest once it is done (a 135 M model on an H200: ~0.5 s a bucket, which step 1 no longer waits for). When the
-    first samples come within ``FIRST_SAMPLES_GRACE_S``, step 1 runs eager instead (:func:`start_eager`)."""
-    if start_eager(trainer, token_budget, until):
-        return
+    rest once it is done (a 135 M model on an H200: ~0.5 s a bucket, which step 1 no longer waits for)."""
     if should_warm_up(trainer):  # stopped once the samples wait: step 1 compiles the rest (the same work, no later)
         warm_up(trainer, token_budget, until=until)
     graphs = step_graphs(trainer, token_budget)
@@ -135,54 +125,8 @@ def prepare_step(trainer: Any, token_budget: int, until: Callable[[], bool] | No
                         "/".join(map(str, left)))  # fmt: skip
 
 
-def start_eager(trainer: Any, token_budget: int, until: Callable[[], bool] | None) -> bool:
-    """Whether step 1 runs eager, with the compile warm-up after it (sets ``trainer.eager_first_step``).
-
-    Why: the warm-up is one block that cannot stop half-way (a 135 M model's layers on a warm compile cache: 2.2 s on
-    an H100; a cold cache: tens of seconds), while the first group of short completions is generated in a fraction of
-    that: step 1 waited for the compile with its samples ready. So ``train()`` first waits up to
-    ``FIRST_SAMPLES_GRACE_S`` for the first samples. When they come, step 1 runs without compiled kernels
-    (:func:`first_step_kernels`) and the warm-up runs before step 2, while the worker generates the next groups.
-    When they do not, the warm-up starts as before, at most the grace later, and still overlaps the (slower)
-    generation. Rows above ``EAGER_START_MAX_TOKENS`` keep the compiled step 1, as does a torch without
-    ``torch.compiler.set_stance``."""
-    eligible = until is not None and should_warm_up(trainer) and token_budget <= EAGER_START_MAX_TOKENS
-    if not eligible or not hasattr(torch.compiler, "set_stance"):
-        return False
-    deadline = time.monotonic() + FIRST_SAMPLES_GRACE_S
-    while not until():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(SAMPLE_POLL_S)
-    trainer.eager_first_step = True
-    logger.info("step 1 runs eager (its samples came before the compile warm-up could finish); the warm-up follows "
-                "it, beside the next generations")  # fmt: skip
-    return True
-
-
-@contextlib.contextmanager
-def first_step_kernels(trainer: Any) -> Iterator[None]:
-    """A training step's kernels: after :func:`start_eager` chose it, compiled functions run eager (torch.compiler's
-    ``force_eager`` stance), the CUDA graphs are set aside and tree attention takes SDPA (FlexAttention is only fast
-    compiled); otherwise nothing changes."""
-    if not getattr(trainer, "eager_first_step", False):
-        yield
-        return
-    graphs, trainer.graphed = trainer.graphed, None
-    try:
-        with torch.compiler.set_stance("force_eager"), auto_backend("sdpa"):
-            yield
-    finally:
-        trainer.graphed = graphs
-
-
 def finish_step_graphs(trainer: Any) -> None:
-    """After step 1: the compile warm-up an eager step 1 left (:func:`start_eager`; its graphs are warm-up, not
-    recompiles), then the buckets :func:`prepare_step` left (so no later step captures one); cheap once done."""
-    if getattr(trainer, "eager_first_step", False):
-        trainer.eager_first_step = False
-        with warm_up_compiles():
-            warm_up(trainer, trainer.token_budget)
+    """After step 1: capture the buckets :func:`prepare_step` left (so no later step captures one); cheap once done."""
     graphs = getattr(trainer, "graphed", None)
     if graphs is not None and graphs.missing():
         graphs.capture_all()

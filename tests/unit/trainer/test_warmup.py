@@ -1,7 +1,5 @@
 """The compile warm-up: rows of the run's shapes, a real forward+backward that leaves the run untouched."""
 
-import time
-
 import pytest
 import torch
 
@@ -253,105 +251,9 @@ def test_the_warm_up_inside_train_stops_once_the_first_samples_wait(tmp_path, mo
     trainer = _trainer(tmp_path)
     trainer.model_wrapped = trainer.model
     monkeypatch.setattr(warmup, "should_warm_up", lambda t: not getattr(t, "compile_warmed_up", False))
-    monkeypatch.setattr(warmup, "FIRST_SAMPLES_GRACE_S", 0.0)  # no eager step 1: asked once, then the warm-up
     rows = _record_rows(trainer)
-    answers = iter([False, False, False, True])  # start_eager, before the warm-up, before row 1, before row 2
+    answers = iter([False, False, True])  # before the warm-up, before row 1, before row 2
     warmup.prepare_step(trainer, 256, until=lambda: next(answers, True))
     assert len(rows) == 1 and not getattr(trainer, "compile_warmed_up", False)
     warmup.prepare_step(trainer, 256)  # nobody waits: the whole warm-up
     assert len(rows) == 3 and trainer.compile_warmed_up
-
-
-def _forced_warm_up(monkeypatch, tmp_path):
-    """A CPU trainer that takes the CUDA warm-up's decisions (should_warm_up forced), its step rows recorded."""
-    from asyncgrpo.trainer import warmup
-
-    trainer = _trainer(tmp_path)
-    trainer.model_wrapped, trainer.token_budget = trainer.model, 256
-    monkeypatch.setattr(warmup, "should_warm_up", lambda t: not getattr(t, "compile_warmed_up", False))
-    return trainer, _record_rows(trainer)
-
-
-def test_step_one_runs_eager_when_its_samples_come_within_the_grace_and_step_two_warms_up(tmp_path, monkeypatch):
-    """The first samples come while train() waits its grace: no warm-up before step 1 (it would keep them
-    waiting); finish_step_graphs (before step 2) then runs the whole warm-up, once."""
-    from asyncgrpo.trainer import warmup
-
-    trainer, rows = _forced_warm_up(monkeypatch, tmp_path)
-    answers = iter([False, False, True])  # the samples come on the third look, 10 ms in
-    warmup.prepare_step(trainer, 256, until=lambda: next(answers))
-    assert trainer.eager_first_step and rows == [] and not getattr(trainer, "compile_warmed_up", False)
-    warmup.finish_step_graphs(trainer)  # step 2's start
-    assert len(rows) == 2 and trainer.compile_warmed_up and not trainer.eager_first_step
-    warmup.finish_step_graphs(trainer)  # step 3's: nothing left
-    assert len(rows) == 2
-
-
-def test_late_samples_or_rows_too_long_for_sdpa_keep_the_warm_up_before_step_one(tmp_path, monkeypatch):
-    from asyncgrpo.trainer import warmup
-
-    trainer, rows = _forced_warm_up(monkeypatch, tmp_path)
-    monkeypatch.setattr(warmup, "FIRST_SAMPLES_GRACE_S", 0.02)
-    looks = []
-
-    def never() -> bool:
-        looks.append(time.monotonic())
-        return False
-
-    warmup.prepare_step(trainer, 256, until=never)
-    assert not getattr(trainer, "eager_first_step", False) and len(rows) == 2 and trainer.compile_warmed_up
-    assert looks[-1] - looks[0] < 1.0  # it waited the (patched) grace, not the default second
-    trainer2, rows2 = _forced_warm_up(monkeypatch, tmp_path)
-    warmup.prepare_step(trainer2, warmup.EAGER_START_MAX_TOKENS + 1, until=lambda: True)  # samples wait already
-    assert not getattr(trainer2, "eager_first_step", False) and rows2 == []  # compiled step 1 (stopped warm-up)
-
-
-def test_the_eager_step_compiles_nothing_sets_the_graphs_aside_and_plans_sdpa(tmp_path):
-    """Inside first_step_kernels after an eager start: a torch.compile'd function runs without building a graph,
-    the trainer's CUDA graphs are out of the way (and back after), and "auto" tree attention plans SDPA (flex, the
-    CUDA default, is only fast compiled). Without the eager start nothing changes."""
-    from asyncgrpo.packing.attention import auto_backend, build_plan
-    from asyncgrpo.trainer.recompiles import graphs_built
-    from asyncgrpo.trainer.warmup import first_step_kernels
-
-    trainer = _trainer(tmp_path)
-    torch._dynamo.reset()
-    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
-    marker = object()
-    trainer.graphed, trainer.eager_first_step = marker, True
-    before = graphs_built()
-    with first_step_kernels(trainer):
-        assert torch.equal(f(torch.ones(3)), torch.full((3,), 3.0)) and graphs_built() == before
-        assert trainer.graphed is None
-        row = warmup_rows(64, 2, 4, 100, top_n=0)[0]
-        assert build_plan(row, device="cpu").backend == "sdpa"
-    assert trainer.graphed is marker
-    trainer.eager_first_step = False
-    with first_step_kernels(trainer):
-        f(torch.ones(3))
-        assert graphs_built() == before + 1 and trainer.graphed is marker
-    with auto_backend("varlen"), pytest.raises(ValueError, match="'varlen' needs a CUDA device"):
-        build_plan(row, device="cpu")  # what "auto" means inside, CPU or not
-    assert build_plan(row, device="cpu").backend == "sdpa"  # and outside, the device's choice again
-    with pytest.raises(ValueError, match="auto_backend takes one of"), auto_backend("auto"):
-        pass
-
-
-def test_graphs_of_a_warm_up_after_step_one_are_not_recompiles():
-    """The warm-up an eager step 1 leaves for step 2 builds the step's first graphs after the counter started; they
-    are warm-up. A graph built outside it still counts."""
-    from asyncgrpo.trainer.recompiles import RecompileCounter, warm_up_compiles
-
-    torch._dynamo.reset()
-    counter = RecompileCounter()
-    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))  # step 1's own compile
-    counter.start()
-    with warm_up_compiles():
-        torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
-        torch.compile(lambda x: x - 3, backend="eager")(torch.ones(2))
-    assert counter.check(2) == 0
-    g = torch.compile(lambda x: x.sum(), backend="eager", dynamic=False)
-    g(torch.ones(2))
-    assert counter.check(3) == 1
-    g(torch.ones(5))  # a new shape: a real recompile
-    assert counter.check(4) == 2
