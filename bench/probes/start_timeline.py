@@ -30,7 +30,6 @@ PHASES = [
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.sync_weights", "first_weight_push"),
     ("asyncgrpo.rollout.worker", "RolloutWorker._hand_over", "worker_hand_over"),
     ("asyncgrpo.trainer.trainer|asyncgrpo.trainer.warmup", "prepare_step", "prepare_step"),
-    ("asyncgrpo.trainer.warmup", "start_eager", "start_eager"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.get_batch_samples", "first_batch"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.training_step", "first_fwd_bwd"),
     ("asyncgrpo.trainer.trainer|asyncgrpo.trainer.warmup", "finish_step_graphs", "finish_step_graphs"),

@@ -185,7 +185,8 @@ def test_row_prefill_graphs_with_prefix_cache_groups_match_hf_and_eager():
 
 def test_graphs_captured_while_idle_match_hf():
     """Lazy graphs (the default): the idle engine captures every remaining decode bucket and prefill row count,
-    smallest first, before any request; then greedy decoding across several batch sizes still matches HF."""
+    smallest first, once its thread ran a first step; then greedy decoding across several batch sizes still matches
+    HF."""
     import time
 
     hf = _model(torch.float32)
@@ -194,6 +195,10 @@ def test_graphs_captured_while_idle_match_hf():
     try:
         runner = eng._runner
         assert runner.lazy_graphs
+        first = _collect(
+            eng, [Request("first", [3, 5, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))]
+        )
+        assert first["first"].token_ids == hf_greedy(hf, [3, 5, 7], 4)[0]
         deadline = time.monotonic() + 120
         while (runner.lazy_buckets_left or runner.row_prefill.lazy_rows_left) and time.monotonic() < deadline:
             time.sleep(0.05)

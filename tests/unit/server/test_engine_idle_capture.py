@@ -42,22 +42,32 @@ def engine():
     eng.shutdown()
 
 
-def test_the_idle_engine_captures_until_nothing_is_left_and_still_serves(engine):
+def _serve_one(engine, rid: str) -> None:
+    col = Collector()
+    engine.submit(Request(rid, [5, 17, 99, 3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)), col)
+    out = col.wait([rid])[rid]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_the_idle_engine_captures_after_its_first_step_until_nothing_is_left_and_still_serves(engine):
+    """No capture before the engine thread ran a step (its first matmul makes its cuBLAS handle, which a capture
+    cannot); then one capture a call, each right after the other, and requests are still served."""
     hook = IdleCaptures(left=5)
     engine._runner.capture_idle = hook
     engine.start()
+    time.sleep(0.3)  # several idle ticks before any request
+    assert hook.calls == 0
+    _serve_one(engine, "first")
     assert hook.done.wait(30), "the idle engine never asked for a capture"
     assert hook.made == 5  # one a call, each right after the other (no idle wait while captures are left)
-    col = Collector()
-    engine.submit(Request("r", [5, 17, 99, 3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)), col)
-    out = col.wait(["r"])["r"]
-    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    _serve_one(engine, "r")
 
 
 def test_no_capture_while_paused(engine):
     hook = IdleCaptures(left=1000)
     engine._runner.capture_idle = hook
     engine.start()
+    _serve_one(engine, "first")  # idle captures start after the engine thread's first step
     engine.pause("keep")
     calls = hook.calls
     time.sleep(0.3)  # several idle ticks of the paused engine

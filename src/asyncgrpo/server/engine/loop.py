@@ -70,6 +70,7 @@ class EngineLoop:
         self.decode_steps_ahead = 0  # diagnostics: decode steps launched before the previous step's results
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stepped_once = False  # the engine thread ran a step: its idle captures may start (_capture_idle)
         self._inline = threading.Lock()  # serialises command handling while no thread runs
         self._seqs: dict[str, Sequence] = {}
         self._drain_waiters: list[Future] = []
@@ -134,6 +135,7 @@ class EngineLoop:
                 if stepped:
                     try:
                         self._step()
+                        self._stepped_once = True
                     except Exception:  # a scheduler bug must not kill the thread silently
                         logger.exception("engine step crashed; aborting the requests in flight")
                         self._abort_all(error="engine step crashed (see the server log)")
@@ -144,8 +146,10 @@ class EngineLoop:
 
     def _capture_idle(self) -> bool:
         """Nothing to run: capture one more CUDA graph (``ModelRunner.capture_idle``) unless paused; whether one was.
-        A request that arrives meanwhile waits one capture (about 10 ms)."""
-        if self.pause_mode is not None or not self._commands.empty():
+        A request that arrives meanwhile waits one capture (about 10 ms). Only once this thread has run a step: its
+        cuBLAS handle is made at its first matmul, and made inside a capture it fails it (an H100 run, 2026-12-06:
+        the first idle capture after the start failed and dropped every graph)."""
+        if self.pause_mode is not None or not self._commands.empty() or not self._stepped_once:
             return False
         capture = getattr(self.runner, "capture_idle", None)  # test runners may lack it
         return bool(capture()) if capture is not None else False
