@@ -14,13 +14,12 @@ import time
 from typing import Any
 
 # (module, attribute path, label): attribute paths are "Class.method" or a module-level function as the caller
-# sees it (``from x import f`` binds f in the caller's module, so the caller's module is patched; "a|b": the first
-# module that has it, for names a newer checkout calls through their own module)
+# sees it (``from x import f`` binds f in the caller's module, so the caller's module is patched)
 PHASES = [
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.__init__", "trainer_init"),
     ("asyncgrpo.trainer.trainer", "start_compile_workers", "compile_workers"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.warm_up_compile", "warm_up_compile"),
-    ("asyncgrpo.trainer.trainer|asyncgrpo.trainer.warmup", "warm_up", "warm_up"),
+    ("asyncgrpo.trainer.trainer", "warm_up", "warm_up"),
     ("asyncgrpo.trainer.graphed_step", "GraphedDecoder.capture_largest", "graph_capture_largest"),
     ("asyncgrpo.trainer.graphed_step", "GraphedDecoder.capture_all", "graph_capture"),
     ("asyncgrpo.rollout.worker", "RolloutWorker.spawn", "worker_spawn"),
@@ -29,29 +28,24 @@ PHASES = [
     ("asyncgrpo.trainer.trainer", "build_parts", "build_parts"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.sync_weights", "first_weight_push"),
     ("asyncgrpo.rollout.worker", "RolloutWorker._hand_over", "worker_hand_over"),
-    ("asyncgrpo.trainer.trainer|asyncgrpo.trainer.warmup", "prepare_step", "prepare_step"),
+    ("asyncgrpo.trainer.trainer", "prepare_step", "prepare_step"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.get_batch_samples", "first_batch"),
     ("asyncgrpo.trainer.trainer", "AsyncGRPOTrainer.training_step", "first_fwd_bwd"),
-    ("asyncgrpo.trainer.trainer|asyncgrpo.trainer.warmup", "finish_step_graphs", "finish_step_graphs"),
+    ("asyncgrpo.trainer.trainer", "finish_step_graphs", "finish_step_graphs"),
 ]
 
 
 def resolve(module_name: str, path: str) -> tuple[Any, str, Any] | None:
-    """(the object holding the phase's function, its attribute name, the function), or None where it is missing.
-    ``module_name`` may list modules joined by "|": the first that holds ``path`` (where the caller looks it up: a
-    checkout whose trainer imports the name, or one that calls it through its module)."""
-    for candidate in module_name.split("|"):
-        try:
-            owner: Any = importlib.import_module(candidate)
-        except ImportError:
-            continue
-        *outer, name = path.split(".")
-        for part in outer:
-            owner = getattr(owner, part, None)
-        fn = getattr(owner, name, None) if owner is not None else None
-        if fn is not None:
-            return owner, name, fn
-    return None
+    """(the object holding the phase's function, its attribute name, the function), or None where it is missing."""
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part, None)
+    fn = getattr(owner, name, None) if owner is not None else None
+    return (owner, name, fn) if fn is not None else None
 
 
 def install(t_launch: float) -> dict[str, list[float]]:
