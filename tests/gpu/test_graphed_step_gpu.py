@@ -129,6 +129,38 @@ def test_a_check_row_of_a_bucket_not_captured_yet_keeps_the_graphs_on():
         uncompile_decoder_layers(model)
 
 
+class _FrozenMaskGraphs(GraphedDecoder):
+    """Captures a tree mask that replays never refresh (built from the pads present at capture time), as a capture
+    that froze a host value would: only a check that replays a different row than the capture saw can see it."""
+
+    def _decoder_out(self, ids, pos, end):
+        if torch.cuda.is_current_stream_capturing():
+            end = self.frozen.setdefault(end.numel(), torch.arange(1, end.numel() + 1, device=end.device))
+        return super()._decoder_out(ids, pos, end)
+
+
+def test_the_check_catches_a_graph_that_ignores_the_row():
+    """The first capture's eager pass runs the check's row and is kept as the check's reference; the graphed side
+    replays that row through the graph captured on pads. A graph whose mask was frozen at capture disagrees, and the
+    graphs turn off (the step runs eager) instead of training on wrong gradients."""
+    model = _model("llama", torch.float32).train()
+    use_tree_attention(model)
+    row = pack_samples(_samples(1)).to("cuda")
+    torch._dynamo.reset()
+    compile_decoder_layers(model)
+    try:
+        graphs = _FrozenMaskGraphs(model, row.num_tokens, None)
+        graphs.frozen = {}
+        graphs.capture_largest(verify_row=row)
+        assert graphs.failed is not None and "disagrees" in graphs.failed, graphs.failed
+        assert not graphs.buckets and not graphs.covers(row) and graphs._reference is None
+        fair = GraphedDecoder(model, row.num_tokens, None)  # the same row, an honest capture: the check passes
+        fair.capture_largest(verify_row=row)
+        assert fair.failed is None and fair.verified, fair.failed
+    finally:
+        uncompile_decoder_layers(model)
+
+
 def _reward(completions, **kwargs):
     return [0.0] * len(completions)
 

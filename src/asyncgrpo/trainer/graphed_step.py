@@ -12,9 +12,10 @@ How:
   hidden states are those of the unpadded row and the pads get no gradient.
 - The tree's block mask is built inside the graph from the row's ``subtree_end``: a step copies three [bucket]
   integer buffers in and replays.
-- Per bucket: two eager passes on a side stream (compiles, lazy initialisations), then a capture of the forward and
+- Per bucket: one eager pass on a side stream (compiles, lazy initialisations), then a capture of the forward and
   one of the backward (gradients w.r.t. the decoder's parameters) in one memory pool for all buckets; rows run one
-  after another, so two buckets' graphs never hold live data at once.
+  after another, so two buckets' graphs never hold live data at once. The first capture's eager pass runs the
+  check's row (below), so that pass is also the check's reference: no second eager pass on the step's path.
 - Captured without activation checkpointing: the graph keeps the bucket's activations, which the size rule
   (:func:`wants_graphed_step`) keeps to a few GB.
 - Captured only where no autograd graph over the parameters is alive (the start of a step, before its forward):
@@ -140,6 +141,15 @@ class _Bucket:
             self.end[n:].copy_(self.pad_end[n:])
 
 
+@dataclass
+class _Reference:
+    """The eager side of the check (:meth:`GraphedDecoder._compare`) on one row."""
+
+    hidden: torch.Tensor  # [T, hidden] fp32
+    grads: tuple[torch.Tensor | None, ...]  # of (hidden * weights).sum() w.r.t. the decoder's trained parameters
+    weights: torch.Tensor  # [T, hidden] the fixed random projection
+
+
 class GraphedDecoder:
     """The decoder of ``lm`` as CUDA graphs, one per bucket; :meth:`forward` stands in for ``packed_forward``."""
 
@@ -154,6 +164,7 @@ class GraphedDecoder:
         self.pool: Any = None
         self.failed: str | None = None
         self.verified = False
+        self._reference: tuple[PackedRow, _Reference] | None = None  # the check's eager side, from a capture's pass
 
     # ------------------------------------------------------------------ public
     def extend(self, token_budget: int) -> None:
@@ -178,7 +189,7 @@ class GraphedDecoder:
         for size in todo:
             if self.failed is not None or (until is not None and (done or not at_least_one) and until()):
                 break
-            self._capture_or_fail(size)
+            self._capture_or_fail(size, reference=verify_row if not self.verified else None)
             done.append(size)
             self._verify_once(verify_row)  # at once: a graph that disagrees is not captured five times
         self._verify_once(verify_row)  # nothing captured by this call, but earlier captures left unchecked
@@ -228,13 +239,15 @@ class GraphedDecoder:
         return PackedForward(hidden, weight, 0.0 * hidden.sum())
 
     # ------------------------------------------------------------------ capture
-    def _capture_or_fail(self, size: int) -> None:
+    def _capture_or_fail(self, size: int, reference: PackedRow | None = None) -> None:
         try:
-            self._capture(size)
+            self._capture(size, reference)
         except Exception as exc:  # noqa: BLE001 - any capture failure: the step runs eager, the run goes on
             self._fail(f"capturing the {size}-token graph failed: {type(exc).__name__}: {str(exc)[:300]}")
 
-    def _capture(self, size: int) -> _Bucket:
+    def _capture(self, size: int, reference: PackedRow | None = None) -> _Bucket:
+        """Capture ``size``'s graphs. ``reference``: the check's row; where it falls in this bucket, the eager pass
+        before the capture runs it and keeps its result for :meth:`_compare` (the pass a capture needs anyway)."""
         # train mode, as the steps that replay it run (dropout, and the compiled layers guard on it: a capture before
         # train() in eval mode compiled them once for it and again for the first step, 10 s on a cold cache)
         self.lm.train()
@@ -245,12 +258,14 @@ class GraphedDecoder:
         b = _Bucket.empty(size, dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # eager passes first: compiles and lazy CUDA work stay out of the capture
-            for _ in range(2):
+        with torch.cuda.stream(side):  # an eager pass first: compiles and lazy CUDA work stay out of the capture
+            if reference is not None and self._size_for(reference) == size:
+                self._reference = (reference, self._eager_reference(reference, size))
+            else:
                 with self._capturable():
                     out = self._decoder_out(b.ids, b.pos, b.end)
                 torch.autograd.grad(out, self.params, torch.ones_like(out), allow_unused=True)
-            del out
+                del out
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         if self.pool is None:
@@ -315,41 +330,50 @@ class GraphedDecoder:
     def _compare(self, row: PackedRow) -> str | None:
         """Hidden states and parameter gradients of a fixed projection loss, eager vs graphed; a problem or None.
 
-        The eager side runs the same padded row outside the graph: this checks the capture (a kernel that reads
-        memory the graph does not own, a host value frozen into it). That padding leaves the real tokens alone is
+        The eager side runs the same padded row outside the graph (the capture's own eager pass where it ran this
+        row; the capture itself saw pads only): this checks the capture (a kernel that reads memory the graph does
+        not own, a host value frozen into it). That padding leaves the real tokens alone is
         a property of the mask, tested on its own; an unpadded eager row here would also recompile the layers
         for a length that no graphed step meets."""
         size = self._size_for(row)
-        if size not in self.buckets:  # captured first: a capture while the eager side's autograd graph is alive
-            self._capture_or_fail(size)  # fails (its AccumulateGrad nodes sync with the default stream)
+        if size not in self.buckets:  # captured first, its eager pass on this row: a capture while an eager autograd
+            self._capture_or_fail(size, reference=row)  # graph is alive fails (AccumulateGrad syncs the default stream)
             if size not in self.buckets:
                 return "its capture failed"
+        kept, self._reference = self._reference, None
+        ref = kept[1] if kept is not None and kept[0] is row else self._eager_reference(row, size)
+        got = self.forward(row)
+        if got is None:
+            return "its capture failed"
+        graphed = got.hidden
+        checks = [("hidden states", ref.hidden, graphed.float())]
+        grads_g = torch.autograd.grad((graphed.float() * ref.weights).sum(), self.params, allow_unused=True)
+        pairs = [(e, g) for e, g in zip(ref.grads, grads_g, strict=True) if e is not None and g is not None]
+        flat = [torch.cat([t.float().flatten() for t in side]) for side in zip(*pairs, strict=True)]
+        checks.append(("parameter gradients", flat[0], flat[1]))
+        for name, want, have in checks:
+            err = float((have - want).detach().norm() / want.detach().norm().clamp(min=1e-12))
+            if not err <= VERIFY_RTOL:
+                return f"{name}: relative error {err:.2e} > {VERIFY_RTOL:.0e}"
+        return None
+
+    def _eager_reference(self, row: PackedRow, size: int) -> _Reference:
+        """The eager decoder on ``row`` padded to ``size``: its hidden states and the parameter gradients of a fixed
+        random projection of them (no autograd graph is left alive: a capture may follow)."""
         dev = row.input_ids.device
         gen = torch.Generator(device=dev).manual_seed(0)
         weights = torch.randn(row.num_tokens, self.lm.config.get_text_config().hidden_size, generator=gen, device=dev)
         padded = _Bucket.empty(size, dev)
         padded.load(row)
         with self._capturable():
-            eager = self._decoder_out(padded.ids, padded.pos, padded.end)[: row.num_tokens]
-        got = self.forward(row)
-        if got is None:
-            return "its capture failed"
-        graphed = got.hidden
-        checks = [("hidden states", eager.float(), graphed.float())]
-        grads_e = torch.autograd.grad((eager.float() * weights).sum(), self.params, allow_unused=True)
-        grads_g = torch.autograd.grad((graphed.float() * weights).sum(), self.params, allow_unused=True)
-        pairs = [(e, g) for e, g in zip(grads_e, grads_g, strict=True) if e is not None and g is not None]
-        flat = [torch.cat([t.float().flatten() for t in side]) for side in zip(*pairs, strict=True)]
-        checks.append(("parameter gradients", flat[0], flat[1]))
-        for name, ref, got in checks:
-            err = float((got - ref).detach().norm() / ref.detach().norm().clamp(min=1e-12))
-            if not err <= VERIFY_RTOL:
-                return f"{name}: relative error {err:.2e} > {VERIFY_RTOL:.0e}"
-        return None
+            eager = self._decoder_out(padded.ids, padded.pos, padded.end)[: row.num_tokens].float()
+        grads = torch.autograd.grad((eager * weights).sum(), self.params, allow_unused=True)
+        return _Reference(eager.detach(), grads, weights)
 
     def _fail(self, why: str) -> None:
         self.failed = why
         self.buckets.clear()
+        self._reference = None
         logger.warning("CUDA graphs of the training step are off: %s; the step runs eager. Set cuda_graph_step=False "
                        "to skip the attempt.", why)  # fmt: skip
 

@@ -176,7 +176,7 @@ def _counted_graphs(sizes, fails_check=False):
             graphs.failed = "disagrees"
             graphs.buckets.clear()
 
-    graphs._capture_or_fail = lambda size: graphs.buckets.setdefault(size, size)
+    graphs._capture_or_fail = lambda size, reference=None: graphs.buckets.setdefault(size, size)
     graphs._verify_or_fail = check
     return graphs
 
