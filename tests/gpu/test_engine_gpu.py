@@ -183,6 +183,48 @@ def test_row_prefill_graphs_with_prefix_cache_groups_match_hf_and_eager():
                 torch.testing.assert_close(outs[True][key].logprobs, outs[False][key].logprobs, atol=1e-4, rtol=0)
 
 
+_REPLAY_FIRST = """
+import sys, time
+import torch
+sys.path.insert(0, {root!r})
+from asyncgrpo.server.engine.engine import Engine
+from asyncgrpo.server.engine.request import Request, SamplingParams
+from tests.gpu.test_engine_gpu import _collect, _model
+
+eng = Engine(_model(torch.float32), max_model_len=4096, max_num_seqs=16, kv_cache_tokens=16384, block_size=16)
+runner = eng._runner
+rows = runner.row_prefill.buckets
+left = runner.row_prefill.lazy_rows_left
+assert rows[-1] not in left and rows[-2] in left, (rows, left)  # only the largest row count captured at start
+eng.start()
+try:
+    prompt = [(7 * i) % 1000 + 3 for i in range(rows[-1])]  # prefills in the graph captured at the start
+    _collect(eng, [Request("one", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))])
+    deadline = time.monotonic() + 120
+    while (runner.lazy_buckets_left or runner.row_prefill.lazy_rows_left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("graphs", runner.use_graphs, runner.lazy_buckets_left, runner.row_prefill.lazy_rows_left)
+finally:
+    eng.shutdown()
+"""
+
+
+def test_idle_captures_after_a_first_step_that_only_replayed_a_graph():
+    """A fresh process (no BLAS handle left by an earlier test's threads): the engine thread's first step is a
+    prefill that replays the graph captured at the start, so that step makes no cuBLAS handle; the idle captures
+    that follow must not be the first matmuls of the thread (made inside a capture, the handle fails it and every
+    graph is dropped). The thread makes its handles when it starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", _REPLAY_FIRST.format(root=root)], capture_output=True, text=True,
+                          timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "graphs True [] []" in done.stdout, (done.stdout[-2000:], done.stderr[-3000:])
+
+
 def test_graphs_captured_while_idle_match_hf():
     """Lazy graphs (the default): the idle engine captures every remaining decode bucket and prefill row count,
     smallest first, once its thread ran a first step; then greedy decoding across several batch sizes still matches

@@ -33,6 +33,20 @@ _NO_BAN: list[int] = []  # shared, never mutated
 IDLE_WAIT_S = 0.05  # how long the idle engine thread sleeps before re-checking its queue
 
 
+def _make_blas_handles(device: torch.device) -> None:
+    """One small matmul and one with a bias (cuBLAS and cuBLASLt) on this thread, outside any CUDA graph capture.
+    Why: torch makes a thread's BLAS handles at its first matmul, or takes ones a finished thread left; made while
+    the thread captures a graph, they fail the capture. Without this, a first step that only replays graphs captured
+    at the start (a long first prefill) left the thread without handles for its first idle capture."""
+    try:
+        a = torch.ones(16, 16, device=device)
+        torch.addmm(a[0], a, a)
+        torch.mm(a, a)
+        torch.cuda.current_stream(device).synchronize()
+    except RuntimeError as exc:  # the steps make them instead (the idle captures wait for the first one)
+        logger.debug("BLAS handles not made at the engine thread's start: %s", exc)
+
+
 def _next(q: queue.SimpleQueue) -> tuple[LoopCommand, Future] | None:
     """The next command in ``q`` and its future, or None when it is empty (never blocks)."""
     try:
@@ -122,6 +136,7 @@ class EngineLoop:
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            _make_blas_handles(self.device)
         with torch.no_grad():
             while not self._stopping:
                 self._wake.clear()
@@ -146,9 +161,10 @@ class EngineLoop:
 
     def _capture_idle(self) -> bool:
         """Nothing to run: capture one more CUDA graph (``ModelRunner.capture_idle``) unless paused; whether one was.
-        A request that arrives meanwhile waits one capture (about 10 ms). Only once this thread has run a step: its
-        cuBLAS handle is made at its first matmul, and made inside a capture it fails it (an H100 run, 2026-12-06:
-        the first idle capture after the start failed and dropped every graph)."""
+        A request that arrives meanwhile waits one capture (about 10 ms). Only once this thread has run a step: a
+        thread's cuBLAS handle is made at its first matmul, and made inside a capture it fails it (an H100 run,
+        2026-12-06: the first idle capture after the start failed and dropped every graph). The thread makes its
+        handles when it starts (:func:`_make_blas_handles`); the first step is the second guard."""
         if self.pause_mode is not None or not self._commands.empty() or not self._stepped_once:
             return False
         capture = getattr(self.runner, "capture_idle", None)  # test runners may lack it
