@@ -163,7 +163,18 @@ def flex_block_mask(end: torch.Tensor) -> Any:
 
 
 def _varlen_plan(row: PackedRow, device: torch.device) -> TreeAttentionPlan:
-    """One varlen sequence per segment: queries = its tokens, keys = its root-to-leaf path."""
+    """One varlen sequence per segment: queries = its tokens, keys = its root-to-leaf path.
+
+    The kernel's one-off signature probe is answered here, eager, before any layer runs the plan: inside a
+    compiled layer it would break tracing. Not earlier: importing the kernel's module registers its custom ops,
+    1.2-1.8 s of a run's start that runs with FlexAttention never needs (bench/LOG.md, issue 41)."""
+    try:
+        _varlen_has_gqa_flag()
+    except ImportError as exc:
+        raise ValueError(
+            f"tree attention backend 'varlen' needs torch.nn.attention.varlen, which torch {torch.__version__} "
+            "lacks; use backend='flex' or 'auto'"
+        ) from exc
     starts, ends, parents = (t.cpu().numpy() for t in (row.seg_start, row.seg_end, row.seg_parent))
     paths: list[np.ndarray] = []
     for s in range(len(starts)):  # parents precede children in depth-first order

@@ -173,7 +173,6 @@ def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | N
     todo = [layer for layer in layers if not isinstance(getattr(layer, "_compiled_call_impl", None), _GuardedCall)]
     if not todo:
         return 0
-    _resolve_attention_probes()
     group = _CompiledLayers(layers)
     for layer in todo:
         compiled = torch.compile(
@@ -187,16 +186,6 @@ def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | N
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * len(layers) + 64)
     logger.info("compiled %d decoder layers (backend=%s, dynamic=%s)", len(todo), settings.backend, settings.dynamic)
     return len(todo)
-
-
-def _resolve_attention_probes() -> None:
-    """Answer tree attention's one-off library probes now, eager, so tracing does not break on them."""
-    from asyncgrpo.packing import attention
-
-    try:
-        attention._varlen_has_gqa_flag()
-    except (ImportError, AttributeError):  # no varlen kernel in this torch: the varlen backend is not used
-        pass
 
 
 def uncompile_decoder_layers(model: torch.nn.Module) -> None:

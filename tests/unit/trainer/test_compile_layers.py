@@ -120,3 +120,37 @@ def test_compile_workers_start_early_only_where_the_layers_compile_on_cuda(monke
     args = type("Args", (), {"device": device, "compile_decoder_layers": compile_layers, "world_size": 1})()
     assert start_compile_workers(args, peft=peft) is started
     assert calls == ([1] if started else [])
+
+
+def test_compiling_the_layers_leaves_the_varlen_kernel_unimported(tmp_path):
+    """Importing ``torch.nn.attention.varlen`` registers its custom ops: 1.2-1.8 s of a run's start (an H200 run,
+    issue 41), which runs on FlexAttention never need. Its signature probe is answered where a varlen plan is built
+    (before any layer runs it, so tracing never meets it), not when the layers are compiled. A fresh process: this
+    one may have imported the kernel for other tests."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, LlamaConfig\n"
+        "from asyncgrpo.trainer.compile import CompileSettings, compile_decoder_layers\n"
+        "from asyncgrpo.packing import attention\n"
+        f"cfg = LlamaConfig(**{COMMON!r})\n"
+        "model = AutoModelForCausalLM.from_config(cfg)\n"
+        "compile_decoder_layers(model, CompileSettings(backend='eager'))\n"
+        "print('after compile', 'torch.nn.attention.varlen' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "after compile False" in done.stdout
+
+
+def test_a_varlen_plan_answers_the_kernels_probe(monkeypatch):
+    """The probe is answered eagerly by the plan a varlen row runs with, before the layers trace it."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    from asyncgrpo.packing import attention
+
+    monkeypatch.setattr(attention, "_VARLEN_GQA", None)
+    row = pack_samples(random_tree_samples(np.random.default_rng(0), vocab_size=VOCAB, num_groups=2))
+    plan = attention._varlen_plan(row, torch.device("cpu"))
+    assert plan.backend == "varlen" and attention._VARLEN_GQA is not None
