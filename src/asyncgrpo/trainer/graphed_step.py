@@ -332,9 +332,9 @@ class GraphedDecoder:
 
         The eager side runs the same padded row outside the graph (the capture's own eager pass where it ran this
         row; the capture itself saw pads only): this checks the capture (a kernel that reads memory the graph does
-        not own, a host value frozen into it). That padding leaves the real tokens alone is
-        a property of the mask, tested on its own; an unpadded eager row here would also recompile the layers
-        for a length that no graphed step meets."""
+        not own, a host value frozen into it). That padding leaves the real tokens alone is a property of the mask,
+        tested on its own; an unpadded eager row here would also recompile the layers for a length that no graphed
+        step meets."""
         size = self._size_for(row)
         if size not in self.buckets:  # captured first, its eager pass on this row: a capture while an eager autograd
             self._capture_or_fail(size, reference=row)  # graph is alive fails (AccumulateGrad syncs the default stream)
