@@ -34,7 +34,9 @@ def test_a_heap_frozen_by_its_owner_stays_frozen(monkeypatch):
         count = gc.get_freeze_count()
         with frozen_heap() as froze:
             assert not froze
-        assert gc.get_freeze_count() == count  # not unfrozen under its owner
+        # not unfrozen under its owner (an unfreeze empties the permanent generation; a frozen object that dies
+        # meanwhile, say a frame another thread let go, leaves it, so the count may drop by a few, never to 0)
+        assert gc.get_freeze_count() >= count - 100 > 0
     finally:
         gc.unfreeze()
 
