@@ -20,6 +20,7 @@
 #   TESTS_TIMEOUT=380 PACKING_SECONDS=120 bash bench/gpu_session.sh tests packing  # then the GPU suite, B1/B2 (same commit)
 #   BASELINE_SRC=.baseline/src PACKING_SECONDS=100 bash bench/gpu_session.sh packing-ab  # B1/B2 compiled, main vs this
 #   (the graphs stage alone needs more than 140 s: its first three tests took that long on 2026-12-04)
+#   PACKING_SECONDS=150 bash bench/gpu_session.sh profile37  # issue 37's profile call: B5 + B1/B2 (1.7B) with tables
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -48,6 +49,13 @@ for stage in "$@"; do
     packing)
       timeout $((${PACKING_SECONDS:-300} + 40)) python3 bench/tree_packing.py --max-seconds ${PACKING_SECONDS:-300} --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/tree_packing.log" | tail -30 ;;
+    profile37)  # issue 37's first call: B5 with its eager and graphed engine-step tables, then B1/B2 at the 1.7B shape
+      # (compiled layers, checkpointing off and on) with a kernel table and a by-kind summary per tree method
+      timeout 300 python3 bench/generation.py --profile --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" \
+        | grep -vE "it/s\]|s/it\]" | tail -60
+      timeout $((${PACKING_SECONDS:-150} + 120)) python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
+        --checkpointing both --max-seconds ${PACKING_SECONDS:-150} --profile "$OUT/tree_packing_profile.txt" \
+        --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/tree_packing.log" | tail -20 ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}
