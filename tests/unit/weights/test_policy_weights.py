@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
+import gc
 import os
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from asyncgrpo.process_exit import exit_without_teardown
 from asyncgrpo.server.launcher import free_port
 from asyncgrpo.weights.collectives import TensorMeta
 from asyncgrpo.weights.policy import join_policy_gathers, policy_weight_metadata, policy_weights
@@ -84,6 +87,7 @@ def _fsdp_main(rank: int, port: int, path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack, not just "terminate"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # A collective that never completes fails after a minute, not at the suite's 10-minute test timeout (once, on
     # the shared 2-core machine, both ranks sat in the same all-gather for minutes).
@@ -102,6 +106,11 @@ def _fsdp_main(rank: int, port: int, path: str) -> None:
                 out[kind] = {"metas": metas, "tensors": got, "embed_local_rows": list(rows.values())}
             else:
                 join_policy_gathers(model)
+        # The sharded models hold the group through their device mesh: they go while the interpreter is whole, and
+        # both ranks have finished every collective before either leaves.
+        del model
+        gc.collect()
+        dist.barrier()
     finally:
         # Rank 0 hosts the rendezvous store: it leaves last, or rank 1's teardown may still poll the store after
         # it closed and abort ("terminate called without an active exception", seen once on a loaded machine).
@@ -116,6 +125,10 @@ def _fsdp_main(rank: int, port: int, path: str) -> None:
             dist.destroy_process_group()
     if rank == 0:
         torch.save(out, path)
+    # gloo's worker threads can still abort the interpreter's teardown (CI saw rank 1 die of SIGABRT, "terminate
+    # called without an active exception", after the ordered leave above): the work is saved, so the rank ends as
+    # ``python -m asyncgrpo`` does, without that teardown.
+    exit_without_teardown(0)
 
 
 def test_fsdp2_policy_announces_global_shapes_and_gathers_one_tensor_at_a_time(tmp_path):
