@@ -16,6 +16,7 @@ Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/genera
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import platform
 import statistics
@@ -115,10 +116,13 @@ def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.devic
     return int(out.shape[0] * (out.shape[1] - ids.shape[1])), seconds
 
 
-def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None, eager: bool = True) -> dict:
-    """A short run under torch.profiler: where device time goes. ``eager``: no CUDA graphs (kernel names per op);
-    otherwise the graph-mode engine, whose summed kernel time per decode step, against the wall time per step,
-    shows how long the GPU waits for the host."""
+def profile_eager(
+    model, prompts, dtype, device, max_len: int, out: Path | None, eager: bool = True, output_len: int = 32
+) -> dict:
+    """A run of ``output_len`` tokens under torch.profiler: where device time goes. ``eager``: no CUDA graphs
+    (kernel names per op); otherwise the graph-mode engine, whose summed kernel time per decode step, against the
+    wall time per step, shows how long the GPU waits for the host (at the benchmark's full output length, so the
+    attention's share is the timed runs' one)."""
     from torch.profiler import ProfilerActivity, profile
 
     tag = "eager" if eager else "graphs"
@@ -132,7 +136,7 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None,
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     before = engine.step_timings()
     with profile(activities=activities) as prof:
-        tokens, seconds = run_engine(engine, prompts, 32, f"{tag}-profiled")
+        tokens, seconds = run_engine(engine, prompts, output_len, f"{tag}-profiled")
     after = engine.step_timings()
     timings = {k: {m: after[k][m] - before[k][m] for m in after[k]} for k in after}
     engine.shutdown()
@@ -166,35 +170,58 @@ def profile_eager(model, prompts, dtype, device, max_len: int, out: Path | None,
 
 
 def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
-    """Time the Triton decode kernel alone at the benchmark's shape for a few launch configs (GB/s of K+V read)."""
+    """Time the Triton decode kernel alone at the benchmark's shape (GB/s of K+V read) per launch config, for the
+    engine's cache layout ([blocks, block_size, kv heads, D]: a head's token is 256 contiguous bytes) and for a
+    head-major one ([blocks, kv heads, block_size, D] seen through a permuted view: a head's block is contiguous),
+    with randomly scattered blocks and with each sequence's blocks in order."""
     from asyncgrpo.server.layers.decode_kernel import paged_decode
 
     hkv, d = shape["num_key_value_heads"], shape["head_dim"]
     group, bs = shape["num_attention_heads"] // hkv, 16
     blocks = -(-context // bs)
-    k = torch.randn(batch * blocks + 1, bs, hkv, d, device=device, dtype=dtype)
-    v = torch.randn_like(k)
+    caches = {
+        "nhd": [torch.randn(batch * blocks + 1, bs, hkv, d, device=device, dtype=dtype) for _ in "kv"],
+        "hnd": [torch.randn(batch * blocks + 1, hkv, bs, d, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"],
+    }
     q = torch.randn(batch, hkv * group, d, device=device, dtype=dtype)
-    tables = torch.randperm(batch * blocks, device=device).view(batch, blocks)
+    scattered = torch.randperm(batch * blocks, device=device).view(batch, blocks)
+    in_order = torch.arange(batch * blocks, device=device).view(batch, blocks)
     lens = torch.full((batch,), context, device=device)
-    read_bytes = 2 * batch * context * hkv * d * k.element_size()
+    read_bytes = 2 * batch * context * hkv * d * q.element_size()
+    configs = [(lay, "scattered", bn, w, st) for lay in caches for bn, w, st in
+               itertools.product((32, 64, 128), (2, 4), (None, 1, 3))]  # fmt: skip
+    configs += [(lay, "in_order", 64, 2, None) for lay in caches]
     rows = []
-    for block_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            args = (q, k, v, tables, lens, d**-0.5, block_n, warps)
+    for layout, table_kind, block_n, warps, stages in configs:
+        k, v = caches[layout]
+        tables = scattered if table_kind == "scattered" else in_order
+        args = (q, k, v, tables, lens, d**-0.5, block_n, warps, stages)
+        try:
             for _ in range(3):
                 paged_decode(*args)
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            for _ in range(20):
-                paged_decode(*args)
-            torch.cuda.synchronize(device)
-            us = (time.perf_counter() - start) / 20 * 1e6
-            rows.append({"block_n": block_n, "num_warps": warps, "us": us, "GBps": read_bytes / us / 1e3})
-    best = max(rows, key=lambda r: r["GBps"])
-    print(f"decode kernel alone (B={batch}, ctx={context}): best block_n={best['block_n']} num_warps={best['num_warps']} "
-          f"{best['us']:.0f} us, {best['GBps']:.0f} GB/s; default (64, 2): "
-          f"{next(r for r in rows if r['block_n'] == 64 and r['num_warps'] == 2)['GBps']:.0f} GB/s")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+            print(f"decode kernel {layout} block_n={block_n} warps={warps} stages={stages}: {exc!r}"[:200])
+            continue
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(20):
+            paged_decode(*args)
+        torch.cuda.synchronize(device)
+        us = (time.perf_counter() - start) / 20 * 1e6
+        rows.append({"layout": layout, "tables": table_kind, "block_n": block_n, "num_warps": warps,
+                     "num_stages": stages, "us": us, "GBps": read_bytes / us / 1e3})  # fmt: skip
+    for layout in caches:
+        mine = [r for r in rows if r["layout"] == layout and r["tables"] == "scattered"]
+        if not mine:
+            continue
+        best = max(mine, key=lambda r: r["GBps"])
+        default = next((r["GBps"] for r in mine if (r["block_n"], r["num_warps"], r["num_stages"]) == (64, 2, None)), 0)
+        print(f"decode kernel alone ({layout}, B={batch}, ctx={context}): best block_n={best['block_n']} "
+              f"num_warps={best['num_warps']} num_stages={best['num_stages']} {best['us']:.0f} us, "
+              f"{best['GBps']:.0f} GB/s; default (64, 2): {default:.0f} GB/s")  # fmt: skip
+    for r in rows:
+        if r["tables"] == "in_order":
+            print(f"decode kernel alone ({r['layout']}, blocks in order, 64/2): {r['GBps']:.0f} GB/s")
     return rows
 
 
@@ -278,7 +305,7 @@ def main() -> int:
     if args.profile:
         profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)
         _free(device)
-        graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, eager=False)
+        graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, False, o_len)
 
     sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
     from bench.sampler_speed import sampler_bench

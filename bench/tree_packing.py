@@ -219,7 +219,7 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backend)
                 packed_step(model, r, p)
 
         methods[name] = measure(model, name, run_all, device, args, info)
-        if args.profile and name.startswith("tree_") and "time_s" in methods[name]:
+        if args.profile and "time_s" in methods[name]:
             methods[name]["profile"] = profile_once(model, name, run_all, args.profile)
     set_checkpointing(model, False)
     res["methods"] = methods
@@ -302,7 +302,7 @@ def main() -> int:
     ap.add_argument("--lm-head", choices=["fused", "recompute"], default="fused",
                     help="fused: gradient formed in the forward (the trainer's default); recompute: logits again in backward")  # fmt: skip
     ap.add_argument("--split-groups", action="store_true", help="plan sample by sample (groups may span rows)")
-    ap.add_argument("--profile", type=Path, help="append a torch.profiler kernel table of each tree method here")
+    ap.add_argument("--profile", type=Path, help="append a torch.profiler kernel table of each method here")
     ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
     args = ap.parse_args()
     global LOSS, KEEP_GROUPS

@@ -94,6 +94,7 @@ def paged_decode(
     scale: float,
     block_n: int = 64,
     num_warps: int = 2,  # H200 sweep (bench/generation.py), 256 seqs x ctx 256: 3.59 TB/s vs 3.45 with 4
+    num_stages: int | None = None,  # None: Triton's default software pipelining depth
 ) -> torch.Tensor:
     """Decode attention over the paged cache. q: [B, Hq, D] -> [B, Hq, D] (no host sync; graph-safe)."""
     B, Hq, D = q.shape
@@ -127,5 +128,6 @@ def paged_decode(
         BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
