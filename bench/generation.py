@@ -16,6 +16,7 @@ Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/genera
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import logging
 import platform
@@ -170,15 +171,18 @@ def profile_eager(
 
 
 def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
-    """Time the Triton decode kernel alone at the benchmark's shape (GB/s of K+V read) per launch config, for the
-    engine's cache layout ([blocks, block_size, kv heads, D]: a head's token is 256 contiguous bytes) and for a
+    """Time the Triton decode kernel alone at the benchmark's shape (GB/s of K+V read) per launch config: the
+    engine's cache layout ([blocks, block_size, kv heads, D]: a head's token is 256 contiguous bytes) and a
     head-major one ([blocks, kv heads, block_size, D] seen through a permuted view: a head's block is contiguous),
-    with randomly scattered blocks and with each sequence's blocks in order."""
-    from asyncgrpo.server.layers.decode_kernel import paged_decode
+    the one-pass kernel and the split-context one (``splits`` programs per sequence and head, then a merge), with
+    randomly scattered blocks and, for the default config, each sequence's blocks in order; then the default and
+    the split kernel at a short and a long context."""
+    from asyncgrpo.server.layers.decode_kernel import paged_decode, paged_decode_split
 
     hkv, d = shape["num_key_value_heads"], shape["head_dim"]
     group, bs = shape["num_attention_heads"] // hkv, 16
-    blocks = -(-context // bs)
+    longest = 2 * context
+    blocks = -(-longest // bs)
     caches = {
         "nhd": [torch.randn(batch * blocks + 1, bs, hkv, d, device=device, dtype=dtype) for _ in "kv"],
         "hnd": [torch.randn(batch * blocks + 1, hkv, bs, d, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"],
@@ -186,42 +190,42 @@ def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: i
     q = torch.randn(batch, hkv * group, d, device=device, dtype=dtype)
     scattered = torch.randperm(batch * blocks, device=device).view(batch, blocks)
     in_order = torch.arange(batch * blocks, device=device).view(batch, blocks)
-    lens = torch.full((batch,), context, device=device)
-    read_bytes = 2 * batch * context * hkv * d * q.element_size()
-    configs = [(lay, "scattered", bn, w, st) for lay in caches for bn, w, st in
-               itertools.product((32, 64, 128), (2, 4), (None, 1, 3))]  # fmt: skip
-    configs += [(lay, "in_order", 64, 2, None) for lay in caches]
+    one_pass = [("one_pass", 0, bn, w, st) for bn, w, st in itertools.product((32, 64, 128), (1, 2, 4), (None, 1, 3))]
+    split = [("split", sp, bn, w, None) for sp, bn, w in itertools.product((2, 4), (32, 64), (1, 2, 4))]
+    configs = [(lay, "scattered", context, *c) for lay in caches for c in one_pass + split]
+    configs += [(lay, "in_order", context, "one_pass", 0, 64, 2, None) for lay in caches]
+    configs += [(lay, "scattered", ctx, *c) for lay in caches for ctx in (context // 2, longest)
+                for c in (("one_pass", 0, 64, 2, None), ("split", 2, 64, 2, None), ("split", 4, 64, 2, None))]  # fmt: skip
     rows = []
-    for layout, table_kind, block_n, warps, stages in configs:
+    for layout, table_kind, ctx, kernel, splits, block_n, warps, stages in configs:
         k, v = caches[layout]
         tables = scattered if table_kind == "scattered" else in_order
-        args = (q, k, v, tables, lens, d**-0.5, block_n, warps, stages)
+        lens = torch.full((batch,), ctx, device=device)
+        if kernel == "split":
+            call = functools.partial(paged_decode_split, q, k, v, tables, lens, d**-0.5, splits, block_n, warps)
+        else:
+            call = functools.partial(paged_decode, q, k, v, tables, lens, d**-0.5, block_n, warps, stages)
         try:
             for _ in range(3):
-                paged_decode(*args)
+                call()
         except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-            print(f"decode kernel {layout} block_n={block_n} warps={warps} stages={stages}: {exc!r}"[:200])
+            print(f"decode kernel {layout} {kernel}/{splits} block_n={block_n} warps={warps} stages={stages}: "
+                  f"{exc!r}"[:200])  # fmt: skip
             continue
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         for _ in range(20):
-            paged_decode(*args)
+            call()
         torch.cuda.synchronize(device)
         us = (time.perf_counter() - start) / 20 * 1e6
-        rows.append({"layout": layout, "tables": table_kind, "block_n": block_n, "num_warps": warps,
-                     "num_stages": stages, "us": us, "GBps": read_bytes / us / 1e3})  # fmt: skip
-    for layout in caches:
-        mine = [r for r in rows if r["layout"] == layout and r["tables"] == "scattered"]
-        if not mine:
-            continue
-        best = max(mine, key=lambda r: r["GBps"])
-        default = next((r["GBps"] for r in mine if (r["block_n"], r["num_warps"], r["num_stages"]) == (64, 2, None)), 0)
-        print(f"decode kernel alone ({layout}, B={batch}, ctx={context}): best block_n={best['block_n']} "
-              f"num_warps={best['num_warps']} num_stages={best['num_stages']} {best['us']:.0f} us, "
-              f"{best['GBps']:.0f} GB/s; default (64, 2): {default:.0f} GB/s")  # fmt: skip
-    for r in rows:
-        if r["tables"] == "in_order":
-            print(f"decode kernel alone ({r['layout']}, blocks in order, 64/2): {r['GBps']:.0f} GB/s")
+        read_bytes = 2 * batch * ctx * hkv * d * q.element_size()
+        rows.append({"layout": layout, "tables": table_kind, "context": ctx, "kernel": kernel, "splits": splits,
+                     "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": us,
+                     "GBps": read_bytes / us / 1e3})  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["context"], r["tables"], -r["GBps"])):
+        print(f"decode kernel alone B={batch} ctx={r['context']} {r['layout']} {r['tables']:9} {r['kernel']:8} "
+              f"splits={r['splits']} block_n={r['block_n']:3} warps={r['num_warps']} stages={r['num_stages']}: "
+              f"{r['us']:7.1f} us {r['GBps']:6.0f} GB/s")  # fmt: skip
     return rows
 
 

@@ -131,3 +131,127 @@ def paged_decode(
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
+
+
+# ------------------------------------------------------------------ split context (flash-decoding)
+@triton.jit(do_not_specialize=["table_ptr", "ctx_ptr", "stride_tb", "stride_cb"])
+def _paged_decode_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D] (any strides but the last)
+    v_ptr,
+    part_ptr,  # [B, Hkv, SPLITS, G_PAD, HEAD_DIM + 2] fp32: unnormalised sum, then running max and normaliser
+    table_ptr,
+    ctx_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_tb,
+    stride_cb,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq * stride_cb)
+    per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split, so splits never share a tile
+    lo = split * per
+    hi = tl.minimum(lo + per, ctx)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        t_ok = t < hi
+        block = tl.load(table_ptr + seq * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
+        row = block.to(tl.int64) * stride_kb + (t % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.where(t_ok[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    base = part_ptr + ((seq * tl.num_programs(1) + kv_head) * SPLITS + split) * G_PAD * (HEAD_DIM + 2)
+    tl.store(base + g[:, None] * (HEAD_DIM + 2) + d[None, :], acc)
+    tl.store(base + g * (HEAD_DIM + 2) + HEAD_DIM, m)
+    tl.store(base + g * (HEAD_DIM + 2) + HEAD_DIM + 1, l_sum)
+
+
+@triton.jit
+def _paged_decode_merge_kernel(
+    part_ptr,
+    out_ptr,  # [B, Hq, D]
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    base = part_ptr + (seq * tl.num_programs(1) + kv_head) * SPLITS * G_PAD * (HEAD_DIM + 2)
+    m_all = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    for s in range(SPLITS):
+        m_all = tl.maximum(m_all, tl.load(base + (s * G_PAD + g) * (HEAD_DIM + 2) + HEAD_DIM))
+    l_all = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    for s in range(SPLITS):
+        row = base + (s * G_PAD + g) * (HEAD_DIM + 2)
+        w = tl.exp(tl.load(row + HEAD_DIM) - m_all)  # an empty split: exp(-inf) = 0
+        l_all += w * tl.load(row + HEAD_DIM + 1)
+        acc += w[:, None] * tl.load(row[:, None] + d[None, :])
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             (acc / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
+
+
+def paged_decode_split(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    splits: int = 2,
+    block_n: int = 64,
+    num_warps: int = 2,
+) -> torch.Tensor:
+    """:func:`paged_decode` with each sequence's context split in ``splits`` parts run by separate programs, then
+    merged: more, shorter programs, so the last wave of a large batch leaves fewer SMs idle (bf16/fp16 only)."""
+    B, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = Hq // Hkv
+    g_pad = max(16, triton.next_power_of_2(group))
+    part = torch.empty(B, Hkv, splits, g_pad, D + 2, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    _paged_decode_split_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, part, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), context_lens.stride(0),
+        GROUP=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
+        num_warps=num_warps,
+    )  # fmt: skip
+    _paged_decode_merge_kernel[(B, Hkv)](part, out, out.stride(0), out.stride(1), GROUP=group, G_PAD=g_pad,
+                                         HEAD_DIM=D, SPLITS=splits, num_warps=4)  # fmt: skip
+    return out
