@@ -117,6 +117,41 @@ def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.devic
     return int(out.shape[0] * (out.shape[1] - ids.shape[1])), seconds
 
 
+def time_variant(model, prompts, dtype, device, p_len: int, o_len: int, splits: int) -> dict:
+    """The timed runs again with the decode kernel's context splits forced to ``splits`` (1: the one-pass kernel),
+    each variant in an engine of its own (its graphs are captured with that choice)."""
+    from asyncgrpo.server.layers import attention
+
+    attention.DECODE_SPLITS = splits
+    try:
+        engine = Engine(
+            model, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=p_len + o_len,
+            max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * (p_len + o_len),
+        )  # fmt: skip
+        engine.start()
+        run_engine(engine, prompts, min(o_len, 16), f"s{splits}-warmup")
+        before = engine.step_timings()
+        runs = []
+        for r in range(3):
+            engine.reset_prefix_cache()
+            runs.append(run_engine(engine, prompts, o_len, f"s{splits}-run{r}"))
+        after = engine.step_timings()
+        engine.shutdown()
+        del engine
+        _free(device)
+    finally:
+        attention.DECODE_SPLITS = None
+    dec = {m: after["decode"][m] - before["decode"][m] for m in ("steps", "seconds")}
+    out = {
+        "runs_tokens_per_s": [t / s for t, s in runs],
+        "median_tokens_per_s": statistics.median(t / s for t, s in runs),
+        "decode_ms_per_step": 1000 * dec["seconds"] / max(dec["steps"], 1),
+    }
+    print(f"engine with decode splits={splits}: {out['median_tokens_per_s']:.0f} tok/s, "
+          f"decode {out['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
+    return out
+
+
 def profile_eager(
     model, prompts, dtype, device, max_len: int, out: Path | None, eager: bool = True, output_len: int = 32
 ) -> dict:
@@ -255,6 +290,8 @@ def main() -> int:
         help="also run a short eager engine under torch.profiler and print/write its top kernels",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="also time the engine with the decode kernel's context splits forced to each of these")  # fmt: skip
     ap.add_argument("--no-look-ahead", action="store_true", help="step synchronously (no decode step ahead)")
     ap.add_argument("--groups", type=int, default=None, help="GRPO-group run: number of prompts (default 64)")
     args = ap.parse_args()
@@ -305,6 +342,7 @@ def main() -> int:
     engine.shutdown()
     del engine
     _free(device)
+    variants = {f"splits={n}": time_variant(model, prompts, dtype, device, p_len, o_len, n) for n in args.splits}
     profile = graph_profile = None
     if args.profile:
         profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)
@@ -358,6 +396,7 @@ def main() -> int:
             "prefix_cache_hits_total": stats.prefix_cache_hits_total,
         },
         "grpo_groups": grpo,
+        "decode_split_variants": variants,
         "eager_profile": profile,
         "graph_profile": graph_profile,
         "decode_kernel_sweep": sweep,

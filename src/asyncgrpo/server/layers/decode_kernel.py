@@ -156,6 +156,7 @@ def _paged_decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -179,13 +180,21 @@ def _paged_decode_split_kernel(
         row = block.to(tl.int64) * stride_kb + (t % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        s = tl.where(t_ok[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_ok[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m = m_new
     base = part_ptr + ((seq * tl.num_programs(1) + kv_head) * SPLITS + split) * G_PAD * (HEAD_DIM + 2)
     tl.store(base + g[:, None] * (HEAD_DIM + 2) + d[None, :], acc)
@@ -237,7 +246,7 @@ def paged_decode_split(
     num_warps: int = 2,
 ) -> torch.Tensor:
     """:func:`paged_decode` with each sequence's context split in ``splits`` parts run by separate programs, then
-    merged: more, shorter programs, so the last wave of a large batch leaves fewer SMs idle (bf16/fp16 only)."""
+    merged: more, shorter programs, so the last wave of a large batch leaves fewer SMs idle."""
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -250,7 +259,7 @@ def paged_decode_split(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), context_lens.stride(0),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLITS=splits,
-        num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )  # fmt: skip
     _paged_decode_merge_kernel[(B, Hkv)](part, out, out.stride(0), out.stride(1), GROUP=group, G_PAD=g_pad,
                                          HEAD_DIM=D, SPLITS=splits, num_warps=4)  # fmt: skip
