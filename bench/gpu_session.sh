@@ -55,7 +55,10 @@ for stage in "$@"; do
         | grep -vE "it/s\]|s/it\]" | tail -60
       timeout $((${PACKING_SECONDS:-150} + 120)) python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
         --checkpointing both --max-seconds ${PACKING_SECONDS:-150} --profile "$OUT/tree_packing_profile.txt" \
-        --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/tree_packing.log" | tail -20 ;;
+        --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/tree_packing.log" | tail -20
+      [ -n "${MEMORY_BUDGET:-}" ] && timeout 200 python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
+        --memory-budget "$MEMORY_BUDGET" --tree-backends varlen --max-seconds 60 --out "$OUT/tree_packing_budget_h200.json" 2>&1 \
+        | tee "$OUT/tree_packing_budget.log" | tail -14 ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}

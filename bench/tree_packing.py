@@ -304,11 +304,17 @@ def main() -> int:
     ap.add_argument("--split-groups", action="store_true", help="plan sample by sample (groups may span rows)")
     ap.add_argument("--profile", type=Path, help="append a torch.profiler kernel table of each method here")
     ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
+    ap.add_argument("--memory-budget", type=float, default=None,
+                    help="compiled layers: the partitioner's activation_memory_budget (recompute to fit that share)")  # fmt: skip
     args = ap.parse_args()
     global LOSS, KEEP_GROUPS
     LOSS = PolicyLossSettings(fused_lm_head=args.lm_head == "fused")
     KEEP_GROUPS = not args.split_groups
     start = time.perf_counter()
+    if args.memory_budget is not None:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = args.memory_budget
     if args.smoke:
         device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
         args.budget, args.iters, args.tree_backends, flat_backend = 512, 1, ["sdpa"], "sdpa"
@@ -362,6 +368,7 @@ def main() -> int:
         "lm_head": args.lm_head,
         "keep_groups": not args.split_groups,
         "compile_backend": args.compile_backend if args.compile else None,
+        "activation_memory_budget": args.memory_budget,
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "shapes": {
             k: {"groups": v[0], "group_size": v[1], "prompt": v[2], "completion": v[3]} for k, v in shapes.items()
