@@ -117,41 +117,37 @@ def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.devic
     return int(out.shape[0] * (out.shape[1] - ids.shape[1])), seconds
 
 
-def time_variant(model, prompts, dtype, device, p_len: int, o_len: int, splits: int, layout: str) -> dict:
-    """The timed runs again with the decode kernel's context splits forced to ``splits`` (1: the one-pass kernel)
-    and the KV cache in ``layout`` (``kv_cache.KV_LAYOUT``), each variant in an engine of its own (its graphs are
-    captured with that choice)."""
-    from asyncgrpo.server.engine import kv_cache
+def time_variant(model, prompts, dtype, device, p_len: int, o_len: int, splits: int) -> dict:
+    """The timed runs again with the decode kernel's context splits forced to ``splits`` (1: the one-pass kernel),
+    each variant in an engine of its own (its graphs are captured with that choice)."""
     from asyncgrpo.server.layers import attention
 
     attention.DECODE_SPLITS = splits
-    default_layout, kv_cache.KV_LAYOUT = kv_cache.KV_LAYOUT, layout
     try:
         engine = Engine(
             model, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=p_len + o_len,
             max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * (p_len + o_len),
         )  # fmt: skip
         engine.start()
-        run_engine(engine, prompts, min(o_len, 16), f"{layout}{splits}-warmup")
+        run_engine(engine, prompts, min(o_len, 16), f"s{splits}-warmup")
         before = engine.step_timings()
         runs = []
         for r in range(3):
             engine.reset_prefix_cache()
-            runs.append(run_engine(engine, prompts, o_len, f"{layout}{splits}-run{r}"))
+            runs.append(run_engine(engine, prompts, o_len, f"s{splits}-run{r}"))
         after = engine.step_timings()
         engine.shutdown()
         del engine
         _free(device)
     finally:
         attention.DECODE_SPLITS = None
-        kv_cache.KV_LAYOUT = default_layout
     dec = {m: after["decode"][m] - before["decode"][m] for m in ("steps", "seconds")}
     out = {
         "runs_tokens_per_s": [t / s for t, s in runs],
         "median_tokens_per_s": statistics.median(t / s for t, s in runs),
         "decode_ms_per_step": 1000 * dec["seconds"] / max(dec["steps"], 1),
     }
-    print(f"engine with cache {layout}, decode splits={splits}: {out['median_tokens_per_s']:.0f} tok/s, "
+    print(f"engine with decode splits={splits}: {out['median_tokens_per_s']:.0f} tok/s, "
           f"decode {out['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
     return out
 
@@ -294,8 +290,6 @@ def main() -> int:
         help="also run a short eager engine under torch.profiler and print/write its top kernels",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
-    ap.add_argument("--layouts", nargs="*", default=["nhd"], choices=["nhd", "hnd"],
-                    help="the KV-cache layouts --splits times")  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="also time the engine with the decode kernel's context splits forced to each of these")  # fmt: skip
     ap.add_argument("--no-look-ahead", action="store_true", help="step synchronously (no decode step ahead)")
@@ -348,8 +342,7 @@ def main() -> int:
     engine.shutdown()
     del engine
     _free(device)
-    variants = {f"{lay}/splits={n}": time_variant(model, prompts, dtype, device, p_len, o_len, n, lay)
-                for lay in args.layouts for n in args.splits}  # fmt: skip
+    variants = {f"splits={n}": time_variant(model, prompts, dtype, device, p_len, o_len, n) for n in args.splits}
     profile = graph_profile = None
     if args.profile:
         profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)

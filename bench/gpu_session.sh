@@ -51,12 +51,12 @@ for stage in "$@"; do
         | tee "$OUT/tree_packing.log" | tail -30 ;;
     profile37)  # issue 37's first call: B5 with its eager and graphed engine-step tables, then B1/B2 at the 1.7B shape
       # (compiled layers, checkpointing off and on) with a kernel table and a by-kind summary per tree method
-      timeout 330 python3 bench/generation.py --profile --splits 1 2 4 --layouts nhd hnd --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" \
+      timeout 360 python3 bench/generation.py --profile --splits 1 2 4 --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" \
         | grep -vE "it/s\]|s/it\]" | tail -60
       timeout $((${PACKING_SECONDS:-150} + 120)) python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
         --checkpointing both --max-seconds ${PACKING_SECONDS:-150} --profile "$OUT/tree_packing_profile.txt" \
         --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/tree_packing.log" | tail -20
-      [ -n "${MEMORY_BUDGET:-}" ] && timeout 150 python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
+      [ -n "${MEMORY_BUDGET:-}" ] && timeout 200 python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
         --memory-budget "$MEMORY_BUDGET" --tree-backends varlen --max-seconds 60 --out "$OUT/tree_packing_budget_h200.json" 2>&1 \
         | tee "$OUT/tree_packing_budget.log" | tail -14 ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from asyncgrpo.assets import tiny_model
-from asyncgrpo.server.engine import kv_cache
 from asyncgrpo.server.engine.kv_cache import KVCache
 from asyncgrpo.server.engine.request import Request, SamplingParams
 from asyncgrpo.server.engine.runner import ModelRunner
@@ -48,14 +47,10 @@ def _seq(prompt: list[int], blocks: list[int]) -> Sequence:
     ],
 )
 @pytest.mark.parametrize("row_prefill", [False, True])
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])
-def test_prefill_and_decode_logits_match_hf(arch, overrides, row_prefill, layout, monkeypatch):
-    """``row_prefill``: the prefill runs one decode-style row per token (on CUDA, a graph replay). ``layout``: the
-    cache stored as the kernels see it, or head-major behind a permuted view (``kv_cache.KV_LAYOUT``)."""
-    monkeypatch.setattr(kv_cache, "KV_LAYOUT", layout)
+def test_prefill_and_decode_logits_match_hf(arch, overrides, row_prefill):
+    """``row_prefill``: the prefill runs one decode-style row per token (on CUDA, a graph replay)."""
     hf = tiny_model(arch, seed=1, **overrides)
     model, kv, runner = _setup(hf)
-    assert kv.layers[0][0].is_contiguous() == (layout == "nhd")
     runner.row_prefill.enabled = row_prefill
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 9, 1]

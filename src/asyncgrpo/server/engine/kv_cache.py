@@ -26,18 +26,6 @@ CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of host memory for K+V of all layers by de
 GRAPH_HEADROOM_BYTES = 512 << 20  # CUDA graph pools, allocator fragmentation, cuBLAS workspaces
 
 
-# How a layer's K (or V) lies in memory. Every consumer sees [blocks, block_size, kv heads, D] and reads strides:
-# "nhd" stores it so (a head's token is D contiguous values); "hnd" stores [blocks, kv heads, block_size, D] behind
-# a permuted view, so the decode kernel reads a head's whole block as one contiguous run.
-KV_LAYOUT = "nhd"
-
-
-def _cache_tensor(blocks: int, block_size: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-    if KV_LAYOUT == "hnd":
-        return torch.zeros(blocks, heads, block_size, head_dim, dtype=dtype, device=device).transpose(1, 2)
-    return torch.zeros(blocks, block_size, heads, head_dim, dtype=dtype, device=device)
-
-
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V of one token over all layers."""
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -130,12 +118,12 @@ class KVCache:
         self.block_size = block_size
         self.pad_block = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         # zero-filled: masked reads of never-written slots must stay finite (0 * NaN would be NaN)
         self.layers = [
-            (_cache_tensor(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device),
-             _cache_tensor(num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device))
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
-        ]  # fmt: skip
+        ]
         self._free = list(range(num_blocks - 1, -1, -1))  # unkeyed free blocks; pop() hands out low ids first
         self._ref = [0] * num_blocks
         self._key: list[int | None] = [None] * num_blocks

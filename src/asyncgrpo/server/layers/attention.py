@@ -33,10 +33,8 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter this step's K/V [T, Hkv, D] into their slots (graph-safe: no host sync)."""
-    from asyncgrpo.server.layers.fused import write_slots
-
-    write_slots(k_cache, slot_mapping, k)
-    write_slots(v_cache, slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 # ---------------------------------------------------------------------- prefill

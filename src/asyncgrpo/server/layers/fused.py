@@ -153,16 +153,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def write_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-    """Scatter ``x`` [T, Hkv, D] into its cache slots (``block * block_size + offset``); the cache may be a permuted
-    view (``kv_cache.KV_LAYOUT``). Graph-safe: no host sync."""
-    if cache.is_contiguous():
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
-    else:
-        bs = cache.shape[1]
-        cache[slot_mapping // bs, slot_mapping % bs] = x.to(cache.dtype)
-
-
 def qkv_rope_write(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -194,8 +184,8 @@ def qkv_rope_write(
             q, k = rms_norm_torch(q, *q_norm), rms_norm_torch(k, *k_norm)
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         q, k = _rotate(q, c, s), _rotate(k, c, s)
-        write_slots(k_cache, slot_mapping, k)
-        write_slots(v_cache, slot_mapping, v)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return q, (k if need_kv else None), (v.contiguous() if need_kv else None)
     qkv = qkv.contiguous()
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
@@ -207,8 +197,7 @@ def qkv_rope_write(
     grid = (T, num_heads + 2 * num_kv_heads)
     _kernels().qkv_rope_kernel[grid](
         qkv, positions, cos, sin, qn, kn, slot_mapping, q, k, v, k_cache, v_cache, eps,
-        positions.stride(0), slot_mapping.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NQ=num_heads, NKV=num_kv_heads, D=D, BLOCK_SIZE=k_cache.shape[1], QK_NORM=q_norm is not None,
-        STORE_KV=need_kv,
+        positions.stride(0), slot_mapping.stride(0),
+        NQ=num_heads, NKV=num_kv_heads, D=D, QK_NORM=q_norm is not None, STORE_KV=need_kv,
     )  # fmt: skip
     return q, (k if need_kv else None), (v if need_kv else None)

@@ -52,8 +52,8 @@ def silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 def qkv_rope_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
     q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
-    eps, stride_pos, stride_slot, stride_cb, stride_ct, stride_ch, NQ: tl.constexpr, NKV: tl.constexpr,
-    D: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+    eps, stride_pos, stride_slot, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+    QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -63,11 +63,10 @@ def qkv_rope_kernel(
     row = qkv_ptr + t * (NQ + 2 * NKV) * D + head * D
     dt = q_out_ptr.dtype.element_ty
     slot = tl.load(slot_ptr + t * stride_slot)  # decode reads columns of the runner's static [B, 4+n] buffer
-    at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct  # the cache's strides: any layout
     if head >= NQ + NKV:  # V: copy into the cache as is
         v = tl.load(row + d)
         kv_head = head - NQ - NKV
-        tl.store(v_cache_ptr + at + kv_head * stride_ch + d, v.to(v_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + (slot * NKV + kv_head) * D + d, v.to(v_cache_ptr.dtype.element_ty))
         if STORE_KV:
             tl.store(v_out_ptr + (t * NKV + kv_head) * D + d, v)
     else:
@@ -92,6 +91,6 @@ def qkv_rope_kernel(
             tl.store(q_out_ptr + (t * NQ + head) * D + d, y)
         else:
             kv_head = head - NQ
-            tl.store(k_cache_ptr + at + kv_head * stride_ch + d, y.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + (slot * NKV + kv_head) * D + d, y.to(k_cache_ptr.dtype.element_ty))
             if STORE_KV:
                 tl.store(k_out_ptr + (t * NKV + kv_head) * D + d, y)
