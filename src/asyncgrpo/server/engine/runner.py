@@ -217,7 +217,9 @@ class ModelRunner:
         if self._staging_done is not None:
             self._staging_done.record()
 
-    def _decode_forward(self, rows: int, max_ctx: int, lora_groups=None) -> torch.Tensor:
+    def _decode_forward(
+        self, rows: int, max_ctx: int, lora_groups=None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         st = self._static[:rows]
         batch = ForwardBatch(
             is_prefill=False,
@@ -228,7 +230,7 @@ class ModelRunner:
             lora_groups=lora_groups,
         )
         hidden = self.model.forward(st[:, 0], st[:, 1], batch, self.kv.layers)
-        return self.model.logits(hidden)
+        return self.model.logits(hidden, out)
 
     # ------------------------------------------------------------------- graphs
     @torch.no_grad()
@@ -291,7 +293,7 @@ class ModelRunner:
         assert self._logits is not None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._logits[:b].copy_(self._decode_forward(b, self.kv.block_size))
+            self._decode_forward(b, self.kv.block_size, out=self._logits[:b])
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[b] = graph

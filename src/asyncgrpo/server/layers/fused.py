@@ -153,6 +153,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def qkv_rope_write(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -194,10 +198,10 @@ def qkv_rope_write(
     qn = q_norm[0] if q_norm is not None else cos
     kn = k_norm[0] if k_norm is not None else cos
     eps = q_norm[1] if q_norm is not None else 0.0
-    grid = (T, num_heads + 2 * num_kv_heads)
-    _kernels().qkv_rope_kernel[grid](
+    h_pad = triton_next_power_of_2(num_heads + 2 * num_kv_heads)
+    _kernels().qkv_rope_kernel[(T,)](
         qkv, positions, cos, sin, qn, kn, slot_mapping, q, k, v, k_cache, v_cache, eps,
-        positions.stride(0), slot_mapping.stride(0),
-        NQ=num_heads, NKV=num_kv_heads, D=D, QK_NORM=q_norm is not None, STORE_KV=need_kv,
+        positions.stride(0), slot_mapping.stride(0), NQ=num_heads, NKV=num_kv_heads, D=D, H_PAD=h_pad, QK_NORM=q_norm is not None,
+        STORE_KV=need_kv, num_warps=4 if h_pad * D <= 4096 else 8,
     )  # fmt: skip
     return q, (k if need_kv else None), (v if need_kv else None)

@@ -52,45 +52,49 @@ def silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 def qkv_rope_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
     q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
-    eps, stride_pos, stride_slot, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-    QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+    eps, stride_pos, stride_slot, NQ: tl.constexpr,
+    NKV: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
 ):  # fmt: skip
+    """One program per token, all its heads at once ([H_PAD, D]): a program per (token, head) did 128 elements of
+    work each, and the launch of T x heads programs cost more than the work (10 us a decode layer on an H100)."""
     t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    half: tl.constexpr = D // 2
+    h = tl.arange(0, H_PAD)
     d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
     partner = (d + half) % D
-    row = qkv_ptr + t * (NQ + 2 * NKV) * D + head * D
+    is_q = h < NQ
+    is_k = (h >= NQ) & (h < NQ + NKV)
+    is_v = (h >= NQ + NKV) & (h < NQ + 2 * NKV)
+    ok = (is_q | is_k | is_v)[:, None]
+    row = qkv_ptr + t * (NQ + 2 * NKV) * D + h[:, None] * D
     dt = q_out_ptr.dtype.element_ty
+    raw = tl.load(row + d[None, :], mask=ok, other=0.0)
+    x = raw.to(tl.float32)
+    xp = tl.load(row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    if QK_NORM:  # Qwen3: RMSNorm per head, HF arithmetic (fp32 normalise, cast, scale in dtype)
+        w = tl.where(
+            is_q[:, None], tl.load(qn_ptr + d)[None, :].to(tl.float32), tl.load(kn_ptr + d)[None, :].to(tl.float32)
+        )
+        wp = tl.where(
+            is_q[:, None],
+            tl.load(qn_ptr + partner)[None, :].to(tl.float32),
+            tl.load(kn_ptr + partner)[None, :].to(tl.float32),
+        )
+        rs = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        x = (w * (x * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        xp = (wp * (xp * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    pos = tl.load(pos_ptr + t * stride_pos)
+    c = tl.load(cos_ptr + pos * D + d).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * D + d).to(tl.float32)[None, :]
+    rot = tl.where(d[None, :] < half, -xp, xp)
+    y = ((x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)).to(dt)  # HF: each op rounds
+    tl.store(q_out_ptr + (t * NQ + h[:, None]) * D + d[None, :], y, mask=is_q[:, None])
     slot = tl.load(slot_ptr + t * stride_slot)  # decode reads columns of the runner's static [B, 4+n] buffer
-    if head >= NQ + NKV:  # V: copy into the cache as is
-        v = tl.load(row + d)
-        kv_head = head - NQ - NKV
-        tl.store(v_cache_ptr + (slot * NKV + kv_head) * D + d, v.to(v_cache_ptr.dtype.element_ty))
-        if STORE_KV:
-            tl.store(v_out_ptr + (t * NKV + kv_head) * D + d, v)
-    else:
-        x = tl.load(row + d).to(tl.float32)
-        xp = tl.load(row + partner).to(tl.float32)
-        if QK_NORM:  # Qwen3: RMSNorm per head, HF arithmetic (fp32 normalise, cast, scale in dtype)
-            if head < NQ:
-                w = tl.load(qn_ptr + d).to(tl.float32)
-                wp = tl.load(qn_ptr + partner).to(tl.float32)
-            else:
-                w = tl.load(kn_ptr + d).to(tl.float32)
-                wp = tl.load(kn_ptr + partner).to(tl.float32)
-            rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-            x = (w * (x * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            xp = (wp * (xp * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        pos = tl.load(pos_ptr + t * stride_pos)
-        c = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-        s = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-        rot = tl.where(d < half, -xp, xp)
-        y = ((x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)).to(dt)  # HF: each op rounds
-        if head < NQ:
-            tl.store(q_out_ptr + (t * NQ + head) * D + d, y)
-        else:
-            kv_head = head - NQ
-            tl.store(k_cache_ptr + (slot * NKV + kv_head) * D + d, y.to(k_cache_ptr.dtype.element_ty))
-            if STORE_KV:
-                tl.store(k_out_ptr + (t * NKV + kv_head) * D + d, y)
+    kh = (h - NQ)[:, None]  # the K head of a K row
+    vh = (h - NQ - NKV)[:, None]  # the V head of a V row (V is copied as is)
+    at = slot * NKV * D + d[None, :]
+    tl.store(k_cache_ptr + at + kh * D, y.to(k_cache_ptr.dtype.element_ty), mask=is_k[:, None])
+    tl.store(v_cache_ptr + at + vh * D, raw.to(v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
+    if STORE_KV:
+        tl.store(k_out_ptr + (t * NKV + kh) * D + d[None, :], y, mask=is_k[:, None])
+        tl.store(v_out_ptr + (t * NKV + vh) * D + d[None, :], raw, mask=is_v[:, None])

@@ -191,9 +191,14 @@ class DecoderLM:
         n = gate_up.shape[-1] // 2
         return self.act(gate_up[:, :n]) * gate_up[:, n:]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] in the model dtype."""
-        return F.linear(hidden, self.lm_head.weight, getattr(self.lm_head, "bias", None))
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] in the model dtype; ``out``: written there (a decode graph's shared logits
+        buffer: no copy of [N, vocab] after the matmul)."""
+        bias = getattr(self.lm_head, "bias", None)
+        if out is None or bias is not None:
+            logits = F.linear(hidden, self.lm_head.weight, bias)
+            return logits if out is None else out.copy_(logits)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
 
     @staticmethod
     def _fused_proj(
