@@ -205,62 +205,42 @@ def profile_eager(
     }
 
 
-def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int, context: int) -> list[dict]:
-    """Time the Triton decode kernel alone at the benchmark's shape (GB/s of K+V read) per launch config: the
-    engine's cache layout ([blocks, block_size, kv heads, D]: a head's token is 256 contiguous bytes) and a
-    head-major one ([blocks, kv heads, block_size, D] seen through a permuted view: a head's block is contiguous),
-    the one-pass kernel and the split-context one (``splits`` programs per sequence and head, then a merge), with
-    randomly scattered blocks and, for the default config, each sequence's blocks in order; then the default and
-    the split kernel at a short and a long context."""
+def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict) -> list[dict]:
+    """Time the decode kernels alone (GB/s of K+V read): the one-pass kernel against the split-context one
+    (``splits`` programs per sequence and KV head, then a merge) per batch size and context length, at the
+    model's head shape with randomly scattered blocks. B5's own shape (256 x ~256) is in it; the small batches at
+    long contexts are a GRPO run's generation tails."""
     from asyncgrpo.server.layers.decode_kernel import paged_decode, paged_decode_split
 
     hkv, d = shape["num_key_value_heads"], shape["head_dim"]
     group, bs = shape["num_attention_heads"] // hkv, 16
-    longest = 2 * context
-    blocks = -(-longest // bs)
-    caches = {
-        "nhd": [torch.randn(batch * blocks + 1, bs, hkv, d, device=device, dtype=dtype) for _ in "kv"],
-        "hnd": [torch.randn(batch * blocks + 1, hkv, bs, d, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"],
-    }
-    q = torch.randn(batch, hkv * group, d, device=device, dtype=dtype)
-    scattered = torch.randperm(batch * blocks, device=device).view(batch, blocks)
-    in_order = torch.arange(batch * blocks, device=device).view(batch, blocks)
-    one_pass = [("one_pass", 0, bn, w, st) for bn, w, st in itertools.product((32, 64, 128), (1, 2, 4), (None, 1, 3))]
-    split = [("split", sp, bn, w, None) for sp, bn, w in itertools.product((2, 4), (32, 64), (1, 2, 4))]
-    configs = [(lay, "scattered", context, *c) for lay in caches for c in one_pass + split]
-    configs += [(lay, "in_order", context, "one_pass", 0, 64, 2, None) for lay in caches]
-    configs += [(lay, "scattered", ctx, *c) for lay in caches for ctx in (context // 2, longest)
-                for c in (("one_pass", 0, 64, 2, None), ("split", 2, 64, 2, None), ("split", 4, 64, 2, None))]  # fmt: skip
     rows = []
-    for layout, table_kind, ctx, kernel, splits, block_n, warps, stages in configs:
-        k, v = caches[layout]
-        tables = scattered if table_kind == "scattered" else in_order
+    for batch, ctx in itertools.product((8, 32, 256), (256, 1024, 4096)):
+        blocks = -(-ctx // bs)
+        k = torch.randn(batch * blocks + 1, bs, hkv, d, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, hkv * group, d, device=device, dtype=dtype)
+        tables = torch.randperm(batch * blocks, device=device).view(batch, blocks)
         lens = torch.full((batch,), ctx, device=device)
-        if kernel == "split":
-            call = functools.partial(paged_decode_split, q, k, v, tables, lens, d**-0.5, splits, block_n, warps)
-        else:
-            call = functools.partial(paged_decode, q, k, v, tables, lens, d**-0.5, block_n, warps, stages)
-        try:
+        read_bytes = 2 * batch * ctx * hkv * d * q.element_size()
+        for splits in (1, 2, 4, 8):
+            if splits == 1:
+                call = functools.partial(paged_decode, q, k, v, tables, lens, d**-0.5)
+            else:
+                call = functools.partial(paged_decode_split, q, k, v, tables, lens, d**-0.5, splits)
             for _ in range(3):
                 call()
-        except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-            print(f"decode kernel {layout} {kernel}/{splits} block_n={block_n} warps={warps} stages={stages}: "
-                  f"{exc!r}"[:200])  # fmt: skip
-            continue
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize(device)
-        us = (time.perf_counter() - start) / 20 * 1e6
-        read_bytes = 2 * batch * ctx * hkv * d * q.element_size()
-        rows.append({"layout": layout, "tables": table_kind, "context": ctx, "kernel": kernel, "splits": splits,
-                     "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": us,
-                     "GBps": read_bytes / us / 1e3})  # fmt: skip
-    for r in sorted(rows, key=lambda r: (r["context"], r["tables"], -r["GBps"])):
-        print(f"decode kernel alone B={batch} ctx={r['context']} {r['layout']} {r['tables']:9} {r['kernel']:8} "
-              f"splits={r['splits']} block_n={r['block_n']:3} warps={r['num_warps']} stages={r['num_stages']}: "
-              f"{r['us']:7.1f} us {r['GBps']:6.0f} GB/s")  # fmt: skip
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize(device)
+            us = (time.perf_counter() - start) / 20 * 1e6
+            rows.append({"batch": batch, "context": ctx, "splits": splits, "us": us, "GBps": read_bytes / us / 1e3})
+            print(
+                f"decode kernel alone B={batch} ctx={ctx} splits={splits}: {us:7.1f} us {read_bytes / us / 1e3:6.0f} GB/s"
+            )
+        del k, v
     return rows
 
 
@@ -290,6 +270,7 @@ def main() -> int:
         help="also run a short eager engine under torch.profiler and print/write its top kernels",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the decode kernels' sweep")
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="also time the engine with the decode kernel's context splits forced to each of these")  # fmt: skip
     ap.add_argument("--no-look-ahead", action="store_true", help="step synchronously (no decode step ahead)")
@@ -349,7 +330,7 @@ def main() -> int:
         _free(device)
         graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, False, o_len)
 
-    sweep = kernel_sweep(device, dtype, shape, n_req, p_len + o_len // 2) if device.type == "cuda" else None
+    sweep = kernel_sweep(device, dtype, shape) if device.type == "cuda" and not args.no_sweep else None
     from bench.sampler_speed import sampler_bench
 
     sampler_ms = sampler_bench(device, shape["vocab_size"], (2, 4) if args.smoke else (8, 256))

@@ -59,6 +59,21 @@ for stage in "$@"; do
       [ -n "${MEMORY_BUDGET:-}" ] && timeout 200 python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
         --memory-budget "$MEMORY_BUDGET" --tree-backends varlen --max-seconds 60 --out "$OUT/tree_packing_budget_h200.json" 2>&1 \
         | tee "$OUT/tree_packing_budget.log" | tail -14 ;;
+    issue37)  # issue 37's second call: B5 main (BASELINE_SRC) then this checkout (profiled, kernel sweep), B1/B2 profiled,
+      # the engine's GPU tests; every file but the summaries goes into one archive (a call brings back 8 files at most)
+      mkdir -p "$OUT/i37"
+      PYTHONPATH=/tmp/site:$(cd "${BASELINE_SRC:?issue37 needs BASELINE_SRC}" && pwd) timeout 150 python3 bench/generation.py \
+        --no-hf --no-sweep --out "$OUT/generation_baseline_h200.json" 2>&1 | tee "$OUT/i37/generation_baseline.log" | tail -6
+      timeout 300 python3 bench/generation.py --profile --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/i37/generation.log" \
+        | grep -vE "it/s\]|s/it\]|^decode kernel alone" | grep -A 12 "^\*\*engine step\|^B5 gen" | tail -50
+      grep "^decode kernel alone" "$OUT/i37/generation.log"
+      mv "$OUT"/generation_h200_*_profile.txt "$OUT/i37/" 2>/dev/null
+      timeout $((${PACKING_SECONDS:-100} + 120)) python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
+        --checkpointing both --max-seconds ${PACKING_SECONDS:-100} --profile "$OUT/i37/tree_packing_profile.txt" \
+        --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/i37/tree_packing.log" | grep -v "it/s\]" | tail -22
+      timeout -s INT -k 20 ${TESTS_TIMEOUT:-150} python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/gpu} 2>&1 \
+        | tee "$OUT/i37/gpu_tests.log" | grep -E "passed|failed|Error" | tail -12
+      cp "$OUT/gpus.txt" "$OUT/i37/"; tar -czf "$OUT/i37.tgz" -C "$OUT" i37 && rm -rf "$OUT/i37" ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}
