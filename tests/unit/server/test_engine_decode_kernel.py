@@ -144,3 +144,18 @@ def test_start_up_checks_pass_for_working_kernels():
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
+def test_decode_splits_only_batches_that_leave_sms_idle(monkeypatch):
+    """A batch with fewer (sequence, KV head) pairs than SMs runs the split-context kernel; a larger one, or any
+    batch once the split kernel failed its start-up check, runs the one-pass kernel; a forced count wins."""
+    from asyncgrpo.server.layers import attention
+
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    monkeypatch.setitem(attention.ENABLED, "split_decode", True)
+    assert attention.decode_splits(16, 8, torch.device("cuda")) == attention.SMALL_BATCH_SPLITS  # 128 pairs
+    assert attention.decode_splits(17, 8, torch.device("cuda")) == 1  # 136 pairs
+    monkeypatch.setattr(attention, "DECODE_SPLITS", 2)
+    assert attention.decode_splits(256, 8, torch.device("cuda")) == 2
+    monkeypatch.setitem(attention.ENABLED, "split_decode", False)
+    assert attention.decode_splits(1, 8, torch.device("cuda")) == 1

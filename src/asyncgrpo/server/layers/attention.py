@@ -148,16 +148,24 @@ def decode_attention(
 
 # None: chosen per batch by decode_splits' rule; an int forces that many context splits (benchmarks, tests)
 DECODE_SPLITS: int | None = None
+SMALL_BATCH_SPLITS = 4  # context splits when a batch alone would leave SMs idle (the start-up check compiles it)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Programs per (sequence, KV head) of the decode kernel: 1 runs :func:`decode_kernel.paged_decode`, more run the
-    split-context kernel. Fixed by the batch's row count, so a CUDA graph captured for a bucket keeps its choice."""
+    split-context kernel. A batch with fewer (sequence, KV head) pairs than the GPU has SMs (a GRPO run's
+    generation tail: a few sequences at long contexts) would read its cache on a few SMs; split, it uses them all.
+    Fixed by the batch's row count, so a CUDA graph captured for a bucket keeps its choice."""
     if not ENABLED["split_decode"]:
         return 1
     if DECODE_SPLITS is not None:
         return DECODE_SPLITS
-    return 1
+    return SMALL_BATCH_SPLITS if batch * num_kv_heads < _sm_count(device) else 1
 
 
 def paged_decode_torch(
@@ -229,7 +237,7 @@ def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: 
     try:
         from asyncgrpo.server.layers.decode_kernel import paged_decode_split
 
-        got = paged_decode_split(q, k, v, tables, lens, head_dim**-0.5, 2)
+        got = paged_decode_split(q, k, v, tables, lens, head_dim**-0.5, SMALL_BATCH_SPLITS)
         _check_close(got, ref, dtype, "Triton split-context decode kernel")
     except Exception:  # the one-pass kernel still serves every batch
         logger.exception("the split-context decode kernel is unusable here; decoding in one pass per sequence")

@@ -51,7 +51,9 @@ def slice_kernel(
     cols = first + tl.arange(0, R)[:, None] * G + tl.arange(0, G)[None, :]  # [R, G]: the slice, G per group
     ok = cols < V
     base = logits_ptr + row.to(tl.int64) * stride_row
-    x = tl.div_rn(tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32), temp)  # IEEE, as torch
+    x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    if temp != 1.0:  # x / 1.0 is x: the IEEE division (as torch's) is skipped at the common temperature
+        x = tl.div_rn(x, temp)
     m = tl.max(tl.max(x, axis=1), axis=0)
     s = tl.sum(tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=1), axis=0)
     if mode == 0:
