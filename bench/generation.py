@@ -16,8 +16,6 @@ Smoke (CPU, tiny shapes, only checks that the script runs):  python bench/genera
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 import logging
 import platform
 import statistics
@@ -117,41 +115,6 @@ def run_hf(model, prompts: list[list[int]], output_len: int, device: torch.devic
     return int(out.shape[0] * (out.shape[1] - ids.shape[1])), seconds
 
 
-def time_variant(model, prompts, dtype, device, p_len: int, o_len: int, splits: int) -> dict:
-    """The timed runs again with the decode kernel's context splits forced to ``splits`` (1: the one-pass kernel),
-    each variant in an engine of its own (its graphs are captured with that choice)."""
-    from asyncgrpo.server.layers import attention
-
-    attention.DECODE_SPLITS = splits
-    try:
-        engine = Engine(
-            model, dtype=str(dtype).removeprefix("torch."), device=str(device), max_model_len=p_len + o_len,
-            max_num_seqs=len(prompts), kv_cache_tokens=len(prompts) * (p_len + o_len),
-        )  # fmt: skip
-        engine.start()
-        run_engine(engine, prompts, min(o_len, 16), f"s{splits}-warmup")
-        before = engine.step_timings()
-        runs = []
-        for r in range(3):
-            engine.reset_prefix_cache()
-            runs.append(run_engine(engine, prompts, o_len, f"s{splits}-run{r}"))
-        after = engine.step_timings()
-        engine.shutdown()
-        del engine
-        _free(device)
-    finally:
-        attention.DECODE_SPLITS = None
-    dec = {m: after["decode"][m] - before["decode"][m] for m in ("steps", "seconds")}
-    out = {
-        "runs_tokens_per_s": [t / s for t, s in runs],
-        "median_tokens_per_s": statistics.median(t / s for t, s in runs),
-        "decode_ms_per_step": 1000 * dec["seconds"] / max(dec["steps"], 1),
-    }
-    print(f"engine with decode splits={splits}: {out['median_tokens_per_s']:.0f} tok/s, "
-          f"decode {out['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
-    return out
-
-
 def profile_eager(
     model, prompts, dtype, device, max_len: int, out: Path | None, eager: bool = True, output_len: int = 32
 ) -> dict:
@@ -205,41 +168,32 @@ def profile_eager(
     }
 
 
-def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict) -> list[dict]:
-    """Time the decode kernels alone (GB/s of K+V read): the one-pass kernel against the split-context one
-    (``splits`` programs per sequence and KV head, then a merge) per batch size and context length, at the
-    model's head shape with randomly scattered blocks. B5's own shape (256 x ~256) is in it; the small batches at
-    long contexts are a GRPO run's generation tails."""
-    from asyncgrpo.server.layers.decode_kernel import paged_decode, paged_decode_split
+def kernel_sweep(device: torch.device, dtype: torch.dtype, shape: dict, batch: int) -> list[dict]:
+    """Time the decode kernel alone (GB/s of K+V read) at the benchmark's batch and three context lengths, with
+    randomly scattered blocks: how close the kernel is to the memory bound (B5's mean context is 256)."""
+    from asyncgrpo.server.layers.decode_kernel import paged_decode
 
     hkv, d = shape["num_key_value_heads"], shape["head_dim"]
     group, bs = shape["num_attention_heads"] // hkv, 16
     rows = []
-    for batch, ctx in itertools.product((8, 32, 256), (256, 1024, 4096)):
+    for ctx in (256, 1024, 4096):
         blocks = -(-ctx // bs)
         k = torch.randn(batch * blocks + 1, bs, hkv, d, device=device, dtype=dtype)
         v = torch.randn_like(k)
         q = torch.randn(batch, hkv * group, d, device=device, dtype=dtype)
         tables = torch.randperm(batch * blocks, device=device).view(batch, blocks)
         lens = torch.full((batch,), ctx, device=device)
-        read_bytes = 2 * batch * ctx * hkv * d * q.element_size()
-        for splits in (1, 2, 4, 8):
-            if splits == 1:
-                call = functools.partial(paged_decode, q, k, v, tables, lens, d**-0.5)
-            else:
-                call = functools.partial(paged_decode_split, q, k, v, tables, lens, d**-0.5, splits)
-            for _ in range(3):
-                call()
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            for _ in range(20):
-                call()
-            torch.cuda.synchronize(device)
-            us = (time.perf_counter() - start) / 20 * 1e6
-            rows.append({"batch": batch, "context": ctx, "splits": splits, "us": us, "GBps": read_bytes / us / 1e3})
-            print(
-                f"decode kernel alone B={batch} ctx={ctx} splits={splits}: {us:7.1f} us {read_bytes / us / 1e3:6.0f} GB/s"
-            )
+        for _ in range(3):
+            paged_decode(q, k, v, tables, lens, d**-0.5)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(20):
+            paged_decode(q, k, v, tables, lens, d**-0.5)
+        torch.cuda.synchronize(device)
+        us = (time.perf_counter() - start) / 20 * 1e6
+        gbps = 2 * batch * ctx * hkv * d * q.element_size() / us / 1e3
+        rows.append({"batch": batch, "context": ctx, "us": us, "GBps": gbps})
+        print(f"decode kernel alone B={batch} ctx={ctx}: {us:7.1f} us {gbps:6.0f} GB/s")
         del k, v
     return rows
 
@@ -271,8 +225,6 @@ def main() -> int:
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     ap.add_argument("--no-sweep", action="store_true", help="skip the decode kernels' sweep")
-    ap.add_argument("--splits", type=int, nargs="*", default=[],
-                    help="also time the engine with the decode kernel's context splits forced to each of these")  # fmt: skip
     ap.add_argument("--no-look-ahead", action="store_true", help="step synchronously (no decode step ahead)")
     ap.add_argument("--groups", type=int, default=None, help="GRPO-group run: number of prompts (default 64)")
     args = ap.parse_args()
@@ -323,14 +275,13 @@ def main() -> int:
     engine.shutdown()
     del engine
     _free(device)
-    variants = {f"splits={n}": time_variant(model, prompts, dtype, device, p_len, o_len, n) for n in args.splits}
     profile = graph_profile = None
     if args.profile:
         profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out)
         _free(device)
         graph_profile = profile_eager(model, prompts, dtype, device, p_len + o_len, args.out, False, o_len)
 
-    sweep = kernel_sweep(device, dtype, shape) if device.type == "cuda" and not args.no_sweep else None
+    sweep = kernel_sweep(device, dtype, shape, n_req) if device.type == "cuda" and not args.no_sweep else None
     from bench.sampler_speed import sampler_bench
 
     sampler_ms = sampler_bench(device, shape["vocab_size"], (2, 4) if args.smoke else (8, 256))
@@ -377,7 +328,6 @@ def main() -> int:
             "prefix_cache_hits_total": stats.prefix_cache_hits_total,
         },
         "grpo_groups": grpo,
-        "decode_split_variants": variants,
         "eager_profile": profile,
         "graph_profile": graph_profile,
         "decode_kernel_sweep": sweep,

@@ -43,12 +43,11 @@ def _interpret(child: str, tmp_path, inputs: dict) -> torch.Tensor:
 
 CHILD = """
 import sys, torch
-from asyncgrpo.server.layers.decode_kernel import paged_decode, paged_decode_split
+from asyncgrpo.server.layers.decode_kernel import paged_decode
 d = torch.load(sys.argv[1] + "/in.pt")
 st = d["static"]
-out = [paged_decode(d["q"], d["k"], d["v"], st[:, 4:], st[:, 3], d["scale"], block_n=32)]
-out += [paged_decode_split(d["q"], d["k"], d["v"], st[:, 4:], st[:, 3], d["scale"], n, block_n=16) for n in (2, 5)]
-torch.save(torch.stack(out), sys.argv[1] + "/out.pt")
+out = paged_decode(d["q"], d["k"], d["v"], st[:, 4:], st[:, 3], d["scale"], block_n=32)
+torch.save(out, sys.argv[1] + "/out.pt")
 """
 
 
@@ -57,7 +56,6 @@ torch.save(torch.stack(out), sys.argv[1] + "/out.pt")
     "dtype,group,block_size", [(torch.float32, 2, 16), (torch.float32, 4, 8), (torch.float16, 1, 16)]
 )
 def test_triton_paged_decode_matches_reference(tmp_path, dtype, group, block_size):
-    """The one-pass kernel and the split-context one (2 splits; 5, more than a short context has tiles)."""
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(0)
     Hkv, D, num_blocks = 2, 32, 48
@@ -76,9 +74,7 @@ def test_triton_paged_decode_matches_reference(tmp_path, dtype, group, block_siz
     got = _interpret(CHILD, tmp_path, {"q": q, "k": k_cache, "v": v_cache, "static": static, "scale": D**-0.5})
     ref = reference_decode(q, k_cache, v_cache, tables, lens)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert got.shape[0] == 3
-    for variant in got:
-        torch.testing.assert_close(variant.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
 
 
 PREFILL_CHILD = """
@@ -144,18 +140,3 @@ def test_start_up_checks_pass_for_working_kernels():
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
-
-
-def test_decode_splits_only_batches_that_leave_sms_idle(monkeypatch):
-    """A batch with fewer (sequence, KV head) pairs than SMs runs the split-context kernel; a larger one, or any
-    batch once the split kernel failed its start-up check, runs the one-pass kernel; a forced count wins."""
-    from asyncgrpo.server.layers import attention
-
-    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
-    monkeypatch.setitem(attention.ENABLED, "split_decode", True)
-    assert attention.decode_splits(16, 8, torch.device("cuda")) == attention.SMALL_BATCH_SPLITS  # 128 pairs
-    assert attention.decode_splits(17, 8, torch.device("cuda")) == 1  # 136 pairs
-    monkeypatch.setattr(attention, "DECODE_SPLITS", 2)
-    assert attention.decode_splits(256, 8, torch.device("cuda")) == 2
-    monkeypatch.setitem(attention.ENABLED, "split_decode", False)
-    assert attention.decode_splits(1, 8, torch.device("cuda")) == 1

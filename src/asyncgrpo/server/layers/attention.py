@@ -58,7 +58,7 @@ def _varlen_kwargs() -> dict | None:
 
 
 # fast paths switched off for the whole process once they fail on this machine (logged once)
-ENABLED = {"varlen": True, "triton": True, "split_decode": True}
+ENABLED = {"varlen": True, "triton": True}
 
 
 def prefill_attention(
@@ -137,35 +137,10 @@ def decode_attention(
 
         return paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.prefill_tiles, scale)
     if q.is_cuda and ENABLED["triton"]:
-        from asyncgrpo.server.layers.decode_kernel import paged_decode, paged_decode_split
+        from asyncgrpo.server.layers.decode_kernel import paged_decode
 
-        splits = decode_splits(q.shape[0], k_cache.shape[2], q.device)
-        if splits > 1:
-            return paged_decode_split(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale, splits)
         return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
     return paged_decode_torch(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.max_context_len, scale)
-
-
-# None: chosen per batch by decode_splits' rule; an int forces that many context splits (benchmarks, tests)
-DECODE_SPLITS: int | None = None
-SMALL_BATCH_SPLITS = 4  # context splits when a batch alone would leave SMs idle (the start-up check compiles it)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Programs per (sequence, KV head) of the decode kernel: 1 runs :func:`decode_kernel.paged_decode`, more run the
-    split-context kernel. A batch with fewer (sequence, KV head) pairs than the GPU has SMs (a GRPO run's
-    generation tail: a few sequences at long contexts) would read its cache on a few SMs; split, it uses them all.
-    Fixed by the batch's row count, so a CUDA graph captured for a bucket keeps its choice."""
-    if not ENABLED["split_decode"]:
-        return 1
-    if DECODE_SPLITS is not None:
-        return DECODE_SPLITS
-    return SMALL_BATCH_SPLITS if batch * num_kv_heads < _sm_count(device) else 1
 
 
 def paged_decode_torch(
@@ -230,19 +205,11 @@ def check_triton_decode(device: torch.device, dtype: torch.dtype, num_kv_heads: 
         lens = torch.tensor([1, 20, 48], device=device)
         ref = paged_decode_torch(q.float(), k.float(), v.float(), tables, lens, 48, head_dim**-0.5)
         _check_close(paged_decode(q, k, v, tables, lens, head_dim**-0.5), ref, dtype, "Triton decode kernel")
+        return True
     except Exception:  # compile errors come in many types; any of them means "do not use it"
         logger.exception("the Triton paged-decode kernel is unusable here; falling back to torch decode without graphs")
         ENABLED["triton"] = False
         return False
-    try:
-        from asyncgrpo.server.layers.decode_kernel import paged_decode_split
-
-        got = paged_decode_split(q, k, v, tables, lens, head_dim**-0.5, SMALL_BATCH_SPLITS)
-        _check_close(got, ref, dtype, "Triton split-context decode kernel")
-    except Exception:  # the one-pass kernel still serves every batch
-        logger.exception("the split-context decode kernel is unusable here; decoding in one pass per sequence")
-        ENABLED["split_decode"] = False
-    return True
 
 
 def check_prefill_kernel(
