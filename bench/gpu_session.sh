@@ -58,7 +58,9 @@ for stage in "$@"; do
         --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/tree_packing.log" | tail -20
       [ -n "${MEMORY_BUDGET:-}" ] && timeout 200 python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
         --memory-budget "$MEMORY_BUDGET" --tree-backends varlen --max-seconds 60 --out "$OUT/tree_packing_budget_h200.json" 2>&1 \
-        | tee "$OUT/tree_packing_budget.log" | tail -14 ;;
+        | tee "$OUT/tree_packing_budget.log" | tail -14
+      # a call brings back 8 files at most: the logs and profile tables travel in one archive
+      (cd "$OUT" && tar -czf profile37.tgz ./*.log ./*profile*.txt && rm -f ./*.log ./*profile*.txt) ;;
     issue37)  # issue 37's second call: B5 main (BASELINE_SRC) then this checkout (profiled, kernel sweep), B1/B2 profiled,
       # the engine's GPU tests; every file but the summaries goes into one archive (a call brings back 8 files at most)
       mkdir -p "$OUT/i37"
