@@ -66,6 +66,13 @@ for dtype in (torch.float32, torch.bfloat16):
         h, x = fused.add_rms_norm(c["h"], c["delta"], c["w"], 1e-6, force=force)
         a = fused.silu_mul(c["gu"], force=force)
         out[(str(dtype), force)] = [t.float() for t in (q, k, v, kc, vc, h, x, a)]
+    # the rope kernel with a token's 8 heads split over 4 programs (a large model's case), against the torch path
+    fused.ROPE_BLOCK_VALUES = 2 * c["cos"].shape[-1]
+    kc, vc = torch.zeros_like(c["cache"]), torch.zeros_like(c["cache"])
+    q, k, v = fused.qkv_rope_write(c["qkv"], static[:, 1], c["cos"], c["sin"], (c["qn"], 1e-6), (c["kn"], 1e-6),
+                                   static[:, 2], kc, vc, 4, 2, True, force=True)
+    fused.ROPE_BLOCK_VALUES = 4096
+    out[(str(dtype), "split")] = [t.float() for t in (q, k, v, kc, vc)]
 torch.save(out, sys.argv[1] + "/out.pt")
 """
 
@@ -104,3 +111,6 @@ def test_layer_kernels_match_the_torch_path(tmp_path):
                 f"{name} ({dtype}) differs by {(got - ref).abs().max()}"
             )
     assert out[("torch.float32", False)][3].abs().sum() > 0  # the cache was written
+    for dtype, tol in (("torch.float32", 1e-5), ("torch.bfloat16", 2e-2)):
+        for name, got, ref in zip(names, out[(dtype, "split")], out[(dtype, False)]):
+            assert torch.allclose(got, ref, atol=tol, rtol=tol), f"{name} ({dtype}, heads split) differs"

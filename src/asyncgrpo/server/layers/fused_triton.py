@@ -52,13 +52,13 @@ def silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 def qkv_rope_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr,
     q_out_ptr, k_out_ptr, v_out_ptr, k_cache_ptr, v_cache_ptr,
-    eps, stride_pos, stride_slot, NQ: tl.constexpr,
-    NKV: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
+    eps, stride_pos, stride_slot, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
+    QK_NORM: tl.constexpr, STORE_KV: tl.constexpr,
 ):  # fmt: skip
-    """One program per token, all its heads at once ([H_PAD, D]): a program per (token, head) did 128 elements of
-    work each, and the launch of T x heads programs cost more than the work (10 us a decode layer on an H100)."""
+    """One program per (token, block of ``HEADS`` heads) over the [q heads, k heads, v heads] of the fused row: a
+    program per head did 128 values of work and cost more to schedule than to run (``fused.ROPE_BLOCK_VALUES``)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, H_PAD)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
     partner = (d + half) % D
