@@ -21,6 +21,8 @@
 #   BASELINE_SRC=.baseline/src PACKING_SECONDS=100 bash bench/gpu_session.sh packing-ab  # B1/B2 compiled, main vs this
 #   (the graphs stage alone needs more than 140 s: its first three tests took that long on 2026-12-04)
 #   PACKING_SECONDS=150 bash bench/gpu_session.sh profile37  # issue 37's profile call: B5 + B1/B2 (1.7B) with tables
+#   BASELINE_SRC=.baseline/src PACKING_SECONDS=100 GPU_TESTS="tests/gpu/test_engine_gpu.py ..." bash bench/gpu_session.sh issue37
+#     # issue 37's change call: B5 main vs this checkout (profiled), B1/B2 profiled, the named GPU tests, one archive
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
