@@ -110,6 +110,11 @@ def _pipeline_problems(cfg: Any) -> list[str]:
     p: list[str] = []
     if cfg.token_budget is not None and cfg.token_budget < 1:
         p.append(f"token_budget={cfg.token_budget}: must be >= 1, or None for the server's max_model_len")
+    if cfg.activation_memory_budget is not None and not 0 <= cfg.activation_memory_budget <= 1:
+        p.append(
+            f"activation_memory_budget={cfg.activation_memory_budget}: must be in [0, 1] (the share of a layer's "
+            "activations kept for the backward), or None for gradient_checkpointing as set"
+        )
     if cfg.max_concurrent_rollouts < 1:
         p.append(f"max_concurrent_rollouts={cfg.max_concurrent_rollouts}: must be >= 1")
     if cfg.max_staleness < 0:

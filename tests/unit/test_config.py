@@ -194,3 +194,9 @@ def test_bad_server_url_lists_say_what_to_change():
     assert "lists a server twice" in str(err.value)
     with pytest.raises(ValueError, match="at least one URL"):
         _config(vllm_server_base_url=" , ")
+
+
+def test_activation_memory_budget_is_a_share():
+    assert _config(activation_memory_budget=0.5).activation_memory_budget == 0.5
+    with pytest.raises(ValueError, match=r"activation_memory_budget=1.5: must be in \[0, 1\]"):
+        _config(activation_memory_budget=1.5)

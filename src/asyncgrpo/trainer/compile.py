@@ -30,8 +30,8 @@ from asyncgrpo.triton_support import have_triton, warn_missing
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CompileSettings", "compile_decoder_layers", "decoder_layers", "start_compile_workers", "uncompile_decoder_layers",
-    "wants_compiled_layers",
+    "CompileSettings", "compile_decoder_layers", "compile_for_training", "decoder_layers", "start_compile_workers",
+    "uncompile_decoder_layers", "wants_compiled_layers",
 ]  # fmt: skip
 
 
@@ -70,11 +70,14 @@ class CompileSettings:
         backend: ``torch.compile`` backend ("inductor" fuses kernels; "aot_eager" only checks tracing).
         mode: ``torch.compile`` mode (None, "default", "max-autotune-no-cudagraphs", ...).
         dynamic: symbolic sizes, so rows of new lengths reuse the compiled graph.
+        memory_budget: torch's ``activation_memory_budget`` for the layers' forward/backward split: the share of
+            the activations kept for the backward (the cheapest rest is recomputed there); None: torch's setting.
     """
 
     backend: str | Callable[..., Any] = "inductor"
     mode: str | None = None
     dynamic: bool = True
+    memory_budget: float | None = None
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -101,18 +104,31 @@ def _constant_floats() -> contextlib.AbstractContextManager[Any]:
     return config.patch(specialize_float=True) if hasattr(config, "specialize_float") else contextlib.nullcontext()
 
 
+def _memory_budget(budget: float | None) -> contextlib.AbstractContextManager[Any]:
+    """The partitioner's activation budget while the layers compile (they compile inside their calls); a no-op
+    when None."""
+    if budget is None:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
 class _GuardedCall:
     """A layer's compiled ``__call__`` that turns every guarded layer back to eager on the first failure."""
 
-    def __init__(self, owner: _CompiledLayers, module: torch.nn.Module, compiled: Callable[..., Any]) -> None:
+    def __init__(
+        self, owner: _CompiledLayers, module: torch.nn.Module, compiled: Callable[..., Any], budget: float | None = None
+    ) -> None:
         self.owner, self.module, self.compiled = owner, module, compiled
         self.floats = _constant_floats()  # one reusable patch (3-4 us a call, ~0.1 ms a forward of 30 layers)
+        self.budget = _memory_budget(budget)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.owner.failed is not None:
             return self.module._call_impl(*args, **kwargs)
         try:
-            with self.floats:
+            with self.floats, self.budget:
                 return self.compiled(*args, **kwargs)
         except Exception as exc:
             if not _is_compile_error(exc):
@@ -178,7 +194,7 @@ def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | N
         compiled = torch.compile(
             layer._call_impl, backend=settings.backend, mode=settings.mode, dynamic=settings.dynamic
         )
-        layer._compiled_call_impl = _GuardedCall(group, layer, compiled)
+        layer._compiled_call_impl = _GuardedCall(group, layer, compiled, settings.memory_budget)
     # one graph serves every layer; leave room for a few specialisations (e.g. with/without gradients)
     cfg = torch._dynamo.config
     cfg.cache_size_limit = max(cfg.cache_size_limit, 64, 8 * len(layers))
@@ -186,6 +202,29 @@ def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | N
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * len(layers) + 64)
     logger.info("compiled %d decoder layers (backend=%s, dynamic=%s)", len(todo), settings.backend, settings.dynamic)
     return len(todo)
+
+
+def compile_for_training(
+    model: torch.nn.Module, args: Any, peft: bool, router_replay: Any, backend: str = "inductor"
+) -> int:
+    """The trainer's compile, where :func:`wants_compiled_layers`: the layers with ``args.activation_memory_budget``,
+    which then replaces transformers' whole-layer checkpointing (turned off on ``args``, where transformers reads it
+    at ``train()``). Returns the number of layers compiled."""
+    budget = getattr(args, "activation_memory_budget", None)
+    wanted = wants_compiled_layers(args, peft, router_replay)
+    n = compile_decoder_layers(model, CompileSettings(backend=backend, memory_budget=budget)) if wanted else 0
+    if budget is None:
+        return n
+    if not any(isinstance(getattr(m, "_compiled_call_impl", None), _GuardedCall) for m in decoder_layers(model)):
+        logger.warning("activation_memory_budget=%s needs compiled decoder layers, which are off here: it is ignored "
+                       "and gradient_checkpointing stays as set", budget)  # fmt: skip
+        return n
+    for name in ("gradient_checkpointing", "activation_checkpointing"):  # transformers >= 5.2x reads the second
+        if getattr(args, name, None):
+            setattr(args, name, False)
+    logger.info("compiled decoder layers keep %.0f %% of their activations for the backward and recompute the rest "
+                "(activation_memory_budget=%s) instead of checkpointing whole layers", 100 * budget, budget)  # fmt: skip
+    return n
 
 
 def uncompile_decoder_layers(model: torch.nn.Module) -> None:

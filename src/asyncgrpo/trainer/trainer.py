@@ -46,7 +46,7 @@ from asyncgrpo.rollout.worker import GUARD_HINT, RolloutWorker
 from asyncgrpo.tasks.eval_sets import EvalSet, as_eval_sets
 from asyncgrpo.trainer.callbacks import AsyncGRPOCallback, MetricsFileCallback
 from asyncgrpo.trainer.checkpoint import ResumePoint, prepare_resume, resolve_checkpoint
-from asyncgrpo.trainer.compile import compile_decoder_layers, start_compile_workers, wants_compiled_layers
+from asyncgrpo.trainer.compile import compile_for_training, start_compile_workers
 from asyncgrpo.trainer.gpu_share import shared_gpu_oom
 from asyncgrpo.trainer.graphed_step import GraphedDecoder, check_graph_setting
 from asyncgrpo.trainer.heap import frozen_heap
@@ -174,8 +174,7 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
-        if wants_compiled_layers(args, is_peft_model(model), self.router_replay):  # model: after get_peft_model
-            compile_decoder_layers(self._causal_lm())
+        compile_for_training(self._causal_lm(), args, is_peft_model(model), self.router_replay)  # after get_peft_model
         check_graph_setting(self)  # cuda_graph_step=True where it cannot run: said now, not at train()
         self.window = MetricsWindow()
         self.step_stats = StepStats()
