@@ -20,7 +20,7 @@ PHASES = [
     ("asyncgrpo.trainer.trainer", "start_compile_workers", "compile_workers"),
     ("asyncgrpo.models.vlm", "load_pretrained", "model_load"),
     ("transformers.trainer", "Trainer.__init__", "hf_trainer_init"),
-    ("asyncgrpo.trainer.trainer", "compile_decoder_layers", "compile_wrap"),
+    ("asyncgrpo.trainer.compile", "compile_decoder_layers", "compile_wrap"),  # called by compile_for_training
     ("transformers.trainer", "Trainer._prepare_for_training", "hf_train_setup"),
     ("transformers.trainer", "Trainer.create_optimizer", "optimizer_setup"),
     ("asyncgrpo.trainer.graphed_step", "GraphedDecoder._capture", "graph_capture_one"),

@@ -25,10 +25,9 @@ class SpeedFields:
         metadata={
             "help": "With compiled decoder layers: the share of each layer's activations (0-1) the compiler keeps for "
             "the backward, recomputing the cheapest rest (torch's activation_memory_budget). Set, it takes the place "
-            "of gradient_checkpointing's whole-layer recompute: at the Qwen3-1.7B B2 shape on an H100, 0.5 trained "
-            "at 43.3 % MFU in 21.9 GiB where full checkpointing gave 37.3 % in 10.1 GiB and none 46.4 % in 36.5 GiB "
-            "(bench/LOG.md, issue 37). None: gradient_checkpointing as set. Where the layers run eager it is ignored "
-            "with a warning."
+            "of gradient_checkpointing's whole-layer recompute: at the Qwen3-1.7B B2 shape on an H100, 0.5 ran 1.16 "
+            "times as fast as full checkpointing in 2.2 times its memory (21.9 against 10.1 GiB; bench/LOG.md, issue "
+            "37). None: gradient_checkpointing as set. Where the layers run eager it is ignored with a warning."
         },
     )
     warm_up_compile: bool = field(
