@@ -305,16 +305,12 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="append a torch.profiler kernel table of each method here")
     ap.add_argument("--skip-padded", action="store_true", help="skip the padded HF batches (saves time)")
     ap.add_argument("--memory-budget", type=float, default=None,
-                    help="compiled layers: the partitioner's activation_memory_budget (recompute to fit that share)")  # fmt: skip
+                    help="compiled layers: the trainer's activation_memory_budget (keep that share, recompute the rest)")  # fmt: skip
     args = ap.parse_args()
     global LOSS, KEEP_GROUPS
     LOSS = PolicyLossSettings(fused_lm_head=args.lm_head == "fused")
     KEEP_GROUPS = not args.split_groups
     start = time.perf_counter()
-    if args.memory_budget is not None:
-        import torch._functorch.config as functorch_config
-
-        functorch_config.activation_memory_budget = args.memory_budget
     if args.smoke:
         device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
         args.budget, args.iters, args.tree_backends, flat_backend = 512, 1, ["sdpa"], "sdpa"
@@ -340,7 +336,8 @@ def main() -> int:
             if model is None:
                 model = build_model({**QWEN3_COMMON, **overrides} if args.smoke else overrides, device)
                 if args.compile:
-                    compile_decoder_layers(model, CompileSettings(backend=args.compile_backend))
+                    settings = CompileSettings(backend=args.compile_backend, memory_budget=args.memory_budget)
+                    compile_decoder_layers(model, settings)  # the trainer's activation_memory_budget, as it sets it
             samples = make_samples(shape, model.config.vocab_size, seed=0)
             r = run_shape(model, samples, args.budget, device, args, args.tree_backends, flat_backend)
             if args.compile:  # a compile failure falls back to eager with a warning: say so in the results
