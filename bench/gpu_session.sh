@@ -53,7 +53,7 @@ for stage in "$@"; do
         | tee "$OUT/tree_packing.log" | tail -30 ;;
     profile37)  # issue 37's first call: B5 with its eager and graphed engine-step tables, then B1/B2 at the 1.7B shape
       # (compiled layers, checkpointing off and on) with a kernel table and a by-kind summary per tree method
-      timeout 360 python3 bench/generation.py --profile --splits 1 2 4 --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" \
+      timeout 360 python3 bench/generation.py --profile --out "$OUT/generation_h200.json" 2>&1 | tee "$OUT/generation.log" \
         | grep -vE "it/s\]|s/it\]" | tail -60
       timeout $((${PACKING_SECONDS:-150} + 120)) python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded \
         --checkpointing both --max-seconds ${PACKING_SECONDS:-150} --profile "$OUT/tree_packing_profile.txt" \

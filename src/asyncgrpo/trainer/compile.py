@@ -147,6 +147,11 @@ def _is_compile_error(exc: BaseException) -> bool:
     return mod.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "triton"))
 
 
+def _is_compiled(layer: torch.nn.Module) -> bool:
+    """Whether :func:`compile_decoder_layers` compiled ``layer`` (and :func:`uncompile_decoder_layers` has not undone it)."""
+    return isinstance(getattr(layer, "_compiled_call_impl", None), _GuardedCall)
+
+
 class _CompiledLayers:
     def __init__(self, layers: torch.nn.ModuleList) -> None:
         self.layers = list(layers)
@@ -186,7 +191,7 @@ def compile_decoder_layers(model: torch.nn.Module, settings: CompileSettings | N
         warn_missing("compile_decoder_layers on CUDA")
         return 0
     layers = decoder_layers(model)
-    todo = [layer for layer in layers if not isinstance(getattr(layer, "_compiled_call_impl", None), _GuardedCall)]
+    todo = [layer for layer in layers if not _is_compiled(layer)]
     if not todo:
         return 0
     group = _CompiledLayers(layers)
@@ -215,7 +220,7 @@ def compile_for_training(
     n = compile_decoder_layers(model, CompileSettings(backend=backend, memory_budget=budget)) if wanted else 0
     if budget is None:
         return n
-    if not any(isinstance(getattr(m, "_compiled_call_impl", None), _GuardedCall) for m in decoder_layers(model)):
+    if not any(_is_compiled(layer) for layer in decoder_layers(model)):
         logger.warning("activation_memory_budget=%s needs compiled decoder layers, which are off here: it is ignored "
                        "and gradient_checkpointing stays as set", budget)  # fmt: skip
         return n
@@ -230,5 +235,5 @@ def compile_for_training(
 def uncompile_decoder_layers(model: torch.nn.Module) -> None:
     """Undo :func:`compile_decoder_layers` (the layers run eager again)."""
     for layer in decoder_layers(model):
-        if isinstance(getattr(layer, "_compiled_call_impl", None), _GuardedCall):
+        if _is_compiled(layer):
             layer._compiled_call_impl = None

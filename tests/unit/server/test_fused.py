@@ -67,11 +67,11 @@ for dtype in (torch.float32, torch.bfloat16):
         a = fused.silu_mul(c["gu"], force=force)
         out[(str(dtype), force)] = [t.float() for t in (q, k, v, kc, vc, h, x, a)]
     # the rope kernel with a token's 8 heads split over 4 programs (a large model's case), against the torch path
-    fused.ROPE_BLOCK_VALUES = 2 * c["cos"].shape[-1]
+    default_block, fused.ROPE_BLOCK_VALUES = fused.ROPE_BLOCK_VALUES, 2 * c["cos"].shape[-1]
     kc, vc = torch.zeros_like(c["cache"]), torch.zeros_like(c["cache"])
     q, k, v = fused.qkv_rope_write(c["qkv"], static[:, 1], c["cos"], c["sin"], (c["qn"], 1e-6), (c["kn"], 1e-6),
                                    static[:, 2], kc, vc, 4, 2, True, force=True)
-    fused.ROPE_BLOCK_VALUES = 4096
+    fused.ROPE_BLOCK_VALUES = default_block
     out[(str(dtype), "split")] = [t.float() for t in (q, k, v, kc, vc)]
 torch.save(out, sys.argv[1] + "/out.pt")
 """
