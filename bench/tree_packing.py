@@ -366,6 +366,7 @@ def main() -> int:
         "keep_groups": not args.split_groups,
         "compile_backend": args.compile_backend if args.compile else None,
         "activation_memory_budget": args.memory_budget,
+        "lm_head_weight_grad_in_gemm": head_grad_in_gemm(device),
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "shapes": {
             k: {"groups": v[0], "group_size": v[1], "prompt": v[2], "completion": v[3]} for k, v in shapes.items()
@@ -374,6 +375,7 @@ def main() -> int:
         "skipped": skipped,
         "wall_s": time.perf_counter() - start,
     }
+    print(f"fused head's weight gradient added inside the GEMM: {report['lm_head_weight_grad_in_gemm']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_result(args.out, report)
@@ -382,6 +384,15 @@ def main() -> int:
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def head_grad_in_gemm(device: str) -> bool | None:
+    """Whether the fused head added its fp32 weight gradient inside the GEMM; None for a checkout without it."""
+    try:
+        from asyncgrpo.trainer.fused_head import weight_grad_in_gemm
+    except ImportError:  # a baseline from before the in-GEMM add
+        return None
+    return weight_grad_in_gemm(torch.device(device))
 
 
 def device_name(device: str) -> str:

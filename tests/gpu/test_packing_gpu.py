@@ -166,3 +166,37 @@ def test_logprobs_peak_memory_bounded_on_cuda():
     )
     assert max(extra_bytes) < 4 * 2**30  # a [32768, 151936] fp32 tensor alone is 18.5 GiB
     assert extra_bytes[-1] - extra_bytes[0] < 2**30
+
+
+def test_the_varlen_gather_backward_sums_copies_like_index_add_and_says_how_fast():
+    """A G=16 group with a 2,048-token prompt (bench shape): the K/V-gradient sum over each token's path copies
+    against an fp32 ``index_add``; prints both kernels' times (CUDA events) for bench/LOG.md."""
+    from asyncgrpo.packing.attention import _varlen_plan
+    from asyncgrpo.packing.path_gather import path_gather_backward
+
+    samples = grpo_samples(1, 16, prompt_len=2048, completion_len=(256, 1024), vocab_size=VOCAB, seed=2)
+    row = pack_samples(samples)
+    plan = _varlen_plan(row, torch.device("cuda"))
+    g = torch.Generator("cuda").manual_seed(0)
+    grad = torch.randn(plan.kv_index.numel(), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = torch.zeros(row.num_tokens, 8, 128, device="cuda").index_add_(0, plan.kv_index, grad.float())
+    got = path_gather_backward(grad, plan.kv_index, plan.kv_order, plan.kv_offsets)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() <= 1e-2
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+    ours = timed(lambda: path_gather_backward(grad, plan.kv_index, plan.kv_order, plan.kv_offsets))
+    atomics = timed(lambda: torch.zeros(row.num_tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
+                    .index_add_(0, plan.kv_index, grad))  # fmt: skip
+    _report({"varlen_kv_grad_sum_ms": ours, "bf16_index_add_ms": atomics, "paths_rows": plan.kv_index.numel(),
+             "tokens": row.num_tokens})  # fmt: skip

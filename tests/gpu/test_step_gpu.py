@@ -6,13 +6,15 @@ Run: ``pytest -s -q -m gpu tests/gpu/test_step_gpu.py`` (one GPU, about a minute
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from asyncgrpo.packing.attention import build_plan, packed_hidden_states, use_tree_attention
 from asyncgrpo.packing.row import pack_samples
-from asyncgrpo.trainer.compile import compile_decoder_layers, uncompile_decoder_layers
+from asyncgrpo.trainer.compile import compile_decoder_layers, compile_for_training, uncompile_decoder_layers
 from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from tests.gpu.test_packing_gpu import _model, _samples
 
@@ -55,6 +57,31 @@ def test_compiled_fused_step_matches_eager_recomputing_step(backend):
             print(f"\n{backend}: compiled+fused vs eager+recompute: loss diff {abs(loss.item() - ref_loss.item()):.2e}"
                   f", worst relative grad diff {worst:.2e}")  # fmt: skip
             assert worst <= 1e-3
+        assert all(layer._compiled_call_impl is not None for layer in model.model.layers)  # no eager fallback
+    finally:
+        uncompile_decoder_layers(model)
+
+
+def test_an_activation_budget_through_the_trainer_compile_matches_the_eager_step():
+    """``activation_memory_budget`` as the trainer applies it: inductor's partitioner under the budget, transformers'
+    checkpointing turned off on the args, the same loss and gradients as the eager recomputing step."""
+    model = _model("qwen3", torch.float32).train()
+    use_tree_attention(model)
+    row = pack_samples(_with_top_n(_samples(0))).to("cuda")
+    ref_loss, ref_grads = _step(model, row, "flex", fused=False)
+    args = SimpleNamespace(activation_memory_budget=0.5, compile_decoder_layers=True, device="cuda", world_size=1,
+                           gradient_checkpointing=True, activation_checkpointing=True)  # fmt: skip
+    torch._dynamo.reset()
+    assert compile_for_training(model, args, peft=False, router_replay=None) == len(model.model.layers)
+    try:
+        assert args.gradient_checkpointing is False and args.activation_checkpointing is False
+        loss, grads = _step(model, row, "flex", fused=True)
+        assert abs(loss.item() - ref_loss.item()) <= 1e-4
+        assert grads.keys() == ref_grads.keys()
+        worst = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-8)).item()
+                    for n, g in grads.items())  # fmt: skip
+        print(f"\nbudget 0.5: compiled+fused vs eager+recompute: worst relative grad diff {worst:.2e}")
+        assert worst <= 1e-3
         assert all(layer._compiled_call_impl is not None for layer in model.model.layers)  # no eager fallback
     finally:
         uncompile_decoder_layers(model)

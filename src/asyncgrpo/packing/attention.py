@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from asyncgrpo.packing.deltanet import install_tree_linear_attention, needs_linear_plan
 from asyncgrpo.packing.linear_attention import DEFAULT_CHUNK, LinearTreePlan, build_linear_plan
+from asyncgrpo.packing.path_gather import path_gather, path_order
 from asyncgrpo.packing.row import PackedRow
 from asyncgrpo.triton_support import INSTALL_HINT, have_triton, warn_missing
 
@@ -55,6 +56,8 @@ class TreeAttentionPlan:
         dense_mask: sdpa: [T, T] bool, True where the query may attend to the key.
         block_mask: flex: the FlexAttention ``BlockMask``.
         kv_index: varlen: [sum of path lengths] row index of each gathered key/value.
+        kv_order, kv_offsets: varlen: the path positions sorted by row, and each row's range in that order
+            (``path_gather.py``: the backward sums a row's copies without atomics).
         cu_seq_q, cu_seq_k: varlen: [S + 1] int32 offsets of each segment's queries / keys.
         max_q, max_k: varlen: longest segment / longest path.
         linear: the trie layout for Gated DeltaNet layers (``linear_attention.py``); None for attention-only models.
@@ -65,6 +68,8 @@ class TreeAttentionPlan:
     dense_mask: torch.Tensor | None = None
     block_mask: Any = None
     kv_index: torch.Tensor | None = None
+    kv_order: torch.Tensor | None = None
+    kv_offsets: torch.Tensor | None = None
     cu_seq_q: torch.Tensor | None = None
     cu_seq_k: torch.Tensor | None = None
     max_q: int = 0
@@ -183,10 +188,14 @@ def _varlen_plan(row: PackedRow, device: torch.device) -> TreeAttentionPlan:
     q_len = ends - starts
     k_len = np.array([len(p) for p in paths], dtype=np.int64)
     to = {"device": device, "dtype": torch.int32}
+    kv_index = np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)
+    kv_order, kv_offsets = path_order(torch.from_numpy(kv_index), row.num_tokens)
     return TreeAttentionPlan(
         "varlen",
         row.num_tokens,
-        kv_index=torch.from_numpy(np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)).to(device),
+        kv_index=torch.from_numpy(kv_index).to(device),
+        kv_order=kv_order.to(device),
+        kv_offsets=kv_offsets.to(device),
         cu_seq_q=torch.tensor(np.concatenate([[0], np.cumsum(q_len)]), **to),
         cu_seq_k=torch.tensor(np.concatenate([[0], np.cumsum(k_len)]), **to),
         max_q=int(q_len.max(initial=0)),
@@ -220,8 +229,9 @@ def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: T
             f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}"
         )
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
-    k = key[0].transpose(0, 1).index_select(0, plan.kv_index)  # [sum paths, H_kv, D]
-    v = value[0].transpose(0, 1).index_select(0, plan.kv_index)
+    gather = (plan.kv_index, plan.kv_order, plan.kv_offsets)
+    k = path_gather(key[0].transpose(0, 1), *gather)  # [sum paths, H_kv, D]
+    v = path_gather(value[0].transpose(0, 1), *gather)
     extra = {"enable_gqa": True} if _varlen_has_gqa_flag() and q.shape[1] != k.shape[1] else {}
     # window (-1, 0) = causal aligned to the bottom right: a segment's queries are the last keys of its path
     out = varlen_attn(

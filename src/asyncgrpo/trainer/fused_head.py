@@ -12,6 +12,12 @@ and ``dz @ W`` (hidden) and ``dz^T h`` (head weight, accumulated in fp32) are st
 over each chunk's [c, V] logits, nothing of size V kept per token. The backward only scales the stored
 gradients by the incoming scalar gradient.
 
+The fp32 weight-gradient accumulator is as large as the head (1.2 GB at a 152k x 2048 head) and every chunk
+adds to it, so on CUDA the add happens inside the chunk's GEMM (fp32 output, beta = 1) where this torch allows
+it: a separate add re-read and re-wrote the accumulator 31 times a step, 6 % of a 1.7B model's step on an H100
+(bench/LOG.md, issue 37). Without candidate sets the logits stay in the compute dtype, so a chunk holds twice
+the tokens of ``logprobs.py``'s fp32 chunk for the same bytes: half as many passes over the accumulator.
+
 Entropy and the model's own top tokens are returned without gradient (the policy loss uses entropy as a metric).
 """
 
@@ -22,12 +28,12 @@ from collections.abc import Callable
 import torch
 
 from asyncgrpo.trainer import head_kernels
-from asyncgrpo.trainer.logprobs import TokenLogprobs, _Chunk, prepare_head_inputs, token_logprobs
+from asyncgrpo.trainer.logprobs import CHUNK_BYTES, TokenLogprobs, _Chunk, prepare_head_inputs, token_logprobs
 
 # chunk_loss(lo, hi, logprobs[c], extra_logprobs[c, K] or None) -> 0-d loss of tokens [lo, hi)
 ChunkLoss = Callable[[int, int, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-__all__ = ["ChunkLoss", "fused_logprobs_loss"]
+__all__ = ["ChunkLoss", "add_weight_grad", "fused_logprobs_loss", "weight_grad_in_gemm"]
 
 
 def fused_logprobs_loss(
@@ -59,7 +65,10 @@ def fused_logprobs_loss(
         ValueError: on mismatched shapes or a non-positive temperature.
     """
     h = prepare_head_inputs(hidden, weight, targets, extra_ids, candidates, temperature, chunk_size)
-    opts = _Opts(temperature, h.chunk_size, h.compute_dtype, h.cand_rows, h.cand_cols, want_entropy, top_n,
+    chunk = h.chunk_size
+    if chunk_size is None and not h.cand_rows.numel():  # logits in the compute dtype: as many bytes, more tokens
+        chunk = max(16, CHUNK_BYTES // (h.compute_dtype.itemsize * weight.shape[0]))
+    opts = _Opts(temperature, chunk, h.compute_dtype, h.cand_rows, h.cand_cols, want_entropy, top_n,
                  chunk_loss, extra_ids is not None, torch.is_grad_enabled())  # fmt: skip
     loss, lp, extra_lp, ent, top_ids, top_lp = _FusedHeadLoss.apply(hidden, weight, targets, h.extra, opts)
     return loss, token_logprobs(lp, extra_lp, ent, top_ids, top_lp, extra_ids is not None, want_entropy, top_n)
@@ -133,7 +142,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if need_h:
                     d_hidden[lo:hi] = (dz @ w).to(hidden.dtype)
                 if need_w:
-                    d_weight += dz.T @ ch.h
+                    add_weight_grad(d_weight, dz, ch.h)
         ctx.save_for_backward(d_hidden, d_weight.to(weight.dtype) if need_w else None)
         ctx.mark_non_differentiable(lp, extra_lp, ent, top_ids, top_lp)
         return total, lp, extra_lp, ent, top_ids, top_lp
@@ -188,7 +197,7 @@ def _plain_chunk(
             sparse += torch.einsum("ck,ckh->ch", ge * t_inv, w[safe_ids].float())
         d_hidden[lo:hi] = ((dz @ w).float() + sparse).to(d_hidden.dtype)
     if need_w:
-        d_weight += dz.T @ h
+        add_weight_grad(d_weight, dz, h)
         d_weight.index_add_(0, t, (g_lp * t_inv)[:, None] * hf)
         if ge is not None:
             rows = (ge * t_inv)[:, :, None] * hf[:, None, :]  # [c, K, H]: small next to [c, V]
@@ -215,3 +224,36 @@ def _chunk_grads(
     if b is not None and g_ex is None:
         g_ex = torch.zeros_like(b)
     return g_lp.float(), g_ex.float() if g_ex is not None else None, loss.detach().float()
+
+
+def add_weight_grad(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += dz.T @ h`` for an fp32 ``acc``: inside the GEMM where :func:`weight_grad_in_gemm` says so, else the
+    product in ``dz``'s dtype and then the add (CPU, fp32 inputs, or a torch without fp32-output matmuls)."""
+    if dz.dtype != acc.dtype and weight_grad_in_gemm(acc.device):
+        torch.addmm(acc, dz.T, h, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += dz.T @ h
+
+
+_IN_GEMM: dict[torch.device, bool] = {}
+
+
+def weight_grad_in_gemm(device: torch.device) -> bool:
+    """Whether this torch accumulates a bf16 product into an fp32 tensor inside the GEMM on ``device``.
+
+    torch's CUDA ``addmm(..., out_dtype=float32)`` took an fp32 ``self`` only from some 2.x release on (earlier ones
+    want ``self`` in the inputs' dtype), so one small call with a known answer decides, once per device."""
+    if device.type != "cuda":
+        return False
+    if device not in _IN_GEMM:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(48, 160, device=device, generator=g).to(torch.bfloat16)
+        b = torch.randn(48, 96, device=device, generator=g).to(torch.bfloat16)
+        acc = torch.randn(160, 96, device=device, generator=g)
+        want = acc + a.float().T @ b.float()
+        try:
+            torch.addmm(acc, a.T, b, out_dtype=torch.float32, out=acc)
+            _IN_GEMM[device] = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-3))
+        except (RuntimeError, TypeError):  # an older torch: self must share the inputs' dtype, or no out_dtype
+            _IN_GEMM[device] = False
+    return _IN_GEMM[device]

@@ -115,3 +115,38 @@ def test_fused_head_without_grad_returns_the_loss_value():
         got = packed_policy_loss(h, w, row, 5.0, s).loss
     ref = _reference(h, w, row, 5.0, s).loss
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_without_candidates_a_bf16_chunk_holds_twice_the_tokens_of_an_fp32_one(monkeypatch):
+    """The plain path keeps logits in the compute dtype, so the default chunk is sized by its bytes, not fp32's."""
+    from asyncgrpo.trainer import fused_head, logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_BYTES", 4 * V * 16)  # 16 tokens of fp32 logits
+    monkeypatch.setattr(fused_head, "CHUNK_BYTES", 4 * V * 16)
+    seen: dict[torch.dtype, list[tuple[int, int]]] = {}
+    plain = fused_head._plain_chunk
+
+    def spy(o, hidden, w, targets, extra, lo, hi, *rest):
+        seen.setdefault(w.dtype, []).append((lo, hi))
+        return plain(o, hidden, w, targets, extra, lo, hi, *rest)
+
+    monkeypatch.setattr(fused_head, "_plain_chunk", spy)
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(N, H, dtype=dtype, requires_grad=True)
+        w = torch.randn(V, H, dtype=dtype, requires_grad=True)
+        loss, _ = fused_head.fused_logprobs_loss(h, w, torch.randint(0, V, (N,)), lambda lo, hi, lp, ex: -lp.sum())
+        loss.backward()
+    assert seen[torch.float32] == [(0, 16), (16, 32), (32, N)]
+    assert seen[torch.bfloat16] == [(0, 32), (32, N)]
+
+
+def test_the_weight_gradient_adds_the_chunk_product_to_the_fp32_accumulator_off_cuda():
+    from asyncgrpo.trainer.fused_head import add_weight_grad, weight_grad_in_gemm
+
+    g = torch.Generator().manual_seed(5)
+    dz, h = torch.randn(9, V, generator=g).bfloat16(), torch.randn(9, H, generator=g).bfloat16()
+    acc = torch.randn(V, H, generator=g)
+    want = acc + (dz.T @ h).float()
+    add_weight_grad(acc, dz, h)
+    assert not weight_grad_in_gemm(torch.device("cpu"))
+    assert torch.equal(acc, want)
