@@ -23,6 +23,7 @@
 #   PACKING_SECONDS=150 bash bench/gpu_session.sh profile37  # issue 37's profile call: B5 + B1/B2 (1.7B) with tables
 #   BASELINE_SRC=.baseline/src PACKING_SECONDS=100 GPU_TESTS="tests/gpu/test_engine_gpu.py ..." bash bench/gpu_session.sh issue37
 #     # issue 37's change call: B5 main vs this checkout (profiled), B1/B2 profiled, the named GPU tests, one archive
+#   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh issue37s2  # issue 37, second session: B1/B2 this vs main, tests
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -78,6 +79,21 @@ for stage in "$@"; do
       timeout -s INT -k 20 ${TESTS_TIMEOUT:-150} python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/gpu} 2>&1 \
         | tee "$OUT/i37/gpu_tests.log" | grep -E "passed|failed|Error" | tail -12
       cp "$OUT/gpus.txt" "$OUT/i37/"; tar -czf "$OUT/i37.tgz" -C "$OUT" i37 && rm -rf "$OUT/i37" ;;
+    issue37s2)  # issue 37, second session: B1/B2 at both shapes (this checkout, checkpointing off and on; BASELINE_SRC
+      # off), the GPU tests of the changed paths, a G=16 profile, the activation budget; logs in one archive
+      mkdir -p "$OUT/s2"; P="python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded"
+      timeout 200 $P --checkpointing both --max-seconds 150 --out "$OUT/tree_packing_h200.json" 2>&1 \
+        | tee "$OUT/s2/tree_packing.log" | grep -v "it/s\]" | tail -24
+      PYTHONPATH=/tmp/site:$(cd "${BASELINE_SRC:?issue37s2 needs BASELINE_SRC}" && pwd) timeout 120 $P --max-seconds 80 \
+        --out "$OUT/tree_packing_baseline_h200.json" 2>&1 | tee "$OUT/s2/tree_packing_baseline.log" | grep -v "it/s\]" | tail -14
+      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout -s INT -k 20 ${TESTS_TIMEOUT:-170} python3 -m pytest -q -s -m gpu \
+        -p no:cacheprovider ${GPU_TESTS:-tests/gpu/test_fused_head_gpu.py tests/gpu/test_packing_gpu.py tests/gpu/test_step_gpu.py} \
+        2>&1 | tee "$OUT/s2/gpu_tests.log" | grep -E "passed|failed|Error|in-GEMM|budget|varlen_kv" | tail -14
+      timeout 100 $P --shapes G16_P2048_C256-1024 --max-seconds 40 --profile "$OUT/s2/g16_profile.txt" \
+        --out "$OUT/tree_packing_g16_profile_h200.json" 2>&1 | tee "$OUT/s2/g16_profile.log" | grep -v "it/s\]" | tail -8
+      timeout 90 $P --memory-budget 0.5 --tree-backends varlen --max-seconds 40 --out "$OUT/tree_packing_budget_h200.json" 2>&1 \
+        | tee "$OUT/s2/budget.log" | grep -v "it/s\]" | tail -12
+      cp "$OUT/gpus.txt" "$OUT/s2/"; tar -czf "$OUT/s2.tgz" -C "$OUT" s2 && rm -rf "$OUT/s2" ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}
