@@ -56,3 +56,27 @@ def test_bf16_head_gradients_match_full_fp32_logits(monkeypatch, in_gemm):
         rel = ((got.float() - ref).abs().max() / ref.abs().max()).item()
         print(f"\n{name} gradient, in-GEMM {in_gemm}: worst error {rel:.2e} of the largest entry")
         assert rel <= 2e-2, name
+
+
+def test_the_compiled_head_kernels_run_without_host_syncs():
+    """The temperature is traced as a constant: once compiled, neither kernel reads a device scalar back (each chunk
+    of a step used to sync the host 4 times, leaving the GPU idle between chunks)."""
+    from asyncgrpo.trainer import head_kernels
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    zb = torch.randn(96, 5000, device=DEV, generator=g).bfloat16()
+    coef = torch.randn(96, device=DEV, generator=g)
+    for _ in range(2):  # compile, then the cached graph
+        s, _ = head_kernels.row_stats(zb, 0.7, True)
+        head_kernels.dense_grad(zb, s, coef, 0.7)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s, mean = head_kernels.row_stats(zb, 0.7, True)
+        grad = head_kernels.dense_grad(zb, s, coef, 0.7)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not head_kernels.row_stats.failed and not head_kernels.dense_grad.failed  # no fallback to eager
+    ref_s, ref_mean = head_kernels._row_stats(zb, 0.7, True)
+    assert torch.allclose(s, ref_s, atol=1e-4) and torch.allclose(mean, ref_mean, atol=1e-3)
+    assert torch.allclose(grad.float(), head_kernels._dense_grad(zb, ref_s, coef, 0.7).float(), atol=1e-3)

@@ -47,6 +47,7 @@ class _Kernel:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.compiled: Callable[..., Any] | None = None
+        self.floats: Any = None  # trainer/compile.py's constant-floats patch, made with the compiled twin
         self.failed = False
 
     def __call__(self, *args: Any) -> Any:
@@ -57,9 +58,15 @@ class _Kernel:
                 warn_missing("compiling the LM-head loss kernels")
                 self.failed = True
                 return self.fn(*args)
+            from asyncgrpo.trainer.compile import _constant_floats
+
             self.compiled = torch.compile(self.fn, dynamic=True)
+            # the temperature traced as a constant: as a symbolic float it reached the graphs as a device scalar
+            # read back with .item(), 4 host syncs per chunk that left the GPU idle ~4 % of a step (bench/LOG.md)
+            self.floats = _constant_floats()
         try:
-            return self.compiled(*args)
+            with self.floats:
+                return self.compiled(*args)
         except Exception as exc:
             from asyncgrpo.trainer.compile import _is_compile_error
 
