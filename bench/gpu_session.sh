@@ -24,6 +24,7 @@
 #   BASELINE_SRC=.baseline/src PACKING_SECONDS=100 GPU_TESTS="tests/gpu/test_engine_gpu.py ..." bash bench/gpu_session.sh issue37
 #     # issue 37's change call: B5 main vs this checkout (profiled), B1/B2 profiled, the named GPU tests, one archive
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh issue37s2  # issue 37, second session: B1/B2 this vs main, tests
+#   BASELINE_SRC=.baseline37/src bash bench/gpu_session.sh issue37s2b  # the same after the head kernels, profiled
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -94,6 +95,19 @@ for stage in "$@"; do
       timeout 90 $P --memory-budget 0.5 --tree-backends varlen --max-seconds 40 --out "$OUT/tree_packing_budget_h200.json" 2>&1 \
         | tee "$OUT/s2/budget.log" | grep -v "it/s\]" | tail -12
       cp "$OUT/gpus.txt" "$OUT/s2/"; tar -czf "$OUT/s2.tgz" -C "$OUT" s2 && rm -rf "$OUT/s2" ;;
+    issue37s2b)  # issue 37, second session, call 3: the head kernels' GPU tests, where the step syncs, B1/B2 profiled at
+      # both shapes (checkpointing off and on), BASELINE_SRC without checkpointing, activation budgets 0.5 and 0.25
+      mkdir -p "$OUT/s2b"; P="python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded"
+      timeout -s INT -k 20 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_fused_head_gpu.py \
+        tests/gpu/test_step_gpu.py 2>&1 | tee "$OUT/s2b/gpu_tests.log" | grep -E "passed|failed|Error|in-GEMM|budget" | tail -10
+      timeout 80 python3 bench/probes/step_syncs.py 2>&1 | tee "$OUT/s2b/step_syncs.log" | grep -v Warn | tail -8
+      timeout 230 $P --checkpointing both --max-seconds 170 --profile "$OUT/s2b/tree_packing_profile.txt" \
+        --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/s2b/tree_packing.log" | grep -v "it/s\]" | tail -24
+      PYTHONPATH=/tmp/site:$(cd "${BASELINE_SRC:?issue37s2b needs BASELINE_SRC}" && pwd) timeout 120 $P --max-seconds 80 \
+        --out "$OUT/tree_packing_baseline_h200.json" 2>&1 | tee "$OUT/s2b/tree_packing_baseline.log" | grep -v "it/s\]" | tail -14
+      for b in 0.5 0.25; do timeout 80 $P --memory-budget $b --tree-backends varlen --shapes G8_P512_C128-1536 \
+        --out "$OUT/tree_packing_budget_${b}_h200.json" 2>&1 | tee "$OUT/s2b/budget_$b.log" | grep -v "it/s\]" | tail -5; done
+      cp "$OUT/gpus.txt" "$OUT/s2b/"; tar -czf "$OUT/s2b.tgz" -C "$OUT" s2b && rm -rf "$OUT/s2b" ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}

@@ -27,7 +27,8 @@ HOOK = ROOT / "tests" / "helpers" / "hide_triton"
 PACKAGE = Path(asyncgrpo.__file__).parent
 # the Triton programs: the only modules allowed to import triton (on the first CUDA use)
 TRITON_MODULES = {f"asyncgrpo.server.layers.{m}" for m in ("decode_kernel", "prefill_kernel", "fused_triton",
-                                                          "sample_triton")}  # fmt: skip
+                                                          "sample_triton")} | {
+    "asyncgrpo.packing.path_gather_triton", "asyncgrpo.trainer.head_triton"}  # fmt: skip
 
 
 def hidden_env(log: Path) -> dict[str, str]:

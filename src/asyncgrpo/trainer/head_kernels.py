@@ -1,29 +1,24 @@
-"""The elementwise work of the fused LM-head loss over one chunk's [c, V] logits, fused by torch.compile on CUDA.
+"""The elementwise work of the fused LM-head loss over one chunk's [c, V] logits: Triton kernels on CUDA.
 
 Eager, each statistic is its own pass over the chunk's logits in fp32 (cast, max, exp, sum, product, scale,
 cast back): tens of bytes of memory traffic per logit. Here the logits stay in the matmul's dtype and two
-functions read them once or twice each:
+functions read them once each (``head_triton.py``):
 
-- :func:`row_stats`: log-sum-exp ``s`` and, for the entropy, ``E_p[z]`` (one max pass, one exp-sum pass);
+- :func:`row_stats`: log-sum-exp ``s`` and, for the entropy, ``E_p[z]``, in one online pass over each row;
 - :func:`dense_grad`: the dense part of the logit gradient, ``-p * coef`` in the matmul's dtype.
 
-The sparse parts (the one-hot terms of targets and top-N ids) are applied to the hidden and weight gradients
-directly by the caller. On CUDA both functions are compiled once (dynamic shapes); if compiling fails they run
-eager with one warning (without Triton they are not compiled: one warning names the package). Off CUDA they
-run eager (the same arithmetic).
+These were torch.compile'd functions before: inductor's reduction read each row two to three times (0.7 TB/s
+on an H100) and its symbolic temperature cost 4 host syncs per chunk (bench/LOG.md, issue 37). The sparse parts
+(the one-hot terms of targets and top-N ids) are applied to the hidden and weight gradients directly by the
+caller. Off CUDA, or without Triton (one warning names the package), the eager functions below run: the same
+arithmetic.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from asyncgrpo.triton_support import have_triton, warn_missing
-
-logger = logging.getLogger(__name__)
+from asyncgrpo.triton_support import load_kernels
 
 
 def _row_stats(zb: torch.Tensor, temperature: float, want_mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,43 +36,19 @@ def _dense_grad(zb: torch.Tensor, s: torch.Tensor, coef: torch.Tensor, temperatu
     return (p * (-coef / temperature)[:, None]).to(zb.dtype)
 
 
-class _Kernel:
-    """An eager function with a compiled twin on CUDA that falls back to eager on its first failure."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.compiled: Callable[..., Any] | None = None
-        self.floats: Any = None  # trainer/compile.py's constant-floats patch, made with the compiled twin
-        self.failed = False
-
-    def __call__(self, *args: Any) -> Any:
-        if self.failed or not args[0].is_cuda:
-            return self.fn(*args)
-        if self.compiled is None:
-            if not have_triton():  # torch.compile's CUDA code is Triton
-                warn_missing("compiling the LM-head loss kernels")
-                self.failed = True
-                return self.fn(*args)
-            from asyncgrpo.trainer.compile import _constant_floats
-
-            self.compiled = torch.compile(self.fn, dynamic=True)
-            # the temperature traced as a constant: as a symbolic float it reached the graphs as a device scalar
-            # read back with .item(), 4 host syncs per chunk that left the GPU idle ~4 % of a step (bench/LOG.md)
-            self.floats = _constant_floats()
-        try:
-            with self.floats:
-                return self.compiled(*args)
-        except Exception as exc:
-            from asyncgrpo.trainer.compile import _is_compile_error
-
-            if not _is_compile_error(exc):
-                raise
-            self.failed = True
-            logger.warning("compiling the LM-head kernel %s failed (%s); running it eager", self.fn.__name__, exc)
-            return self.fn(*args)
+def _kernels(zb: torch.Tensor):
+    if not zb.is_cuda:
+        return None
+    return load_kernels("asyncgrpo.trainer.head_triton", "the LM-head loss kernels")
 
 
-row_stats = _Kernel(_row_stats)
-"""``(zb [c, V], temperature, want_mean) -> (log-sum-exp [c], E_p[z] [c] or empty)``, fp32 results."""
-dense_grad = _Kernel(_dense_grad)
-"""``(zb [c, V], lse [c], coef [c], temperature) -> -softmax(z) * coef / temperature`` in ``zb``'s dtype."""
+def row_stats(zb: torch.Tensor, temperature: float, want_mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(zb [c, V], temperature, want_mean) -> (log-sum-exp [c], E_p[z] [c] or empty)``, fp32 results."""
+    kernels = _kernels(zb)
+    return kernels.row_stats(zb, temperature, want_mean) if kernels else _row_stats(zb, temperature, want_mean)
+
+
+def dense_grad(zb: torch.Tensor, s: torch.Tensor, coef: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``(zb [c, V], lse [c], coef [c], temperature) -> -softmax(z) * coef / temperature`` in ``zb``'s dtype."""
+    kernels = _kernels(zb)
+    return kernels.dense_grad(zb, s, coef, temperature) if kernels else _dense_grad(zb, s, coef, temperature)
