@@ -336,7 +336,10 @@ def main() -> int:
             if model is None:
                 model = build_model({**QWEN3_COMMON, **overrides} if args.smoke else overrides, device)
                 if args.compile:
-                    settings = CompileSettings(backend=args.compile_backend, memory_budget=args.memory_budget)
+                    budget = (
+                        {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
+                    )  # old checkouts
+                    settings = CompileSettings(backend=args.compile_backend, **budget)
                     compile_decoder_layers(model, settings)  # the trainer's activation_memory_budget, as it sets it
             samples = make_samples(shape, model.config.vocab_size, seed=0)
             r = run_shape(model, samples, args.budget, device, args, args.tree_backends, flat_backend)
