@@ -25,9 +25,10 @@ class SpeedFields:
         metadata={
             "help": "With compiled decoder layers: the share of each layer's activations (0-1) the compiler keeps for "
             "the backward, recomputing the cheapest rest (torch's activation_memory_budget). Set, it takes the place "
-            "of gradient_checkpointing's whole-layer recompute: at the Qwen3-1.7B B2 shape on an H100, 0.5 ran 1.16 "
-            "times as fast as full checkpointing in 2.2 times its memory (21.9 against 10.1 GiB; bench/LOG.md, issue "
-            "37). None: gradient_checkpointing as set. Where the layers run eager it is ignored with a warning."
+            "of gradient_checkpointing's whole-layer recompute: at the Qwen3-1.7B B2 shape on an H100, 0.25 ran 1.10 "
+            "times as fast as full checkpointing in 1.5 times its memory (15.7 against 10.3 GiB), 0.5 1.18 times as "
+            "fast in 2.1 times its memory (bench/LOG.md, issue 37). None: gradient_checkpointing as set. Where the "
+            "layers run eager it is ignored with a warning."
         },
     )
     warm_up_compile: bool = field(
