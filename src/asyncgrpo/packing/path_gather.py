@@ -46,8 +46,9 @@ def path_gather_backward(
 ) -> torch.Tensor:
     """The gradient of :func:`path_gather`'s ``x``: for each row, the sum of the gradients of its copies."""
     num_tokens = offsets.shape[0] - 1
-    kernels = load_kernels("asyncgrpo.packing.path_gather_triton", "the varlen tree's K/V gradient sum") \
-        if grad.is_cuda else None  # fmt: skip
+    kernels = None
+    if grad.is_cuda:
+        kernels = load_kernels("asyncgrpo.packing.path_gather_triton", "the varlen tree's K/V gradient sum")
     if kernels is None:
         out = grad.new_zeros((num_tokens, *grad.shape[1:]))
         return out.index_add_(0, index, grad)

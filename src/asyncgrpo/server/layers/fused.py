@@ -159,6 +159,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def write_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """Scatter ``x`` [T, Hkv, D] into its cache slots (``block * block_size + offset``). Graph-safe: no host sync."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
 def qkv_rope_write(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -190,8 +195,8 @@ def qkv_rope_write(
             q, k = rms_norm_torch(q, *q_norm), rms_norm_torch(k, *k_norm)
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         q, k = _rotate(q, c, s), _rotate(k, c, s)
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        write_slots(k_cache, slot_mapping, k)
+        write_slots(v_cache, slot_mapping, v)
         return q, (k if need_kv else None), (v.contiguous() if need_kv else None)
     qkv = qkv.contiguous()
     q = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
