@@ -25,6 +25,7 @@
 #     # issue 37's change call: B5 main vs this checkout (profiled), B1/B2 profiled, the named GPU tests, one archive
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh issue37s2  # issue 37, second session: B1/B2 this vs main, tests
 #   BASELINE_SRC=.baseline37/src bash bench/gpu_session.sh issue37s2b  # the same after the head kernels, profiled
+#   BASELINE_SRC=.baseline37s3/src bash bench/gpu_session.sh issue37s3  # third session: K/V widened to the query heads
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -108,6 +109,18 @@ for stage in "$@"; do
       for b in 0.5 0.25; do timeout 80 $P --memory-budget $b --tree-backends varlen --shapes G8_P512_C128-1536 \
         --out "$OUT/tree_packing_budget_${b}_h200.json" 2>&1 | tee "$OUT/s2b/budget_$b.log" | grep -v "it/s\]" | tail -5; done
       cp "$OUT/gpus.txt" "$OUT/s2b/"; tar -czf "$OUT/s2b.tgz" -C "$OUT" s2b && rm -rf "$OUT/s2b" ;;
+    issue37s3)  # issue 37, third session: the packing GPU tests (the widened K/V gather), B1/B2 varlen at both shapes
+      # for this checkout (checkpointing off and on, profiled with the idle gaps) then BASELINE_SRC, then B5
+      mkdir -p "$OUT/s3"; P="python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded --tree-backends varlen"
+      ASYNCGRPO_GPU_REPORT=$OUT/packing_gpu.jsonl timeout -s INT -k 20 170 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+        tests/gpu/test_packing_gpu.py 2>&1 | tee "$OUT/s3/gpu_tests.log" | grep -E "passed|failed|Error|widened" | tail -8
+      timeout 230 $P --checkpointing both --max-seconds 190 --profile "$OUT/s3/tree_packing_profile.txt" \
+        --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/s3/tree_packing.log" | grep -v "it/s\]" | tail -20
+      PYTHONPATH=/tmp/site:$(cd "${BASELINE_SRC:?issue37s3 needs BASELINE_SRC}" && pwd) timeout 100 $P --max-seconds 75 \
+        --out "$OUT/tree_packing_baseline_h200.json" 2>&1 | tee "$OUT/s3/tree_packing_baseline.log" | grep -v "it/s\]" | tail -12
+      timeout ${GENERATION_SECONDS:-120} python3 bench/generation.py --no-sweep --out "$OUT/generation_h200.json" 2>&1 \
+        | tee "$OUT/s3/generation.log" | grep -vE "it/s\]|s/it\]" | tail -8
+      cp "$OUT/gpus.txt" "$OUT/s3/"; tar -czf "$OUT/s3.tgz" -C "$OUT" s3 && rm -rf "$OUT/s3" ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}

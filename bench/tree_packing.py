@@ -128,7 +128,7 @@ def profile_once(model, name: str, run_all, path: Path) -> dict:
     of work (``bench/probes/profile_table.py``); returns that summary."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.probes.profile_table import events_of, format_table, summarize
+    from bench.probes.profile_table import events_of, format_table, idle_gaps, spans_of, summarize
 
     model.zero_grad(set_to_none=True)
     cuda = torch.cuda.is_available()
@@ -143,8 +143,15 @@ def profile_once(model, name: str, run_all, path: Path) -> dict:
     )
     ckpt = bool(getattr(model, "is_gradient_checkpointing", False))
     summary = summarize(events_of(prof), 1, wall)
+    summary["gaps"] = idle_gaps(spans_of(prof), 1)  # where the idle share sits on the device's timeline
+    gaps = "\n".join(f"| {g['after']} | {g['before']} | {g['ms_per_step']} | {g['count_per_step']:g} |"
+                      for g in summary["gaps"]["largest"])  # fmt: skip
     with path.open("a") as f:
         f.write(f"\n==== {name} (ckpt={ckpt})\n{table}\n\n{format_table(f'{name} (ckpt={ckpt})', summary)}\n")
+        f.write(
+            f"\nIdle between kernels: {summary['gaps']['gaps_ms']:.2f} ms of a {summary['gaps']['span_ms']:.2f} ms "
+            f"timeline; the largest gaps:\n\n| after | before | ms | count |\n|---|---|---|---|\n{gaps}\n"
+        )
     return summary
 
 

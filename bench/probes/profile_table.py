@@ -105,6 +105,57 @@ def summarize(events: Iterable[Event], steps: int, wall_s: float, top: int = 12)
     }
 
 
+@dataclass(frozen=True)
+class Span:
+    """One kernel on the device's timeline (microseconds)."""
+
+    name: str
+    start_us: float
+    end_us: float
+
+
+def spans_of(prof: Any) -> list[Span]:
+    """The profile's device kernels (and memcpy/memset) in start order."""
+    out = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CPU"):
+            continue
+        out.append(Span(e.name, float(e.time_range.start), float(e.time_range.end)))
+    return sorted(out, key=lambda s: s.start_us)
+
+
+def idle_gaps(spans: list[Span], steps: int, min_us: float = 20.0, top: int = 8) -> dict[str, Any]:
+    """Where the device idles between kernels: all gaps summed, the gaps of at least ``min_us`` summed, and those
+    grouped by the kernels on either side (largest total first), per step. The time before the first kernel and
+    after the last is the wall time less ``span_ms``."""
+    steps = max(steps, 1)
+    total = big = 0.0
+    groups: dict[tuple[str, str], list[float]] = {}
+    end = spans[0].end_us if spans else 0.0
+    prev = spans[0].name if spans else ""
+    for s in spans[1:]:
+        gap = s.start_us - end
+        if gap > 0:
+            total += gap
+            if gap >= min_us:
+                big += gap
+                g = groups.setdefault((prev[:60], s.name[:60]), [0.0, 0])
+                g[0] += gap
+                g[1] += 1
+        if s.end_us >= end:
+            end, prev = s.end_us, s.name
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "span_ms": (end - spans[0].start_us) / 1e3 / steps if spans else 0.0,
+        "gaps_ms": total / 1e3 / steps,
+        f"gaps_over_{min_us:g}us_ms": big / 1e3 / steps,
+        "largest": [
+            {"after": a, "before": b, "ms_per_step": round(t / 1e3 / steps, 3), "count_per_step": n / steps}
+            for (a, b), (t, n) in ranked
+        ],
+    }
+
+
 def _is_runtime(name: str) -> bool:
     """CUDA runtime calls and the profiler's own rows: host time, but no work of the model."""
     return name.startswith(("cuda", "cu", "ProfilerStep", "[memory]")) or name in SYNCS

@@ -200,3 +200,42 @@ def test_the_varlen_gather_backward_sums_copies_like_index_add_and_says_how_fast
                     .index_add_(0, plan.kv_index, grad))  # fmt: skip
     _report({"varlen_kv_grad_sum_ms": ours, "bf16_index_add_ms": atomics, "paths_rows": plan.kv_index.numel(),
              "tokens": row.num_tokens})  # fmt: skip
+
+
+def test_the_widened_gather_sums_heads_and_copies_in_one_pass_and_says_how_fast():
+    """K/V widened to 16 query heads from 8 (Qwen3-1.7B's GQA), G=16 bench row: the one-pass sum over copies and
+    heads against fp32 ``index_add`` of the head sums; timed against what it replaces, torch's strided head sum (as
+    FlashAttention's GQA backward runs it) followed by the copy sum."""
+    from asyncgrpo.packing.attention import _varlen_plan
+    from asyncgrpo.packing.path_gather import path_gather, path_gather_backward
+
+    samples = grpo_samples(1, 16, prompt_len=2048, completion_len=(256, 1024), vocab_size=VOCAB, seed=2)
+    row = pack_samples(samples)
+    plan = _varlen_plan(row, torch.device("cuda"))
+    gather = (plan.kv_index, plan.kv_order, plan.kv_offsets)
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(row.num_tokens, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert torch.equal(path_gather(x, *gather, 2), x[plan.kv_index].repeat_interleave(2, dim=1))
+    grad = torch.randn(plan.kv_index.numel(), 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    heads = grad.float().unflatten(1, (8, 2)).sum(2)
+    want = torch.zeros(row.num_tokens, 8, 128, device="cuda").index_add_(0, plan.kv_index, heads)
+    got = path_gather_backward(grad, *gather, 2)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() <= 1e-2
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+    one_pass = timed(lambda: path_gather_backward(grad, *gather, 2))
+    two_pass = timed(lambda: path_gather_backward(grad.unflatten(1, (8, 2)).sum(2), *gather))
+    _report({"widened_kv_grad_sum_ms": one_pass, "head_sum_then_copy_sum_ms": two_pass,
+             "paths_rows": plan.kv_index.numel(), "tokens": row.num_tokens})  # fmt: skip
+    assert one_pass < two_pass

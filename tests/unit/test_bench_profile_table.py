@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.probes.profile_table import Event, category, events_of, format_table, summarize
+from bench.probes.profile_table import Event, Span, category, events_of, format_table, idle_gaps, spans_of, summarize
 
 
 def test_names_fall_into_their_categories():
@@ -55,3 +55,35 @@ def test_a_cpu_profile_is_summed_by_operator():
     assert s["clock"] == "cpu" and s["ms_per_step"]["gemm"] > 0
     assert s["per_step"]["syncs"] == 1.0  # one aten::item a step
     assert s["busy_ms_per_step"] == pytest.approx(sum(s["ms_per_step"].values()), rel=1e-3)
+
+
+def test_idle_gaps_sum_the_spaces_between_kernels_and_name_the_largest():
+    spans = [
+        Span("gemm_a", 0.0, 100.0),
+        Span("norm", 105.0, 110.0),  # 5 us after gemm_a: counted in all gaps, below the 20 us floor
+        Span("side_stream", 106.0, 130.0),  # overlaps: the timeline ends at 130 now
+        Span("gemm_b", 180.0, 200.0),  # 50 us after side_stream
+        Span("gemm_a", 300.0, 310.0),  # 100 us after gemm_b
+        Span("norm", 340.0, 350.0),  # 30 us
+        Span("side_stream", 390.0, 400.0),  # 40 us after norm, again
+    ]
+    g = idle_gaps(spans, steps=2)
+    assert g["span_ms"] == pytest.approx(400 / 1e3 / 2)
+    assert g["gaps_ms"] == pytest.approx((5 + 50 + 100 + 30 + 40) / 1e3 / 2)
+    assert g["gaps_over_20us_ms"] == pytest.approx((50 + 100 + 30 + 40) / 1e3 / 2)
+    top = g["largest"][0]
+    assert (top["after"], top["before"], top["count_per_step"]) == ("gemm_b", "gemm_a", 0.5)
+    assert [(x["after"], x["before"]) for x in g["largest"]][1:] == [
+        ("side_stream", "gemm_b"),
+        ("norm", "side_stream"),
+        ("gemm_a", "norm"),
+    ]
+
+
+def test_a_cpu_profile_has_no_device_spans():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    assert spans_of(prof) == []
+    assert idle_gaps([], steps=1)["gaps_ms"] == 0.0

@@ -15,7 +15,8 @@ Backends (``TreeAttentionPlan.backend``):
   128-token block granularity; CUDA. Fastest in the H200 measurements.
 - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention inside
   torch) with one variable-length sequence per trie segment whose keys/values are
-  the gathered tokens of the segment's root-to-leaf path; CUDA, bf16/fp16.
+  the gathered tokens of the segment's root-to-leaf path, widened to the query heads
+  (``path_gather.py`` says why); CUDA, bf16/fp16.
 
 A mask function is registered under the same name so transformers does not
 build a dense mask for packed rows; for ordinary (unpacked) calls without a plan
@@ -24,7 +25,6 @@ the model falls back to transformers' SDPA attention with its usual mask.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -170,11 +170,11 @@ def flex_block_mask(end: torch.Tensor) -> Any:
 def _varlen_plan(row: PackedRow, device: torch.device) -> TreeAttentionPlan:
     """One varlen sequence per segment: queries = its tokens, keys = its root-to-leaf path.
 
-    The kernel's one-off signature probe is answered here, eager, before any layer runs the plan: inside a
-    compiled layer it would break tracing. Not earlier: importing the kernel's module registers its custom ops,
-    1.2-1.8 s of a run's start that runs with FlexAttention never needs (bench/LOG.md, issue 41)."""
+    The kernel's module is imported here, eager, before any layer runs the plan: inside a compiled layer the
+    import would break tracing. Not earlier: importing it registers its custom ops, 1.2-1.8 s of a run's start
+    that runs with FlexAttention never needs (bench/LOG.md, issue 41)."""
     try:
-        _varlen_has_gqa_flag()
+        _load_varlen()
     except ImportError as exc:
         raise ValueError(
             f"tree attention backend 'varlen' needs torch.nn.attention.varlen, which torch {torch.__version__} "
@@ -222,35 +222,33 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Tre
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
-    from torch.nn.attention.varlen import varlen_attn
-
+    varlen_attn = _load_varlen()
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(
             f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}"
         )
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
-    gather = (plan.kv_index, plan.kv_order, plan.kv_offsets)
-    k = path_gather(key[0].transpose(0, 1), *gather)  # [sum paths, H_kv, D]
+    # K/V widened to the query heads: FlashAttention's own GQA reduction of dK/dV is slow (path_gather.py)
+    repeat = q.shape[1] // key.shape[1]
+    gather = (plan.kv_index, plan.kv_order, plan.kv_offsets, repeat)
+    k = path_gather(key[0].transpose(0, 1), *gather)  # [sum paths, H, D]
     v = path_gather(value[0].transpose(0, 1), *gather)
-    extra = {"enable_gqa": True} if _varlen_has_gqa_flag() and q.shape[1] != k.shape[1] else {}
     # window (-1, 0) = causal aligned to the bottom right: a segment's queries are the last keys of its path
-    out = varlen_attn(
-        q, k, v, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, scale=scale, window_size=(-1, 0), **extra
-    )
+    out = varlen_attn(q, k, v, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, scale=scale, window_size=(-1, 0))
     return out.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
 
 
-_VARLEN_GQA: bool | None = None
+_VARLEN_ATTN: Any = None
 
 
-def _varlen_has_gqa_flag() -> bool:
-    """torch >= 2.12 asks for ``enable_gqa=True``; 2.11's kernel takes fewer K/V heads as they are."""
-    global _VARLEN_GQA
-    if _VARLEN_GQA is None:
+def _load_varlen() -> Any:
+    """``torch.nn.attention.varlen.varlen_attn``, imported once (ImportError on a torch without it)."""
+    global _VARLEN_ATTN
+    if _VARLEN_ATTN is None:
         from torch.nn.attention.varlen import varlen_attn
 
-        _VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
-    return _VARLEN_GQA
+        _VARLEN_ATTN = varlen_attn
+    return _VARLEN_ATTN
 
 
 def tree_attention_forward(

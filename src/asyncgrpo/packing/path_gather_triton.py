@@ -12,26 +12,34 @@ BLOCK_VALUES = 1024  # values of a row one program sums (a bf16 K row of 8 heads
 
 
 @triton.jit
-def _sum_copies_kernel(grad_ptr, order_ptr, offsets_ptr, out_ptr, width, BLOCK: tl.constexpr):
+def _sum_copies_kernel(
+    grad_ptr, order_ptr, offsets_ptr, out_ptr, width, head_dim, REPEAT: tl.constexpr, BLOCK: tl.constexpr
+):
     token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # of the output row: head h, value d at h * head_dim + d
     mask = cols < width
+    src_cols = cols + (cols // head_dim) * (REPEAT - 1) * head_dim  # repeat 0 of head h in the widened row
     lo = tl.load(offsets_ptr + token)
     hi = tl.load(offsets_ptr + token + 1)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(lo, hi):
-        src = tl.load(order_ptr + i).to(tl.int64)
-        acc += tl.load(grad_ptr + src * width + cols, mask=mask, other=0.0).to(tl.float32)
+        row = grad_ptr + tl.load(order_ptr + i).to(tl.int64) * width * REPEAT
+        for r in tl.static_range(REPEAT):
+            acc += tl.load(row + src_cols + r * head_dim, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_copies(grad: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum of grad[order[offsets[t]:offsets[t + 1]]]`` in fp32, written once per row."""
+def sum_copies(grad: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """``out[t, h] = sum over i in order[offsets[t]:offsets[t + 1]] and r < repeat of grad[i, h * repeat + r]``
+    in fp32, written once per row; ``grad`` is [P, H * repeat, ...]."""
     num_tokens = offsets.shape[0] - 1
-    out = torch.empty((num_tokens, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-    width = math.prod(grad.shape[1:])
+    heads = grad.shape[1] // repeat
+    out = torch.empty((num_tokens, heads, *grad.shape[2:]), dtype=grad.dtype, device=grad.device)
+    width = math.prod(out.shape[1:])
     if num_tokens == 0 or width == 0:
         return out
+    head_dim = width // heads
     block = min(BLOCK_VALUES, triton.next_power_of_2(width))
-    _sum_copies_kernel[(num_tokens, triton.cdiv(width, block))](grad, order, offsets, out, width, BLOCK=block)
+    grid = (num_tokens, triton.cdiv(width, block))
+    _sum_copies_kernel[grid](grad, order, offsets, out, width, head_dim, REPEAT=repeat, BLOCK=block)
     return out

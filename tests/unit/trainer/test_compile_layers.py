@@ -146,11 +146,11 @@ def test_compiling_the_layers_leaves_the_varlen_kernel_unimported(tmp_path):
 
 
 def test_a_varlen_plan_answers_the_kernels_probe(monkeypatch):
-    """The probe is answered eagerly by the plan a varlen row runs with, before the layers trace it."""
+    """The kernel's module is imported eagerly by the plan a varlen row runs with, before the layers trace it."""
     pytest.importorskip("torch.nn.attention.varlen")
     from asyncgrpo.packing import attention
 
-    monkeypatch.setattr(attention, "_VARLEN_GQA", None)
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", None)
     row = pack_samples(random_tree_samples(np.random.default_rng(0), vocab_size=VOCAB, num_groups=2))
     plan = attention._varlen_plan(row, torch.device("cpu"))
-    assert plan.backend == "varlen" and attention._VARLEN_GQA is not None
+    assert plan.backend == "varlen" and attention._VARLEN_ATTN is not None
