@@ -214,7 +214,7 @@ def test_the_widened_gather_sums_heads_and_copies_in_one_pass_and_says_how_fast(
     plan = _varlen_plan(row, torch.device("cuda"))
     gather = (plan.kv_index, plan.kv_order, plan.kv_offsets)
     g = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(row.num_tokens, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(8, row.num_tokens, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(0, 1)
     assert torch.equal(path_gather(x, *gather, 2), x[plan.kv_index].repeat_interleave(2, dim=1))
     grad = torch.randn(plan.kv_index.numel(), 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     heads = grad.float().unflatten(1, (8, 2)).sum(2)
@@ -236,6 +236,9 @@ def test_the_widened_gather_sums_heads_and_copies_in_one_pass_and_says_how_fast(
 
     one_pass = timed(lambda: path_gather_backward(grad, *gather, 2))
     two_pass = timed(lambda: path_gather_backward(grad.unflatten(1, (8, 2)).sum(2), *gather))
+    widened = timed(lambda: path_gather(x, *gather, 2))
+    expanded_view = timed(lambda: x.unsqueeze(2).expand(-1, 8, 2, 128).index_select(0, plan.kv_index))
     _report({"widened_kv_grad_sum_ms": one_pass, "head_sum_then_copy_sum_ms": two_pass,
+             "widened_gather_ms": widened, "expanded_view_index_select_ms": expanded_view,
              "paths_rows": plan.kv_index.numel(), "tokens": row.num_tokens})  # fmt: skip
-    assert one_pass < two_pass
+    assert one_pass < two_pass and widened < expanded_view

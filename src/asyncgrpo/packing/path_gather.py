@@ -11,6 +11,8 @@ varlen backward with fewer key heads writes query-head-sized dK/dV and sums them
 that runs at a fifth of the bandwidth (23 ms of the step at G = 16, bench/LOG.md issue 37); given K/V already
 widened, it writes dK/dV as they are, and the sum over the heads joins the sum over the copies here, in one pass.
 The price: the widened K/V that FlashAttention saves for its backward (``repeat`` x the gathered K/V's memory).
+On CUDA the widened gather is a Triton kernel too: ``index_select`` on the expanded view ran as a generic strided
+gather that cost as much as the reduction saved.
 
 Both directions are custom ops, opaque to ``torch.compile``: the compiled decoder layers call them as they are,
 with no recompiles for rows of new shapes.
@@ -43,6 +45,10 @@ def path_gather(
     ([P, H * repeat, D], as ``repeat_interleave`` on dim 1); the backward sums each row's copies in one pass."""
     if repeat == 1:
         return x.index_select(0, index)
+    if x.is_cuda:
+        kernels = load_kernels("asyncgrpo.packing.path_gather_triton", "the varlen tree's K/V gather")
+        if kernels is not None:
+            return kernels.gather_widened(x, index, repeat)
     tokens, heads, dim = x.shape
     widened = x.unsqueeze(2).expand(tokens, heads, repeat, dim)  # a view: the gather reads each head repeat times
     return widened.index_select(0, index).view(index.shape[0], heads * repeat, dim)

@@ -61,15 +61,18 @@ import sys, torch
 from asyncgrpo.packing import path_gather_triton
 d = torch.load(sys.argv[1] + "/in.pt")
 out = {r: path_gather_triton.sum_copies(d["grad"], d["order"], d["offsets"], r) for r in (1, 2)}
+out["gather"] = path_gather_triton.gather_widened(d["x"].transpose(0, 1), d["index"], 3)
 torch.save(out, sys.argv[1] + "/out.pt")
 """
 
 
-def test_the_triton_sum_matches_index_add(tmp_path):
+def test_the_triton_kernels_match_index_add_and_repeat_interleave(tmp_path):
     pytest.importorskip("triton")
     num_tokens, plan = _plan()
     grad = torch.randn(plan.kv_index.numel(), 6, 40).bfloat16()  # 240 values a row: a masked block
-    torch.save({"grad": grad, "order": plan.kv_order, "offsets": plan.kv_offsets}, tmp_path / "in.pt")
+    x = torch.randn(3, num_tokens, 40).bfloat16()  # [H, T, D]: gathered as [T, H, D] through its strides
+    inputs = {"grad": grad, "order": plan.kv_order, "offsets": plan.kv_offsets, "x": x, "index": plan.kv_index}
+    torch.save(inputs, tmp_path / "in.pt")
     done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -79,3 +82,4 @@ def test_the_triton_sum_matches_index_add(tmp_path):
         want = torch.zeros(num_tokens, 6 // repeat, 40).index_add_(0, plan.kv_index, per_head)  # fp32, as the kernel
         assert got[repeat].dtype == torch.bfloat16 and got[repeat].shape == want.shape
         assert torch.allclose(got[repeat].float(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(got["gather"], x.transpose(0, 1)[plan.kv_index].repeat_interleave(3, dim=1))
