@@ -168,6 +168,19 @@ def test_logprobs_peak_memory_bounded_on_cuda():
     assert extra_bytes[-1] - extra_bytes[0] < 2**30
 
 
+def _timed(fn) -> float:
+    """Milliseconds per call of ``fn`` (CUDA events over 20 calls, after 3)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20
+
+
 def test_the_varlen_gather_backward_sums_copies_like_index_add_and_says_how_fast():
     """A G=16 group with a 2,048-token prompt (bench shape): the K/V-gradient sum over each token's path copies
     against an fp32 ``index_add``; prints both kernels' times (CUDA events) for bench/LOG.md."""
@@ -184,19 +197,8 @@ def test_the_varlen_gather_backward_sums_copies_like_index_add_and_says_how_fast
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).abs().max() / want.abs().max()).item() <= 1e-2
 
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-
-    ours = timed(lambda: path_gather_backward(grad, plan.kv_index, plan.kv_order, plan.kv_offsets))
-    atomics = timed(lambda: torch.zeros(row.num_tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
+    ours = _timed(lambda: path_gather_backward(grad, plan.kv_index, plan.kv_order, plan.kv_offsets))
+    atomics = _timed(lambda: torch.zeros(row.num_tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
                     .index_add_(0, plan.kv_index, grad))  # fmt: skip
     _report({"varlen_kv_grad_sum_ms": ours, "bf16_index_add_ms": atomics, "paths_rows": plan.kv_index.numel(),
              "tokens": row.num_tokens})  # fmt: skip
@@ -223,21 +225,10 @@ def test_the_widened_gather_sums_heads_and_copies_in_one_pass_and_says_how_fast(
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert ((got.float() - want).abs().max() / want.abs().max()).item() <= 1e-2
 
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-
-    one_pass = timed(lambda: path_gather_backward(grad, *gather, 2))
-    two_pass = timed(lambda: path_gather_backward(grad.unflatten(1, (8, 2)).sum(2), *gather))
-    widened = timed(lambda: path_gather(x, *gather, 2))
-    expanded_view = timed(lambda: x.unsqueeze(2).expand(-1, 8, 2, 128).index_select(0, plan.kv_index))
+    one_pass = _timed(lambda: path_gather_backward(grad, *gather, 2))
+    two_pass = _timed(lambda: path_gather_backward(grad.unflatten(1, (8, 2)).sum(2), *gather))
+    widened = _timed(lambda: path_gather(x, *gather, 2))
+    expanded_view = _timed(lambda: x.unsqueeze(2).expand(-1, 8, 2, 128).index_select(0, plan.kv_index))
     _report({"widened_kv_grad_sum_ms": one_pass, "head_sum_then_copy_sum_ms": two_pass,
              "widened_gather_ms": widened, "expanded_view_index_select_ms": expanded_view,
              "paths_rows": plan.kv_index.numel(), "tokens": row.num_tokens})  # fmt: skip
