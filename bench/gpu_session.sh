@@ -26,6 +26,7 @@
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh issue37s2  # issue 37, second session: B1/B2 this vs main, tests
 #   BASELINE_SRC=.baseline37/src bash bench/gpu_session.sh issue37s2b  # the same after the head kernels, profiled
 #   BASELINE_SRC=.baseline37s3/src bash bench/gpu_session.sh issue37s3  # third session: K/V widened to the query heads
+#   bash bench/gpu_session.sh attention-kernels    # issue 37: FlashAttention 2 vs cuDNN ragged attention on the B1/B2 rows
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -121,6 +122,10 @@ for stage in "$@"; do
       timeout ${GENERATION_SECONDS:-120} python3 bench/generation.py --no-sweep --out "$OUT/generation_h200.json" 2>&1 \
         | tee "$OUT/s3/generation.log" | grep -vE "it/s\]|s/it\]" | tail -8
       cp "$OUT/gpus.txt" "$OUT/s3/"; tar -czf "$OUT/s3.tgz" -C "$OUT" s3 && rm -rf "$OUT/s3" ;;
+    attention-kernels)  # issue 37: torch's FlashAttention 2 (key heads / widened) against cuDNN's ragged attention,
+      # alone, on the B1/B2 rows (bench/probes/attention_kernels.py; about a minute)
+      timeout 240 python3 bench/probes/attention_kernels.py --out "$OUT/attention_kernels_h200.json" 2>&1 \
+        | tee "$OUT/attention_kernels.log" | tail -20 ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}
