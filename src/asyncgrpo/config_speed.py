@@ -7,6 +7,9 @@ issue 41) and off elsewhere, where eager stays the safe choice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+TREE_ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa")  # packing/attention.py's BACKENDS
 
 
 @dataclass
@@ -31,6 +34,17 @@ class SpeedFields:
             "layers run eager it is ignored with a warning."
         },
     )
+    tree_attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "The kernel of the packed rows' tree attention: 'flex' (FlexAttention with a block mask from the "
+            "trie), 'varlen' (FlashAttention over each segment's gathered root-to-leaf path; bf16/fp16), 'sdpa' (an "
+            "explicit mask; any device, memory quadratic in the row) or 'auto' (flex on CUDA with Triton, sdpa "
+            "elsewhere). Which wins depends on the shape: compiled, flex ran a 135M model's ~1k-token step in 68 "
+            "against 100 ms on an H200; varlen ran Qwen3-1.7B's 14k-token rows at 51.7 against flex's 47.5 percent "
+            "MFU in one run on an H100 (bench/LOG.md, issues 41 and 37). Rows small enough for cuda_graph_step run flex in the graphs."
+        },
+    )
     warm_up_compile: bool = field(
         default=True,
         metadata={
@@ -52,3 +66,12 @@ class SpeedFields:
             )
         },
     )
+
+
+def speed_field_problems(cfg: Any) -> list[str]:
+    """Invalid values of the fields above, each with its fix (``config_checks.config_problems``)."""
+    if cfg.tree_attention_backend not in TREE_ATTENTION_BACKENDS:
+        return [
+            f"tree_attention_backend={cfg.tree_attention_backend!r}: must be one of {', '.join(TREE_ATTENTION_BACKENDS)}"
+        ]
+    return []

@@ -98,17 +98,7 @@ def build_plan(
         ValueError: for an unknown backend, a CUDA-only backend on another device, or flex without Triton.
     """
     device = torch.device(device) if device is not None else row.input_ids.device
-    if backend not in BACKENDS:
-        raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
-    if backend == "auto":
-        backend = "flex" if device.type == "cuda" else "sdpa"
-        if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
-            warn_missing("tree attention (FlexAttention)")
-            backend = "sdpa"
-    if backend in ("flex", "varlen") and device.type != "cuda":
-        raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use backend='sdpa'")
-    if backend == "flex" and not have_triton():
-        raise ValueError(f"tree attention backend 'flex' needs Triton on CUDA: {INSTALL_HINT}; or use 'varlen'")
+    backend = resolve_backend(backend, device)
     total = row.num_tokens
     end = row.subtree_end.to(device)
     if backend == "sdpa":
@@ -120,6 +110,24 @@ def build_plan(
     if linear_attention:
         plan.linear = build_linear_plan(row, device, linear_chunk)
     return plan
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The backend ``build_plan`` runs for ``backend`` on ``device``: "auto" made concrete (flex on CUDA with Triton,
+    sdpa elsewhere); ValueError, saying what to choose, for an unknown one or one the device cannot run."""
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" else "sdpa"
+        if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
+            warn_missing("tree attention (FlexAttention)")
+            backend = "sdpa"
+    if backend in ("flex", "varlen") and device.type != "cuda":
+        raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use 'sdpa' or 'auto'")
+    if backend == "flex" and not have_triton():
+        raise ValueError(f"tree attention backend 'flex' needs Triton on CUDA: {INSTALL_HINT}; or use 'varlen'")
+    return backend
 
 
 def dense_tree_mask(end: torch.Tensor) -> torch.Tensor:
