@@ -37,12 +37,10 @@ class SpeedFields:
     tree_attention_backend: str = field(
         default="auto",
         metadata={
-            "help": "The kernel of the packed rows' tree attention: 'flex' (FlexAttention with a block mask from the "
-            "trie), 'varlen' (FlashAttention over each segment's gathered root-to-leaf path; bf16/fp16), 'sdpa' (an "
-            "explicit mask; any device, memory quadratic in the row) or 'auto' (flex on CUDA with Triton, sdpa "
-            "elsewhere). Which wins depends on the shape: compiled, flex ran a 135M model's ~1k-token step in 68 "
-            "against 100 ms on an H200; varlen ran Qwen3-1.7B's 14k-token rows at 51.7 against flex's 47.5 percent "
-            "MFU in one run on an H100 (bench/LOG.md, issues 41 and 37). Rows small enough for cuda_graph_step run flex in the graphs."
+            "help": "The packed rows' tree-attention kernel: 'flex' (FlexAttention), 'varlen' (FlashAttention over "
+            "gathered trie paths), 'sdpa' (an explicit mask, any device) or 'auto' (flex on CUDA with Triton, else "
+            "sdpa). flex wins on short rows, varlen on long ones: 51.7 against 47.5 percent MFU on Qwen3-1.7B's "
+            "14k-token rows on an H100 (bench/LOG.md, issue 37)."
         },
     )
     warm_up_compile: bool = field(

@@ -231,9 +231,15 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Tre
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
     varlen_attn = _load_varlen()
+    device = query.device.type
+    if query.dtype not in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(device):
+        # fp32 weights under bf16 autocast: rotary embeddings promote q/k back to fp32; SDPA would be cast by autocast
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(
-            f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}"
+            f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}: load "
+            "the model in bf16, train under bf16 autocast (bf16=True), or use 'flex'"
         )
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     # K/V widened to the query heads: FlashAttention's own GQA reduction of dK/dV is slow (path_gather.py)
