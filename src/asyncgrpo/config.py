@@ -62,7 +62,7 @@ FIELD_SECTIONS: dict[str, tuple[str, ...]] = {
     "loss and packing": (
         "loss_type", "importance_sampling_level", "scale_rewards", "vllm_importance_sampling_correction",
         "vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "epsilon", "epsilon_high", "score_centering", "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget", "compile_decoder_layers", "activation_memory_budget", "warm_up_compile", "cuda_graph_step",
+        "vllm_importance_sampling_clip_max", "num_sampler_logprobs", "token_budget", "compile_decoder_layers", "activation_memory_budget", "tree_attention_backend", "warm_up_compile", "cuda_graph_step",
     ),
     "asynchronous pipeline": (
         "max_concurrent_rollouts", "answer_parse_processes", "max_staleness", "sync_rollouts", "weight_sync_steps",

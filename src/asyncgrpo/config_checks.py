@@ -13,6 +13,7 @@ from typing import Any
 from asyncgrpo.config_data import data_problems
 from asyncgrpo.config_loss import loss_field_problems
 from asyncgrpo.config_moe import moe_replay_problems
+from asyncgrpo.config_speed import speed_field_problems
 from asyncgrpo.config_trl import resolve_trl_aliases
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -58,6 +59,7 @@ def config_problems(cfg: Any) -> list[str]:
     p += _pipeline_problems(cfg)
     p += _unsupported_problems(cfg)
     p += moe_replay_problems(cfg)
+    p += speed_field_problems(cfg)
     return p
 
 

@@ -7,6 +7,9 @@ issue 41) and off elsewhere, where eager stays the safe choice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+TREE_ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa")  # packing/attention.py's BACKENDS
 
 
 @dataclass
@@ -31,6 +34,15 @@ class SpeedFields:
             "layers run eager it is ignored with a warning."
         },
     )
+    tree_attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "The packed rows' tree-attention kernel: 'flex' (FlexAttention), 'varlen' (FlashAttention over "
+            "gathered trie paths), 'sdpa' (an explicit mask, any device) or 'auto' (flex on CUDA with Triton, else "
+            "sdpa). flex wins on short rows, varlen on long ones: 51.7 against 47.5 percent MFU on Qwen3-1.7B's "
+            "14k-token rows on an H100 (bench/LOG.md, issue 37)."
+        },
+    )
     warm_up_compile: bool = field(
         default=True,
         metadata={
@@ -52,3 +64,12 @@ class SpeedFields:
             )
         },
     )
+
+
+def speed_field_problems(cfg: Any) -> list[str]:
+    """Invalid values of the fields above, each with its fix (``config_checks.config_problems``)."""
+    if cfg.tree_attention_backend not in TREE_ATTENTION_BACKENDS:
+        return [
+            f"tree_attention_backend={cfg.tree_attention_backend!r}: must be one of {', '.join(TREE_ATTENTION_BACKENDS)}"
+        ]
+    return []

@@ -200,3 +200,13 @@ def test_activation_memory_budget_is_a_share():
     assert _config(activation_memory_budget=0.5).activation_memory_budget == 0.5
     with pytest.raises(ValueError, match=r"activation_memory_budget=1.5: must be in \[0, 1\]"):
         _config(activation_memory_budget=1.5)
+
+
+def test_tree_attention_backend_is_one_the_packer_knows():
+    from asyncgrpo.config_speed import TREE_ATTENTION_BACKENDS
+    from asyncgrpo.packing.attention import BACKENDS
+
+    assert set(TREE_ATTENTION_BACKENDS) == set(BACKENDS)
+    assert _config(tree_attention_backend="varlen").tree_attention_backend == "varlen"
+    with pytest.raises(ValueError, match="tree_attention_backend='fast': must be one of auto, flex, varlen, sdpa"):
+        _config(tree_attention_backend="fast")

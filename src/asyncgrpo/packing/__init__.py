@@ -11,6 +11,7 @@ from asyncgrpo.packing.attention import (
     build_plan,
     packed_hidden_states,
     register_tree_attention,
+    resolve_backend,
     use_tree_attention,
 )
 from asyncgrpo.packing.planner import (
@@ -44,5 +45,6 @@ __all__ = [
     "packed_hidden_states",
     "plan_step",
     "register_tree_attention",
+    "resolve_backend",
     "use_tree_attention",
 ]

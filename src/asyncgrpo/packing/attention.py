@@ -98,17 +98,7 @@ def build_plan(
         ValueError: for an unknown backend, a CUDA-only backend on another device, or flex without Triton.
     """
     device = torch.device(device) if device is not None else row.input_ids.device
-    if backend not in BACKENDS:
-        raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
-    if backend == "auto":
-        backend = "flex" if device.type == "cuda" else "sdpa"
-        if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
-            warn_missing("tree attention (FlexAttention)")
-            backend = "sdpa"
-    if backend in ("flex", "varlen") and device.type != "cuda":
-        raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use backend='sdpa'")
-    if backend == "flex" and not have_triton():
-        raise ValueError(f"tree attention backend 'flex' needs Triton on CUDA: {INSTALL_HINT}; or use 'varlen'")
+    backend = resolve_backend(backend, device)
     total = row.num_tokens
     end = row.subtree_end.to(device)
     if backend == "sdpa":
@@ -120,6 +110,24 @@ def build_plan(
     if linear_attention:
         plan.linear = build_linear_plan(row, device, linear_chunk)
     return plan
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The backend ``build_plan`` runs for ``backend`` on ``device``: "auto" made concrete (flex on CUDA with Triton,
+    sdpa elsewhere); ValueError, saying what to choose, for an unknown one or one the device cannot run."""
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" else "sdpa"
+        if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
+            warn_missing("tree attention (FlexAttention)")
+            backend = "sdpa"
+    if backend in ("flex", "varlen") and device.type != "cuda":
+        raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use 'sdpa' or 'auto'")
+    if backend == "flex" and not have_triton():
+        raise ValueError(f"tree attention backend 'flex' needs Triton on CUDA: {INSTALL_HINT}; or use 'varlen'")
+    return backend
 
 
 def dense_tree_mask(end: torch.Tensor) -> torch.Tensor:
@@ -223,9 +231,15 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Tre
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
     varlen_attn = _load_varlen()
+    device = query.device.type
+    if query.dtype not in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(device):
+        # fp32 weights under bf16 autocast: rotary embeddings promote q/k back to fp32; SDPA would be cast by autocast
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(
-            f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}"
+            f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}: load "
+            "the model in bf16, train under bf16 autocast (bf16=True), or use 'flex'"
         )
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     # K/V widened to the query heads: FlashAttention's own GQA reduction of dK/dV is slow (path_gather.py)

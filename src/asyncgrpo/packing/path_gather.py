@@ -20,6 +20,8 @@ with no recompiles for rows of new shapes.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from asyncgrpo.triton_support import load_kernels
@@ -37,6 +39,13 @@ def path_order(kv_index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, t
     return order, offsets
 
 
+def _kernels(t: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels for a CUDA tensor (None on CPU, or after one warning without Triton)."""
+    if not t.is_cuda:
+        return None
+    return load_kernels("asyncgrpo.packing.path_gather_triton", "the varlen tree's K/V gather and its gradient sum")
+
+
 @torch.library.custom_op("asyncgrpo::path_gather", mutates_args=())
 def path_gather(
     x: torch.Tensor, index: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, repeat: int = 1
@@ -45,10 +54,9 @@ def path_gather(
     ([P, H * repeat, D], as ``repeat_interleave`` on dim 1); the backward sums each row's copies in one pass."""
     if repeat == 1:
         return x.index_select(0, index)
-    if x.is_cuda:
-        kernels = load_kernels("asyncgrpo.packing.path_gather_triton", "the varlen tree's K/V gather")
-        if kernels is not None:
-            return kernels.gather_widened(x, index, repeat)
+    kernels = _kernels(x)
+    if kernels is not None:
+        return kernels.gather_widened(x, index, repeat)
     tokens, heads, dim = x.shape
     widened = x.unsqueeze(2).expand(tokens, heads, repeat, dim)  # a view: the gather reads each head repeat times
     return widened.index_select(0, index).view(index.shape[0], heads * repeat, dim)
@@ -64,15 +72,11 @@ def path_gather_backward(
     grad: torch.Tensor, index: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, repeat: int = 1
 ) -> torch.Tensor:
     """The gradient of :func:`path_gather`'s ``x``: for each row and head, the sum over its copies and repeats."""
-    num_tokens = offsets.shape[0] - 1
-    heads = grad.shape[1] // repeat
-    kernels = None
-    if grad.is_cuda:
-        kernels = load_kernels("asyncgrpo.packing.path_gather_triton", "the varlen tree's K/V gradient sum")
+    kernels = _kernels(grad)
     if kernels is None:
         if repeat > 1:
-            grad = grad.unflatten(1, (heads, repeat)).sum(2)
-        out = grad.new_zeros((num_tokens, *grad.shape[1:]))
+            grad = grad.unflatten(1, (grad.shape[1] // repeat, repeat)).sum(2)
+        out = grad.new_zeros((offsets.shape[0] - 1, *grad.shape[1:]))
         return out.index_add_(0, index, grad)
     return kernels.sum_copies(grad.contiguous(), order, offsets, repeat)
 

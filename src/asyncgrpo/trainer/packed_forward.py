@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.packing import PackedRow, TreeAttentionPlan
+from asyncgrpo.packing import PackedRow, TreeAttentionPlan, resolve_backend
 from asyncgrpo.packing.deltanet import needs_linear_plan
 from asyncgrpo.packing.linear_attention import build_linear_plan
 
@@ -38,6 +38,15 @@ class PackedForward:
     hidden: torch.Tensor
     head_weight: torch.Tensor
     anchor: torch.Tensor
+
+
+def tree_backend_of(args: Any) -> str:
+    """The tree-attention kernel the steps run: ``args.tree_attention_backend`` made concrete for ``args.device``;
+    one the device cannot run is refused when the trainer is built, not at the first step."""
+    try:
+        return resolve_backend(args.tree_attention_backend, args.device)
+    except ValueError as exc:
+        raise ValueError(f"tree_attention_backend={args.tree_attention_backend!r}: {exc}") from None
 
 
 def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:

@@ -3,12 +3,11 @@
 The Trainer machinery — optimizer and scheduler, gradient accumulation and clipping, callbacks, ``report_to``,
 checkpoints, ``push_to_hub``, accelerate/FSDP — is transformers'. What changes:
 
-* ``get_batch_samples`` pulls one optimizer step of packed micro-batches from the
-  rollout worker (``RolloutSource``) instead of reading a DataLoader;
-* ``training_step`` runs the packed forward through the prepared model (FSDP2, DDP
-  or plain: ``trainer/packed_forward.py``), the chunked log-probs and the policy
-  loss of ``trainer/loss.py``; under several processes rank 0 plans each step and
-  scatters each process its own rows (``trainer/ranks.py``);
+* ``get_batch_samples`` pulls one optimizer step of packed micro-batches from the rollout worker
+  (``RolloutSource``) instead of reading a DataLoader;
+* ``training_step`` runs the packed forward through the prepared model (FSDP2, DDP or plain:
+  ``trainer/packed_forward.py``), the chunked log-probs and the policy loss of ``trainer/loss.py``; under several
+  processes rank 0 plans each step and scatters each process its own rows (``trainer/ranks.py``);
 * a callback calls ``sync_weights`` every ``weight_sync_steps`` (push the weights to the server, hand the new
   version to the worker) and logs the step's ``StepStats``;
 * the rollout worker gets one frozen ``RolloutSettings`` (``rollout_settings``), never the config.
@@ -54,7 +53,7 @@ from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
 from asyncgrpo.trainer.moe_replay import build_router_replay
-from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward
+from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward, tree_backend_of
 from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource
@@ -174,6 +173,7 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
+        self.tree_attention_backend = tree_backend_of(args)  # one the device cannot run is refused here
         compile_for_training(self._causal_lm(), args, is_peft_model(model), self.router_replay)  # after get_peft_model
         check_graph_setting(self)  # cuda_graph_step=True where it cannot run: said now, not at train()
         self.window = MetricsWindow()
@@ -400,7 +400,8 @@ class AsyncGRPOTrainer(Trainer):
             fwd = graphs.forward(row) if graphs is not None and graphs.covers(row) else None  # small rows: CUDA graphs
             if fwd is None:
                 with self.accelerator.autocast() if autocast_forward else contextlib.nullcontext():
-                    fwd = packed_forward(model, row, build_plan(row, device=self.args.device), router_logits=router)
+                    plan = build_plan(row, self.tree_attention_backend, self.args.device)
+                    fwd = packed_forward(model, row, plan, router_logits=router)
             if replay is not None:
                 replay.end_forward()
             result = self._policy_loss(fwd, row, normalizer) if row.num_trained else None

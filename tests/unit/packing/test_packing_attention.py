@@ -181,3 +181,44 @@ def test_lora_model_packed_matches_unpacked():
     assert (lp - ref_lp).abs().max().item() <= 1e-4
     lora = [n for n in grads if "lora_" in n]
     assert lora and all((grads[n] - ref_grads[n]).abs().max().item() <= 1e-4 for n in lora)
+
+
+def _segment_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=None):
+    """FlashAttention's varlen call written out: per segment, queries against their path's keys, causal aligned to
+    the bottom right (the queries are the path's last tokens), computed in fp32."""
+    out = torch.empty_like(q)
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = (t.float() for t in (q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]], v[cu_k[s] : cu_k[s + 1]]))
+        lq, lk = len(qs), len(ks)
+        mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        o = torch.nn.functional.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1),
+                                                             vs.transpose(0, 1), attn_mask=mask)  # fmt: skip
+        out[cu_q[s] : cu_q[s + 1]] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def test_varlen_runs_widened_kv_in_the_autocast_dtype_and_refuses_fp32_without_it(monkeypatch):
+    """fp32 weights under bf16 autocast reach attention with fp32 q/k (rotary promotes them): the varlen path runs
+    them in the autocast dtype, as autocast runs SDPA. The kernel is the segment loop above (it is CUDA-only); the
+    plan, the widened gather and the casts are the library's, checked against the dense tree mask."""
+    from asyncgrpo.packing import attention
+
+    row = pack_samples(random_tree_samples(np.random.default_rng(3), vocab_size=VOCAB, num_groups=2))
+    plan = attention._varlen_plan(row, torch.device("cpu"))
+    seen = []
+
+    def kernel(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype, k.shape[1]))
+        return _segment_attention(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", kernel)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, row.num_tokens, 8, generator=g) for h in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention._varlen(q, k, v, plan, None)
+    assert seen == [(torch.bfloat16, torch.bfloat16, torch.bfloat16, 4)]  # K/V widened to the 4 query heads
+    mask = build_plan(row, "sdpa").dense_mask
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out.float(), want, atol=3e-2)
+    with pytest.raises(TypeError, match="bf16 autocast"):
+        attention._varlen(q, k, v, plan, None)

@@ -109,3 +109,22 @@ def test_a_refused_connection_waits_vllm_server_connect_timeout_not_30_minutes(t
     with pytest.raises(ServerTimeoutError, match=r"nothing listens at .*vllm_server_connect_timeout=1\.5"):
         trainer.train()
     assert time.monotonic() - t0 < 15
+
+
+def test_the_tree_attention_backend_is_checked_at_construction_and_reaches_the_steps(tmp_path, monkeypatch):
+    import asyncgrpo.trainer.trainer as trainer_module
+
+    def config(backend: str) -> AsyncGRPOConfig:
+        return AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], tree_attention_backend=backend)
+
+    with pytest.raises(ValueError, match="tree_attention_backend='varlen': .*needs a CUDA device.*'sdpa' or 'auto'"):
+        _make(tmp_path, args=config("varlen"))  # this machine's trainer runs on CPU
+    assert _make(tmp_path).tree_attention_backend == "sdpa"  # auto, on CPU
+    trainer = _make(tmp_path, args=config("sdpa"))
+    seen = []
+    real = trainer_module.build_plan
+    monkeypatch.setattr(
+        trainer_module, "build_plan", lambda row, backend, device: seen.append(backend) or real(row, backend, device)
+    )
+    trainer.step_forward_backward(trainer.model, None, 1.0, keep_metrics=False)
+    assert seen == ["sdpa"]
