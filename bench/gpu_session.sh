@@ -26,6 +26,7 @@
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh issue37s2  # issue 37, second session: B1/B2 this vs main, tests
 #   BASELINE_SRC=.baseline37/src bash bench/gpu_session.sh issue37s2b  # the same after the head kernels, profiled
 #   BASELINE_SRC=.baseline37s3/src bash bench/gpu_session.sh issue37s3  # third session: K/V widened to the query heads
+#   bash bench/gpu_session.sh issue37s4            # issue 37: cuDNN tree attention: probe, backend tests, B1/B2 (one call)
 #   bash bench/gpu_session.sh attention-kernels    # issue 37: FlashAttention 2 vs cuDNN ragged attention on the B1/B2 rows
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
@@ -122,6 +123,20 @@ for stage in "$@"; do
       timeout ${GENERATION_SECONDS:-120} python3 bench/generation.py --no-sweep --out "$OUT/generation_h200.json" 2>&1 \
         | tee "$OUT/s3/generation.log" | grep -vE "it/s\]|s/it\]" | tail -8
       cp "$OUT/gpus.txt" "$OUT/s3/"; tar -czf "$OUT/s3.tgz" -C "$OUT" s3 && rm -rf "$OUT/s3" ;;
+    issue37s4)  # issue 37, fourth session: cuDNN tree attention. The kernel probe (parity + timing per B1/B2 row),
+      # the backend GPU tests, then (only if cuDNN matched varlen on every row) B1/B2 at both shapes with varlen and
+      # cudnn on both sides in one run
+      mkdir -p "$OUT/s4"; P="python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded"
+      timeout 200 python3 bench/probes/attention_kernels.py --iters 5 --out "$OUT/attention_kernels_h200.json" 2>&1 \
+        | tee "$OUT/s4/attention_kernels.log" | grep -E "backend|error|wrote" | tail -20
+      timeout -s INT -k 20 ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+        tests/gpu/test_trainer_backend_gpu.py "tests/gpu/test_packing_gpu.py" -k "cudnn or varlen or agree" 2>&1 \
+        | tee "$OUT/s4/gpu_tests.log" | grep -E "passed|failed|Error|diff" | tail -12
+      if python3 -c "import json,sys; r=json.load(open('$OUT/attention_kernels_h200.json')); sys.exit(0 if all(r.get('cudnn_matches_varlen',{}).values()) and r.get('cudnn_matches_varlen') else 1)"; then
+        timeout ${PACKING_TIMEOUT:-250} $P --tree-backends varlen cudnn --flat-backends varlen cudnn --max-seconds 200 \
+          --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/s4/tree_packing.log" | grep -v "it/s\]" | tail -24
+      else echo "cudnn did not match varlen on every row: B1/B2 not run"; fi
+      cp "$OUT/gpus.txt" "$OUT/s4/"; tar -czf "$OUT/s4.tgz" -C "$OUT" s4 && rm -rf "$OUT/s4" ;;
     attention-kernels)  # issue 37: torch's FlashAttention 2 (key heads / widened) against cuDNN's ragged attention,
       # alone, on the B1/B2 rows (bench/probes/attention_kernels.py; about a minute)
       timeout 240 python3 bench/probes/attention_kernels.py --out "$OUT/attention_kernels_h200.json" 2>&1 \

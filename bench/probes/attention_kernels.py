@@ -9,6 +9,11 @@ the bench (flat and tree, both shapes), the forward and forward+backward of:
 - ``cudnn_gqa`` / ``cudnn_widened``: cuDNN's ragged attention (``aten::_cudnn_attention_forward`` with cumulative
   sequence lengths, causal), which runs Hopper's tensor-core instructions.
 
+and, whole, the tree-attention call each backend makes in the trainer (``packing/attention.py``: gathers, kernels,
+merge; inputs [1, H, T, D] as transformers passes them): ``varlen`` (FlashAttention 2 over the widened paths)
+against ``cudnn`` (``packing/cudnn_tree.py``: own tokens causal + ancestors unmasked, merged), with the output and
+the row's q/k/v gradients compared to varlen's.
+
 Every variant's output and input gradients are compared with ``fa2_gqa``'s (max difference over max magnitude,
 bf16; within 2e-2 counts as the same): a tree segment's queries are the last tokens of its path, so causal must
 align to the bottom right; a cuDNN entry point aligned to the top left fails the comparison on tree rows and passes
@@ -31,7 +36,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.*
-from asyncgrpo.packing.attention import _varlen_plan
+from asyncgrpo.packing import attention, cudnn_tree
+from asyncgrpo.packing.attention import _varlen_plan, build_plan
 from bench.result_file import write_result
 from bench.tree_packing import QWEN3_COMMON, SHAPES
 from bench.tree_packing_inputs import make_samples, plan_rows
@@ -120,7 +126,43 @@ def run_row(row, iters: int) -> dict[str, Any]:
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:600], "trace": traceback.format_exc()[-1500:]}
         del leaves
         torch.cuda.empty_cache()
+    out["backends"] = run_backends(row, q, k, v, dout, iters)
     return out
+
+
+def run_backends(row, q, k, v, dout, iters: int) -> dict[str, Any]:
+    """The trainer's whole attention call per backend on [1, H, T, D] inputs; grads compared with varlen's."""
+    res: dict[str, Any] = {}
+    reference = None
+    grad_out = dout.transpose(0, 1)[None]
+    for backend, call in (("varlen", attention._varlen), ("cudnn", attention._cudnn)):
+        try:
+            plan = build_plan(row, backend, device="cuda")
+            leaves = [t.transpose(0, 1)[None].detach().clone().requires_grad_() for t in (q, k, v)]
+            got = call(*leaves, plan, None)
+            got.backward(grad_out)
+            got = [got.detach()] + [t.grad for t in leaves]
+            reference = reference if reference is not None else got
+            diff = [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, reference)]
+
+            def forward(leaves=leaves, call=call, plan=plan):
+                with torch.no_grad():
+                    call(*leaves, plan, None)
+
+            def both(leaves=leaves, call=call, plan=plan):
+                for t in leaves:
+                    t.grad = None
+                call(*leaves, plan, None).backward(grad_out)
+
+            res[backend] = {"forward_ms": _timed(forward, iters), "forward_backward_ms": _timed(both, iters),
+                            "max_rel_diff_out_dq_dk_dv": diff, "matches_varlen": max(diff) <= 2e-2}  # fmt: skip
+            if backend == "cudnn":
+                res[backend]["lse_layout"] = cudnn_tree._LSE_LAYOUT[0]
+                res[backend]["runs"] = 0 if plan.cudnn.cu_run_q is None else len(plan.cudnn.cu_run_q) - 1
+        except Exception as exc:  # noqa: BLE001 - a kernel this torch lacks is a finding, not the end of the probe
+            res[backend] = {"error": f"{type(exc).__name__}: {exc}"[:600], "trace": traceback.format_exc()[-1500:]}
+        torch.cuda.empty_cache()
+    return res
 
 
 def main() -> int:
@@ -152,6 +194,19 @@ def main() -> int:
                 print(
                     line + (f" error: {err[:140]}" if err else f" fwd+bwd {sum(ms):8.2f} ms, matches fa2_gqa: {same}")
                 )
+            for name in ("varlen", "cudnn"):
+                got = [r["backends"][name] for r in per_row]
+                err = next((g["error"] for g in got if "error" in g), None)
+                line = f"{shape_name} {kind:<5} backend {name:<6}"
+                if err:
+                    print(f"{line} error: {err[:300]}")
+                    continue
+                fwd, both = sum(g["forward_ms"] for g in got), sum(g["forward_backward_ms"] for g in got)
+                same = all(g["matches_varlen"] for g in got)
+                print(f"{line} fwd {fwd:8.2f} ms, fwd+bwd {both:8.2f} ms, matches varlen: {same}")
+        ok = all(r["backends"]["cudnn"].get("matches_varlen") for rs in result["shapes"][shape_name].values()
+                 for r in rs)  # fmt: skip
+        result.setdefault("cudnn_matches_varlen", {})[shape_name] = ok
     if args.out:
         write_result(args.out, result)
         print(f"wrote {args.out}")

@@ -1,6 +1,6 @@
 """``tree_attention_backend`` through AsyncGRPOTrainer on CUDA: the step builds its plans with the configured kernel,
-and varlen FlashAttention (K/V widened to the query heads of the tiny model's GQA) gives the gradients FlexAttention
-gives on the same row, under the accelerator's bf16 autocast, eager layers and no CUDA graphs.
+and varlen FlashAttention (K/V widened to the query heads of the tiny model's GQA) and cuDNN (own tokens and
+ancestors in two calls, merged) give the gradients FlexAttention gives on the same row, under the accelerator's bf16 autocast, eager layers and no CUDA graphs.
 
 Run: ``pytest -s -q -m gpu tests/gpu/test_trainer_backend_gpu.py`` (one GPU, under a minute).
 """
@@ -17,21 +17,22 @@ def _reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def test_the_trainers_varlen_step_matches_its_flex_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["varlen", "cudnn"])
+def test_the_trainers_step_matches_its_flex_step(tmp_path, monkeypatch, backend):
     import asyncgrpo.trainer.trainer as trainer_module
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.assets import smollm2_tokenizer, tiny_model
     from asyncgrpo.trainer.warmup import warmup_rows
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=1024, bf16=True,
-                           tree_attention_backend="varlen", cuda_graph_step=False, compile_decoder_layers=False,
+                           tree_attention_backend=backend, cuda_graph_step=False, compile_decoder_layers=False,
                            warm_up_compile=False)  # fmt: skip
     rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}]
     model = tiny_model("llama").cuda()
     assert model.config.num_attention_heads == 2 * model.config.num_key_value_heads  # widened two ways
     trainer = AsyncGRPOTrainer(model, reward_funcs=[_reward], args=args, train_dataset=rows,
                                processing_class=smollm2_tokenizer())  # fmt: skip
-    assert trainer.tree_attention_backend == "varlen"
+    assert trainer.tree_attention_backend == backend
     seen: list[str] = []
     real = trainer_module.build_plan
     monkeypatch.setattr(trainer_module, "build_plan", lambda row, b, device: seen.append(b) or real(row, b, device))
@@ -44,11 +45,11 @@ def test_the_trainers_varlen_step_matches_its_flex_step(tmp_path, monkeypatch):
                                       autocast_forward=True)  # fmt: skip
         return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
-    varlen = grads()
+    got = grads()
     trainer.tree_attention_backend = "flex"
     flex = grads()
-    assert seen == ["varlen", "flex"]
-    assert varlen.keys() == flex.keys()
-    worst = max(float((g - flex[n]).norm() / flex[n].norm().clamp(min=1e-12)) for n, g in varlen.items())
-    print(f"\ntrainer step, varlen vs flex (bf16 autocast): worst relative grad diff {worst:.2e}")
+    assert seen == [backend, "flex"]
+    assert got.keys() == flex.keys()
+    worst = max(float((g - flex[n]).norm() / flex[n].norm().clamp(min=1e-12)) for n, g in got.items())
+    print(f"\ntrainer step, {backend} vs flex (bf16 autocast): worst relative grad diff {worst:.2e}")
     assert worst <= 2e-2
