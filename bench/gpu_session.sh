@@ -129,7 +129,7 @@ for stage in "$@"; do
       mkdir -p "$OUT/s4"; P="python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded"
       timeout 200 python3 bench/probes/attention_kernels.py --iters 5 --out "$OUT/attention_kernels_h200.json" 2>&1 \
         | tee "$OUT/s4/attention_kernels.log" | grep -E "backend|error|wrote" | tail -20
-      timeout -s INT -k 20 ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      ASYNCGRPO_GPU_REPORT=$OUT/s4/packing_gpu.jsonl timeout -s INT -k 20 ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
         tests/gpu/test_trainer_backend_gpu.py "tests/gpu/test_packing_gpu.py" -k "cudnn or varlen or agree" 2>&1 \
         | tee "$OUT/s4/gpu_tests.log" | grep -E "passed|failed|Error|diff" | tail -12
       if python3 -c "import json,sys; r=json.load(open('$OUT/attention_kernels_h200.json')); sys.exit(0 if all(r.get('cudnn_matches_varlen',{}).values()) and r.get('cudnn_matches_varlen') else 1)"; then

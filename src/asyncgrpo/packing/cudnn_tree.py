@@ -117,17 +117,34 @@ def cudnn_tree_attention(
 # ---------------------------------------------------------------------- the two cuDNN calls and their merge
 def _cudnn_forward(*args, **kwargs):
     """``aten::_cudnn_attention_forward`` (a module function: the CPU tests put a reference in its place)."""
-    return torch.ops.aten._cudnn_attention_forward(*args, **kwargs)
+    return torch.ops.aten._cudnn_attention_forward(*_offsets(args, 4), **kwargs)
 
 
 def _cudnn_backward(*args, **kwargs):
     """``aten::_cudnn_attention_backward``."""
-    return torch.ops.aten._cudnn_attention_backward(*args, **kwargs)
+    return torch.ops.aten._cudnn_attention_backward(*_offsets(args, 9), **kwargs)
+
+
+def _offsets(args: tuple, at: int) -> tuple:
+    """The cumulative lengths at ``args[at:at + 2]`` as int64 where this torch build wants them so (nested tensors
+    carry int64 offsets; the plan builds int32 ones, which FlashAttention needs)."""
+    if not _INT64_OFFSETS[0]:
+        return args
+    return (*args[:at], args[at].long(), args[at + 1].long(), *args[at + 2 :])
+
+
+_INT64_OFFSETS = [False]
 
 
 def _attend(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One ragged cuDNN call: (out [T, H, D], lse [H, T] fp32)."""
-    res = _cudnn_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False, scale=scale)
+    try:
+        res = _cudnn_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False, scale=scale)
+    except RuntimeError as exc:
+        if _INT64_OFFSETS[0] or "Int" not in str(exc) and "Long" not in str(exc):
+            raise
+        _INT64_OFFSETS[0] = True  # once: this build takes int64 offsets
+        res = _cudnn_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False, scale=scale)
     tokens, heads = q.shape[0], q.shape[1]
     lse = res[1]
     if lse.dim() == 2 and lse.shape[0] == heads and lse.shape[1] == tokens:
