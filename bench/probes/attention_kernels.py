@@ -1,24 +1,15 @@
-"""Tree attention's kernels alone, on the B1/B2 rows of the 1.7B shape (issue 37): which one the trainer should run.
+"""The tree-attention call of each CUDA backend, alone, on the B1/B2 rows of the 1.7B shape (issue 37).
 
 The packed step spends 18 % (G=8) to 28 % (G=16) of its kernel time in torch's FlashAttention 2, at 200-280
-TFLOP/s on an H100 against the GEMMs' ~790 (bench/LOG.md, issue 37, third session). This probe times, per row of
-the bench (flat and tree, both shapes), the forward and forward+backward of:
+TFLOP/s on an H100 against the GEMMs' ~790 (bench/LOG.md, issue 37, third session). Per row of the bench (flat and
+tree, both shapes), this times the forward and forward+backward of the call the trainer makes
+(``packing/attention.py``: gathers, kernels, merge; inputs [1, H, T, D] as transformers passes them):
 
-- ``fa2_gqa``: ``varlen_attn`` with the key heads as they are (torch sums dK/dV over the query heads itself);
-- ``fa2_widened``: the same with K/V widened to the query heads, as ``packing/path_gather.py`` now gathers them;
-- ``cudnn_gqa`` / ``cudnn_widened``: cuDNN's ragged attention (``aten::_cudnn_attention_forward`` with cumulative
-  sequence lengths, causal), which runs Hopper's tensor-core instructions.
+- ``varlen``: FlashAttention 2 over each segment's path, K/V widened to the query heads;
+- ``cudnn``: cuDNN's fused attention (``packing/cudnn_tree.py``: own tokens causal + ancestors unmasked, merged).
 
-and, whole, the tree-attention call each backend makes in the trainer (``packing/attention.py``: gathers, kernels,
-merge; inputs [1, H, T, D] as transformers passes them): ``varlen`` (FlashAttention 2 over the widened paths)
-against ``cudnn`` (``packing/cudnn_tree.py``: own tokens causal + ancestors unmasked, merged), with the output and
-the row's q/k/v gradients compared to varlen's.
-
-Every variant's output and input gradients are compared with ``fa2_gqa``'s (max difference over max magnitude,
-bf16; within 2e-2 counts as the same): a tree segment's queries are the last tokens of its path, so causal must
-align to the bottom right; a cuDNN entry point aligned to the top left fails the comparison on tree rows and passes
-it on flat ones. Keys and values are gathered before the timing; only the attention call and its backward are
-timed (CUDA events, median of ``--iters``).
+cudnn's output and the row's q/k/v gradients are compared with varlen's (max difference over max magnitude, bf16;
+within 2e-2 counts as the same). CUDA events, median of ``--iters`` after two warm-up calls.
 
     python bench/probes/attention_kernels.py --out attention_kernels_h100.json
 """
@@ -26,7 +17,6 @@ timed (CUDA events, median of ``--iters``).
 from __future__ import annotations
 
 import argparse
-import inspect
 import statistics
 import sys
 import traceback
@@ -37,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.*
 from asyncgrpo.packing import attention, cudnn_tree
-from asyncgrpo.packing.attention import _varlen_plan, build_plan
+from asyncgrpo.packing.attention import build_plan
 from bench.result_file import write_result
 from bench.tree_packing import QWEN3_COMMON, SHAPES
 from bench.tree_packing_inputs import make_samples, plan_rows
@@ -47,28 +37,6 @@ HEADS, KV_HEADS, DIM = (
     QWEN3_COMMON["num_key_value_heads"],
     QWEN3_COMMON["head_dim"],
 )
-
-
-def _fa2(q, k, v, plan):
-    from torch.nn.attention.varlen import varlen_attn
-
-    extra = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
-    extra = extra if q.shape[1] != k.shape[1] else {}
-    return varlen_attn(q, k, v, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, window_size=(-1, 0), **extra)
-
-
-def _cudnn(q, k, v, plan):
-    """cuDNN's ragged attention, causal; int64 offsets where int32 ones are refused (NJT passes int64)."""
-    call = torch.ops.aten._cudnn_attention_forward
-    try:
-        return call(q, k, v, None, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, True, 0.0, True, False)[0]
-    except RuntimeError:
-        cu_q, cu_k = plan.cu_seq_q.long(), plan.cu_seq_k.long()
-        return call(q, k, v, None, cu_q, cu_k, plan.max_q, plan.max_k, True, 0.0, True, False)[0]
-
-
-VARIANTS = {"fa2_gqa": (_fa2, 1), "fa2_widened": (_fa2, HEADS // KV_HEADS), "cudnn_gqa": (_cudnn, 1),
-            "cudnn_widened": (_cudnn, HEADS // KV_HEADS)}  # fmt: skip
 
 
 def _timed(fn, iters: int) -> float:
@@ -87,47 +55,10 @@ def _timed(fn, iters: int) -> float:
 
 
 def run_row(row, iters: int) -> dict[str, Any]:
-    plan = _varlen_plan(row, torch.device("cuda"))
     g = torch.Generator("cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(row.num_tokens, h, DIM, device="cuda", dtype=torch.bfloat16, generator=g)
                      for h in (HEADS, KV_HEADS, KV_HEADS, HEADS))  # fmt: skip
-    kp, vp = k[plan.kv_index], v[plan.kv_index]
-    pairs = int(
-        ((plan.cu_seq_q[1:] - plan.cu_seq_q[:-1]).long() * (plan.cu_seq_k[1:] - plan.cu_seq_k[:-1]).long()).sum()
-    )
-    out: dict[str, Any] = {"tokens": row.num_tokens, "path_rows": int(plan.kv_index.numel()),
-                           "segments": len(plan.cu_seq_q) - 1, "max_q": plan.max_q, "max_k": plan.max_k,
-                           "q_by_k_pairs": pairs}  # fmt: skip
-    reference = None
-    for name, (kernel, repeat) in VARIANTS.items():
-        kw, vw = (kp.repeat_interleave(repeat, 1), vp.repeat_interleave(repeat, 1)) if repeat > 1 else (kp, vp)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, kw, vw)]
-        try:
-            res = kernel(*leaves, plan)
-            res.backward(dout)
-            grads = [leaves[0].grad] + [t.grad.unflatten(1, (KV_HEADS, repeat)).sum(2) for t in leaves[1:]]
-            got = [res.detach()] + grads
-            if reference is None:
-                reference = got
-            diff = [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, reference)]
-
-            def forward(leaves=leaves, kernel=kernel):
-                with torch.no_grad():
-                    kernel(*leaves, plan)
-
-            def both(leaves=leaves, kernel=kernel):
-                for t in leaves:
-                    t.grad = None
-                kernel(*leaves, plan).backward(dout)
-
-            out[name] = {"forward_ms": _timed(forward, iters), "forward_backward_ms": _timed(both, iters),
-                         "max_rel_diff_out_dq_dk_dv": diff, "matches_fa2": max(diff) <= 2e-2}  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - a kernel this torch lacks is a finding, not the end of the probe
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:600], "trace": traceback.format_exc()[-1500:]}
-        del leaves
-        torch.cuda.empty_cache()
-    out["backends"] = run_backends(row, q, k, v, dout, iters)
-    return out
+    return {"tokens": row.num_tokens, "backends": run_backends(row, q, k, v, dout, iters)}
 
 
 def run_backends(row, q, k, v, dout, iters: int) -> dict[str, Any]:
@@ -186,14 +117,6 @@ def main() -> int:
             kind: [run_row(r.to("cuda"), args.iters) for r in rs] for kind, rs in rows.items()
         }
         for kind, per_row in result["shapes"][shape_name].items():
-            for name in VARIANTS:
-                ms = [r[name].get("forward_backward_ms") for r in per_row]
-                same = all(r[name].get("matches_fa2") for r in per_row)
-                err = next((r[name]["error"] for r in per_row if "error" in r[name]), None)
-                line = f"{shape_name} {kind:<5} {name:<14}"
-                print(
-                    line + (f" error: {err[:140]}" if err else f" fwd+bwd {sum(ms):8.2f} ms, matches fa2_gqa: {same}")
-                )
             for name in ("varlen", "cudnn"):
                 got = [r["backends"][name] for r in per_row]
                 err = next((g["error"] for g in got if "error" in g), None)

@@ -9,7 +9,10 @@ queries are the *last* tokens of its path. So each query's keys are split in two
   straight from the row: nothing is gathered.
 - **ancestors**: the tokens of the segment's ancestors, all visible (no mask). Consecutive siblings share them,
   so one query sequence covers a run of siblings and a prompt shared by G completions is gathered once, not G
-  times. A root segment has no ancestors: its run has no keys, and its tokens keep the own part alone.
+  times. A root segment has no ancestors. Its run gets its first token as a placeholder key (cuDNN's backward
+  failed on sequences without keys: NaN gradients on small rows, an illegal memory access on a bench-sized one, on
+  an H100 with torch 2.11); the merge drops that part for root tokens, and its backward gets a zero output gradient
+  there, so the placeholder adds nothing anywhere.
 
 The two partial softmaxes are merged by their log-sum-exp; the backward calls cuDNN's backward for each part with
 the *merged* output and log-sum-exp, which gives each part its exact share of the gradient (as ring attention does).
@@ -43,7 +46,8 @@ class CudnnTreePlan:
             None for a row without shared prefixes (then only the own part runs).
         max_run_q, max_run_k: the longest run / ancestor path.
         ancestors_index, ancestors_order, ancestors_offsets: the gather of the ancestors' tokens (``path_gather``).
-        has_ancestors: [T] bool, the tokens whose queries see ancestors (False for root segments).
+        has_ancestors: [T] bool, the tokens whose queries see ancestors (False for root segments, whose run has a
+            placeholder key).
     """
 
     cu_own: torch.Tensor
@@ -77,7 +81,7 @@ def build_cudnn_plan(row: PackedRow, device: torch.device) -> CudnnTreePlan:
         if s > 0 and parents[s] == parents[s - 1] and ends[s - 1] == starts[s]:
             run_q[-1] += int(q_len[s])  # a sibling right after its sibling: same ancestors, same run
             continue
-        ancestors = paths[parents[s]] if parents[s] >= 0 else np.zeros(0, dtype=np.int64)
+        ancestors = paths[parents[s]] if parents[s] >= 0 else np.array([starts[s]])  # a root: placeholder key
         run_q.append(int(q_len[s]))
         run_k.append(len(ancestors))
         gathered.append(ancestors)
@@ -239,17 +243,18 @@ def _bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dout = dout.contiguous()
     lse_k = _lse_for_backward(lse)
-    seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: never read
+    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
     dq, dk, dv = _cudnn_backward(
         dout, q, k, v, out, lse_k, seed, offset, None, cu_own, cu_own, max_own, max_own, 0.0, True, scale=scale
     )
     if kp is None:
         return dq, dk, dv, q.new_empty(0), q.new_empty(0)
+    dout = torch.where(has[:, None, None], dout, 0)  # root tokens: their placeholder key gets no gradient
     dq_a, dkp, dvp = _cudnn_backward(
         dout, q, kp, vp, out, lse_k, seed, offset, None, cu_run_q, cu_run_k, max_run_q, max_run_k, 0.0, False,
         scale=scale,
     )  # fmt: skip
-    dq = dq + torch.where(has[:, None, None], dq_a, 0)
+    dq = dq + dq_a
     return dq, dk, dv, dkp, dvp
 
 

@@ -2,8 +2,8 @@
 
 cuDNN runs only on CUDA, so its two entry points are replaced by a reference written out here with cuDNN's
 semantics as torch exposes them: ragged sequences, causal aligned to the *top left*, a [H, T] (or [T, H, 1])
-log-sum-exp, and a backward that takes the output and log-sum-exp it is given. Rows whose sequence has no keys get
-NaN, as unwritten memory might: the library must not let them through. Everything else is the library's: the plan,
+log-sum-exp, and a backward that takes the output and log-sum-exp it is given. The library never hands it a
+sequence without keys (a root segment's run has a placeholder key, which must change nothing). Everything else is the library's: the plan,
 the gather, the merge and the backward, checked against SDPA with the dense tree mask and autograd.
 """
 
@@ -35,8 +35,7 @@ def _fake_forward(layout):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
         for s in range(len(cu_q) - 1):
-            if cu_k[s + 1] == cu_k[s]:
-                continue  # no keys: left unwritten
+            assert cu_k[s + 1] > cu_k[s], "a sequence without keys"
             scores, _ = _scores(q, k, cu_q, cu_k, s, causal, scale)
             vs = v[cu_k[s] : cu_k[s + 1]].float().repeat_interleave(q.shape[1] // v.shape[1], 1)
             out[cu_q[s] : cu_q[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs).to(q.dtype)
@@ -55,8 +54,7 @@ def _fake_backward(layout):
         rep = q.shape[1] // k.shape[1]
         for s in range(len(cu_q) - 1):
             rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-            if cu_k[s + 1] == cu_k[s]:
-                continue
+            assert cu_k[s + 1] > cu_k[s], "a sequence without keys"
             scores, ks = _scores(q, k, cu_q, cu_k, s, causal, scale)
             p = torch.exp(scores - lse[:, rows, None])  # normalised by the lse it is given (the merged one)
             do, o = dout[rows].float(), out[rows].float()
@@ -118,10 +116,11 @@ def test_siblings_share_one_run_and_their_prompt_is_gathered_once():
     roots = [s for s, p in enumerate(parents) if p < 0]
     assert len(roots) == 2 and parents.count(roots[0]) == parents.count(roots[1]) == 5
     prompt = [ends[r] - starts[r] for r in roots]
-    # runs: prompt 0 (no keys), its 5 completions (keys: prompt 0), prompt 1, its completions
-    assert (plan.cu_run_k[1:] - plan.cu_run_k[:-1]).tolist() == [0, prompt[0], 0, prompt[1]]
+    # runs: prompt 0 (a placeholder key), its 5 completions (keys: prompt 0), prompt 1, its completions
+    assert (plan.cu_run_k[1:] - plan.cu_run_k[:-1]).tolist() == [1, prompt[0], 1, prompt[1]]
     assert (plan.cu_run_q[1:] - plan.cu_run_q[:-1]).tolist()[::2] == prompt
-    assert plan.ancestors_index.numel() == sum(prompt)  # each prompt gathered once, not once per completion
+    assert plan.ancestors_index.numel() == sum(prompt) + 2  # each prompt gathered once, not once per completion
+    assert plan.ancestors_index[plan.cu_run_k[2]].item() == starts[roots[1]]  # the placeholder: the root's 1st token
     assert int(plan.has_ancestors.sum()) == row.num_tokens - sum(prompt)
     assert plan.max_own == int((row.seg_end - row.seg_start).max())
 
