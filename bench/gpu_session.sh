@@ -127,7 +127,8 @@ for stage in "$@"; do
       # the backend GPU tests, then (only if cuDNN matched varlen on every row) B1/B2 at both shapes with varlen and
       # cudnn on both sides in one run
       mkdir -p "$OUT/s4"; P="python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded"
-      timeout 300 python3 bench/probes/cudnn_tree_check.py --out "$OUT/s4/cudnn_tree_check.jsonl" 2>&1 | cut -c1-400
+      if ! timeout 300 python3 bench/probes/cudnn_tree_check.py --out "$OUT/s4/cudnn_tree_check.jsonl" 2>&1 | cut -c1-600; then
+        echo "cudnn_tree_check failed: nothing else run"; tar -czf "$OUT/s4.tgz" -C "$OUT" s4; exit 1; fi
       timeout 200 python3 bench/probes/attention_kernels.py --iters 5 --out "$OUT/attention_kernels_h200.json" 2>&1 \
         | tee "$OUT/s4/attention_kernels.log" | grep -E "backend|error|wrote" | tail -20
       ASYNCGRPO_GPU_REPORT=$OUT/s4/packing_gpu.jsonl timeout -s INT -k 20 ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
