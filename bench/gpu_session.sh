@@ -139,6 +139,12 @@ for stage in "$@"; do
           --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/s4/tree_packing.log" | grep -v "it/s\]" | tail -24
       else echo "cudnn did not match varlen on every row: B1/B2 not run"; fi
       cp "$OUT/gpus.txt" "$OUT/s4/"; tar -czf "$OUT/s4.tgz" -C "$OUT" s4 && rm -rf "$OUT/s4" ;;
+    cudnn-diag)  # issue 37: the cuDNN tree backend's case checks (which condition breaks cuDNN's ragged backward),
+      # then the two backends' attention calls timed on the B1/B2 rows (about three minutes)
+      mkdir -p "$OUT/diag"; timeout 300 python3 bench/probes/cudnn_tree_check.py --out "$OUT/diag/cudnn_tree_check.jsonl" 2>&1 | cut -c1-500
+      timeout 240 python3 bench/probes/attention_kernels.py --iters 5 --out "$OUT/diag/attention_kernels_h200.json" 2>&1 \
+        | tee "$OUT/diag/attention_kernels.log" | grep -E "backend|error|wrote" | tail -20
+      cp "$OUT/gpus.txt" "$OUT/diag/"; tar -czf "$OUT/diag.tgz" -C "$OUT" diag ;;
     attention-kernels)  # issue 37: torch's FlashAttention 2 (key heads / widened) against cuDNN's ragged attention,
       # alone, on the B1/B2 rows (bench/probes/attention_kernels.py; about a minute)
       timeout 240 python3 bench/probes/attention_kernels.py --out "$OUT/attention_kernels_h200.json" 2>&1 \

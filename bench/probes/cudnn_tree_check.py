@@ -7,7 +7,10 @@ Cases (bf16, 16 query heads, 8 key heads, head size 128):
 - ``tree``: the multi-level trie of the parity tests (shared system prompt, nested sharing, multi-turn);
 - ``bench_row``: one G=8 group of ~8k tokens (prompt 512), the row on which the GPU test crashed;
 - ``raw_no_keys``: the bare cuDNN backward over a ragged batch whose second sequence has no keys (what the first
-  version handed it for root segments), to record what it does.
+  version handed it for root segments), to record what it does;
+- ``raw_*``: the bare ragged forward + backward with its own output and lse against fp32 attention: non-causal with
+  equal / unequal query and key lengths, grouped-query or not, and top-left causal with unequal lengths (which
+  condition breaks the backward).
 Small rows are checked against fp32 SDPA with the dense tree mask, the bench row against the varlen backend; output
 and q/k/v gradients as max difference over the reference's max magnitude.
 
@@ -25,7 +28,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests.helpers
-CASES = ("flat", "groups", "tree", "bench_row", "raw_no_keys")
+RAW = {  # name: (causal, query heads, key heads, query lengths, key lengths)
+    "raw_nc_same_len": (False, 16, 8, [100, 200, 150], [100, 200, 150]),
+    "raw_nc_gqa": (False, 16, 8, [220, 40, 300], [40, 1, 170]),
+    "raw_nc_mha": (False, 16, 16, [220, 40, 300], [40, 1, 170]),
+    "raw_causal_gqa": (True, 16, 8, [220, 40, 300], [240, 60, 310]),
+}
+CASES = ("flat", "groups", "tree", "bench_row", "raw_no_keys", *RAW)
 
 
 def _row(case: str):
@@ -52,6 +61,8 @@ def run_case(case: str) -> dict:
     from asyncgrpo.packing.attention import build_plan
 
     g = torch.Generator("cuda").manual_seed(0)
+    if case in RAW:
+        return _raw(*RAW[case], g)
     if case == "raw_no_keys":
         q = torch.randn(24, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -93,6 +104,33 @@ def run_case(case: str) -> dict:
             "ok": max(rel) <= 2e-2}  # fmt: skip
 
 
+def _raw(causal: bool, heads: int, kv_heads: int, q_lens: list, k_lens: list, g) -> dict:
+    """The bare ragged cuDNN forward + backward (its own output and lse) against fp32 attention per sequence."""
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    q, do = (torch.randn(sum(q_lens), heads, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(sum(k_lens), kv_heads, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    res = torch.ops.aten._cudnn_attention_forward(
+        q, k, v, None, cu_q, cu_k, max(q_lens), max(k_lens), True, 0.0, causal, False
+    )
+    zero = torch.zeros((), dtype=torch.int64, device="cuda")
+    got = [res[0], *torch.ops.aten._cudnn_attention_backward(do, q, k, v, res[0], res[1], zero, zero, None, cu_q, cu_k,
+                                                             max(q_lens), max(k_lens), 0.0, causal)]  # fmt: skip
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    outs = []
+    for s in range(len(q_lens)):
+        qs, ks, vs = (t[c[s] : c[s + 1]].transpose(0, 1) for t, c in zip(leaves, (cu_q, cu_k, cu_k)))
+        mask = None
+        if causal:  # top left
+            mask = torch.arange(k_lens[s], device="cuda")[None, :] <= torch.arange(q_lens[s], device="cuda")[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        outs.append(o.transpose(0, 1))
+    ref_out = torch.cat(outs)
+    ref_out.backward(do.float())
+    rel = _rel(got, [ref_out.detach()] + [t.grad for t in leaves])
+    return {"lse_shape": list(res[1].shape), "rel_diff_out_dq_dk_dv": rel, "ok": max(rel) <= 2e-2}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=CASES, help="run one case here (the parent runs each in a child)")
@@ -115,7 +153,7 @@ def main() -> int:
         lines.append(line)
     if args.out:
         args.out.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return 0 if all(x.get("ok") for x in lines if x["case"] != "raw_no_keys") else 1
+    return 0 if all(x.get("ok") for x in lines if not x["case"].startswith("raw")) else 1
 
 
 if __name__ == "__main__":
