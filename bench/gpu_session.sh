@@ -26,8 +26,8 @@
 #   BASELINE_SRC=.baseline/src bash bench/gpu_session.sh issue37s2  # issue 37, second session: B1/B2 this vs main, tests
 #   BASELINE_SRC=.baseline37/src bash bench/gpu_session.sh issue37s2b  # the same after the head kernels, profiled
 #   BASELINE_SRC=.baseline37s3/src bash bench/gpu_session.sh issue37s3  # third session: K/V widened to the query heads
-#   bash bench/gpu_session.sh issue37s4            # issue 37: cuDNN tree attention: probe, backend tests, B1/B2 (one call)
-#   bash bench/gpu_session.sh attention-kernels    # issue 37: FlashAttention 2 vs cuDNN ragged attention on the B1/B2 rows
+#   bash bench/gpu_session.sh cudnn-diag           # issue 37: cuDNN's ragged attention against fp32, case by case
+#   bash bench/gpu_session.sh issue37s4            # issue 37: B1/B2 (1.7B varlen; 0.6B flex vs varlen), B5 (one call)
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -123,32 +123,18 @@ for stage in "$@"; do
       timeout ${GENERATION_SECONDS:-120} python3 bench/generation.py --no-sweep --out "$OUT/generation_h200.json" 2>&1 \
         | tee "$OUT/s3/generation.log" | grep -vE "it/s\]|s/it\]" | tail -8
       cp "$OUT/gpus.txt" "$OUT/s3/"; tar -czf "$OUT/s3.tgz" -C "$OUT" s3 && rm -rf "$OUT/s3" ;;
-    issue37s4)  # issue 37, fourth session: cuDNN tree attention. The kernel probe (parity + timing per B1/B2 row),
-      # the backend GPU tests, then (only if cuDNN matched varlen on every row) B1/B2 at both shapes with varlen and
-      # cudnn on both sides in one run
-      mkdir -p "$OUT/s4"; P="python3 bench/tree_packing.py --compile --models qwen3-1.7b --skip-padded"
-      if ! timeout 300 python3 bench/probes/cudnn_tree_check.py --out "$OUT/s4/cudnn_tree_check.jsonl" 2>&1 | cut -c1-600; then
-        echo "cudnn_tree_check failed: nothing else run"; tar -czf "$OUT/s4.tgz" -C "$OUT" s4; exit 1; fi
-      timeout 200 python3 bench/probes/attention_kernels.py --iters 5 --out "$OUT/attention_kernels_h200.json" 2>&1 \
-        | tee "$OUT/s4/attention_kernels.log" | grep -E "backend|error|wrote" | tail -20
-      ASYNCGRPO_GPU_REPORT=$OUT/s4/packing_gpu.jsonl timeout -s INT -k 20 ${TESTS_TIMEOUT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-        tests/gpu/test_trainer_backend_gpu.py "tests/gpu/test_packing_gpu.py" -k "cudnn or varlen or agree" 2>&1 \
-        | tee "$OUT/s4/gpu_tests.log" | grep -E "passed|failed|Error|diff" | tail -12
-      if python3 -c "import json,sys; r=json.load(open('$OUT/attention_kernels_h200.json')); sys.exit(0 if all(r.get('cudnn_matches_varlen',{}).values()) and r.get('cudnn_matches_varlen') else 1)"; then
-        timeout ${PACKING_TIMEOUT:-250} $P --tree-backends varlen cudnn --flat-backends varlen cudnn --max-seconds 200 \
-          --out "$OUT/tree_packing_h200.json" 2>&1 | tee "$OUT/s4/tree_packing.log" | grep -v "it/s\]" | tail -24
-      else echo "cudnn did not match varlen on every row: B1/B2 not run"; fi
+    cudnn-diag)  # issue 37: cuDNN's ragged attention as torch exposes it, against fp32, case by case (under a minute)
+      timeout 200 python3 bench/probes/cudnn_ragged_check.py --out "$OUT/cudnn_ragged_check_h200.jsonl" 2>&1 | cut -c1-500 ;;
+    issue37s4)  # issue 37, fourth session: B1/B2 at the 1.7B shape (varlen, both shapes), flex against varlen at the
+      # 0.6B shape (which backend "auto" should pick), then B5
+      mkdir -p "$OUT/s4"; P="python3 bench/tree_packing.py --compile --skip-padded"
+      timeout 200 $P --models qwen3-1.7b --tree-backends varlen --max-seconds 150 --out "$OUT/tree_packing_h200.json" 2>&1 \
+        | tee "$OUT/s4/tree_packing.log" | grep -v "it/s\]" | tail -16
+      timeout 150 $P --models qwen3-0.6b --tree-backends flex varlen --max-seconds 110 \
+        --out "$OUT/tree_packing_06b_h200.json" 2>&1 | tee "$OUT/s4/tree_packing_06b.log" | grep -v "it/s\]" | tail -16
+      timeout ${GENERATION_SECONDS:-120} python3 bench/generation.py --no-sweep --out "$OUT/generation_h200.json" 2>&1 \
+        | tee "$OUT/s4/generation.log" | grep -vE "it/s\]|s/it\]" | tail -8
       cp "$OUT/gpus.txt" "$OUT/s4/"; tar -czf "$OUT/s4.tgz" -C "$OUT" s4 && rm -rf "$OUT/s4" ;;
-    cudnn-diag)  # issue 37: the cuDNN tree backend's case checks (which condition breaks cuDNN's ragged backward),
-      # then the two backends' attention calls timed on the B1/B2 rows (about three minutes)
-      mkdir -p "$OUT/diag"; timeout 300 python3 bench/probes/cudnn_tree_check.py --out "$OUT/diag/cudnn_tree_check.jsonl" 2>&1 | cut -c1-500
-      timeout 240 python3 bench/probes/attention_kernels.py --iters 5 --out "$OUT/diag/attention_kernels_h200.json" 2>&1 \
-        | tee "$OUT/diag/attention_kernels.log" | grep -E "backend|error|wrote" | tail -20
-      cp "$OUT/gpus.txt" "$OUT/diag/"; tar -czf "$OUT/diag.tgz" -C "$OUT" diag ;;
-    attention-kernels)  # issue 37: torch's FlashAttention 2 (key heads / widened) against cuDNN's ragged attention,
-      # alone, on the B1/B2 rows (bench/probes/attention_kernels.py; about a minute)
-      timeout 240 python3 bench/probes/attention_kernels.py --out "$OUT/attention_kernels_h200.json" 2>&1 \
-        | tee "$OUT/attention_kernels.log" | tail -20 ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}

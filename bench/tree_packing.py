@@ -188,7 +188,7 @@ def set_checkpointing(model, on: bool) -> None:
     model.train()
 
 
-def run_shape(model, samples, budget, device, args, tree_backends, flat_backends) -> dict:
+def run_shape(model, samples, budget, device, args, tree_backends, flat_backend) -> dict:
     trained = sum(s.num_trained for s in samples)
     flat_pairs = sum(len(s) * (len(s) + 1) // 2 for s in samples)
     flat_tokens = sum(len(s) for s in samples)
@@ -197,7 +197,7 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backends
     tree_rows = [r.to(device) for r in plan_rows(samples, budget, share=True, keep_groups=KEEP_GROUPS)]
     flat_rows = [r.to(device) for r in plan_rows(samples, budget, share=False)]
     use_tree_attention(model)
-    runs = [(f"tree_{b}", tree_rows, b) for b in tree_backends] + [(f"flat_{b}", flat_rows, b) for b in flat_backends]
+    runs = [(f"tree_{b}", tree_rows, b) for b in tree_backends] + [(f"flat_{flat_backend}", flat_rows, flat_backend)]
     ckpt_modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
     runs = [(n + ("+ckpt" if ck else ""), r, b, ck) for ck in ckpt_modes for n, r, b in runs]
     for name, rows, backend, ckpt in runs:
@@ -231,7 +231,7 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backends
     set_checkpointing(model, False)
     res["methods"] = methods
     if args.skip_padded:
-        return finish_shape(res, samples, tree_rows, flat_tokens)
+        return finish_shape(res, samples, tree_rows, flat_tokens, flat_backend)
     model.set_attn_implementation("sdpa")
     batches = padded_batches(samples, budget, device)
     info = {
@@ -250,12 +250,11 @@ def run_shape(model, samples, budget, device, args, tree_backends, flat_backends
 
     methods["padded_sdpa"] = measure(model, "padded_sdpa", run_padded, device, args, info)
     use_tree_attention(model)
-    return finish_shape(res, samples, tree_rows, flat_tokens)
+    return finish_shape(res, samples, tree_rows, flat_tokens, flat_backend)
 
 
-def finish_shape(res: dict, samples: list, tree_rows: list, flat_tokens: int) -> dict:
-    """Throughput per method and the B1 quotients (best tree method over best flat method, same checkpointing;
-    per kernel too where both sides ran it)."""
+def finish_shape(res: dict, samples: list, tree_rows: list, flat_tokens: int, flat_backend: str) -> dict:
+    """Throughput per method and the B1 quotients (best tree method over flat, same checkpointing)."""
     methods = res["methods"]
     for m in methods.values():
         if "time_s" in m:
@@ -264,21 +263,12 @@ def finish_shape(res: dict, samples: list, tree_rows: list, flat_tokens: int) ->
     res["packing_ratio"] = flat_tokens / res["tree_tokens"]
     ok = {k: m for k, m in methods.items() if "time_s" in m}
     for suffix in ("", "+ckpt"):
-        same = {k: m for k, m in ok.items() if k.endswith("+ckpt") == bool(suffix)}
-        best = {
-            side: max((m for k, m in same.items() if k.startswith(side)), key=lambda m: m["trained_tokens_per_s"],
-                      default=None)
-            for side in ("tree_", "flat_")
-        }  # fmt: skip
-        best_tree, flat = best["tree_"], best["flat_"]
+        flat = ok.get(f"flat_{flat_backend}{suffix}")
+        trees = [m for k, m in ok.items() if k.startswith("tree_") and k.endswith("+ckpt") == bool(suffix)]
+        best_tree = max(trees, key=lambda m: m["trained_tokens_per_s"], default=None)
         if best_tree is None or flat is None:
             continue
         key = suffix.replace("+", "_")
-        for k, m in same.items():  # B1 with the same kernel on both sides
-            other = same.get(k.replace("tree_", "flat_"))
-            if k.startswith("tree_") and other is not None:
-                ratio = (m["trained_tokens_per_s"] / other["trained_tokens_per_s"]) / (other["flops"] / m["flops"])
-                res.setdefault("b1_same_kernel" + key, {})[k.split("_", 1)[1].replace("+ckpt", "")] = ratio
         res["flop_ratio" + key] = flat["flops"] / best_tree["flops"]
         res["speedup_tree_over_flat" + key] = best_tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
         res["speedup_over_flat_per_packing_ratio" + key] = res["speedup_tree_over_flat" + key] / res["packing_ratio"]
@@ -311,10 +301,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
-    ap.add_argument("--tree-backends", nargs="*", default=["flex", "varlen"],
-                    choices=["flex", "varlen", "cudnn", "sdpa"])  # fmt: skip
-    ap.add_argument("--flat-backends", nargs="*", default=["varlen"], choices=["varlen", "cudnn"],
-                    help="kernels of the flat rows (B1 takes the fastest, and the same kernel per pair)")  # fmt: skip
+    ap.add_argument("--tree-backends", nargs="*", default=["flex", "varlen"], choices=["flex", "varlen", "sdpa"])
     ap.add_argument("--max-seconds", type=float, default=330, help="skip remaining configs past this wall time")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (trainer/compile.py)")
     ap.add_argument("--compile-backend", default="inductor")
@@ -333,7 +320,7 @@ def main() -> int:
     start = time.perf_counter()
     if args.smoke:
         device, models, shapes = "cpu", {"smoke": SMOKE_MODEL}, SMOKE_SHAPES
-        args.budget, args.iters, args.tree_backends, args.flat_backends = 512, 1, ["sdpa"], ["sdpa"]
+        args.budget, args.iters, args.tree_backends, flat_backend = 512, 1, ["sdpa"], "sdpa"
         args.warmup = 1 if args.compile else 0
     elif not torch.cuda.is_available():
         print(
@@ -342,7 +329,7 @@ def main() -> int:
         )
         return 2
     else:
-        device = "cuda"
+        device, flat_backend = "cuda", "varlen"
         models = {m: MODELS[m] for m in args.models}
         shapes = {s: SHAPES[s] for s in args.shapes}
     results: dict = {}
@@ -362,7 +349,7 @@ def main() -> int:
                     settings = CompileSettings(backend=args.compile_backend, **budget)
                     compile_decoder_layers(model, settings)  # the trainer's activation_memory_budget, as it sets it
             samples = make_samples(shape, model.config.vocab_size, seed=0)
-            r = run_shape(model, samples, args.budget, device, args, args.tree_backends, args.flat_backends)
+            r = run_shape(model, samples, args.budget, device, args, args.tree_backends, flat_backend)
             if args.compile:  # a compile failure falls back to eager with a warning: say so in the results
                 r["compiled_layers_still_compiled"] = all(
                     layer._compiled_call_impl is not None for layer in model.model.layers
@@ -444,8 +431,6 @@ def print_result(name: str, r: dict) -> None:
                 f"{r['speedup_over_flat_per_packing_ratio' + key]:.2f} x packing ratio = "
                 f"{r['speedup_over_flat_per_flop_ratio' + key]:.2f} x FLOP ratio {r['flop_ratio' + key]:.2f}"
             )
-        for kernel, b1 in r.get("b1_same_kernel" + key, {}).items():
-            print(f"B1 with {kernel} on both sides{key}: {b1:.3f}")
     if "speedup_tree_over_padded" in r:
         print(f"speedup best tree/padded {r['speedup_tree_over_padded']:.2f}")
 

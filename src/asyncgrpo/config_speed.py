@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-TREE_ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa")  # packing/attention.py's BACKENDS
+TREE_ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa")  # packing/attention.py's BACKENDS
 
 
 @dataclass
@@ -38,8 +38,7 @@ class SpeedFields:
         default="auto",
         metadata={
             "help": "The packed rows' tree-attention kernel: 'flex' (FlexAttention), 'varlen' (FlashAttention over "
-            "gathered trie paths), 'cudnn' (cuDNN's fused attention, own tokens and ancestors in two calls), 'sdpa' "
-            "(an explicit mask, any device) or 'auto' (flex on CUDA with Triton, else "
+            "gathered trie paths), 'sdpa' (an explicit mask, any device) or 'auto' (flex on CUDA with Triton, else "
             "sdpa). flex wins on short rows, varlen on long ones: 51.7 against 47.5 percent MFU on Qwen3-1.7B's "
             "14k-token rows on an H100 (bench/LOG.md, issue 37)."
         },

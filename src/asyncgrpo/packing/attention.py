@@ -17,8 +17,6 @@ Backends (``TreeAttentionPlan.backend``):
   torch) with one variable-length sequence per trie segment whose keys/values are
   the gathered tokens of the segment's root-to-leaf path, widened to the query heads
   (``path_gather.py`` says why); CUDA, bf16/fp16.
-- ``"cudnn"``: cuDNN's fused ragged attention (Hopper's tensor-core kernels), each query's keys split into its
-  segment's own tokens (causal) and its ancestors' tokens (``cudnn_tree.py``); CUDA, bf16/fp16.
 
 A mask function is registered under the same name so transformers does not
 build a dense mask for packed rows; for ordinary (unpacked) calls without a plan
@@ -35,7 +33,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncgrpo.packing.cudnn_tree import CudnnTreePlan, build_cudnn_plan, cudnn_tree_attention
 from asyncgrpo.packing.deltanet import install_tree_linear_attention, needs_linear_plan
 from asyncgrpo.packing.linear_attention import DEFAULT_CHUNK, LinearTreePlan, build_linear_plan
 from asyncgrpo.packing.path_gather import path_gather, path_order
@@ -45,7 +42,7 @@ from asyncgrpo.triton_support import INSTALL_HINT, have_triton, warn_missing
 logger = logging.getLogger(__name__)
 
 TREE_ATTENTION = "asyncgrpo_tree"
-BACKENDS = ("auto", "sdpa", "flex", "varlen", "cudnn")
+BACKENDS = ("auto", "sdpa", "flex", "varlen")
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (tokens per block side)
 
 
@@ -54,7 +51,7 @@ class TreeAttentionPlan:
     """What the attention kernels need to know about one packed row, built once per forward.
 
     Attributes:
-        backend: "sdpa", "flex", "varlen" or "cudnn".
+        backend: "sdpa", "flex" or "varlen".
         num_tokens: T.
         dense_mask: sdpa: [T, T] bool, True where the query may attend to the key.
         block_mask: flex: the FlexAttention ``BlockMask``.
@@ -63,7 +60,6 @@ class TreeAttentionPlan:
             (``path_gather.py``: the backward sums a row's copies without atomics).
         cu_seq_q, cu_seq_k: varlen: [S + 1] int32 offsets of each segment's queries / keys.
         max_q, max_k: varlen: longest segment / longest path.
-        cudnn: cudnn: segments, runs of siblings and their ancestors' tokens (``cudnn_tree.py``).
         linear: the trie layout for Gated DeltaNet layers (``linear_attention.py``); None for attention-only models.
     """
 
@@ -78,7 +74,6 @@ class TreeAttentionPlan:
     cu_seq_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
-    cudnn: CudnnTreePlan | None = None
     linear: LinearTreePlan | None = None
 
 
@@ -93,7 +88,7 @@ def build_plan(
 
     Args:
         row: the packed row (its tensors may live on any device).
-        backend: "auto" (flex on CUDA with Triton, sdpa elsewhere), "sdpa", "flex", "varlen" or "cudnn".
+        backend: "auto" (flex on CUDA with Triton, sdpa elsewhere), "sdpa", "flex" or "varlen".
         device: where the model runs; defaults to the row's device.
         linear_attention: also lay the row out for Gated DeltaNet layers (``packed_hidden_states`` does this
             by itself for models that have them).
@@ -110,8 +105,6 @@ def build_plan(
         plan = TreeAttentionPlan("sdpa", total, dense_mask=dense_tree_mask(end))
     elif backend == "flex":
         plan = TreeAttentionPlan("flex", total, block_mask=flex_block_mask(end))
-    elif backend == "cudnn":
-        plan = TreeAttentionPlan("cudnn", total, cudnn=build_cudnn_plan(row, device))
     else:
         plan = _varlen_plan(row, device)
     if linear_attention:
@@ -130,14 +123,10 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
             warn_missing("tree attention (FlexAttention)")
             backend = "sdpa"
-    if backend in ("flex", "varlen", "cudnn") and device.type != "cuda":
+    if backend in ("flex", "varlen") and device.type != "cuda":
         raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use 'sdpa' or 'auto'")
     if backend == "flex" and not have_triton():
         raise ValueError(f"tree attention backend 'flex' needs Triton on CUDA: {INSTALL_HINT}; or use 'varlen'")
-    if backend == "cudnn" and not torch.backends.cudnn.is_available():
-        raise ValueError(
-            f"tree attention backend 'cudnn' needs cuDNN, which torch {torch.__version__} lacks; use 'varlen'"
-        )
     return backend
 
 
@@ -240,24 +229,18 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Tre
     return _compiled_flex(query, key, value, block_mask=plan.block_mask, scale=scale, enable_gqa=gqa)
 
 
-def _half(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str) -> tuple[torch.Tensor, ...]:
-    """q/k/v in bf16/fp16 for the FlashAttention and cuDNN kernels: in the autocast dtype under autocast (fp32
-    weights under bf16 autocast: rotary embeddings promote q/k back to fp32), else a TypeError saying what to do."""
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
+    varlen_attn = _load_varlen()
     device = query.device.type
     if query.dtype not in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(device):
+        # fp32 weights under bf16 autocast: rotary embeddings promote q/k back to fp32; SDPA would be cast by autocast
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(
-            f"tree attention backend {backend!r} needs bf16/fp16, not {query.dtype}: load the model in bf16, train "
-            "under bf16 autocast (bf16=True), or use 'flex'"
+            f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}: load "
+            "the model in bf16, train under bf16 autocast (bf16=True), or use 'flex'"
         )
-    return query, key, value
-
-
-def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
-    varlen_attn = _load_varlen()
-    query, key, value = _half(query, key, value, "varlen")
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     # K/V widened to the query heads: FlashAttention's own GQA reduction of dK/dV is slow (path_gather.py)
     repeat = q.shape[1] // key.shape[1]
@@ -267,12 +250,6 @@ def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: T
     # window (-1, 0) = causal aligned to the bottom right: a segment's queries are the last keys of its path
     out = varlen_attn(q, k, v, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, scale=scale, window_size=(-1, 0))
     return out.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-
-
-def _cudnn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
-    query, key, value = _half(query, key, value, "cudnn")
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, D]
-    return cudnn_tree_attention(q, k, v, plan.cudnn, scale).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
 
 
 _VARLEN_ATTN: Any = None
@@ -323,8 +300,6 @@ def tree_attention_forward(
         raise ValueError(f"tree attention backend {tree_plan.backend!r} has no attention dropout; set it to 0")
     elif tree_plan.backend == "flex":
         out = _flex(query, key, value, tree_plan, scaling)
-    elif tree_plan.backend == "cudnn":
-        out = _cudnn(query, key, value, tree_plan, scaling)
     else:
         out = _varlen(query, key, value, tree_plan, scaling)
     return out.transpose(1, 2).contiguous(), None
