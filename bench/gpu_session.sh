@@ -125,13 +125,13 @@ for stage in "$@"; do
       cp "$OUT/gpus.txt" "$OUT/s3/"; tar -czf "$OUT/s3.tgz" -C "$OUT" s3 && rm -rf "$OUT/s3" ;;
     cudnn-diag)  # issue 37: cuDNN's ragged attention as torch exposes it, against fp32, case by case (under a minute)
       timeout 200 python3 bench/probes/cudnn_ragged_check.py --out "$OUT/cudnn_ragged_check_h200.jsonl" 2>&1 | cut -c1-500 ;;
-    issue37s4)  # issue 37, fourth session: B1/B2 at the 1.7B shape (varlen, both shapes), flex against varlen at the
-      # 0.6B shape (which backend "auto" should pick), then B5
+    issue37s4)  # issue 37, fourth session: flex against varlen at the 0.6B shape (which backend "auto" should pick),
+      # B1/B2 at the 1.7B shape (varlen, both shapes), then B5
       mkdir -p "$OUT/s4"; P="python3 bench/tree_packing.py --compile --skip-padded"
-      timeout 200 $P --models qwen3-1.7b --tree-backends varlen --max-seconds 150 --out "$OUT/tree_packing_h200.json" 2>&1 \
-        | tee "$OUT/s4/tree_packing.log" | grep -v "it/s\]" | tail -16
       timeout 150 $P --models qwen3-0.6b --tree-backends flex varlen --max-seconds 110 \
         --out "$OUT/tree_packing_06b_h200.json" 2>&1 | tee "$OUT/s4/tree_packing_06b.log" | grep -v "it/s\]" | tail -16
+      timeout 200 $P --models qwen3-1.7b --tree-backends varlen --max-seconds 150 --out "$OUT/tree_packing_h200.json" 2>&1 \
+        | tee "$OUT/s4/tree_packing.log" | grep -v "it/s\]" | tail -16
       timeout ${GENERATION_SECONDS:-120} python3 bench/generation.py --no-sweep --out "$OUT/generation_h200.json" 2>&1 \
         | tee "$OUT/s4/generation.log" | grep -vE "it/s\]|s/it\]" | tail -8
       cp "$OUT/gpus.txt" "$OUT/s4/"; tar -czf "$OUT/s4.tgz" -C "$OUT" s4 && rm -rf "$OUT/s4" ;;
