@@ -172,7 +172,7 @@ def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path, bud
     completions too (one group far below the budget: the warm-up rows pack several)."""
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.assets import smollm2_tokenizer, tiny_model
-    from asyncgrpo.trainer.warmup import warmup_rows
+    from tests.helpers.trainer_steps import on_policy_warmup_row, step_grads
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=budget, bf16=True,
                            max_completion_length=completion)  # fmt: skip
@@ -184,18 +184,10 @@ def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path, bud
         graphs = trainer.graphed
         assert graphs is not None and graphs.failed is None and graphs.verified, getattr(graphs, "failed", None)
         assert graphs.autocast_dtype == torch.bfloat16 and sorted(graphs.buckets) == graph_buckets(budget)
-        vocab = trainer.model.get_output_embeddings().weight.shape[0]
-        row = warmup_rows(budget, 4, 40, vocab, top_n=8)[0]
-
-        def grads():
-            trainer.model.zero_grad(set_to_none=True)
-            trainer.step_forward_backward(trainer.model, row, float(row.num_trained), keep_metrics=False,
-                                          autocast_forward=True)  # fmt: skip
-            return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-
-        graphed = grads()
+        row = on_policy_warmup_row(trainer, budget, 40)
+        graphed = step_grads(trainer, row)
         trainer.graphed = None  # the eager step
-        eager = grads()
+        eager = step_grads(trainer, row)
         worst = _worst(graphed, eager)
         print(f"\ntrainer step, graphed vs eager (bf16 autocast): worst relative grad diff {worst:.2e}")
         assert worst <= 2e-2

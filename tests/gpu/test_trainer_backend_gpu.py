@@ -21,9 +21,7 @@ def test_the_trainers_varlen_step_matches_its_flex_step(tmp_path, monkeypatch):
     import asyncgrpo.trainer.trainer as trainer_module
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.assets import smollm2_tokenizer, tiny_model
-    from asyncgrpo.packing import build_plan, packed_hidden_states
-    from asyncgrpo.trainer.logprobs import selective_logprobs
-    from asyncgrpo.trainer.warmup import warmup_rows
+    from tests.helpers.trainer_steps import on_policy_warmup_row, step_grads
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=1024, bf16=True,
                            tree_attention_backend="varlen", cuda_graph_step=False, compile_decoder_layers=False,
@@ -37,28 +35,13 @@ def test_the_trainers_varlen_step_matches_its_flex_step(tmp_path, monkeypatch):
     seen: list[str] = []
     real = trainer_module.build_plan
     monkeypatch.setattr(trainer_module, "build_plan", lambda row, b, device: seen.append(b) or real(row, b, device))
-    vocab = trainer.model.get_output_embeddings().weight.shape[0]
-    row = warmup_rows(1024, 4, 200, vocab, top_n=8)[0]  # groups sharing prompts: paths gathered more than once
-    # the warm-up rows' old log-probs (-1) are far from a random model's (about -log(vocab)): the importance-sampling
-    # correction drops every token and the gradients are all zero. The model's own log-probs make the ratios 1.
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        on_gpu = row.to("cuda")
-        hidden = packed_hidden_states(trainer.model, on_gpu, build_plan(on_gpu, "flex"))
-        head = trainer.model.get_output_embeddings().weight
-        row.old_logprobs = selective_logprobs(hidden[on_gpu.pred_index], head, on_gpu.target_ids).logprobs.float().cpu()
+    row = on_policy_warmup_row(trainer, 1024, 200)  # groups sharing prompts: paths gathered more than once
 
-    def grads():
-        trainer.model.zero_grad(set_to_none=True)
-        trainer.step_forward_backward(trainer.model, row, float(row.num_trained), keep_metrics=False,
-                                      autocast_forward=True)  # fmt: skip
-        return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-
-    varlen = grads()
+    varlen = step_grads(trainer, row)
     trainer.tree_attention_backend = "flex"
-    flex = grads()
+    flex = step_grads(trainer, row)
     assert seen == ["varlen", "flex"]
     assert varlen.keys() == flex.keys()
-    assert min(float(g.norm()) for g in flex.values()) > 0  # every parameter gets a gradient: the check means something
     worst = max(float((g - flex[n]).norm() / flex[n].norm().clamp(min=1e-12)) for n, g in varlen.items())
     print(f"\ntrainer step, varlen vs flex (bf16 autocast): worst relative grad diff {worst:.2e}")
     assert worst <= 2e-2
