@@ -39,8 +39,8 @@ class SpeedFields:
         metadata={
             "help": "The packed rows' tree-attention kernel: 'flex' (FlexAttention), 'varlen' (FlashAttention over "
             "gathered trie paths), 'sdpa' (an explicit mask, any device) or 'auto' (flex on CUDA with Triton, else "
-            "sdpa). flex wins on short rows, varlen on long ones: 51.7 against 47.5 percent MFU on Qwen3-1.7B's "
-            "14k-token rows on an H100 (bench/LOG.md, issue 37)."
+            "sdpa). flex wins on short rows, varlen on long ones: on an H100, Qwen3-0.6B ran 15 percent faster with "
+            "flex at token_budget 4096, 20 percent faster with varlen at 16384 (bench/LOG.md, issue 37)."
         },
     )
     warm_up_compile: bool = field(
