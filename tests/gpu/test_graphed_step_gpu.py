@@ -20,6 +20,7 @@ from asyncgrpo.trainer.graphed_step import GraphedDecoder, graph_buckets
 from asyncgrpo.trainer.packed_loss import PolicyLossSettings, packed_policy_loss
 from tests.gpu.test_packing_gpu import _model, _samples
 from tests.gpu.test_step_gpu import _with_top_n
+from tests.helpers.trainer_steps import on_policy_warmup_row, step_grads, worst_relative_diff
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -50,11 +51,6 @@ def _graphed(model, graphs, rows):
     return total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _worst(grads, ref):
-    assert grads.keys() == ref.keys()
-    return max(float((g - ref[n]).norm() / ref[n].norm().clamp(min=1e-12)) for n, g in grads.items())
-
-
 @pytest.mark.parametrize(
     "arch,amp,checkpointing,tol",
     [("qwen3", None, False, 1e-4), ("llama", torch.bfloat16, False, 2e-2), ("qwen3", torch.bfloat16, True, 2e-2)],
@@ -79,7 +75,7 @@ def test_graphed_step_matches_the_eager_step(arch, amp, checkpointing, tol):
         for rows in ([short], [long], [short], [long, short]):  # the last: gradients accumulated over two rows
             ref_loss, ref_grads = _eager(model, rows, amp)
             loss, grads = _graphed(model, graphs, rows)
-            worst = _worst(grads, ref_grads)
+            worst = worst_relative_diff(grads, ref_grads)
             print(f"\n{arch} amp={amp} checkpointing={checkpointing} rows={[r.num_tokens for r in rows]}: "
                   f"loss {loss:.6f} vs {ref_loss:.6f}, worst relative grad diff {worst:.2e}")  # fmt: skip
             assert abs(loss - ref_loss) <= tol * max(1.0, abs(ref_loss))
@@ -172,7 +168,6 @@ def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path, bud
     completions too (one group far below the budget: the warm-up rows pack several)."""
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.assets import smollm2_tokenizer, tiny_model
-    from tests.helpers.trainer_steps import on_policy_warmup_row, step_grads
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to=[], token_budget=budget, bf16=True,
                            max_completion_length=completion)  # fmt: skip
@@ -188,7 +183,7 @@ def test_the_trainers_step_runs_graphed_and_matches_its_eager_step(tmp_path, bud
         graphed = step_grads(trainer, row)
         trainer.graphed = None  # the eager step
         eager = step_grads(trainer, row)
-        worst = _worst(graphed, eager)
+        worst = worst_relative_diff(graphed, eager)
         print(f"\ntrainer step, graphed vs eager (bf16 autocast): worst relative grad diff {worst:.2e}")
         assert worst <= 2e-2
     finally:

@@ -37,3 +37,9 @@ def step_grads(trainer, row: PackedRow) -> dict[str, torch.Tensor]:
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     assert grads and min(float(g.norm()) for g in grads.values()) > 0, "a step with zero gradients checks nothing"
     return grads
+
+
+def worst_relative_diff(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The largest ``|g - ref| / |ref|`` (norms) over the parameters; both sides must cover the same ones."""
+    assert grads.keys() == ref.keys()
+    return max(float((g - ref[n]).norm() / ref[n].norm().clamp(min=1e-12)) for n, g in grads.items())
