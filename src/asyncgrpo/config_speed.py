@@ -38,9 +38,9 @@ class SpeedFields:
         default="auto",
         metadata={
             "help": "The packed rows' tree-attention kernel: 'flex' (FlexAttention), 'varlen' (FlashAttention over "
-            "gathered trie paths), 'sdpa' (an explicit mask, any device) or 'auto' (flex on CUDA with Triton, else "
-            "sdpa). flex wins on short rows, varlen on long ones: on an H100, Qwen3-0.6B ran 15 percent faster with "
-            "flex at token_budget 4096, 20 percent faster with varlen at 16384 (bench/LOG.md, issue 37)."
+            "gathered trie paths), 'sdpa' (an explicit mask, any device) or 'auto': on CUDA varlen for a token_budget "
+            "of 8192 or more in bf16/fp16, flex below; sdpa off CUDA. On an H100, Qwen3-0.6B ran 15 percent faster "
+            "with flex at token_budget 4096, 20 percent faster with varlen at 16384 (bench/LOG.md, issue 37)."
         },
     )
     warm_up_compile: bool = field(

@@ -12,11 +12,12 @@ Backends (``TreeAttentionPlan.backend``):
 - ``"sdpa"``: explicit [T, T] boolean mask + ``scaled_dot_product_attention``; any
   device, any dtype; memory O(T^2), meant for CPU and tests.
 - ``"flex"``: FlexAttention (compiled) with a block mask built from the trie at
-  128-token block granularity; CUDA. Fastest in the H200 measurements.
+  128-token block granularity; CUDA. Fastest on rows of a few thousand tokens.
 - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention inside
   torch) with one variable-length sequence per trie segment whose keys/values are
   the gathered tokens of the segment's root-to-leaf path, widened to the query heads
-  (``path_gather.py`` says why); CUDA, bf16/fp16.
+  (``path_gather.py`` says why); CUDA, bf16/fp16. Fastest on long rows: "auto" picks it
+  from ``VARLEN_FROM_TOKENS`` tokens a row (``resolve_backend``).
 
 A mask function is registered under the same name so transformers does not
 build a dense mask for packed rows; for ordinary (unpacked) calls without a plan
@@ -44,6 +45,9 @@ logger = logging.getLogger(__name__)
 TREE_ATTENTION = "asyncgrpo_tree"
 BACKENDS = ("auto", "sdpa", "flex", "varlen")
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (tokens per block side)
+# "auto" runs varlen for rows of this many tokens or more (the trainer's token_budget), flex below: on an H100,
+# Qwen3-0.6B ran 15 % faster with flex at 4,096 and 20 % faster with varlen at 16,384 (bench/LOG.md, issue 37)
+VARLEN_FROM_TOKENS = 8192
 
 
 @dataclass
@@ -88,7 +92,8 @@ def build_plan(
 
     Args:
         row: the packed row (its tensors may live on any device).
-        backend: "auto" (flex on CUDA with Triton, sdpa elsewhere), "sdpa", "flex" or "varlen".
+        backend: "auto" (flex on CUDA with Triton, sdpa elsewhere: the row alone does not settle the run's
+            kernel, ``resolve_backend`` with the run's token budget does), "sdpa", "flex" or "varlen".
         device: where the model runs; defaults to the row's device.
         linear_attention: also lay the row out for Gated DeltaNet layers (``packed_hidden_states`` does this
             by itself for models that have them).
@@ -112,22 +117,51 @@ def build_plan(
     return plan
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The backend ``build_plan`` runs for ``backend`` on ``device``: "auto" made concrete (flex on CUDA with Triton,
-    sdpa elsewhere); ValueError, saying what to choose, for an unknown one or one the device cannot run."""
+def resolve_backend(
+    backend: str, device: torch.device | str, row_tokens: int | None = None, dtype: torch.dtype | None = None
+) -> str:
+    """The backend ``build_plan`` runs for ``backend`` on ``device``; ValueError, saying what to choose, for an
+    unknown one or one the device cannot run.
+
+    "auto" is made concrete here: sdpa off CUDA; on CUDA varlen when rows may hold ``row_tokens`` >=
+    ``VARLEN_FROM_TOKENS`` tokens and FlashAttention runs (``dtype`` bf16/fp16 or None, compute capability 8+),
+    else flex (varlen, or sdpa, without Triton). One choice per run, not per row: compiled layers and CUDA
+    graphs then trace one kernel.
+    """
     device = torch.device(device)
     if backend not in BACKENDS:
         raise ValueError(f"tree attention backend {backend!r} is unknown; choose one of {BACKENDS}")
     if backend == "auto":
-        backend = "flex" if device.type == "cuda" else "sdpa"
-        if backend == "flex" and not have_triton():  # FlexAttention is compiled by Triton on CUDA
-            warn_missing("tree attention (FlexAttention)")
-            backend = "sdpa"
+        backend = _auto_backend(device, row_tokens, dtype)
     if backend in ("flex", "varlen") and device.type != "cuda":
         raise ValueError(f"tree attention backend {backend!r} needs a CUDA device, got {device}; use 'sdpa' or 'auto'")
     if backend == "flex" and not have_triton():
         raise ValueError(f"tree attention backend 'flex' needs Triton on CUDA: {INSTALL_HINT}; or use 'varlen'")
     return backend
+
+
+def _auto_backend(device: torch.device, row_tokens: int | None, dtype: torch.dtype | None) -> str:
+    if device.type != "cuda":
+        return "sdpa"
+    varlen = varlen_runs(device, dtype)
+    if varlen and row_tokens is not None and row_tokens >= VARLEN_FROM_TOKENS:
+        return "varlen"
+    if have_triton():
+        return "flex"
+    warn_missing("tree attention (FlexAttention)")  # FlexAttention is compiled by Triton on CUDA
+    return "varlen" if varlen else "sdpa"
+
+
+def varlen_runs(device: torch.device | str, dtype: torch.dtype | None = None) -> bool:
+    """Whether the varlen backend can run on ``device`` in ``dtype`` (None: not known yet, taken as yes):
+    FlashAttention inside torch needs bf16/fp16 and an Ampere-or-newer GPU."""
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        _load_varlen()
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device))[0] >= 8
 
 
 def dense_tree_mask(end: torch.Tensor) -> torch.Tensor:

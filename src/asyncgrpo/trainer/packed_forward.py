@@ -14,6 +14,7 @@ post-backward reduce-scatters it like any other gradient.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch
 from asyncgrpo.packing import PackedRow, TreeAttentionPlan, resolve_backend
 from asyncgrpo.packing.deltanet import needs_linear_plan
 from asyncgrpo.packing.linear_attention import build_linear_plan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,13 +43,32 @@ class PackedForward:
     anchor: torch.Tensor
 
 
-def tree_backend_of(args: Any) -> str:
-    """The tree-attention kernel the steps run: ``args.tree_attention_backend`` made concrete for ``args.device``;
+def tree_backend_of(args: Any, model: torch.nn.Module, token_budget: int | None = None) -> str:
+    """The tree-attention kernel the steps run: ``args.tree_attention_backend`` made concrete for ``args.device``,
+    the rows' ``token_budget`` (None: not known yet) and the dtype attention runs in (``packing.resolve_backend``);
     one the device cannot run is refused when the trainer is built, not at the first step."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else causal_lm_of(model).dtype
     try:
-        return resolve_backend(args.tree_attention_backend, args.device)
+        return resolve_backend(args.tree_attention_backend, args.device, token_budget, dtype)
     except ValueError as exc:
         raise ValueError(f"tree_attention_backend={args.tree_attention_backend!r}: {exc}") from None
+
+
+def settle_tree_backend(trainer: Any, token_budget: int | None) -> None:
+    """Set ``trainer.tree_attention_backend`` for rows of up to ``token_budget`` tokens (None: not known yet).
+
+    The trainer settles it when built (a backend the device cannot run is refused then) and again once the run's
+    token_budget is known (the server's max_model_len when unset): where "auto" then changes its choice, a compile
+    warm-up that traced the layers with the other kernel runs again while the first groups are generated
+    (``trainer/warmup.py``), not inside step 1.
+    """
+    backend = tree_backend_of(trainer.args, trainer.model, token_budget)
+    before = getattr(trainer, "tree_attention_backend", None)
+    if before is not None and backend != before:
+        logger.info("tree attention: %s for rows of up to %d tokens (tree_attention_backend=%r)", backend,
+                    token_budget, trainer.args.tree_attention_backend)  # fmt: skip
+        trainer.compile_warmed_up = False
+    trainer.tree_attention_backend = backend
 
 
 def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:

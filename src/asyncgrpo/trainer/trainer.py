@@ -53,7 +53,7 @@ from asyncgrpo.trainer.inputs import check_dataset, check_train_inputs
 from asyncgrpo.trainer.model_support import check_model_support
 from asyncgrpo.trainer.moe import experts_per_token, is_moe, resolve_router_aux_coef, router_aux_loss
 from asyncgrpo.trainer.moe_replay import build_router_replay
-from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward, tree_backend_of
+from asyncgrpo.trainer.packed_forward import PackedForward, causal_lm_of, packed_forward, settle_tree_backend
 from asyncgrpo.trainer.packed_loss import loss_settings, packed_policy_loss
 from asyncgrpo.trainer.ranks import broadcast_from_zero, scatter_from_zero
 from asyncgrpo.trainer.rollout_source import RolloutSource
@@ -173,7 +173,7 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         use_tree_attention(self._causal_lm())
-        self.tree_attention_backend = tree_backend_of(args)  # one the device cannot run is refused here
+        settle_tree_backend(self, args.token_budget)  # one the device cannot run is refused here
         compile_for_training(self._causal_lm(), args, is_peft_model(model), self.router_replay)  # after get_peft_model
         check_graph_setting(self)  # cuda_graph_step=True where it cannot run: said now, not at train()
         self.window = MetricsWindow()
@@ -220,10 +220,10 @@ class AsyncGRPOTrainer(Trainer):
         self.facts = read_servers(self)
         spawn_worker_ahead(self)  # once the servers answer: its imports overlap the Trainer's set-up and first push
         self.token_budget = args.token_budget or self.facts.max_model_len
+        settle_tree_backend(self, self.token_budget)  # "auto" for the run's rows
         parts = build_parts(self, self.facts, resume, self.token_budget)
         self.weight_sync, self.worker, self.source = parts.weight_sync, parts.worker, parts.source
-        cfg = self._causal_lm().config
-        self.step_stats.flops_per_token = flops_per_token(cfg, attended_keys=self.token_budget / 2)
+        self.step_stats.flops_per_token = flops_per_token(self._causal_lm().config, attended_keys=self.token_budget / 2)
         if torch.cuda.is_available():
             precision = "bfloat16" if args.bf16 else "float32"
             self.step_stats.peak_flops = peak_flops(torch.cuda.get_device_name(), precision)

@@ -170,6 +170,31 @@ def test_cuda_backends_refuse_cpu():
         build_plan(row, "triton")
 
 
+def test_auto_picks_the_kernel_by_row_length_where_flash_attention_runs(monkeypatch):
+    from asyncgrpo.packing import attention
+
+    monkeypatch.setattr(attention, "have_triton", lambda: True)
+    monkeypatch.setattr(attention, "varlen_runs", lambda device, dtype=None: dtype in (None, torch.bfloat16))
+    edge = attention.VARLEN_FROM_TOKENS
+    assert attention.resolve_backend("auto", "cpu", row_tokens=10 * edge) == "sdpa"  # off CUDA, whatever the rows
+    assert attention.resolve_backend("auto", "cuda", row_tokens=None) == "flex"  # rows not known yet
+    assert attention.resolve_backend("auto", "cuda", row_tokens=edge - 1) == "flex"
+    assert attention.resolve_backend("auto", "cuda", row_tokens=edge, dtype=torch.bfloat16) == "varlen"
+    assert attention.resolve_backend("auto", "cuda", row_tokens=edge, dtype=torch.float32) == "flex"  # no FA2 in fp32
+    assert attention.resolve_backend("flex", "cuda", row_tokens=10 * edge) == "flex"  # an explicit choice stays
+    monkeypatch.setattr(attention, "have_triton", lambda: False)  # no Triton: no FlexAttention
+    assert attention.resolve_backend("auto", "cuda", row_tokens=100, dtype=torch.bfloat16) == "varlen"
+    assert attention.resolve_backend("auto", "cuda", row_tokens=100, dtype=torch.float32) == "sdpa"
+
+
+def test_varlen_runs_only_in_half_precision():
+    from asyncgrpo.packing.attention import varlen_runs
+
+    assert not varlen_runs("cuda", torch.float32)
+    if not torch.cuda.is_available():
+        assert not varlen_runs("cuda", torch.bfloat16)
+
+
 def test_lora_model_packed_matches_unpacked():
     rng = np.random.default_rng(11)
     samples = random_tree_samples(rng, vocab_size=VOCAB, num_groups=2)

@@ -1,6 +1,7 @@
 """AsyncGRPOTrainer refuses bad input at construction, with messages that say what to change."""
 
 import pytest
+import torch
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.assets import smollm2_tokenizer, tiny_model
@@ -128,3 +129,28 @@ def test_the_tree_attention_backend_is_checked_at_construction_and_reaches_the_s
     )
     trainer.step_forward_backward(trainer.model, None, 1.0, keep_metrics=False)
     assert seen == ["sdpa"]
+
+
+def test_auto_is_settled_again_once_the_runs_token_budget_is_known(tmp_path, monkeypatch):
+    from asyncgrpo.trainer import packed_forward
+    from asyncgrpo.trainer.packed_forward import settle_tree_backend
+
+    trainer = _make(tmp_path)  # token_budget=None: the server's max_model_len, not known when built
+    assert trainer.tree_attention_backend == "sdpa"
+    trainer.compile_warmed_up = True
+    settle_tree_backend(trainer, 32768)  # on CPU auto stays sdpa: the warm-up stands
+    assert trainer.tree_attention_backend == "sdpa" and trainer.compile_warmed_up
+    seen = []  # what the trainer passes: its rows' length and the dtype attention runs in (fp32 here)
+    monkeypatch.setattr(
+        packed_forward,
+        "resolve_backend",
+        lambda b, device, rows, dtype: seen.append(dtype) or ("varlen" if rows > 8000 else "flex"),
+    )
+    settle_tree_backend(trainer, 2048)
+    assert trainer.tree_attention_backend == "flex" and not trainer.compile_warmed_up  # traced with sdpa: again
+    trainer.compile_warmed_up = True
+    settle_tree_backend(trainer, 2048)
+    assert trainer.compile_warmed_up  # the same kernel: nothing to redo
+    settle_tree_backend(trainer, 16384)
+    assert trainer.tree_attention_backend == "varlen" and not trainer.compile_warmed_up
+    assert set(seen) == {torch.float32}
