@@ -29,6 +29,7 @@
 #   bash bench/gpu_session.sh cudnn-diag           # issue 37: cuDNN's ragged attention against fp32, case by case
 #   bash bench/gpu_session.sh issue37s4            # issue 37: B1/B2 (1.7B varlen; 0.6B flex vs varlen), B5 (one call)
 #   bash bench/gpu_session.sh issue37s5            # issue 37: the acceptance files (B5, B1/B2) from the final commit
+#   bash bench/gpu_session.sh issue37s5b           # issue 37: the flex/varlen crossover at 8192, budget 0.25, B2 profile
 #   bash bench/gpu_session.sh multiserver          # issue 12 X5: one sync to two servers, one group each (two H200)
 # Expects (carried, git-ignored): .assets/ (SmolLM2 tokenizer + prompts JSONL), .whl/ (gguf), .m1/.m2 (GGUF halves).
 set -uo pipefail
@@ -137,21 +138,24 @@ for stage in "$@"; do
         | tee "$OUT/s4/generation.log" | grep -vE "it/s\]|s/it\]" | tail -8
       cp "$OUT/gpus.txt" "$OUT/s4/"; tar -czf "$OUT/s4.tgz" -C "$OUT" s4 && rm -rf "$OUT/s4" ;;
     issue37s5)  # issue 37, fifth session, from the final commit: B5 with HF generate, the decode kernel sweep and the
-      # engine-step profiles; B1/B2 at both model shapes (flat, flex and varlen trees, checkpointing off and on); the
-      # flex/varlen crossover at token_budget 8192 ("auto"); the activation budget 0.25; a B2 kernel profile
+      # engine-step profiles; B1/B2 at both model shapes (flat, flex and varlen trees, checkpointing off and on)
       mkdir -p "$OUT/s5"; P="python3 bench/tree_packing.py --compile --skip-padded"
       timeout 240 python3 bench/generation.py --profile --out "$OUT/generation_h200.json" > "$OUT/s5/generation.log" 2>&1
       grep -E "^decode kernel alone|steps, wall" "$OUT/s5/generation.log"; grep -A 14 "^B5 generation" "$OUT/s5/generation.log"
       mv "$OUT"/generation_h200_*_profile.txt "$OUT/s5/" 2>/dev/null
       timeout 250 $P --checkpointing both --max-seconds 210 --out "$OUT/tree_packing_h200.json" 2>&1 \
         | tee "$OUT/s5/tree_packing.log" | grep -v "it/s\]" | tail -34
-      timeout 90 $P --models qwen3-0.6b --shapes G8_P512_C128-1536 --tree-backends flex varlen --budget 8192 \
-        --max-seconds 60 --out "$OUT/tree_packing_06b_8192_h200.json" 2>&1 | tee "$OUT/s5/crossover.log" | grep -v "it/s\]" | tail -8
-      timeout 80 $P --models qwen3-1.7b --shapes G8_P512_C128-1536 --tree-backends varlen --memory-budget 0.25 \
-        --max-seconds 50 --out "$OUT/tree_packing_budget_0.25_h200.json" 2>&1 | tee "$OUT/s5/budget.log" | grep -v "it/s\]" | tail -6
-      timeout 120 $P --models qwen3-1.7b --tree-backends varlen --max-seconds 70 --profile "$OUT/s5/tree_packing_profile.txt" \
-        --out "$OUT/tree_packing_profile_h200.json" 2>&1 | tee "$OUT/s5/profile.log" | grep -v "it/s\]" | tail -10
       cp "$OUT/gpus.txt" "$OUT/s5/"; tar -czf "$OUT/s5.tgz" -C "$OUT" s5 && rm -rf "$OUT/s5" ;;
+    issue37s5b)  # issue 37, fifth session: the flex/varlen crossover at token_budget 8192 ("auto"), the activation
+      # budget 0.25 and a B2 kernel profile, at the 1.7B shape unless named
+      mkdir -p "$OUT/s5b"; P="python3 bench/tree_packing.py --compile --skip-padded"
+      timeout 90 $P --models qwen3-0.6b --shapes G8_P512_C128-1536 --tree-backends flex varlen --budget 8192 \
+        --max-seconds 60 --out "$OUT/tree_packing_06b_8192_h200.json" 2>&1 | tee "$OUT/s5b/crossover.log" | grep -v "it/s\]" | tail -8
+      timeout 80 $P --models qwen3-1.7b --shapes G8_P512_C128-1536 --tree-backends varlen --memory-budget 0.25 \
+        --max-seconds 50 --out "$OUT/tree_packing_budget_0.25_h200.json" 2>&1 | tee "$OUT/s5b/budget.log" | grep -v "it/s\]" | tail -6
+      timeout 120 $P --models qwen3-1.7b --tree-backends varlen --max-seconds 70 --profile "$OUT/s5b/tree_packing_profile.txt" \
+        --out "$OUT/tree_packing_profile_h200.json" 2>&1 | tee "$OUT/s5b/profile.log" | grep -v "it/s\]" | tail -10
+      cp "$OUT/gpus.txt" "$OUT/s5b/"; tar -czf "$OUT/s5b.tgz" -C "$OUT" s5b && rm -rf "$OUT/s5b" ;;
     packing-ab)  # B1/B2 at the 1.7B shape with compiled layers: BASELINE_SRC's src first, then this checkout's, one call
       for tag in baseline current; do
         src=$PWD/src; [ $tag = baseline ] && src=${BASELINE_SRC:?packing-ab needs BASELINE_SRC}
