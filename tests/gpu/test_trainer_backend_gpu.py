@@ -68,7 +68,7 @@ def test_auto_runs_varlen_on_long_rows_through_compiled_layers(tmp_path, monkeyp
     trainer = _trainer(tmp_path, VARLEN_FROM_TOKENS, compiled=True)
     assert trainer.tree_attention_backend == "varlen"
     row = on_policy_warmup_row(trainer, VARLEN_FROM_TOKENS, 1024)
-    assert row.num_tokens > VARLEN_FROM_TOKENS // 2
+    assert row.num_tokens >= VARLEN_FROM_TOKENS // 4  # a long row (the warm-up rows split the budget)
     worst = _varlen_against_flex(trainer, row, monkeypatch)
     print(f"\nauto at {row.num_tokens} tokens, compiled layers: varlen vs flex worst relative grad diff {worst:.2e}")
     assert worst <= 2e-2
