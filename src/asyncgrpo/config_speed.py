@@ -40,7 +40,7 @@ class SpeedFields:
             "help": "The packed rows' tree-attention kernel: 'flex' (FlexAttention), 'varlen' (FlashAttention over "
             "gathered trie paths), 'sdpa' (an explicit mask, any device) or 'auto': on CUDA varlen for a token_budget "
             "of 8192 or more in bf16/fp16, flex below; sdpa off CUDA. On an H100, Qwen3-0.6B ran 15 percent faster "
-            "with flex at token_budget 4096, 20 percent faster with varlen at 16384 (bench/LOG.md, issue 37)."
+            "with flex at token_budget 4096, 16 percent faster with varlen at 8192 (bench/LOG.md, issue 37)."
         },
     )
     warm_up_compile: bool = field(

@@ -46,7 +46,7 @@ TREE_ATTENTION = "asyncgrpo_tree"
 BACKENDS = ("auto", "sdpa", "flex", "varlen")
 FLEX_BLOCK = 128  # FlexAttention's sparse block size (tokens per block side)
 # "auto" runs varlen for rows of this many tokens or more (the trainer's token_budget), flex below: on an H100,
-# Qwen3-0.6B ran 15 % faster with flex at 4,096 and 20 % faster with varlen at 16,384 (bench/LOG.md, issue 37)
+# Qwen3-0.6B's G=8 rows ran 15 % faster with flex at 4,096, 16 % faster with varlen at 8,192 (bench/LOG.md, issue 37)
 VARLEN_FROM_TOKENS = 8192
 
 
