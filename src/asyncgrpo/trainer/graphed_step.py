@@ -38,7 +38,7 @@ import torch
 from asyncgrpo.packing.attention import FLEX_BLOCK, TreeAttentionPlan, dense_tree_mask, flex_block_mask
 from asyncgrpo.packing.deltanet import needs_linear_plan
 from asyncgrpo.packing.row import PackedRow
-from asyncgrpo.trainer.packed_forward import PackedForward
+from asyncgrpo.trainer.packed_forward import PackedForward, autocast_dtype
 from asyncgrpo.triton_support import have_triton
 from asyncgrpo.weights.policy import is_peft_model
 
@@ -81,9 +81,7 @@ def step_graphs(trainer: Any, token_budget: int) -> GraphedDecoder | None:
     if graphs is None and not trainer.graphs_decided:
         trainer.graphs_decided = True
         if _trainer_wants(trainer, token_budget):
-            precision = trainer.accelerator.mixed_precision
-            amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(precision))
-            graphs = trainer.graphed = GraphedDecoder(trainer._causal_lm(), token_budget, amp)
+            graphs = trainer.graphed = GraphedDecoder(trainer._causal_lm(), token_budget, autocast_dtype(trainer))
     elif graphs is not None:
         graphs.extend(token_budget)
     return graphs

@@ -43,30 +43,31 @@ class PackedForward:
     anchor: torch.Tensor
 
 
-def tree_backend_of(args: Any, model: torch.nn.Module, token_budget: int | None = None) -> str:
-    """The tree-attention kernel the steps run: ``args.tree_attention_backend`` made concrete for ``args.device``,
-    the rows' ``token_budget`` (None: not known yet) and the dtype attention runs in (``packing.resolve_backend``);
-    one the device cannot run is refused when the trainer is built, not at the first step."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else causal_lm_of(model).dtype
-    try:
-        return resolve_backend(args.tree_attention_backend, args.device, token_budget, dtype)
-    except ValueError as exc:
-        raise ValueError(f"tree_attention_backend={args.tree_attention_backend!r}: {exc}") from None
+def autocast_dtype(trainer: Any) -> torch.dtype | None:
+    """The dtype the accelerator's autocast runs the step in (bf16/fp16 mixed precision); None without autocast."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(trainer.accelerator.mixed_precision))
 
 
 def settle_tree_backend(trainer: Any, token_budget: int | None) -> None:
-    """Set ``trainer.tree_attention_backend`` for rows of up to ``token_budget`` tokens (None: not known yet).
+    """Set ``trainer.tree_attention_backend``: ``args.tree_attention_backend`` made concrete for ``args.device``,
+    rows of up to ``token_budget`` tokens (None: not known yet) and the dtype attention runs in
+    (``packing.resolve_backend``).
 
-    The trainer settles it when built (a backend the device cannot run is refused then) and again once the run's
-    token_budget is known (the server's max_model_len when unset): where "auto" then changes its choice, a compile
-    warm-up that traced the layers with the other kernel runs again while the first groups are generated
-    (``trainer/warmup.py``), not inside step 1.
+    The trainer settles it when built (a backend the device cannot run is refused then, not at the first step) and
+    again once the run's token_budget is known (the server's max_model_len when unset): where "auto" then changes its
+    choice, a compile warm-up that traced the layers with the other kernel runs again while the first groups are
+    generated (``trainer/warmup.py``), not inside step 1.
     """
-    backend = tree_backend_of(trainer.args, trainer.model, token_budget)
+    args = trainer.args
+    dtype = autocast_dtype(trainer) or causal_lm_of(trainer.model).dtype
+    try:
+        backend = resolve_backend(args.tree_attention_backend, args.device, token_budget, dtype)
+    except ValueError as exc:
+        raise ValueError(f"tree_attention_backend={args.tree_attention_backend!r}: {exc}") from None
     before = getattr(trainer, "tree_attention_backend", None)
     if before is not None and backend != before:
         logger.info("tree attention: %s for rows of up to %d tokens (tree_attention_backend=%r)", backend,
-                    token_budget, trainer.args.tree_attention_backend)  # fmt: skip
+                    token_budget, args.tree_attention_backend)  # fmt: skip
         trainer.compile_warmed_up = False
     trainer.tree_attention_backend = backend
 
