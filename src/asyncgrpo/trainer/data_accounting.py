@@ -88,14 +88,18 @@ class DataAccounting:
             self.pools.learn(flat_index, *entry)
             self.pools.settle()
 
-    def step_metrics(self) -> list[tuple[str, float, float]]:
-        """The step's ``dynamic_sampling/*`` and ``pools/*`` figures (then the counts start again)."""
-        out = []
-        if self.oversampling is not None:
-            out += [(name, value, 1.0) for name, value in self.oversampling.close_step()]
-        if self.pools is not None:
-            out += [(name, value, 1.0) for name, value in self.pools.metrics().items()]
-        return out
+    def plan_metrics(self) -> list[tuple[str, float, float]]:
+        """The planned step's ``dynamic_sampling/*`` counts (then they start again)."""
+        if self.oversampling is None:
+            return []
+        return [(name, value, 1.0) for name, value in self.oversampling.close_step()]
+
+    def pools_metrics(self) -> list[tuple[str, float, float]]:
+        """``pools/*`` of the settled copy; read once the step has settled what it trained, so step N's figures
+        are the pools its checkpoint saves."""
+        if self.pools is None:
+            return []
+        return [(name, value, 1.0) for name, value in self.pools.metrics().items()]
 
     def pools_state(self, partial: Iterable[int] = ()) -> dict | None:
         """The settled pools for a checkpoint, plus the results of ``partial``: prompts with some samples trained,

@@ -391,7 +391,7 @@ class RolloutSource:
             self._carried_tokens = sum(s.meta.num_tokens for s in self.carried_samples())
             self.worker.report_consumed(-self._carried_tokens)
             if self.data is not None:
-                self.metrics += self.data.step_metrics()
+                self.metrics += self.data.plan_metrics()
 
     def carried_samples(self) -> list[PackSample]:
         """Pulled from the worker but in no micro-batch returned yet: held by the planner, or buffered."""
@@ -421,6 +421,8 @@ class RolloutSource:
                     else:
                         self._pending[meta.row_index] = left
                         self._partial.add(meta.row_index)
+        if self.data is not None:
+            self.metrics += self.data.pools_metrics()  # after the step's settles: what its checkpoint saves
         self.worker.report_step(tokens)
         return tokens
 

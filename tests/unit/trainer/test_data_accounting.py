@@ -37,7 +37,7 @@ def test_pools_learn_settled_groups_in_draw_order():
     assert data.pools.results == {3: (1, None)}  # applied at the next draw: nothing learnt from a rejection
     state = data.pools_state()
     assert state["retired"] == [0] and state["applied"] == 3 and state["results"] == {"3": [1, None]}
-    m = {name: value for name, value, _ in data.step_metrics()}
+    m = {name: value for name, value, _ in data.pools_metrics()}
     assert (m["pools/hard/size"], m["pools/easy/size"], m["pools/retired"]) == (1.0, 1.0, 1.0)
 
 
@@ -65,7 +65,7 @@ def test_dynamic_sampling_counts_each_step_and_stops_a_step_over_the_cap(caplog)
     assert [r.getMessage()[:80] for r in caplog.records] == [
         "step 5: dynamic sampling stopped filling the step: 4 groups generated for 1 kept"
     ]
-    m = {name: value for name, value, _ in data.step_metrics()}
+    m = {name: value for name, value, _ in data.plan_metrics()}
     assert m == {
         "dynamic_sampling/generated_groups": 4.0,
         "dynamic_sampling/kept_groups": 1.0,
@@ -78,7 +78,7 @@ def test_dynamic_sampling_counts_each_step_and_stops_a_step_over_the_cap(caplog)
 def test_rejected_prompts_are_not_generated_groups():
     data = DataAccounting(OverSamplingCount(max_factor=2.0), None, pass_threshold=1.0)
     data.on_pulled(GroupResult.rejected(3, 0), step=1)
-    assert {n: v for n, v, _ in data.step_metrics()}["dynamic_sampling/generated_groups"] == 0.0
+    assert {n: v for n, v, _ in data.plan_metrics()}["dynamic_sampling/generated_groups"] == 0.0
     with pytest.raises(ValueError, match=">= 1"):
         OverSamplingCount(max_factor=0.0)
 
@@ -92,5 +92,5 @@ def test_without_dynamic_sampling_the_counts_are_kept_but_no_step_stops(caplog):
             data.on_pulled(group(0, 0, [0.0, 0.0], dropped=True), step=1)
         assert not data.cap_stops(1, held_samples=2)
     assert not caplog.records
-    m = {n: v for n, v, _ in data.step_metrics()}
+    m = {n: v for n, v, _ in data.plan_metrics()}
     assert (m["dynamic_sampling/generated_per_kept"], m["dynamic_sampling/cap_hit"]) == (4.0, 0.0)
