@@ -48,6 +48,7 @@ FLEX_BLOCK = 128  # FlexAttention's sparse block size (tokens per block side)
 # "auto" runs varlen for rows of this many tokens or more (the trainer's token_budget), flex below: on an H100,
 # Qwen3-0.6B's G=8 rows ran 15 % faster with flex at 4,096, 16 % faster with varlen at 8,192 (bench/LOG.md, issue 37)
 VARLEN_FROM_TOKENS = 8192
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # what FlashAttention (the varlen backend) computes in
 
 
 @dataclass
@@ -155,7 +156,7 @@ def _auto_backend(device: torch.device, row_tokens: int | None, dtype: torch.dty
 def varlen_runs(device: torch.device | str, dtype: torch.dtype | None = None) -> bool:
     """Whether the varlen backend can run on ``device`` in ``dtype`` (None: not known yet, taken as yes):
     FlashAttention inside torch needs bf16/fp16 and an Ampere-or-newer GPU."""
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+    if dtype is not None and dtype not in FLASH_DTYPES:
         return False
     try:
         _load_varlen()
@@ -266,11 +267,11 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Tre
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreeAttentionPlan, scale: float | None):
     varlen_attn = _load_varlen()
     device = query.device.type
-    if query.dtype not in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(device):
+    if query.dtype not in FLASH_DTYPES and torch.is_autocast_enabled(device):
         # fp32 weights under bf16 autocast: rotary embeddings promote q/k back to fp32; SDPA would be cast by autocast
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    if query.dtype not in (torch.bfloat16, torch.float16):
+    if query.dtype not in FLASH_DTYPES:
         raise TypeError(
             f"tree attention backend 'varlen' runs FlashAttention, which needs bf16/fp16, not {query.dtype}: load "
             "the model in bf16, train under bf16 autocast (bf16=True), or use 'flex'"
